@@ -1,0 +1,12 @@
+"""jaxfuse: fused Transformer kernels in JAX/Pallas, each paired with a jax.numpy reference.
+
+Every op takes `impl="pallas" | "reference"`; Pallas kernels interpret on a CPU and compile
+(Triton) on an NVIDIA GPU.
+"""
+from jaxfuse import pallas, reference
+from jaxfuse.ops import cross_entropy, layer_norm, rms_norm, softmax
+from jaxfuse.pallas._rows import RowBlocks
+
+__all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy", "RowBlocks", "pallas",
+           "reference"]
+__version__ = "0.1.0"

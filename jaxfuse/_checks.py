@@ -1,0 +1,75 @@
+"""Input validation shared by the reference and the Pallas versions of every op.
+
+Every check raises `ValueError` naming the offending value and saying how to fix it, before any
+kernel is traced, so that bad input never turns into a silent wrong answer or a NaN.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def check_float(name: str, x) -> None:
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise ValueError(f"{name}.dtype={x.dtype} is not supported: pass float32, bfloat16 or "
+                         f"float16 (e.g. {name}.astype(jnp.float32))")
+
+
+def check_ndim(name: str, x, ndim: int | None = None, min_ndim: int = 1) -> None:
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must have {ndim} axes")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must have at least {min_ndim} axes")
+
+
+def check_int(name: str, x) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name}.dtype={x.dtype} must be an integer type (e.g. "
+                         f"{name}.astype(jnp.int32))")
+
+
+def check_vector(name: str, w, n: int, what: str = "the last axis of x") -> None:
+    if w is None:
+        return
+    if tuple(w.shape) != (n,):
+        raise ValueError(f"{name}.shape={tuple(w.shape)} must be ({n},), the length of {what}")
+    check_float(name, w)
+
+
+def check_mask(mask, shape) -> None:
+    if mask is None:
+        return
+    if mask.dtype != jnp.bool_:
+        raise ValueError(f"mask.dtype={mask.dtype} must be bool (True = keep); pass mask.astype(bool)")
+    try:
+        np.broadcast_shapes(tuple(mask.shape), tuple(shape))
+    except ValueError:
+        raise ValueError(f"mask.shape={tuple(mask.shape)} does not broadcast to x.shape="
+                         f"{tuple(shape)}") from None
+    if np.broadcast_shapes(tuple(mask.shape), tuple(shape)) != tuple(shape):
+        raise ValueError(f"mask.shape={tuple(mask.shape)} would broadcast x.shape={tuple(shape)} "
+                         f"to a larger shape; the mask must broadcast to x")
+
+
+def check_positive(name: str, value, *, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not (isinstance(value, (int, float, np.integer, np.floating)) and value > 0):
+        raise ValueError(f"{name}={value!r} must be a positive number")
+
+
+def check_impl(impl: str) -> None:
+    if impl not in ("pallas", "reference"):
+        raise ValueError(f"impl={impl!r} must be 'pallas' or 'reference'")
+
+
+def check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} must be 'mean', 'sum' or 'none'")
+
+
+def check_smoothing(label_smoothing: float) -> None:
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing!r} must lie in [0, 1]")

@@ -1,0 +1,70 @@
+"""The public ops. Each routes to `jaxfuse.pallas.<op>` or `jaxfuse.reference.<op>` by `impl`.
+
+`interpret=None` interprets the kernel on a CPU backend and compiles it (Triton) on a GPU;
+`JAXFUSE_INTERPRET=1|0` overrides. `block_sizes` overrides the tile rule (for tests and tuning).
+"""
+from __future__ import annotations
+
+import jax
+
+from jaxfuse._dispatch import route
+from jaxfuse.pallas import cross_entropy as _p_ce
+from jaxfuse.pallas import layer_norm as _p_ln
+from jaxfuse.pallas import rms_norm as _p_rms
+from jaxfuse.pallas import softmax as _p_softmax
+from jaxfuse.reference import cross_entropy as _r_ce
+from jaxfuse.reference import layer_norm as _r_ln
+from jaxfuse.reference import rms_norm as _r_rms
+from jaxfuse.reference import softmax as _r_softmax
+
+
+def softmax(x: jax.Array, *, scale: float = 1.0, mask: jax.Array | None = None,
+            causal: bool = False, impl: str = "pallas", interpret: bool | None = None,
+            block_sizes=None) -> jax.Array:
+    """Softmax over the last axis of `scale * x`.
+
+    `mask`: bool, broadcastable to x, True = keep. `causal`: the last two axes are [queries,
+    keys] and key j is kept for query i iff j <= i + (n_keys - n_queries). A fully masked row
+    gives zeros (zero gradient). Output dtype = x.dtype; arithmetic in float32.
+
+    >>> y = jaxfuse.softmax(scores, scale=0.125, causal=True)
+    """
+    return route(impl, _p_softmax.softmax, _r_softmax.softmax, x, scale=scale, mask=mask,
+                 causal=causal, interpret=interpret, block_sizes=block_sizes)
+
+
+def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | None = None, *,
+               eps: float = 1e-5, impl: str = "pallas", interpret: bool | None = None,
+               block_sizes=None) -> jax.Array:
+    """LayerNorm over the last axis: (x - mean) / sqrt(var + eps) * weight + bias.
+
+    >>> y = jaxfuse.layer_norm(x, w, b)          # x [..., D], w and b [D]
+    """
+    return route(impl, _p_ln.layer_norm, _r_ln.layer_norm, x, weight, bias, eps=eps,
+                 interpret=interpret, block_sizes=block_sizes)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None = None, *, eps: float = 1e-6,
+             impl: str = "pallas", interpret: bool | None = None, block_sizes=None) -> jax.Array:
+    """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight.
+
+    >>> y = jaxfuse.rms_norm(x, w)
+    """
+    return route(impl, _p_rms.rms_norm, _r_rms.rms_norm, x, weight, eps=eps,
+                 interpret=interpret, block_sizes=block_sizes)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: float = 0.0,
+                  ignore_index: int = -100, reduction: str = "mean", impl: str = "pallas",
+                  interpret: bool | None = None, block_sizes=None) -> jax.Array:
+    """Cross-entropy of logits [..., V] against integer labels [...], float32 result.
+
+    Target p = (1 - label_smoothing) onehot + label_smoothing / V. `reduction`: "mean" (over
+    tokens whose label is not `ignore_index`), "sum" or "none". A label outside [0, V) that is
+    not `ignore_index` gives NaN for that token.
+
+    >>> loss = jaxfuse.cross_entropy(logits, targets, label_smoothing=0.1)
+    """
+    return route(impl, _p_ce.cross_entropy, _r_ce.cross_entropy, logits, labels,
+                 label_smoothing=label_smoothing, ignore_index=ignore_index,
+                 reduction=reduction, interpret=interpret, block_sizes=block_sizes)

@@ -1,0 +1,164 @@
+"""What every jaxfuse kernel needs, written once.
+
+* `resolve_interpret`: the one rule that says whether a `pallas_call` is interpreted (CPU) or
+  compiled (GPU, through Triton).
+* `cdiv`, `next_pow2`, `num_multiprocessors`: arithmetic for picking block sizes.
+* `keep_mask`: the causal / sliding-window / tail mask shared by softmax and attention.
+* `load_tile` / `store_tile` / `load_rows` / `store_rows`: masked loads and stores of a
+  `[rows, cols]` tile at any offset. Triton does no bounds checks of its own, so every tile at an
+  edge must be masked; in interpret mode the same masked primitives pad instead of clamping, so a
+  tile that hangs over the edge reads the right elements there too.
+* `pallas_call`: `pl.pallas_call` with the compiler parameters for the current regime.
+
+The two regimes (house style, "one kernel body, two regimes"): on the GPU a program sees one
+small power-of-two tile; in interpret mode a program sees as much of the array as possible,
+because each interpreted grid step copies its operands. Kernel bodies are written against tile
+sizes they are given, so the wrapper alone decides which regime it is in.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+__all__ = [
+    "cdiv", "next_pow2", "resolve_interpret", "num_multiprocessors", "keep_mask",
+    "online_max_sum", "safe_max", "load_tile", "store_tile", "load_rows", "store_rows", "pallas_call", "reduce_tiles",
+    "NEG_INF",
+]
+
+NEG_INF = float("-inf")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """`None` means: interpret on a CPU backend, compile otherwise. `JAXFUSE_INTERPRET=1|0` overrides."""
+    if interpret is not None:
+        return bool(interpret)
+    env = os.environ.get("JAXFUSE_INTERPRET")
+    if env is not None and env != "":
+        if env not in ("0", "1"):
+            raise ValueError(f"JAXFUSE_INTERPRET={env!r} must be '1' (interpret) or '0' (compile)")
+        return env == "1"
+    return jax.default_backend() == "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def num_multiprocessors() -> int:
+    """Streaming multiprocessors of the default device (132 on an H200); 1 on a CPU."""
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return 1
+    return int(getattr(dev, "core_count", 0) or 132)
+
+
+def keep_mask(q_pos, k_pos, *, n_q: int, n_k: int, causal: bool = False,
+              window: int | None = None):
+    """Which (query, key) pairs are kept: keys in range, causal and window bounds.
+
+    Positions are absolute indices broadcast against each other. The causal mask is aligned
+    bottom-right, so the last query sees every key: key j is kept for query i iff
+    `j <= i + (n_k - n_q)`; a window of w also drops `j < i + (n_k - n_q) - w + 1`.
+    """
+    keep = (k_pos < n_k) & (q_pos < n_q)
+    shift = n_k - n_q
+    if causal:
+        keep = keep & (k_pos <= q_pos + shift)
+    if window is not None:
+        keep = keep & (k_pos >= q_pos + shift - window + 1)
+    return keep
+
+
+def online_max_sum(state, s):
+    """Folds scores `s` [..., n] into a running `(m, l)` = (max, sum of exp(s - m)) per row.
+
+    `state=None` starts a fold. Entries of -inf contribute nothing, and a row that has seen only
+    -inf keeps m = -inf and l = 0 rather than producing NaN (lecture 5, sec. 4.3-4.4).
+    """
+    m_tile = jnp.max(s, axis=-1, keepdims=True)
+    if state is None:
+        m_new, l_old = m_tile, 0.0
+    else:
+        m_old, l_old = state
+        m_new = jnp.maximum(m_old, m_tile)
+        l_old = l_old * jnp.exp(m_old - safe_max(m_new))
+    return m_new, l_old + jnp.sum(jnp.exp(s - safe_max(m_new)), axis=-1, keepdims=True)
+
+
+def safe_max(m):
+    """The shift for exp(s - m): a row max of -inf (nothing kept yet) shifts by 0 instead, so
+    exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN."""
+    return jnp.where(m == NEG_INF, 0.0, m)
+
+
+def _tile_index(row0, col0, block_rows: int, block_cols: int, n_rows: int, n_cols: int):
+    rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_cols), 0)
+    cols = col0 + jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_cols), 1)
+    return rows, cols, (rows < n_rows) & (cols < n_cols)
+
+
+def load_tile(ref, row0, col0, block_rows: int, block_cols: int, n_rows: int, n_cols: int,
+              *, other=0.0):
+    """Loads `ref[row0:row0+br, col0:col0+bc]` (a 2-D ref), `other` outside the array.
+
+    Returns `(tile, rows, cols, valid)`; `rows`/`cols` are absolute int32 indices of the tile.
+    """
+    rows, cols, valid = _tile_index(row0, col0, block_rows, block_cols, n_rows, n_cols)
+    tile = pltriton.load(ref.at[pl.ds(row0, block_rows), pl.ds(col0, block_cols)],
+                         mask=valid, other=other)
+    return tile, rows, cols, valid
+
+
+def store_tile(ref, value, row0, col0, n_rows: int, n_cols: int):
+    block_rows, block_cols = value.shape
+    _, _, valid = _tile_index(row0, col0, block_rows, block_cols, n_rows, n_cols)
+    pltriton.store(ref.at[pl.ds(row0, block_rows), pl.ds(col0, block_cols)],
+                   value.astype(ref.dtype), mask=valid)
+
+
+def load_rows(ref, row0, block_rows: int, n_rows: int, *, other=0):
+    """Loads a per-row vector `ref[row0:row0+br]` (a 1-D ref) as a `[br, 1]` column."""
+    rows = row0 + jnp.arange(block_rows, dtype=jnp.int32)
+    vec = pltriton.load(ref.at[pl.ds(row0, block_rows)], mask=rows < n_rows, other=other)
+    return vec[:, None]
+
+
+def store_rows(ref, value, row0, n_rows: int):
+    """Stores a `[br, 1]` column into the 1-D ref at `row0`, masking rows past the end."""
+    value = value.reshape(-1)
+    rows = row0 + jnp.arange(value.shape[0], dtype=jnp.int32)
+    pltriton.store(ref.at[pl.ds(row0, value.shape[0])], value.astype(ref.dtype),
+                   mask=rows < n_rows)
+
+
+def reduce_tiles(n_tiles: int, step, init):
+    """`init` folded with `step(j, carry)` over column tiles j; no loop when there is one tile."""
+    if n_tiles == 1:
+        return step(0, init)
+    return jax.lax.fori_loop(0, n_tiles, step, init)
+
+
+def pallas_call(kernel, *, out_shape, grid, name: str, interpret: bool, num_warps: int = 4,
+                num_stages: int | None = None, in_specs=None, out_specs=None):
+    """`pl.pallas_call` for either regime. Without specs every ref sees its whole array and the
+    body offsets by `pl.program_id` itself (that is what lets one body serve both regimes)."""
+    kwargs = {}
+    if in_specs is not None:
+        kwargs["in_specs"] = in_specs
+    if out_specs is not None:
+        kwargs["out_specs"] = out_specs
+    params = None if interpret else pltriton.CompilerParams(num_warps=num_warps,
+                                                            num_stages=num_stages)
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret,
+                          name=name, compiler_params=params, **kwargs)

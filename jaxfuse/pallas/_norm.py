@@ -1,0 +1,194 @@
+"""The normalization kernels behind `layer_norm` (center=True) and `rms_norm` (center=False).
+
+Forward, per row: statistics, then y = (x - mean) * rstd * weight + bias. A row that fits in one
+tile is read once and written once. A longer row is first reduced tile by tile: LayerNorm merges
+each tile's exact `(count, mean, m2)` with the Welford/Chan rule (`welford_merge`, Chan, Golub and
+LeVeque 1979), so it stays accurate when |mean| >> std where E[x^2] - E[x]^2 cancels
+catastrophically (lecture 10, sec. 4.2); RMSNorm just sums squares.
+
+Backward (`custom_vjp`, saves x, mean, rstd), with xhat = (x - mean) * rstd and wg = weight * g:
+
+    dx = rstd * (wg - xhat * mean(xhat * wg) - mean(wg))       (the last term for LayerNorm only)
+    dweight = sum_rows(g * xhat),   dbias = sum_rows(g).
+
+dx and the two column sums come out of one kernel: each program walks a group of rows and keeps
+its running column sums in registers, writing one float32 row per group (a few hundred rows in
+all), which XLA then adds up. No [rows, cols] float32 temporary, no atomics: deterministic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse.pallas import _common as C
+from jaxfuse.pallas import _rows
+from jaxfuse.pallas._rows import RowBlocks
+from jaxfuse.reference.layer_norm import welford_merge
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    center: bool          # LayerNorm (subtract the mean) or RMSNorm
+    eps: float
+    has_weight: bool
+    has_bias: bool
+    fwd_blocks: RowBlocks
+    bwd_blocks: RowBlocks
+    interpret: bool
+
+    @property
+    def name(self) -> str:
+        return "layer_norm" if self.center else "rms_norm"
+
+
+def _tile_state(tile: _rows.Tile, center: bool):
+    """Exact statistics of one tile: (count, mean, m2) for LayerNorm, (count, 0, sum x^2) for RMS."""
+    x, valid = tile.x[0], tile.valid
+    n = jnp.sum(valid.astype(jnp.float32), axis=-1, keepdims=True)
+    if not center:
+        return n, jnp.zeros_like(n), jnp.sum(x * x, axis=-1, keepdims=True)
+    mean = jnp.sum(x, axis=-1, keepdims=True) / jnp.maximum(n, 1.0)
+    d = jnp.where(valid, x - mean, 0.0)
+    return n, mean, jnp.sum(d * d, axis=-1, keepdims=True)
+
+
+def _finalize(state, eps: float):
+    n, mean, m2 = state
+    rstd = jax.lax.rsqrt(m2 / jnp.maximum(n, 1.0) + eps)
+    return mean, rstd
+
+
+def _stats_step(center: bool):
+    def step(state, tile):
+        t = _tile_state(tile, center)
+        return t if state is None else welford_merge(state, t)
+    return step
+
+
+def _forward(x2, weight, bias, st: _Static):
+    b = st.fwd_blocks
+    n_cols = x2.shape[1]
+    n_tiles = C.cdiv(n_cols, b.block_cols)
+    per_col = [p for p in (weight, bias) if p is not None]
+    step = _stats_step(st.center)
+    stats = ()
+    if n_tiles > 1:
+        zero = lambda _: tuple(jnp.zeros((b.block_rows, 1), jnp.float32) for _ in range(3))
+        stats = tuple(_rows.reduce_pass(
+            zero, step, lambda s, _: _finalize(s, st.eps), tiled=[x2], fills=[0.0],
+            out_dtypes=(jnp.float32, jnp.float32), blocks=b,
+            name=f"jaxfuse_{st.name}_stats", interpret=st.interpret))
+
+    def emit(tile):
+        if n_tiles > 1:
+            mean, rstd = tile.per_row
+            row_outs = ()
+        else:
+            mean, rstd = _finalize(step(None, tile), st.eps)
+            row_outs = (mean, rstd)
+        y = (tile.x[0] - mean) * rstd
+        cols = iter(tile.per_col)
+        if st.has_weight:
+            y = y * next(cols)
+        if st.has_bias:
+            y = y + next(cols)
+        return (y,), row_outs, ()
+
+    outs = _rows.map_pass(
+        emit, tiled=[x2], fills=[0.0], per_row=stats, per_col=per_col, out_dtypes=(x2.dtype,),
+        row_out_dtypes=(jnp.float32, jnp.float32) if n_tiles == 1 else (), blocks=b,
+        name=f"jaxfuse_{st.name}_fwd", interpret=st.interpret)
+    y2 = outs[0]
+    mean, rstd = outs[1:] if n_tiles == 1 else stats
+    return y2, mean, rstd
+
+
+def _backward(x2, weight, mean, rstd, g2, st: _Static):
+    b = st.bwd_blocks
+    n_cols = x2.shape[1]
+    n_tiles = C.cdiv(n_cols, b.block_cols)
+    per_col = [weight] if st.has_weight else []
+
+    def terms(tile, mean_, rstd_):
+        x, g = tile.x
+        xhat = jnp.where(tile.valid, (x - mean_) * rstd_, 0.0)
+        wg = g * tile.per_col[0] if st.has_weight else g
+        return xhat, wg
+
+    def c_step(acc, tile):
+        mean_, rstd_ = tile.per_row[:2]
+        xhat, wg = terms(tile, mean_, rstd_)
+        c1, c2 = acc
+        return (c1 + jnp.sum(xhat * wg, axis=-1, keepdims=True),
+                c2 + jnp.sum(wg, axis=-1, keepdims=True))
+
+    zero = lambda _: (jnp.zeros((b.block_rows, 1), jnp.float32),) * 2
+    per_row = (mean, rstd)
+    if n_tiles > 1:
+        per_row += tuple(_rows.reduce_pass(
+            zero, c_step, lambda acc, _: acc, tiled=[x2, g2], fills=[0.0, 0.0],
+            per_row=(mean, rstd), per_col=per_col, out_dtypes=(jnp.float32, jnp.float32),
+            blocks=b, name=f"jaxfuse_{st.name}_bwd_stats", interpret=st.interpret))
+
+    def emit(tile):
+        mean_, rstd_ = tile.per_row[:2]
+        xhat, wg = terms(tile, mean_, rstd_)
+        c1, c2 = tile.per_row[2:] if n_tiles > 1 else c_step(zero(None), tile)
+        c1, c2 = c1 / n_cols, c2 / n_cols
+        dx = (wg - xhat * c1 - (c2 if st.center else 0.0)) * rstd_
+        g = tile.x[1]
+        return (dx,), (), (g * xhat, g)
+
+    n_sums = int(st.has_weight) + int(st.has_bias)
+    dx2, *sums = _rows.map_pass(
+        emit if n_sums == 2 else _keep_sums(emit, st), tiled=[x2, g2], fills=[0.0, 0.0],
+        per_row=per_row, per_col=per_col, out_dtypes=(g2.dtype,), n_col_sums=n_sums, blocks=b,
+        name=f"jaxfuse_{st.name}_bwd", interpret=st.interpret)
+    sums = [jnp.sum(s, axis=0) for s in sums]
+    return dx2, sums
+
+
+def _keep_sums(emit, st: _Static):
+    """Drops the column sums that have no parameter behind them (no weight / no bias)."""
+    def wrapped(tile):
+        outs, rows, (dw, db) = emit(tile)
+        keep = ([dw] if st.has_weight else []) + ([db] if st.has_bias else [])
+        return outs, rows, tuple(keep)
+    return wrapped
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def norm(x2, weight, bias, st: _Static):
+    return _forward(x2, weight, bias, st)[0]
+
+
+def _norm_fwd(x2, weight, bias, st):
+    y2, mean, rstd = _forward(x2, weight, bias, st)
+    return y2, (x2, weight, bias, mean, rstd)
+
+
+def _norm_bwd(st, res, g2):
+    x2, weight, bias, mean, rstd = res
+    dx2, sums = _backward(x2, weight, mean, rstd, g2, st)
+    sums = iter(sums)
+    dw = next(sums).astype(weight.dtype) if st.has_weight else None
+    db = next(sums).astype(bias.dtype) if st.has_bias else None
+    return dx2, dw, db
+
+
+norm.defvjp(_norm_fwd, _norm_bwd)
+
+
+def apply(x, weight, bias, *, center: bool, eps: float, interpret: bool | None,
+          block_sizes: RowBlocks | None):
+    """Shared wrapper: flatten to rows, pick blocks, run, restore the shape."""
+    interpret = C.resolve_interpret(interpret)
+    x2 = _rows.as_rows(x)
+    n_rows, n_cols = x2.shape
+    fwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret)
+    bwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret, accumulate_rows=True)
+    st = _Static(center, float(eps), weight is not None, bias is not None, fwd, bwd, interpret)
+    return norm(x2, weight, bias, st).reshape(x.shape)

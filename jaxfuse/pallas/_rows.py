@@ -1,0 +1,208 @@
+"""Row-wise kernels, written once: the tiling that softmax, the norms and cross-entropy share.
+
+Every row-wise op here is one or two of these passes over a `[n_rows, n_cols]` view:
+
+* `reduce_pass`: one program per block of rows walks the row in column tiles and folds each
+  tile into a per-row state (online max/sum for softmax, Welford state for LayerNorm, ...). It
+  writes per-row results only. Rows longer than one tile need it; cross-entropy's forward is one.
+* `map_pass`: program (g, j) writes column tile j of a group of rows, chunk by chunk. When the
+  whole row fits in one tile the op computes its row statistics inline from that tile (one read
+  of the data, lecture 10 sec. 4.1); otherwise it reads them from a preceding `reduce_pass`. It
+  can also sum per-column quantities over its rows (weight and bias gradients), which it writes
+  as one float32 row per group: `[groups, n_cols]`, never `[n_rows, n_cols]`.
+
+Block sizes come from one rule, `RowBlocks.for_shape`: on the GPU, power-of-two tiles of about
+4K elements (many short rows per program, one long row per program, rows beyond 16K columns
+walked in tiles); in interpret mode, whole rows and as many rows as fit in a few MiB, so that the
+grid is a handful of steps (an interpreted step copies its operands).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxfuse.pallas import _common as C
+
+_GPU_MAX_TILE_COLS = 16384      # longest row held in registers at once
+_GPU_TILE_ELEMS = 4096          # elements per program for short rows
+_INTERPRET_TILE_ELEMS = 1 << 22  # elements per interpreted step (16 MiB of float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBlocks:
+    """Tile of a row-wise kernel: `block_rows` x `block_cols` elements per load.
+
+    `rows_per_program` only matters for passes that sum over rows (weight gradients): each
+    program walks that many rows in chunks of `block_rows` and writes one partial row.
+    `num_warps` is ignored in interpret mode.
+    """
+    block_rows: int
+    block_cols: int
+    num_warps: int = 4
+    rows_per_program: int | None = None
+
+    @classmethod
+    def for_shape(cls, n_rows: int, n_cols: int, *, interpret: bool,
+                  accumulate_rows: bool = False) -> "RowBlocks":
+        if interpret:
+            bc = n_cols
+            br = max(1, min(n_rows, _INTERPRET_TILE_ELEMS // max(n_cols, 1)))
+            return cls(br, bc, 1, n_rows if accumulate_rows else None)
+        bc = min(C.next_pow2(n_cols), _GPU_MAX_TILE_COLS)
+        br = max(1, min(C.next_pow2(n_rows), _GPU_TILE_ELEMS // bc))
+        warps = max(1, min(16, br * bc // 512))
+        rpp = None
+        if accumulate_rows:
+            # Enough programs to fill the GPU twice over; each sums its rows in registers.
+            groups = max(1, 2 * C.num_multiprocessors() // C.cdiv(n_cols, bc))
+            rpp = br * C.cdiv(C.cdiv(n_rows, groups), br)
+        return cls(br, bc, warps, rpp)
+
+    def validate(self, interpret: bool) -> None:
+        for name in ("block_rows", "block_cols"):
+            v = getattr(self, name)
+            if v < 1 or (not interpret and v != C.next_pow2(v)):
+                raise ValueError(f"{name}={v} must be a power of two on the GPU (any positive "
+                                 "size in interpret mode)")
+        if self.rows_per_program is not None and self.rows_per_program % self.block_rows:
+            raise ValueError(f"rows_per_program={self.rows_per_program} must be a multiple of "
+                             f"block_rows={self.block_rows}")
+
+
+def resolve_blocks(blocks: RowBlocks | None, n_rows: int, n_cols: int, interpret: bool,
+                   accumulate_rows: bool = False) -> RowBlocks:
+    if blocks is None:
+        return RowBlocks.for_shape(n_rows, n_cols, interpret=interpret,
+                                   accumulate_rows=accumulate_rows)
+    blocks.validate(interpret)
+    if accumulate_rows and blocks.rows_per_program is None:
+        rpp = blocks.block_rows * C.cdiv(n_rows, blocks.block_rows) if interpret else \
+            RowBlocks.for_shape(n_rows, n_cols, interpret=False,
+                                accumulate_rows=True).rows_per_program
+        rpp = blocks.block_rows * C.cdiv(rpp, blocks.block_rows)
+        blocks = dataclasses.replace(blocks, rows_per_program=rpp)
+    return blocks
+
+
+class Tile(NamedTuple):
+    """What a pass hands to an op's tile function."""
+    x: tuple        # float32 [br, bc] tiles of the tiled inputs (fill value outside the array)
+    per_row: tuple  # [br, 1] values of the per-row inputs
+    per_col: tuple  # float32 [1, bc] values of the per-column inputs
+    rows: jax.Array  # int32 [br, bc] absolute row index
+    cols: jax.Array  # int32 [br, bc] absolute column index
+    valid: jax.Array  # bool [br, bc] inside the array
+
+
+def _load(refs, fills, per_row_refs, per_col_refs, row0, col0, b: RowBlocks, n_rows, n_cols):
+    tiles, rows, cols, valid = [], None, None, None
+    for ref, fill in zip(refs, fills):
+        t, rows, cols, valid = C.load_tile(ref, row0, col0, b.block_rows, b.block_cols,
+                                           n_rows, n_cols, other=fill)
+        tiles.append(t.astype(jnp.float32))
+    if rows is None:
+        rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (b.block_rows, b.block_cols), 0)
+        cols = col0 + jax.lax.broadcasted_iota(jnp.int32, (b.block_rows, b.block_cols), 1)
+        valid = (rows < n_rows) & (cols < n_cols)
+    per_row = tuple(C.load_rows(r, row0, b.block_rows, n_rows) for r in per_row_refs)
+    per_col = tuple(C.load_tile(r, 0, col0, 1, b.block_cols, 1, n_cols)[0].astype(jnp.float32)
+                    for r in per_col_refs)
+    return Tile(tuple(tiles), per_row, per_col, rows, cols, valid)
+
+
+def reduce_pass(init: Callable, step: Callable, finalize: Callable, *, tiled: Sequence,
+                fills: Sequence, per_row: Sequence = (), per_col: Sequence = (),
+                out_dtypes: Sequence, blocks: RowBlocks, name: str, interpret: bool):
+    """Per-row results of folding every column tile of the rows.
+
+    `init(per_row) -> state`; `step(state, tile) -> state`; `finalize(state, per_row) -> tuple
+    of [br, 1] arrays`, one per entry of `out_dtypes`. Returns `[n_rows]` arrays.
+    """
+    n_rows, n_cols = tiled[0].shape
+    b = blocks
+    n_tiles = C.cdiv(n_cols, b.block_cols)
+    per_col = [p.reshape(1, n_cols) for p in per_col]
+    n_in = (len(tiled), len(per_row), len(per_col))
+
+    def kernel(*refs):
+        t_refs, r_refs = refs[:n_in[0]], refs[n_in[0]:n_in[0] + n_in[1]]
+        c_refs = refs[n_in[0] + n_in[1]:sum(n_in)]
+        out_refs = refs[sum(n_in):]
+        row0 = pl.program_id(0) * b.block_rows
+        rows_in = tuple(C.load_rows(r, row0, b.block_rows, n_rows) for r in r_refs)
+
+        def body(j, state):
+            tile = _load(t_refs, fills, r_refs, c_refs, row0, j * b.block_cols, b, n_rows, n_cols)
+            return step(state, tile)
+
+        state = C.reduce_tiles(n_tiles, body, init(rows_in))
+        for ref, val in zip(out_refs, finalize(state, rows_in)):
+            C.store_rows(ref, val, row0, n_rows)
+
+    out_shape = [jax.ShapeDtypeStruct((n_rows,), d) for d in out_dtypes]
+    return C.pallas_call(kernel, out_shape=out_shape, grid=(C.cdiv(n_rows, b.block_rows),),
+                         name=name, interpret=interpret, num_warps=b.num_warps)(
+        *tiled, *per_row, *per_col)
+
+
+def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Sequence = (),
+             per_col: Sequence = (), out_dtypes: Sequence, row_out_dtypes: Sequence = (),
+             n_col_sums: int = 0, blocks: RowBlocks, name: str, interpret: bool):
+    """Tiles written from tiles: `emit(tile) -> (out_tiles, row_outs, col_sums)`.
+
+    `out_tiles`: [br, bc] values for outputs shaped like the input (dtypes `out_dtypes`).
+    `row_outs`: [br, 1] per-row values (only when a row is one tile), dtypes `row_out_dtypes`.
+    `col_sums`: [1, bc] float32 values summed over the program's rows into `[groups, n_cols]`.
+    """
+    n_rows, n_cols = tiled[0].shape
+    b = blocks
+    n_tiles = C.cdiv(n_cols, b.block_cols)
+    if row_out_dtypes and n_tiles != 1:
+        raise AssertionError("per-row outputs need whole rows in one tile")
+    per_col = [p.reshape(1, n_cols) for p in per_col]
+    rpp = b.rows_per_program or b.block_rows
+    n_groups = C.cdiv(n_rows, rpp)
+    n_chunks = rpp // b.block_rows
+    n_in = (len(tiled), len(per_row), len(per_col))
+    n_out = (len(out_dtypes), len(row_out_dtypes))
+
+    def kernel(*refs):
+        t_refs, r_refs = refs[:n_in[0]], refs[n_in[0]:n_in[0] + n_in[1]]
+        c_refs = refs[n_in[0] + n_in[1]:sum(n_in)]
+        outs = refs[sum(n_in):]
+        o_refs, ro_refs = outs[:n_out[0]], outs[n_out[0]:sum(n_out)]
+        cs_refs = outs[sum(n_out):]
+        group, j = pl.program_id(0), pl.program_id(1)
+        col0 = j * b.block_cols
+
+        def chunk(c, sums):
+            row0 = group * rpp + c * b.block_rows
+            tile = _load(t_refs, fills, r_refs, c_refs, row0, col0, b, n_rows, n_cols)
+            out_tiles, row_outs, col_sums = emit(tile)
+            for ref, val in zip(o_refs, out_tiles):
+                C.store_tile(ref, val, row0, col0, n_rows, n_cols)
+            for ref, val in zip(ro_refs, row_outs):
+                C.store_rows(ref, val, row0, n_rows)
+            # Rows past the end were loaded as fills; zero their contribution explicitly.
+            return tuple(s + jnp.sum(jnp.where(tile.rows < n_rows, v, 0.0), axis=0, keepdims=True)
+                         for s, v in zip(sums, col_sums))
+
+        init = tuple(jnp.zeros((1, b.block_cols), jnp.float32) for _ in range(n_col_sums))
+        sums = C.reduce_tiles(n_chunks, chunk, init)
+        for ref, val in zip(cs_refs, sums):
+            C.store_tile(ref, val, group, col0, n_groups, n_cols)
+
+    out_shape = ([jax.ShapeDtypeStruct((n_rows, n_cols), d) for d in out_dtypes]
+                 + [jax.ShapeDtypeStruct((n_rows,), d) for d in row_out_dtypes]
+                 + [jax.ShapeDtypeStruct((n_groups, n_cols), jnp.float32)] * n_col_sums)
+    return C.pallas_call(kernel, out_shape=out_shape, grid=(n_groups, n_tiles), name=name,
+                         interpret=interpret, num_warps=b.num_warps)(*tiled, *per_row, *per_col)
+
+
+def as_rows(x: jax.Array) -> jax.Array:
+    """[..., n] -> [rows, n] (a free reshape of a contiguous array)."""
+    return x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x

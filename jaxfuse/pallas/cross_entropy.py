@@ -1,0 +1,116 @@
+"""Fused cross-entropy with label smoothing: one read of the logits forward, one read and one
+write backward (lecture 10, sec. 5.2).
+
+Forward: a single pass over each row folds, tile by tile, the online max and sum of exp (so the
+log-sum-exp), the sum of the logits (for the smoothing term) and the label's logit; it writes the
+per-token loss and the row's lse, nothing of size V:
+
+    loss = lse - (1 - a) x_y - (a / V) sum_i x_i.
+
+Backward (`custom_vjp`, saves logits, labels, lse): d logits = (q - p) * g with q = exp(x - lse)
+and p = (1 - a) onehot(y) + a / V, written tile by tile. The per-token cotangent g is 0 at
+ignored tokens and NaN at out-of-range labels, so those propagate the same way as the loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse.pallas import _common as C
+from jaxfuse.pallas import _rows
+from jaxfuse.pallas._rows import RowBlocks
+from jaxfuse.reference import cross_entropy as ref
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    label_smoothing: float
+    ignore_index: int
+    blocks: RowBlocks
+    interpret: bool
+
+
+def _forward(logits2, labels, st: _Static):
+    n_rows, n_cls = logits2.shape
+    b, a = st.blocks, st.label_smoothing
+
+    def init(_):
+        z = jnp.zeros((b.block_rows, 1), jnp.float32)
+        return (jnp.full((b.block_rows, 1), C.NEG_INF, jnp.float32), z, z, z)
+
+    def step(state, tile):
+        x, (label,) = tile.x[0], tile.per_row
+        m, l, sum_x, picked = state
+        m, l = C.online_max_sum((m, l), jnp.where(tile.valid, x, C.NEG_INF))
+        sum_x = sum_x + jnp.sum(x, axis=-1, keepdims=True)      # fill is 0 outside the row
+        picked = picked + jnp.sum(jnp.where(tile.cols == label, x, 0.0), axis=-1, keepdims=True)
+        return m, l, sum_x, picked
+
+    def finalize(state, per_row):
+        m, l, sum_x, picked = state
+        (label,) = per_row
+        lse = m + jnp.log(l)
+        loss = lse - (1.0 - a) * picked - (a / n_cls) * sum_x
+        bad = (label < 0) | (label >= n_cls)
+        loss = jnp.where(label == st.ignore_index, 0.0, jnp.where(bad, jnp.nan, loss))
+        return loss, lse
+
+    return _rows.reduce_pass(init, step, finalize, tiled=[logits2], fills=[0.0],
+                             per_row=[labels], out_dtypes=(jnp.float32, jnp.float32), blocks=b,
+                             name="jaxfuse_cross_entropy_fwd", interpret=st.interpret)
+
+
+def _backward(logits2, labels, lse, g, st: _Static):
+    n_cls = logits2.shape[1]
+    a = st.label_smoothing
+
+    def emit(tile):
+        label, lse_, g_ = tile.per_row
+        q = jnp.exp(tile.x[0] - lse_)
+        p = jnp.where(tile.cols == label, 1.0 - a, 0.0) + a / n_cls
+        return ((q - p) * g_,), (), ()
+
+    (dlogits,) = _rows.map_pass(emit, tiled=[logits2], fills=[0.0], per_row=[labels, lse, g],
+                                out_dtypes=(logits2.dtype,), blocks=st.blocks,
+                                name="jaxfuse_cross_entropy_bwd", interpret=st.interpret)
+    return dlogits
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def token_loss(logits2, labels, st: _Static):
+    """Per-token loss [N] of logits [N, V] (0 at ignored tokens, NaN at out-of-range labels)."""
+    return _forward(logits2, labels, st)[0]
+
+
+def _token_loss_fwd(logits2, labels, st):
+    loss, lse = _forward(logits2, labels, st)
+    return loss, (logits2, labels, lse)
+
+
+def _token_loss_bwd(st, res, g):
+    logits2, labels, lse = res
+    n_cls = logits2.shape[1]
+    bad = ((labels < 0) | (labels >= n_cls)) & (labels != st.ignore_index)
+    g = jnp.where(labels == st.ignore_index, 0.0, jnp.where(bad, jnp.nan, g))
+    return (_backward(logits2, labels, lse, g.astype(jnp.float32), st),
+            jnp.zeros(labels.shape, jax.dtypes.float0))
+
+
+token_loss.defvjp(_token_loss_fwd, _token_loss_bwd)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: float = 0.0,
+                  ignore_index: int = -100, reduction: str = "mean",
+                  interpret: bool | None = None, block_sizes: RowBlocks | None = None) -> jax.Array:
+    """Pallas cross-entropy; see `jaxfuse.reference.cross_entropy` for the exact semantics."""
+    ref.validate(logits, labels, label_smoothing, reduction)
+    interpret = C.resolve_interpret(interpret)
+    logits2 = _rows.as_rows(logits)
+    labels1 = labels.reshape(-1).astype(jnp.int32)
+    blocks = _rows.resolve_blocks(block_sizes, *logits2.shape, interpret)
+    st = _Static(float(label_smoothing), int(ignore_index), blocks, interpret)
+    loss = token_loss(logits2, labels1, st).reshape(labels.shape)
+    return ref.reduce_loss(loss, labels != ignore_index, reduction)

@@ -1,0 +1,8 @@
+"""Plain jax.numpy definitions of every op: the contract the kernels are tested against.
+
+Each op is a module with a function of the same name: `jaxfuse.reference.softmax.softmax`,
+`jaxfuse.reference.layer_norm.layer_norm` (and `welford_merge`), ...
+"""
+from jaxfuse.reference import cross_entropy, layer_norm, rms_norm, softmax
+
+__all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy"]

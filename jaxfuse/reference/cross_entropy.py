@@ -1,0 +1,62 @@
+"""Reference cross-entropy with label smoothing (PyTorch's convention).
+
+For logits x over V classes, q = softmax(x) and the smoothed target p = (1 - a) onehot(y) + a / V:
+
+    loss = -sum_i p_i log q_i = lse(x) - (1 - a) x_y - (a / V) sum_i x_i,
+
+and d loss / d x = q - p (lecture 10, sec. 5.2). Tokens whose label equals `ignore_index`
+contribute 0 and are left out of the mean; a label outside [0, V) that is not `ignore_index`
+gives a NaN loss for that token, so a data bug is loud rather than a plausible number.
+The loss is float32 whatever the logits' dtype.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse import _checks
+
+
+def validate(logits, labels, label_smoothing, reduction) -> None:
+    _checks.check_float("logits", logits)
+    _checks.check_ndim("logits", logits, min_ndim=1)
+    _checks.check_int("labels", labels)
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels.shape={tuple(labels.shape)} must equal logits.shape[:-1]="
+                         f"{tuple(logits.shape[:-1])}")
+    _checks.check_smoothing(label_smoothing)
+    _checks.check_reduction(reduction)
+
+
+def reduce_loss(per_token: jax.Array, valid: jax.Array, reduction: str) -> jax.Array:
+    """Shared by every implementation: 'none' keeps per-token values, 'sum' adds them, 'mean'
+    divides by the number of non-ignored tokens (0 when all are ignored, rather than 0/0)."""
+    if reduction == "none":
+        return per_token
+    total = jnp.sum(per_token)
+    if reduction == "sum":
+        return total
+    return total / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+
+
+def token_losses(logits, labels, *, label_smoothing: float, ignore_index: int):
+    """Per-token losses (0 at ignored tokens, NaN at out-of-range labels) and the valid mask."""
+    x = logits.astype(jnp.float32)
+    n_classes = x.shape[-1]
+    lse = jax.nn.logsumexp(x, axis=-1)
+    in_range = (labels >= 0) & (labels < n_classes)
+    picked = jnp.take_along_axis(x, jnp.clip(labels, 0, n_classes - 1)[..., None], axis=-1)[..., 0]
+    a = float(label_smoothing)
+    loss = lse - (1.0 - a) * picked - (a / n_classes) * jnp.sum(x, axis=-1)
+    ignored = labels == ignore_index
+    loss = jnp.where(ignored, 0.0, jnp.where(in_range, loss, jnp.nan))
+    return loss, ~ignored
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: float = 0.0,
+                  ignore_index: int = -100, reduction: str = "mean") -> jax.Array:
+    """Cross-entropy of logits [..., V] against integer labels [...]."""
+    validate(logits, labels, label_smoothing, reduction)
+    loss, valid = token_losses(logits, labels, label_smoothing=label_smoothing,
+                               ignore_index=ignore_index)
+    return reduce_loss(loss, valid, reduction)

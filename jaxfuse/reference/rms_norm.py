@@ -1,0 +1,26 @@
+"""Reference RMSNorm over the last axis: y = x / sqrt(mean(x^2) + eps) * weight.
+
+One reduction instead of LayerNorm's mean and variance (Zhang and Sennrich 2019).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse import _checks
+
+
+def validate(x, weight) -> None:
+    _checks.check_float("x", x)
+    _checks.check_ndim("x", x, min_ndim=1)
+    _checks.check_vector("weight", weight, x.shape[-1])
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None = None, *, eps: float = 1e-6) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32, returned in x.dtype."""
+    validate(x, weight)
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * weight.astype(jnp.float32)
+    return y.astype(x.dtype)

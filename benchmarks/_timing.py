@@ -1,0 +1,98 @@
+"""Timing and reporting helpers shared by the GPU scripts (see ../shared/BENCHMARKING.md).
+
+Short ops are timed the pipelined way: `reps` back-to-back calls, one block at the end, median
+of several repeats, so that dispatch (tens of microseconds) overlaps device work instead of being
+counted. Inputs rotate between several sets so that nothing is served from L2 by accident.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+ROWS: list[dict] = []
+
+
+def bench(fn, arg_sets, *, reps: int = 20, repeats: int = 5, warmup: int = 2) -> float:
+    """Median seconds per call of `fn(*args)`, cycling through `arg_sets`."""
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(reps):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+def temp_bytes(fn, *args) -> int | None:
+    try:
+        return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - a peer without memory analysis reports None
+        return None
+
+
+def rel_err(out, ref) -> float:
+    out = jnp.asarray(out, jnp.float32)
+    ref = jnp.asarray(ref, jnp.float32)
+    # The floor keeps an all-but-zero reference (e.g. the gradient of a one-column RMSNorm)
+    # from turning rounding noise into a "relative error" of 1.
+    floor = 1e-3 * ref.size ** 0.5
+    return float(jnp.linalg.norm((out - ref).ravel()) / max(float(jnp.linalg.norm(ref.ravel())),
+                                                           floor))
+
+
+def record(section: str, workload: str, impl: str, seconds: float | None = None, **extra):
+    row = {"section": section, "workload": workload, "impl": impl,
+           "ms": None if seconds is None else seconds * 1e3, **extra}
+    ROWS.append(row)
+    parts = [f"{section:10s} {workload:44s} {impl:28s}"]
+    if seconds is not None:
+        parts.append(f"{seconds * 1e3:9.3f} ms")
+    for k, v in extra.items():
+        parts.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
+    print("  ".join(parts), flush=True)
+
+
+def guarded(section: str, workload: str, impl: str, thunk):
+    """Runs `thunk()`; a failure is recorded as a row (with the error), never a crash."""
+    try:
+        return thunk()
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        record(section, workload, impl, error=msg)
+        if os.environ.get("JAXFUSE_BENCH_TRACE"):
+            traceback.print_exc()
+        return None
+
+
+def copy_ceiling() -> float:
+    """Bytes/s of a large device copy (elementwise scale of 1 GiB float32: read + write)."""
+    x = jax.random.normal(jax.random.key(0), (1 << 28,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    t = bench(f, [(x,)], reps=20)
+    return 2 * x.nbytes / t
+
+
+def matmul_ceiling() -> float:
+    a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    t = bench(f, [(a, b)], reps=10)
+    return 2 * 8192 ** 3 / t
+
+
+def save(path: str | None):
+    if not path:
+        return
+    with open(path, "w") as fh:
+        json.dump({"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
+                   "date": time.strftime("%Y-%m-%d"), "rows": ROWS}, fh, indent=1)

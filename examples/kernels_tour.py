@@ -1,0 +1,86 @@
+"""A tour of every jaxfuse op: run the Pallas kernel and the jax.numpy reference on random
+inputs, and print a table of op, shape, dtype, max error and the time of each.
+
+    python examples/kernels_tour.py
+
+On a CPU the kernels run in Pallas interpret mode (slow by design: it is for learning and
+testing); on an NVIDIA GPU they compile through Triton.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxfuse
+
+
+def _time(f, *args) -> tuple[jax.Array, float]:
+    out = jax.block_until_ready(f(*args))  # compile
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(f(*args))
+    return out, time.perf_counter() - t0
+
+
+def _cases():
+    k = jax.random.split(jax.random.key(0), 12)
+    x = jax.random.normal(k[0], (64, 1000), jnp.float32) * 3
+    w = jax.random.normal(k[1], (1000,))
+    b = jax.random.normal(k[2], (1000,))
+    labels = jax.random.randint(k[3], (64,), 0, 1000)
+    s = jax.random.normal(k[4], (2, 4, 100, 100), jnp.bfloat16)
+    yield "softmax (causal)", s, lambda impl: jax.jit(
+        lambda s: jaxfuse.softmax(s, scale=0.125, causal=True, impl=impl)), (s,)
+    yield "layer_norm", x, lambda impl: jax.jit(
+        lambda x, w, b: jaxfuse.layer_norm(x, w, b, impl=impl)), (x, w, b)
+    yield "rms_norm", x, lambda impl: jax.jit(lambda x, w: jaxfuse.rms_norm(x, w, impl=impl)), (x, w)
+    yield "cross_entropy (a=0.1)", x, lambda impl: jax.jit(
+        lambda x: jaxfuse.cross_entropy(x, labels, label_smoothing=0.1, impl=impl)), (x,)
+    yield from _extra_cases(k)
+
+
+def _extra_cases(k):
+    """Ops added by later issues; each appears once its module exists."""
+    if hasattr(jaxfuse, "flash_attention"):
+        q = jax.random.normal(k[5], (2, 128, 4, 64), jnp.bfloat16)
+        kv = jax.random.normal(k[6], (2, 128, 2, 64), jnp.bfloat16)
+        yield "flash_attention (causal, GQA)", q, lambda impl: jax.jit(
+            lambda q, kk, v: jaxfuse.flash_attention(q, kk, v, causal=True, impl=impl)), (q, kv, kv)
+    if hasattr(jaxfuse, "decode_attention"):
+        q = jax.random.normal(k[7], (3, 8, 64), jnp.bfloat16)
+        kc = jax.random.normal(k[8], (3, 300, 2, 64), jnp.bfloat16)
+        lens = jnp.array([0, 17, 300], jnp.int32)
+        yield "decode_attention (ragged)", q, lambda impl: jax.jit(
+            lambda q, kc, lens: jaxfuse.decode_attention(q, kc, kc, lens, impl=impl)), (q, kc, lens)
+    if hasattr(jaxfuse, "linear_cross_entropy"):
+        h = jax.random.normal(k[9], (256, 64), jnp.float32)
+        wv = jax.random.normal(k[10], (64, 5000), jnp.float32) * 0.1
+        lab = jax.random.randint(k[11], (256,), 0, 5000)
+        yield "linear_cross_entropy", h, lambda impl: jax.jit(
+            lambda h, wv: jaxfuse.linear_cross_entropy(h, wv, lab, impl=impl)), (h, wv)
+    if hasattr(jaxfuse, "beam_top_k"):
+        lp = jax.nn.log_softmax(jax.random.normal(k[9], (4, 5, 1000)))
+        sc = jax.random.normal(k[10], (4, 5))
+        yield "beam_top_k (HARS)", lp, lambda impl: jax.jit(
+            lambda lp, sc: jaxfuse.beam_top_k(lp, sc, 5, impl=impl)), (lp, sc)
+
+
+def main() -> None:
+    print(f"jax {jax.__version__} on {jax.default_backend()}; "
+          f"{'interpret mode' if jax.default_backend() == 'cpu' else 'compiled'}")
+    header = f"{'op':32s} {'shape':20s} {'dtype':9s} {'max |err|':>10s} {'pallas ms':>10s} {'ref ms':>9s}"
+    print(header)
+    print("-" * len(header))
+    for name, x, make, args in _cases():
+        out, t_p = _time(make("pallas"), *args)
+        ref, t_r = _time(make("reference"), *args)
+        err = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+                  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+        print(f"{name:32s} {str(tuple(x.shape)):20s} {jnp.dtype(x.dtype).name:9s} {err:10.2e} "
+              f"{t_p * 1e3:10.2f} {t_r * 1e3:9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Helpers shared by the tests: random inputs and per-dtype tolerances."""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# Absolute/relative tolerance of one output element against the reference run on the same
+# (rounded) inputs: a few units in the last place of the dtype.
+TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 3e-3}
+
+
+def tol(dtype, scale: float = 1.0) -> dict:
+    t = TOL[jnp.dtype(dtype)] * scale
+    return dict(atol=t, rtol=t)
+
+
+def randn(key, shape, dtype=jnp.float32, scale=1.0, shift=0.0):
+    return (jax.random.normal(key, shape, jnp.float32) * scale + shift).astype(dtype)
+
+
+def keys(seed: int, n: int):
+    return list(jax.random.split(jax.random.key(seed), n))
+
+
+def assert_close(actual, expected, dtype, scale: float = 1.0):
+    """Trees close within the dtype's tolerance; NaN only where the reference has NaN."""
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda a: np.asarray(a, np.float32), actual),
+        jax.tree.map(lambda a: np.asarray(a, np.float32), expected), **tol(dtype, scale))
+
+
+def vjp_both(f_pallas, f_ref, args, ct):
+    """Outputs and input cotangents of both implementations for the same random cotangent."""
+    y, vjp = jax.vjp(f_pallas, *args)
+    y_ref, vjp_ref = jax.vjp(f_ref, *args)
+    return (y, vjp(ct)), (y_ref, vjp_ref(ct))

@@ -1,0 +1,90 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import jaxfuse
+from jaxfuse import RowBlocks
+from tests._util import DTYPES, assert_close, keys, randn
+
+CASES = [((1, 1), None), ((6, 37), RowBlocks(4, 8)), ((2, 5, 29), None), ((3, 3, 100), RowBlocks(2, 16))]
+
+
+def _labels(key, shape, n_cls, ignore_frac=0.25):
+    labels = jax.random.randint(key, shape, 0, n_cls)
+    drop = jax.random.bernoulli(jax.random.fold_in(key, 1), ignore_frac, shape)
+    return jnp.where(drop, -100, labels)
+
+
+class CrossEntropyTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(case=CASES, dtype=DTYPES, smoothing=[0.0, 0.1],
+                           reduction=["mean", "sum", "none"])
+    def test_matches_reference_with_grads(self, case, dtype, smoothing, reduction):
+        shape, blocks = case
+        k = keys(shape[-1] + len(shape), 3)
+        x = randn(k[0], shape, dtype, scale=3.0)
+        labels = _labels(k[1], shape[:-1], shape[-1])
+        kw = dict(label_smoothing=smoothing, reduction=reduction)
+        f = self.variant(lambda x: jaxfuse.cross_entropy(x, labels, block_sizes=blocks, **kw))
+        fr = lambda x: jaxfuse.cross_entropy(x, labels, impl="reference", **kw)
+        y, vjp = jax.vjp(f, x)
+        yr, vjpr = jax.vjp(fr, x)
+        self.assertEqual(y.dtype, jnp.float32)
+        ct = randn(k[2], y.shape)
+        assert_close(y, yr, dtype, scale=float(np.sqrt(shape[-1])))
+        assert_close(vjp(ct), vjpr(ct), dtype)
+
+    def test_gradient_is_q_minus_p(self):
+        x = randn(keys(1, 1)[0], (4, 11), scale=2.0)
+        labels = jnp.array([3, 0, -100, 10])
+        g = jax.grad(lambda x: jaxfuse.cross_entropy(x, labels, label_smoothing=0.2,
+                                                     reduction="sum"))(x)
+        q = jax.nn.softmax(x, -1)
+        p = 0.8 * jax.nn.one_hot(jnp.clip(labels, 0), 11) + 0.2 / 11
+        expected = jnp.where((labels == -100)[:, None], 0.0, q - p)
+        np.testing.assert_allclose(g, expected, atol=1e-6)
+
+    def test_bad_labels_give_nan_not_a_number(self):
+        x = randn(keys(2, 1)[0], (3, 7))
+        labels = jnp.array([7, -1, 2])
+        for impl in ("pallas", "reference"):
+            loss = jaxfuse.cross_entropy(x, labels, reduction="none", impl=impl)
+            self.assertTrue(bool(jnp.isnan(loss[0])) and bool(jnp.isnan(loss[1])))
+            self.assertTrue(bool(jnp.isfinite(loss[2])))
+            self.assertTrue(bool(jnp.isnan(jaxfuse.cross_entropy(x, labels, impl=impl))))
+
+    def test_all_ignored_mean_is_zero(self):
+        x = randn(keys(3, 1)[0], (3, 7))
+        labels = jnp.full((3,), -100)
+        loss, g = jax.value_and_grad(lambda x: jaxfuse.cross_entropy(x, labels))(x)
+        self.assertEqual(float(loss), 0.0)
+        np.testing.assert_array_equal(g, 0.0)
+
+    def test_long_rows(self):
+        x = randn(keys(4, 1)[0], (3, 262144), scale=2.0)
+        labels = jnp.array([5, 262143, -100])
+        fr = lambda x: jaxfuse.cross_entropy(x, labels, label_smoothing=0.1, impl="reference")
+        for blocks in (None, RowBlocks(2, 32768)):
+            f = lambda x: jaxfuse.cross_entropy(x, labels, label_smoothing=0.1, block_sizes=blocks)
+            assert_close(jax.value_and_grad(f)(x), jax.value_and_grad(fr)(x), jnp.float32, 10.0)
+
+    def test_bad_input(self):
+        x = jnp.ones((3, 7))
+        with self.assertRaisesRegex(ValueError, "labels.shape=\\(4,\\) must equal"):
+            jaxfuse.cross_entropy(x, jnp.zeros((4,), jnp.int32))
+        with self.assertRaisesRegex(ValueError, "labels.dtype=float32"):
+            jaxfuse.cross_entropy(x, jnp.zeros((3,)))
+        with self.assertRaisesRegex(ValueError, "reduction='avg'"):
+            jaxfuse.cross_entropy(x, jnp.zeros((3,), jnp.int32), reduction="avg")
+        with self.assertRaisesRegex(ValueError, "label_smoothing=1.5"):
+            jaxfuse.cross_entropy(x, jnp.zeros((3,), jnp.int32), label_smoothing=1.5)
+        with self.assertRaisesRegex(ValueError, "logits.dtype=int32"):
+            jaxfuse.cross_entropy(jnp.ones((3, 7), jnp.int32), jnp.zeros((3,), jnp.int32))
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])

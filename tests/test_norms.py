@@ -1,0 +1,133 @@
+"""LayerNorm and RMSNorm (one kernel file, `_norm.py`, behind two ops)."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import jaxfuse
+from jaxfuse import RowBlocks
+from jaxfuse.reference.layer_norm import welford_merge
+from tests._util import DTYPES, assert_close, keys, randn, vjp_both
+
+# Whole rows; rows and columns split at awkward places (dweight summed over 2 groups of rows);
+# one row; a prime column count.
+CASES = [((1, 1), None), ((5, 37), RowBlocks(2, 8, rows_per_program=4)),
+         ((2, 7, 13), None), ((9, 131), RowBlocks(4, 32))]
+
+
+def _ops(kind, blocks, params):
+    if kind == "layer_norm":
+        f = lambda x, w, b: jaxfuse.layer_norm(x, w, b, block_sizes=blocks)
+        fr = lambda x, w, b: jaxfuse.layer_norm(x, w, b, impl="reference")
+    else:
+        f = lambda x, w, b: jaxfuse.rms_norm(x, w, block_sizes=blocks)
+        fr = lambda x, w, b: jaxfuse.rms_norm(x, w, impl="reference")
+    # Close over the parameters that are absent so jax.vjp sees only arrays.
+    keep = [i for i, p in enumerate(params) if p is not None]
+
+    def pick(fn):
+        def g(x, *ps):
+            full = [None, None]
+            for i, p in zip(keep, ps):
+                full[i] = p
+            return fn(x, *full)
+        return g
+    return pick(f), pick(fr), [params[i] for i in keep]
+
+
+class NormTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(case=CASES, dtype=DTYPES, kind=["layer_norm", "rms_norm"],
+                           params=["weight_bias", "none"])
+    def test_matches_reference_with_grads(self, case, dtype, kind, params):
+        shape, blocks = case
+        k = keys(len(shape) * 31 + shape[-1], 4)
+        x = randn(k[0], shape, dtype, scale=2.0, shift=0.5)
+        w = randn(k[1], shape[-1:], dtype) if params == "weight_bias" else None
+        b = randn(k[2], shape[-1:], dtype) if params == "weight_bias" and kind == "layer_norm" \
+            else None
+        f, fr, ps = _ops(kind, blocks, [w, b])
+        ct = randn(k[3], shape, dtype)
+        (y, g), (yr, gr) = vjp_both(self.variant(f), fr, (x, *ps), ct)
+        self.assertEqual(y.dtype, dtype)
+        assert_close(y, yr, dtype)
+        # dweight sums over rows: its rounding grows with the row count.
+        assert_close(g, gr, dtype, scale=4.0)
+
+    def test_large_mean_variance_stays_accurate(self):
+        """Rows ~ N(10000, 1) in float32: the tiled Welford merge keeps the variance within 1e-3
+        relative, where E[x^2] - E[x]^2 in float32 is far off (lecture 10, sec. 4.2)."""
+        x = randn(keys(5, 1)[0], (4, 4096), shift=10000.0)
+        x64 = np.asarray(x, np.float64)
+        mean64 = x64.mean(-1, keepdims=True)
+        var64 = x64.var(-1, keepdims=True)
+        y64 = (x64 - mean64) / np.sqrt(var64 + 1e-5)
+        naive = jnp.mean(x * x, -1, keepdims=True) - jnp.mean(x, -1, keepdims=True) ** 2
+        naive_err = np.max(np.abs(np.asarray(naive, np.float64) / var64 - 1))
+        self.assertGreater(naive_err, 1e-1)
+        for blocks in (None, RowBlocks(2, 512), RowBlocks(1, 100)):
+            y = np.asarray(jaxfuse.layer_norm(x, block_sizes=blocks), np.float64)
+            # y = (x - mean) / std, so a variance off by (1 + e) scales y by (1 + e)^-1/2.
+            ratio = np.sum(y * y64, -1) / np.sum(y * y, -1)      # = sqrt(var_kernel/var_true)
+            var_err = np.max(np.abs(ratio ** 2 - 1))
+            self.assertLess(var_err, 1e-3)
+
+    def test_rows_of_262144_columns(self):
+        k = keys(6, 3)
+        x = randn(k[0], (2, 262144), scale=3.0, shift=1.0)
+        w, b = randn(k[1], (262144,)), randn(k[2], (262144,))
+        ct = randn(k[0], x.shape)
+        for blocks in (None, RowBlocks(1, 65536)):
+            f = lambda x, w, b: jaxfuse.layer_norm(x, w, b, block_sizes=blocks)
+            fr = lambda x, w, b: jaxfuse.layer_norm(x, w, b, impl="reference")
+            (y, g), (yr, gr) = vjp_both(f, fr, (x, w, b), ct)
+            assert_close(y, yr, jnp.float32, scale=5.0)
+            assert_close(g, gr, jnp.float32, scale=5.0)
+            y = jaxfuse.rms_norm(x, w, block_sizes=blocks)
+            assert_close(y, jaxfuse.rms_norm(x, w, impl="reference"), jnp.float32, scale=5.0)
+
+    def test_welford_merge(self):
+        x = np.asarray(randn(keys(7, 1)[0], (50,), shift=3.0), np.float64)
+        def state(v):
+            return (float(len(v)), float(v.mean()) if len(v) else 0.0,
+                    float(((v - v.mean()) ** 2).sum()) if len(v) else 0.0)
+        for cut in (0, 1, 17, 50):
+            n, mean, m2 = welford_merge(state(x[:cut]), state(x[cut:]))
+            np.testing.assert_allclose([n, mean, m2 / n], [50, x.mean(), x.var()], rtol=1e-6)
+        # Associative: ((a, b), c) == (a, (b, c)).
+        a, b, c = state(x[:10]), state(x[10:33]), state(x[33:])
+        np.testing.assert_allclose(welford_merge(welford_merge(a, b), c),
+                                   welford_merge(a, welford_merge(b, c)), rtol=1e-6)
+        # An empty side leaves the other unchanged (exactly, in the working precision).
+        a32 = np.asarray(a, np.float32)
+        np.testing.assert_array_equal(np.asarray(welford_merge(a32, (0.0, 0.0, 0.0)), np.float32), a32)
+        np.testing.assert_array_equal(np.asarray(welford_merge((0.0, 0.0, 0.0), a32), np.float32), a32)
+
+    def test_vmap_and_jit_grad(self):
+        x = randn(keys(8, 1)[0], (3, 4, 9))
+        w = randn(keys(9, 1)[0], (9,))
+        y = jax.vmap(lambda r: jaxfuse.rms_norm(r, w))(x)
+        assert_close(y, jaxfuse.rms_norm(x, w, impl="reference"), jnp.float32)
+        g = jax.jit(jax.grad(lambda w: jaxfuse.layer_norm(x, w).sum()))(w)
+        gr = jax.grad(lambda w: jaxfuse.layer_norm(x, w, impl="reference").sum())(w)
+        assert_close(g, gr, jnp.float32, scale=4.0)
+
+    def test_bad_input(self):
+        x = jnp.ones((3, 8))
+        with self.assertRaisesRegex(ValueError, "weight.shape=\\(7,\\) must be \\(8,\\)"):
+            jaxfuse.layer_norm(x, jnp.ones((7,)))
+        with self.assertRaisesRegex(ValueError, "bias.shape=\\(3, 8\\)"):
+            jaxfuse.layer_norm(x, None, jnp.ones((3, 8)))
+        with self.assertRaisesRegex(ValueError, "weight.shape=\\(9,\\)"):
+            jaxfuse.rms_norm(x, jnp.ones((9,)))
+        with self.assertRaisesRegex(ValueError, "x.dtype=int32"):
+            jaxfuse.rms_norm(jnp.ones((3, 8), jnp.int32))
+        with self.assertRaisesRegex(ValueError, "rows_per_program=3"):
+            jaxfuse.layer_norm(x, block_sizes=RowBlocks(2, 8, rows_per_program=3))
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])

@@ -4,9 +4,10 @@ Every op takes `impl="pallas" | "reference"`; Pallas kernels interpret on a CPU 
 (Triton) on an NVIDIA GPU.
 """
 from jaxfuse import pallas, reference
-from jaxfuse.ops import cross_entropy, layer_norm, rms_norm, softmax
+from jaxfuse.ops import cross_entropy, flash_attention, layer_norm, rms_norm, softmax
+from jaxfuse.pallas._attn import AttnBlocks
 from jaxfuse.pallas._rows import RowBlocks
 
-__all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy", "RowBlocks", "pallas",
-           "reference"]
+__all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy", "flash_attention", "RowBlocks",
+           "AttnBlocks", "pallas", "reference"]
 __version__ = "0.1.0"

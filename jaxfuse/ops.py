@@ -8,10 +8,12 @@ from __future__ import annotations
 import jax
 
 from jaxfuse._dispatch import route
+from jaxfuse.pallas import attention as _p_attn
 from jaxfuse.pallas import cross_entropy as _p_ce
 from jaxfuse.pallas import layer_norm as _p_ln
 from jaxfuse.pallas import rms_norm as _p_rms
 from jaxfuse.pallas import softmax as _p_softmax
+from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import cross_entropy as _r_ce
 from jaxfuse.reference import layer_norm as _r_ln
 from jaxfuse.reference import rms_norm as _r_rms
@@ -68,3 +70,25 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: floa
     return route(impl, _p_ce.cross_entropy, _r_ce.cross_entropy, logits, labels,
                  label_smoothing=label_smoothing, ignore_index=ignore_index,
                  reduction=reduction, interpret=interpret, block_sizes=block_sizes)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+                    scale: float | None = None, q_segment_ids: jax.Array | None = None,
+                    kv_segment_ids: jax.Array | None = None, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None, return_lse: bool = False,
+                    impl: str = "pallas", interpret: bool | None = None, block_sizes=None):
+    """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D] (Hq % Hkv == 0: MHA/GQA/MQA).
+
+    `scale` defaults to 1/sqrt(D). `causal` is bottom-right aligned: query i sees key j iff
+    j <= i + (Tk - Tq); `sliding_window=w` also drops keys j < i + (Tk - Tq) - w + 1.
+    Segment ids (int [B, Tq] and [B, Tk]): a query sees only keys with the same id.
+    `logits_soft_cap=c`: logits become c * tanh(s / c). Returns o [B, Tq, Hq, D] (and, with
+    `return_lse`, the float32 log-sum-exp [B, Hq, Tq]); a query that sees no key gets zeros
+    and lse = -inf. Memory O(T); gradients recompute P and are deterministic.
+
+    >>> o = jaxfuse.flash_attention(q, k, v, causal=True)
+    """
+    return route(impl, _p_attn.flash_attention, _r_attn.attention, q, k, v, causal=causal,
+                 scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                 return_lse=return_lse, interpret=interpret, block_sizes=block_sizes)

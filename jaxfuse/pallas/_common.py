@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxfuse.reference._masks import keep_mask  # noqa: F401  (re-exported for kernels)
+
 __all__ = [
     "cdiv", "next_pow2", "resolve_interpret", "num_multiprocessors", "keep_mask",
     "online_max_sum", "safe_max", "load_tile", "store_tile", "load_rows", "store_rows", "pallas_call", "reduce_tiles",
@@ -61,23 +63,6 @@ def num_multiprocessors() -> int:
     if dev.platform == "cpu":
         return 1
     return int(getattr(dev, "core_count", 0) or 132)
-
-
-def keep_mask(q_pos, k_pos, *, n_q: int, n_k: int, causal: bool = False,
-              window: int | None = None):
-    """Which (query, key) pairs are kept: keys in range, causal and window bounds.
-
-    Positions are absolute indices broadcast against each other. The causal mask is aligned
-    bottom-right, so the last query sees every key: key j is kept for query i iff
-    `j <= i + (n_k - n_q)`; a window of w also drops `j < i + (n_k - n_q) - w + 1`.
-    """
-    keep = (k_pos < n_k) & (q_pos < n_q)
-    shift = n_k - n_q
-    if causal:
-        keep = keep & (k_pos <= q_pos + shift)
-    if window is not None:
-        keep = keep & (k_pos >= q_pos + shift - window + 1)
-    return keep
 
 
 def online_max_sum(state, s):

@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse import _checks
+from jaxfuse.reference._masks import keep_mask
 
 
 def causal_keep(shape) -> jax.Array:
-    """Boolean [..., n_q, n_k] mask: key j is kept for query i iff j <= i + (n_k - n_q)."""
+    """Boolean [n_q, n_k] mask: key j is kept for query i iff j <= i + (n_k - n_q)."""
     n_q, n_k = shape[-2], shape[-1]
-    q = jnp.arange(n_q)[:, None]
-    k = jnp.arange(n_k)[None, :]
-    return k <= q + (n_k - n_q)
+    return keep_mask(jnp.arange(n_q)[:, None], jnp.arange(n_k)[None, :], n_q=n_q, n_k=n_k,
+                     causal=True)
 
 
 def validate(x, mask, causal) -> None:

@@ -1,0 +1,224 @@
+"""What the attention kernels share (forward, both backward kernels, decoding): the problem's
+static description, the block-size rule, the score transform with its masks, and the loop bounds
+that skip key (or query) blocks that are wholly masked.
+
+Scores are kept in the log2 domain, s2 = log2(e) * s, so the kernels use exp2 and fold log2(e)
+into the scale (one multiply per score instead of two; FlashAttention-2's Triton kernel does the
+same). The log-sum-exp they write is natural-log: lse = ln(2) * (m2 + log2(l)).
+
+Layouts (house style, "one kernel body, two regimes"):
+* GPU: q, o [B, Tq, Hq, D] and k, v [B, Tk, Hkv, D] as given; a program sees one query block
+  [block_q, Dp] of one (batch, head) and the whole key range [Tk, Dp] of its KV head, with the
+  batch and head axes squeezed away. Dp is D rounded up to a power of two (masked loads).
+* Interpret: batch and KV heads folded into one leading axis and the query heads of a group
+  stacked along the rows: q [B*Hkv, G*Tq, D], k [B*Hkv, Tk, D]. A query row r sits at position
+  r % Tq. One grid step by default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxfuse.pallas import _common as C
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+SUPPORTED_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnSpec:
+    """Static description of one attention problem (hashable: it keys the custom_vjp)."""
+    scale: float
+    causal: bool
+    window: int | None
+    softcap: float | None
+    n_q: int          # query positions Tq
+    n_k: int          # key positions Tk
+    head_dim: int     # D
+    head_dim_pad: int  # Dp: D on the CPU, next power of two (>= 16) on the GPU
+    groups: int       # G = Hq // Hkv
+    segments: bool
+    folded: bool      # interpret-mode layout (batch and heads folded into the block)
+    interpret: bool   # interpret the pallas_call (normally == folded; tests run the GPU layout
+                      # in interpret mode by forcing AttnBlocks(folded=False))
+
+    @property
+    def rows(self) -> int:
+        """Query rows per slab: G * Tq when heads are stacked (interpret), else Tq."""
+        return self.groups * self.n_q if self.folded else self.n_q
+
+    @property
+    def shift(self) -> int:
+        return self.n_k - self.n_q
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnBlocks:
+    """Tiles of the three attention kernels. `num_*` only matter on the GPU."""
+    block_q: int = 128          # forward: query rows per program
+    block_k: int = 64           # forward: keys per inner step
+    block_q_dq: int = 64        # dq kernel: query rows per program
+    block_k_dq: int = 64        # dq kernel: keys per inner step
+    block_k_dkv: int = 64       # dk/dv kernel: keys per program
+    block_q_dkv: int = 64       # dk/dv kernel: query rows per inner step
+    num_warps: int = 8
+    num_stages: int = 3
+    num_warps_bwd: int = 4
+    num_stages_bwd: int = 2
+    folded: bool | None = None  # layout; None: folded in interpret mode, squeezed on the GPU
+
+    @classmethod
+    def for_shape(cls, spec: AttnSpec) -> "AttnBlocks":
+        if spec.folded:
+            # Whole slabs: one interpreted step per kernel (an interpreted step copies its operands).
+            return cls(spec.rows, spec.n_k, spec.rows, spec.n_k, spec.n_k, spec.rows, 1, 1, 1, 1)
+        dp = spec.head_dim_pad
+        small = lambda b, n: max(16, min(b, C.next_pow2(n)))
+        if dp <= 64:
+            bq, bk, w = 128, 128, 4
+        elif dp <= 128:
+            bq, bk, w = 128, 64, 8
+        else:
+            bq, bk, w = 64, 32, 8
+        bwd = 32 if dp > 128 else 64
+        return cls(small(bq, spec.n_q), small(bk, spec.n_k), small(bwd, spec.n_q),
+                   small(bwd, spec.n_k), small(bwd, spec.n_k), small(bwd, spec.n_q), w, 3,
+                   8 if dp > 64 else 4, 2)
+
+    def validate(self, folded: bool) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "folded":
+                continue
+            if v < 1 or (not folded and f.name.startswith("block") and v != C.next_pow2(v)):
+                raise ValueError(f"{f.name}={v} must be a positive power of two on the GPU")
+
+
+def row_positions(spec: AttnSpec, r0, n: int):
+    """Positions [n, 1] of query rows r0..r0+n-1, and which rows exist."""
+    r = r0 + jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+    pos = r % spec.n_q if spec.folded and spec.groups > 1 else r
+    return pos, r < spec.rows
+
+
+def transform(spec: AttnSpec, s, q_pos, k_pos, q_seg, k_seg, masked: bool):
+    """Raw scores q.k -> log2-domain logits (scale, soft cap, masks). Also returns tanh of the
+    capped logits (for the backward) or None."""
+    t = None
+    if spec.softcap is None:
+        s2 = s * (spec.scale * LOG2E)
+    else:
+        t = jnp.tanh(s * (spec.scale / spec.softcap))
+        s2 = t * (spec.softcap * LOG2E)
+    if masked:
+        keep = C.keep_mask(q_pos, k_pos, n_q=spec.n_q, n_k=spec.n_k, causal=spec.causal,
+                           window=spec.window)
+        if spec.segments:
+            keep = keep & (q_seg[..., :, None] == k_seg[..., None, :])
+        s2 = jnp.where(keep, s2, C.NEG_INF)
+    return s2, t
+
+
+def _pos_range(spec: AttnSpec, r0, n: int):
+    """Smallest and largest query position among rows r0..r0+n-1 (conservative when stacked
+    heads make positions wrap inside a block)."""
+    if spec.folded and spec.groups > 1 and spec.n_q % n:
+        return jnp.int32(0), jnp.int32(spec.n_q - 1)
+    lo = r0 % spec.n_q if spec.folded else r0
+    return lo, jnp.minimum(lo + n - 1, spec.n_q - 1)
+
+
+def key_blocks(spec: AttnSpec, r0, bq: int, bk: int):
+    """Key blocks seen by query rows r0..r0+bq-1, as (lo, full_lo, full_hi, hi): blocks in
+    [full_lo, full_hi) are visible to every row (no mask needed), the rest of [lo, hi) need
+    the mask, and blocks outside [lo, hi) are skipped (FlashAttention-2 sec. 3.1.1)."""
+    p_lo, p_hi = _pos_range(spec, r0, bq)
+    key_lo, key_hi = jnp.int32(0), jnp.int32(spec.n_k)
+    full_lo, full_hi = jnp.int32(0), jnp.int32((spec.n_k // bk) * bk)
+    if spec.causal:
+        key_hi = jnp.minimum(key_hi, p_hi + spec.shift + 1)
+        full_hi = jnp.minimum(full_hi, p_lo + spec.shift + 1)
+    if spec.window is not None:
+        key_lo = jnp.maximum(key_lo, p_lo + spec.shift - spec.window + 1)
+        full_lo = jnp.maximum(full_lo, p_hi + spec.shift - spec.window + 1)
+    return _block_range(key_lo, full_lo, full_hi, key_hi, bk, spec.segments)
+
+
+def query_blocks(spec: AttnSpec, k0, bk: int, bq: int):
+    """Query blocks that see keys k0..k0+bk-1, as (lo, full_lo, full_hi, hi) like `key_blocks`."""
+    if spec.folded and spec.groups > 1:
+        hi = C.cdiv(spec.rows, bq)
+        return 0, 0, 0, hi
+    q_lo, q_hi = jnp.int32(0), jnp.int32(spec.n_q)
+    full_lo = jnp.int32(0)
+    full_hi = jnp.where(k0 + bk <= spec.n_k, spec.n_q, 0).astype(jnp.int32)
+    if spec.causal:
+        q_lo = jnp.maximum(q_lo, k0 - spec.shift)
+        full_lo = jnp.maximum(full_lo, k0 + bk - 1 - spec.shift)
+    if spec.window is not None:
+        q_hi = jnp.minimum(q_hi, k0 + bk - 1 - spec.shift + spec.window)
+        full_hi = jnp.minimum(full_hi, k0 - spec.shift + spec.window)
+    # Tail rows past n_q read zeros and are never stored, so no query tail forces a mask.
+    full_hi = jnp.where(full_hi >= spec.n_q, C.cdiv(spec.n_q, bq) * bq, full_hi)
+    return _block_range(q_lo, full_lo, full_hi, q_hi, bq, spec.segments)
+
+
+def _block_range(lo, full_lo, full_hi, hi, b: int, all_masked: bool):
+    lo = jnp.maximum(lo, 0) // b
+    hi = jnp.maximum((hi + b - 1) // b, lo)
+    if all_masked:
+        return lo, hi, hi, hi
+    f_lo = jnp.clip((full_lo + b - 1) // b, lo, hi)
+    f_hi = jnp.clip(full_hi // b, f_lo, hi)
+    return lo, f_lo, f_hi, hi
+
+
+def split_loop(bounds, step, carry):
+    """Runs `step(j, carry, masked)` over masked, unmasked, masked block ranges."""
+    lo, f_lo, f_hi, hi = bounds
+    carry = jax.lax.fori_loop(lo, f_lo, lambda j, c: step(j, c, True), carry)
+    carry = jax.lax.fori_loop(f_lo, f_hi, lambda j, c: step(j, c, False), carry)
+    return jax.lax.fori_loop(f_hi, hi, lambda j, c: step(j, c, True), carry)
+
+
+def load_rows(ref, r0, n: int, n_valid: int, spec: AttnSpec, global_r0=None):
+    """Masked load of rows [r0, r0+n) x [0, Dp) of a [..., rows, D] ref (zeros outside)."""
+    g0 = r0 if global_r0 is None else global_r0
+    rows = g0 + jax.lax.broadcasted_iota(jnp.int32, (n, spec.head_dim_pad), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (n, spec.head_dim_pad), 1)
+    mask = (rows < n_valid) & (cols < spec.head_dim)
+    return C.pltriton.load(ref.at[..., pl.ds(r0, n), pl.ds(0, spec.head_dim_pad)],
+                           mask=mask, other=0.0)
+
+
+def store_rows(ref, value, r0, n_valid: int, spec: AttnSpec, global_r0=None):
+    n = value.shape[-2]
+    g0 = r0 if global_r0 is None else global_r0
+    rows = g0 + jax.lax.broadcasted_iota(jnp.int32, (n, spec.head_dim_pad), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (n, spec.head_dim_pad), 1)
+    C.pltriton.store(ref.at[..., pl.ds(r0, n), pl.ds(0, spec.head_dim_pad)],
+                     value.astype(ref.dtype), mask=(rows < n_valid) & (cols < spec.head_dim))
+
+
+def load_vec(ref, r0, n: int, n_valid: int, global_r0=None, other=0):
+    """Masked load of entries [r0, r0+n) of a [..., rows] ref (lse, D, segment ids)."""
+    g0 = r0 if global_r0 is None else global_r0
+    idx = g0 + jnp.arange(n, dtype=jnp.int32)
+    return C.pltriton.load(ref.at[..., pl.ds(r0, n)], mask=idx < n_valid, other=other)
+
+
+def store_vec(ref, value, r0, n_valid: int, global_r0=None):
+    n = value.shape[-1]
+    g0 = r0 if global_r0 is None else global_r0
+    idx = g0 + jnp.arange(n, dtype=jnp.int32)
+    C.pltriton.store(ref.at[..., pl.ds(r0, n)], value.astype(ref.dtype), mask=idx < n_valid)
+
+
+def dot(a, b, contract: str):
+    """Batched-or-not matmul with a float32 result, operands in their own dtype."""
+    return jnp.einsum(contract, a, b, preferred_element_type=jnp.float32)

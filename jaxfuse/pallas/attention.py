@@ -1,0 +1,176 @@
+"""FlashAttention-2 forward in Pallas, with a `custom_vjp` backward that recomputes P.
+
+Forward (Dao 2023, Algorithm 1; lecture 5, sec. 5-6): query blocks on the grid with batch and
+heads, key/value blocks in an inner loop, running (m, l, acc) in float32 and one write of o and
+of lse. Nothing of size Tq x Tk touches memory, so memory is O(T). Key blocks that are wholly
+masked (the causal upper triangle, blocks outside the sliding window) are skipped by the loop
+bounds, and blocks wholly visible skip the mask arithmetic (`_attn.key_blocks`), so causal costs
+about half of non-causal.
+
+Grouped-query attention: query head h reads KV head h // G straight from k and v; nothing is
+repeated in memory. In interpret mode the G query heads of a group are stacked into one block,
+so each K/V tile is read once per group.
+
+Backward: `attention_bwd.py` (saves only q, k, v, o, lse).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxfuse.pallas import _attn as A
+from jaxfuse.pallas import _common as C
+from jaxfuse.pallas import attention_bwd
+from jaxfuse.pallas._attn import AttnBlocks, AttnSpec
+from jaxfuse.reference import attention as ref
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
+    # q_ref: [..., bq, Dp] this program's query block; k_ref, v_ref: [..., Tk, Dp].
+    if spec.segments:
+        qs_ref, ks_ref, o_ref, lse_ref = refs
+    else:
+        (o_ref, lse_ref), qs_ref, ks_ref = refs, None, None
+    r0 = pl.program_id(0) * bq
+    q = A.load_rows(q_ref, 0, bq, spec.rows, spec, global_r0=r0)            # [..., bq, Dp]
+    q_pos, _ = A.row_positions(spec, r0, bq)                                  # [bq, 1]
+    q_seg = A.load_vec(qs_ref, 0, bq, spec.rows, global_r0=r0) if spec.segments else None
+    lead = q.shape[:-2]
+    acc = jnp.zeros(lead + (bq, spec.head_dim_pad), jnp.float32)
+    m = jnp.full(lead + (bq, 1), C.NEG_INF, jnp.float32)
+    l = jnp.zeros(lead + (bq, 1), jnp.float32)
+
+    def step(j, carry, masked):
+        acc, m, l = carry
+        k0 = j * bk
+        k = A.load_rows(k_ref, k0, bk, spec.n_k, spec)                        # [..., bk, Dp]
+        v = A.load_rows(v_ref, k0, bk, spec.n_k, spec)
+        k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        k_seg = A.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
+        s2, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
+                            k_seg, masked)                                    # [..., bq, bk]
+        m_new = jnp.maximum(m, jnp.max(s2, axis=-1, keepdims=True))
+        shift = C.safe_max(m_new)
+        alpha = jnp.exp2(m - shift)
+        p = jnp.exp2(s2 - shift)
+        l = l * alpha + jnp.sum(p, axis=-1, keepdims=True)
+        acc = acc * alpha + A.dot(p.astype(v.dtype), v, "...qk,...kd->...qd")
+        return acc, m_new, l
+
+    acc, m, l = A.split_loop(A.key_blocks(spec, r0, bq, bk), step, (acc, m, l))
+    seen = l > 0                      # a row that sees no key: o = 0, lse = -inf
+    o = acc * jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    A.store_rows(o_ref, o, 0, spec.rows, spec, global_r0=r0)
+    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * A.LN2, C.NEG_INF)
+    A.store_vec(lse_ref, lse[..., 0], 0, spec.rows, global_r0=r0)
+
+
+def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks):
+    bq, bk = blocks.block_q, blocks.block_k
+    dp, g = spec.head_dim_pad, spec.groups
+    kernel = functools.partial(_fwd_kernel, spec=spec, bq=bq, bk=bk)
+    if spec.folded:
+        bh = q.shape[0]
+        grid = (C.cdiv(spec.rows, bq),)
+        q_spec = pl.BlockSpec((bh, bq, dp), lambda i: (0, i, 0))
+        kv_spec = pl.BlockSpec((bh, spec.n_k, dp), lambda i: (0, 0, 0))
+        seg_specs = [pl.BlockSpec((bh, bq), lambda i: (0, i)),
+                     pl.BlockSpec((bh, spec.n_k), lambda i: (0, 0))]
+        lse_spec = pl.BlockSpec((bh, bq), lambda i: (0, i))
+        lse_shape = (bh, spec.rows)
+    else:
+        b, _, hq, _ = q.shape
+        grid = (C.cdiv(spec.n_q, bq), b, hq)
+        q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b_, h: (b_, i, h, 0))
+        kv_spec = pl.BlockSpec((None, spec.n_k, None, dp), lambda i, b_, h: (b_, 0, h // g, 0))
+        seg_specs = [pl.BlockSpec((None, bq), lambda i, b_, h: (b_, i)),
+                     pl.BlockSpec((None, spec.n_k), lambda i, b_, h: (b_, 0))]
+        lse_spec = pl.BlockSpec((None, None, bq), lambda i, b_, h: (b_, h, i))
+        lse_shape = (b, hq, spec.n_q)
+    segs = [qs, ks] if spec.segments else []
+    in_specs = [q_spec, kv_spec, kv_spec] + (seg_specs if spec.segments else [])
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
+    return C.pallas_call(kernel, out_shape=out_shape, grid=grid, name="jaxfuse_flash_fwd",
+                         interpret=spec.interpret, num_warps=blocks.num_warps,
+                         num_stages=blocks.num_stages, in_specs=in_specs,
+                         out_specs=[q_spec, lse_spec])(q, k, v, *segs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, qs, ks, spec, blocks):
+    return tuple(_forward(q, k, v, qs, ks, spec, blocks))
+
+
+def _flash_fwd(q, k, v, qs, ks, spec, blocks):
+    o, lse = _forward(q, k, v, qs, ks, spec, blocks)
+    return (o, lse), (q, k, v, qs, ks, o, lse)
+
+
+def _flash_bwd(spec, blocks, res, cts):
+    q, k, v, qs, ks, o, lse = res
+    do, dlse = cts
+    dq, dk, dv = attention_bwd.backward(q, k, v, qs, ks, o, lse, do, dlse, spec, blocks)
+    seg_ct = lambda s: None if s is None else jnp.zeros(s.shape, jax.dtypes.float0)
+    return dq, dk, dv, seg_ct(qs), seg_ct(ks)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def check_head_dim(d: int) -> None:
+    if d % 8 or d > A.SUPPORTED_HEAD_DIM:
+        raise ValueError(f"head_dim={d} is not supported: it must be a multiple of 8 and at most "
+                         f"{A.SUPPORTED_HEAD_DIM} (e.g. 64, 80, 96, 128, 256)")
+
+
+def make_spec(q, k, *, causal, scale, window, softcap, segments, interpret,
+              folded) -> AttnSpec:
+    d = q.shape[-1]
+    dp = d if folded else max(16, C.next_pow2(d))
+    return AttnSpec(1.0 / math.sqrt(d) if scale is None else float(scale), bool(causal),
+                    None if window is None else int(window),
+                    None if softcap is None else float(softcap), q.shape[1], k.shape[1], d, dp,
+                    q.shape[2] // k.shape[2], segments, folded, interpret)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+                    scale: float | None = None, q_segment_ids: jax.Array | None = None,
+                    kv_segment_ids: jax.Array | None = None, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None, return_lse: bool = False,
+                    interpret: bool | None = None, block_sizes: AttnBlocks | None = None):
+    """Pallas FlashAttention-2; same semantics as `jaxfuse.reference.attention.attention`."""
+    ref.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap, scale)
+    check_head_dim(q.shape[-1])
+    interpret = C.resolve_interpret(interpret)
+    folded = interpret if block_sizes is None or block_sizes.folded is None \
+        else block_sizes.folded
+    spec = make_spec(q, k, causal=causal, scale=scale, window=sliding_window,
+                     softcap=logits_soft_cap, segments=q_segment_ids is not None,
+                     interpret=interpret, folded=folded)
+    blocks = AttnBlocks.for_shape(spec) if block_sizes is None else block_sizes
+    blocks.validate(folded)
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qs = ks = None
+    if spec.segments:
+        qs, ks = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+    if folded:
+        # Fold (batch, KV head) into one axis and stack the group's query heads along the rows.
+        fold_q = lambda x: x.reshape(b, tq, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(
+            b * hkv, g * tq, d)
+        fold_kv = lambda x: x.transpose(0, 2, 1, 3).reshape(b * hkv, tk, d)
+        if spec.segments:
+            qs = jnp.broadcast_to(qs[:, None, None, :], (b, hkv, g, tq)).reshape(b * hkv, g * tq)
+            ks = jnp.broadcast_to(ks[:, None, :], (b, hkv, tk)).reshape(b * hkv, tk)
+        o, lse = _flash(fold_q(q), fold_kv(k), fold_kv(v), qs, ks, spec, blocks)
+        o = o.reshape(b, hkv, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
+        lse = lse.reshape(b, hq, tq)
+    else:
+        o, lse = _flash(q, k, v, qs, ks, spec, blocks)
+    return (o, lse) if return_lse else o

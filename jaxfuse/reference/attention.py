@@ -1,0 +1,119 @@
+"""Reference scaled dot-product attention, written the standard way (S and P in full), and the
+associative merge of partial attention results.
+
+For each batch b, query head h (KV head h // (Hq / Hkv)), query i and key j:
+
+    s_ij = scale * q_i . k_j           (then c * tanh(s_ij / c) with logits_soft_cap=c)
+    s_ij = -inf where j is not visible  (causal, sliding window, segment ids, see `_masks`)
+    o_i  = sum_j softmax(s_i)_j v_j,    lse_i = log sum_j exp(s_ij).
+
+A query that sees no key gets o = 0 and lse = -inf (and zero gradients), not 0/0.
+
+`merge_states` combines two results computed over disjoint key sets (lecture 5, sec. 4.4-4.5):
+
+    lse = log(exp(lse_a) + exp(lse_b)),   o = (exp(lse_a - lse) o_a + exp(lse_b - lse) o_b).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse import _checks
+from jaxfuse.reference._masks import keep_mask
+
+
+def validate(q, k, v, q_segment_ids=None, kv_segment_ids=None, sliding_window=None,
+             logits_soft_cap=None, scale=None) -> None:
+    """Checks shared by every attention implementation (raises ValueError naming the value)."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        _checks.check_float(name, a)
+        _checks.check_ndim(name, a, 4)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype} must match")
+    b, _, hq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} must match")
+    if k.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q.shape={q.shape}, k.shape={k.shape}")
+    if k.shape[3] != d:
+        raise ValueError(f"head dims differ: q.shape[-1]={d}, k.shape[-1]={k.shape[3]}")
+    hkv = k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"the number of query heads {hq} (q.shape[2]) must be a multiple of "
+                         f"the number of KV heads {hkv} (k.shape[2])")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+    if q_segment_ids is not None:
+        for name, seg, t in (("q_segment_ids", q_segment_ids, q.shape[1]),
+                             ("kv_segment_ids", kv_segment_ids, k.shape[1])):
+            if tuple(seg.shape) != (b, t):
+                raise ValueError(f"{name}.shape={tuple(seg.shape)} must be ({b}, {t}) = "
+                                 "[batch, sequence length]")
+            _checks.check_int(name, seg)
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
+    _checks.check_positive("logits_soft_cap", logits_soft_cap)
+    _checks.check_positive("scale", scale)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+              scale: float | None = None, q_segment_ids: jax.Array | None = None,
+              kv_segment_ids: jax.Array | None = None, sliding_window: int | None = None,
+              logits_soft_cap: float | None = None, return_lse: bool = False):
+    """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D]; returns o (and lse [B, Hq, Tq])."""
+    validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap, scale)
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qf = q.astype(jnp.float32).reshape(b, tq, hkv, g, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(jnp.float32)) * scale
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+    keep = keep_mask(jnp.arange(tq)[:, None], jnp.arange(tk)[None, :], n_q=tq, n_k=tk,
+                     causal=causal, window=sliding_window)[None, None, None]
+    if q_segment_ids is not None:
+        keep = keep & (q_segment_ids[:, None, None, :, None]
+                       == kv_segment_ids[:, None, None, None, :])
+    s = jnp.where(keep, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.where(keep, jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(l > 0, l, 1.0), v.astype(jnp.float32))
+    o = o.reshape(b, tq, hq, d).astype(q.dtype)
+    if not return_lse:
+        return o
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[..., 0]
+    return o, lse.reshape(b, hq, tq)
+
+
+def merge_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array):
+    """Merges two partial attention results over disjoint key sets into one.
+
+    Layouts: `flash_attention`'s (o [B, T, H, D], lse [B, H, T]) or `decode_attention`'s
+    (o [B, H, D], lse [B, H]). A side with lse = -inf (no keys) leaves the other unchanged.
+    Returns (o in o_a's dtype, float32 lse).
+    """
+    if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape:
+        raise ValueError(f"shapes differ: o {o_a.shape} vs {o_b.shape}, lse {lse_a.shape} vs "
+                         f"{lse_b.shape}")
+    if o_a.ndim == 4 and lse_a.ndim == 3:      # flash layout: lse [B, H, T] -> [B, T, H]
+        to_o = lambda lse: jnp.swapaxes(lse, 1, 2)[..., None]
+    elif o_a.ndim == lse_a.ndim + 1:           # decode layout: lse [B, H]
+        to_o = lambda lse: lse[..., None]
+    else:
+        raise ValueError(f"o.shape={o_a.shape} with lse.shape={lse_a.shape} is neither "
+                         "([B, T, H, D], [B, H, T]) nor ([B, H, D], [B, H])")
+    lse_a = lse_a.astype(jnp.float32)
+    lse_b = lse_b.astype(jnp.float32)
+    m = jnp.maximum(lse_a, lse_b)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
+    total = w_a + w_b
+    lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    o = (to_o(w_a * inv) * o_a.astype(jnp.float32) + to_o(w_b * inv) * o_b.astype(jnp.float32))
+    return o.astype(o_a.dtype), lse

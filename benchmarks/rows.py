@@ -126,17 +126,19 @@ def perf(copy_bw: float, sweep: bool = True):
 
     # Softmax.
     sm = {"jaxfuse": lambda x: jaxfuse.softmax(x),
-          "xla": lambda x: jaxfuse.softmax(x, impl="reference")}
+          "xla": lambda x: jaxfuse.softmax(x, impl="reference"),
+          "xla_jax.nn": lambda x: jax.nn.softmax(x, axis=-1)}
     try:
         from jax.experimental.pallas.ops.gpu import softmax as jsm
         sm["jax_pallas"] = lambda x: jsm.softmax(x)
     except Exception:  # noqa: BLE001
         pass
     if sweep:
-        for br, bc, nw in [(1, 4096, 4), (1, 4096, 8), (1, 4096, 16), (2, 4096, 8),
-                           (2, 4096, 16), (1, 2048, 8)]:
-            sm[f"jaxfuse[{br}x{bc},w{nw}]"] = functools.partial(
-                lambda x, b: jaxfuse.softmax(x, block_sizes=b), b=RowBlocks(br, bc, nw))
+        for br, bc, nw, rpp in [(1, 4096, 4, None), (1, 4096, 8, None), (2, 4096, 8, None),
+                                (1, 4096, 4, 4), (1, 4096, 4, 16), (1, 4096, 8, 8),
+                                (2, 4096, 8, 16)]:
+            sm[f"jaxfuse[{br}x{bc},w{nw},rpp{rpp}]"] = functools.partial(
+                lambda x, b: jaxfuse.softmax(x, block_sizes=b), b=RowBlocks(br, bc, nw, rpp))
     fwd_row("softmax", sm, lambda s: (s[0],))
     fb_row("softmax", {k: v for k, v in sm.items() if not k.startswith("jaxfuse[")},
            lambda s: (s[0], s[3]))
@@ -151,9 +153,10 @@ def perf(copy_bw: float, sweep: bool = True):
                     "xla": lambda x, w, b: jaxfuse.rms_norm(x, w, impl="reference")}
         fns = {**ours, **_peers_norm(center)}
         if sweep:
-            for br, bc, nw in [(1, 4096, 4), (1, 4096, 16), (2, 4096, 8)]:
-                blk = RowBlocks(br, bc, nw)
-                fns[f"jaxfuse[{br}x{bc},w{nw}]"] = functools.partial(
+            for br, bc, nw, rpp in [(1, 4096, 4, None), (2, 4096, 8, None), (1, 4096, 4, 8),
+                                    (1, 4096, 4, 32), (2, 4096, 8, 16)]:
+                blk = RowBlocks(br, bc, nw, rpp)
+                fns[f"jaxfuse[{br}x{bc},w{nw},rpp{rpp}]"] = functools.partial(
                     lambda x, w, b, blk: (jaxfuse.layer_norm(x, w, b, block_sizes=blk) if center
                                           else jaxfuse.rms_norm(x, w, block_sizes=blk)), blk=blk)
         fwd_row(name, fns, lambda s: s[:3])

@@ -1,0 +1,161 @@
+"""GPU check and benchmark of FlashAttention-2 (`jaxfuse.flash_attention`).
+
+Checks the compiled kernel (forward, lse and dq/dk/dv through jax.vjp) against the float32
+reference on awkward shapes, then times B=4 H=32 T=4096 D=128 bf16 (causal and not, forward and
+forward+backward), a GQA row and a 65,536-token row against XLA, cuDNN, JAX's Pallas mha and
+tokamax, all in one process. FLOPs: 4 B H Tq Tk D forward (half for causal), 2.5x that backward.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+from jaxfuse import AttnBlocks
+from benchmarks._timing import bench, guarded, record, rel_err
+
+S = "attention"
+TOL = {jnp.float32: 2e-3, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}  # tf32/bf16 matmul inputs
+
+
+def _inputs(key, b, tq, tk, hq, hkv, d, dtype):
+    k = jax.random.split(key, 4)
+    return (jax.random.normal(k[0], (b, tq, hq, d), dtype),
+            jax.random.normal(k[1], (b, tk, hkv, d), dtype),
+            jax.random.normal(k[2], (b, tk, hkv, d), dtype),
+            jax.random.normal(k[3], (b, tq, hq, d), dtype))
+
+
+def check():
+    cases = [
+        dict(b=2, tq=257, tk=257, hq=4, hkv=4, d=64, causal=True),
+        dict(b=1, tq=100, tk=300, hq=8, hkv=2, d=128, causal=True, sliding_window=64),
+        dict(b=2, tq=17, tk=1000, hq=4, hkv=1, d=80, causal=False, logits_soft_cap=20.0),
+        dict(b=1, tq=333, tk=333, hq=2, hkv=2, d=96, causal=True, segments=True),
+        dict(b=1, tq=200, tk=200, hq=2, hkv=1, d=256, causal=False),
+        dict(b=1, tq=1, tk=77, hq=4, hkv=2, d=128, causal=True),
+    ]
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        for i, c in enumerate(cases):
+            c = dict(c)
+            shape = (c.pop("b"), c.pop("tq"), c.pop("tk"), c.pop("hq"), c.pop("hkv"), c.pop("d"))
+            segments = c.pop("segments", False)
+            name = f"check {shape} {c}{' seg' if segments else ''}"
+
+            def run(shape=shape, c=c, segments=segments, name=name):
+                q, k, v, do = _inputs(jax.random.key(i), *shape, dtype)
+                kw = dict(c)
+                if segments:
+                    kw["q_segment_ids"] = (jnp.arange(shape[1]) * 3 // shape[1])[None].repeat(
+                        shape[0], 0)
+                    kw["kv_segment_ids"] = (jnp.arange(shape[2]) * 3 // shape[2])[None].repeat(
+                        shape[0], 0)
+
+                def fb(impl, q, k, v, do):
+                    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, return_lse=True,
+                                                                impl=impl, **kw)
+                    (o, lse), vjp = jax.vjp(f, q, k, v)
+                    return o, lse, vjp((do, jnp.zeros_like(lse)))
+                o, lse, g = jax.jit(functools.partial(fb, "pallas"))(q, k, v, do)
+                f32 = [a.astype(jnp.float32) for a in (q, k, v, do)]
+                with jax.default_matmul_precision("highest"):
+                    ro, rlse, rg = jax.jit(functools.partial(fb, "reference"))(*f32)
+                errs = [rel_err(o, ro), rel_err(jnp.where(jnp.isfinite(rlse), lse, 0),
+                                                jnp.where(jnp.isfinite(rlse), rlse, 0))]
+                errs += [rel_err(a, r) for a, r in zip(g, rg)]
+                ok = max(errs) <= TOL[dtype] and not any(bool(jnp.isnan(x).any()) for x in g)
+                # Determinism: a second backward run must be bitwise equal.
+                _, _, g2 = jax.jit(functools.partial(fb, "pallas"))(q, k, v, do)
+                same = all(bool(jnp.array_equal(a, b)) for a, b in zip(g, g2))
+                record(S, name, jnp.dtype(dtype).name, max_rel_err=max(errs),
+                       deterministic=same, status="ok" if ok and same else "FAIL")
+            guarded(S, name, jnp.dtype(dtype).name, run)
+
+
+def _peers(causal: bool):
+    peers = {
+        "jaxfuse": lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=causal),
+        "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                            implementation="xla"),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                              implementation="cudnn"),
+    }
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as jattn
+        peers["jax_pallas_mha"] = lambda q, k, v: jattn.mha(
+            q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)
+    except Exception as e:  # noqa: BLE001
+        record(S, "peer import", "jax_pallas_mha", error=str(e)[:100])
+    try:
+        import tokamax
+        for impl in ("triton", "mosaic"):
+            peers[f"tokamax_{impl}"] = functools.partial(
+                lambda q, k, v, impl: tokamax.dot_product_attention(
+                    q, k, v, is_causal=causal, implementation=impl), impl=impl)
+    except Exception as e:  # noqa: BLE001
+        record(S, "peer import", "tokamax", error=str(e)[:100])
+    return peers
+
+
+def _time_row(label, fns, shape, causal, *, backward: bool, reps: int = 10):
+    b, t, hq, hkv, d = shape
+    flops = 4 * b * hq * t * t * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
+    sets = [_inputs(jax.random.key(100 + i), b, t, t, hq, hkv, d, jnp.bfloat16) for i in range(2)]
+    for impl, f in fns.items():
+        def run(f=f, impl=impl):
+            if backward:
+                def step(q, k, v, do):
+                    o, vjp = jax.vjp(f, q, k, v)
+                    return o, vjp(do)
+                fn = jax.jit(step)
+                args = sets
+            else:
+                fn = jax.jit(f)
+                args = [s[:3] for s in sets]
+            tm = bench(fn, args, reps=reps, repeats=3)
+            record(S, f"{label} {'fwd+bwd' if backward else 'fwd'}", impl, tm,
+                   TFLOPs=flops / tm / 1e12)
+        guarded(S, f"{label} {'fwd+bwd' if backward else 'fwd'}", impl, run)
+
+
+def perf(copy_bw: float, sweep: bool = True):
+    del copy_bw
+    shape = (4, 4096, 32, 32, 128)
+    for causal in (False, True):
+        label = f"B4 H32 T4096 D128 {'causal' if causal else 'full'}"
+        fns = _peers(causal)
+        if sweep:
+            for bq, bk, w, st in [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
+                                  (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2)]:
+                blk = dataclasses_replace(bq=bq, bk=bk, w=w, st=st)
+                fns[f"jaxfuse[{bq}x{bk},w{w},s{st}]"] = functools.partial(
+                    lambda q, k, v, blk: jaxfuse.flash_attention(q, k, v, causal=causal,
+                                                                 block_sizes=blk), blk=blk)
+        _time_row(label, fns, shape, causal, backward=False)
+        fb = {k: v for k, v in fns.items() if not k.startswith(("xla", "jaxfuse["))}
+        if sweep:
+            for bq, bk, w, st in [(64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 128, 8, 2),
+                                  (128, 128, 8, 2), (64, 64, 4, 3)]:
+                blk = AttnBlocks(block_q_dq=bq, block_k_dq=bk, block_k_dkv=bq, block_q_dkv=bk,
+                                 num_warps_bwd=w, num_stages_bwd=st)
+                fb[f"jaxfuse[bwd {bq}x{bk},w{w},s{st}]"] = functools.partial(
+                    lambda q, k, v, blk: jaxfuse.flash_attention(q, k, v, causal=causal,
+                                                                 block_sizes=blk), blk=blk)
+        _time_row(label, fb, shape, causal, backward=True, reps=5)
+    gqa = {k: v for k, v in _peers(True).items() if k in ("jaxfuse", "cudnn", "xla",
+                                                           "tokamax_mosaic")}
+    _time_row("GQA B4 Hq32 Hkv8 T4096 D128 causal", gqa, (4, 4096, 32, 8, 128), True,
+              backward=False)
+    _time_row("GQA B4 Hq32 Hkv8 T4096 D128 causal", gqa, (4, 4096, 32, 8, 128), True,
+              backward=True, reps=5)
+    long = {k: v for k, v in _peers(True).items() if k in ("jaxfuse", "cudnn")}
+    _time_row("long B1 H8 T65536 D128 causal", long, (1, 65536, 8, 8, 128), True,
+              backward=False, reps=3)
+    _time_row("long B1 H8 T65536 D128 causal", long, (1, 65536, 8, 8, 128), True,
+              backward=True, reps=2)
+
+
+def dataclasses_replace(*, bq, bk, w, st) -> AttnBlocks:
+    return AttnBlocks(block_q=bq, block_k=bk, num_warps=w, num_stages=st)

@@ -156,7 +156,9 @@ def query_blocks(spec: AttnSpec, k0, bk: int, bq: int):
         return 0, 0, 0, hi
     q_lo, q_hi = jnp.int32(0), jnp.int32(spec.n_q)
     full_lo = jnp.int32(0)
-    full_hi = jnp.where(k0 + bk <= spec.n_k, spec.n_q, 0).astype(jnp.int32)
+    # Integer arithmetic rather than jnp.where on scalars: Triton's lowering of a scalar
+    # bool -> int select miscompiles (i1 vs i32), see tests/test_gpu_lowering.py.
+    full_hi = _step01(spec.n_k - (k0 + bk) + 1) * spec.n_q   # 0 if this block has a key tail
     if spec.causal:
         q_lo = jnp.maximum(q_lo, k0 - spec.shift)
         full_lo = jnp.maximum(full_lo, k0 + bk - 1 - spec.shift)
@@ -164,8 +166,13 @@ def query_blocks(spec: AttnSpec, k0, bk: int, bq: int):
         q_hi = jnp.minimum(q_hi, k0 + bk - 1 - spec.shift + spec.window)
         full_hi = jnp.minimum(full_hi, k0 - spec.shift + spec.window)
     # Tail rows past n_q read zeros and are never stored, so no query tail forces a mask.
-    full_hi = jnp.where(full_hi >= spec.n_q, C.cdiv(spec.n_q, bq) * bq, full_hi)
+    full_hi = full_hi + _step01(full_hi - spec.n_q + 1) * (C.cdiv(spec.n_q, bq) * bq - spec.n_q)
     return _block_range(q_lo, full_lo, full_hi, q_hi, bq, spec.segments)
+
+
+def _step01(x):
+    """1 where the int32 x > 0, else 0."""
+    return jnp.clip(x, 0, 1)
 
 
 def _block_range(lo, full_lo, full_hi, hi, b: int, all_masked: bool):
@@ -186,14 +193,18 @@ def split_loop(bounds, step, carry):
     return jax.lax.fori_loop(f_hi, hi, lambda j, c: step(j, c, True), carry)
 
 
-def load_rows(ref, r0, n: int, n_valid: int, spec: AttnSpec, global_r0=None):
-    """Masked load of rows [r0, r0+n) x [0, Dp) of a [..., rows, D] ref (zeros outside)."""
+def load_rows(ref, r0, n: int, n_valid: int, spec: AttnSpec, global_r0=None, head=None):
+    """Masked load of rows [r0, r0+n) x [0, Dp) of a [..., rows, D] ref (zeros outside).
+
+    `head`: for a [rows, heads, D] ref (a KV group's query heads on the GPU), the head to read.
+    (One indexer per load: Triton's lowering does not compose `ref.at[...]` twice.)"""
     g0 = r0 if global_r0 is None else global_r0
     rows = g0 + jax.lax.broadcasted_iota(jnp.int32, (n, spec.head_dim_pad), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (n, spec.head_dim_pad), 1)
     mask = (rows < n_valid) & (cols < spec.head_dim)
-    return C.pltriton.load(ref.at[..., pl.ds(r0, n), pl.ds(0, spec.head_dim_pad)],
-                           mask=mask, other=0.0)
+    idx = (pl.ds(r0, n), pl.ds(0, spec.head_dim_pad))
+    idx = (Ellipsis, *idx) if head is None else (idx[0], head, idx[1])
+    return C.pltriton.load(ref.at[idx], mask=mask, other=0.0)
 
 
 def store_rows(ref, value, r0, n_valid: int, spec: AttnSpec, global_r0=None):
@@ -205,11 +216,13 @@ def store_rows(ref, value, r0, n_valid: int, spec: AttnSpec, global_r0=None):
                      value.astype(ref.dtype), mask=(rows < n_valid) & (cols < spec.head_dim))
 
 
-def load_vec(ref, r0, n: int, n_valid: int, global_r0=None, other=0):
-    """Masked load of entries [r0, r0+n) of a [..., rows] ref (lse, D, segment ids)."""
+def load_vec(ref, r0, n: int, n_valid: int, global_r0=None, other=0, head=None):
+    """Masked load of entries [r0, r0+n) of a [..., rows] ref (lse, D, segment ids), or of
+    `ref[head, r0:r0+n]` for a [heads, rows] ref."""
     g0 = r0 if global_r0 is None else global_r0
     idx = g0 + jnp.arange(n, dtype=jnp.int32)
-    return C.pltriton.load(ref.at[..., pl.ds(r0, n)], mask=idx < n_valid, other=other)
+    at = (Ellipsis, pl.ds(r0, n)) if head is None else (head, pl.ds(r0, n))
+    return C.pltriton.load(ref.at[at], mask=idx < n_valid, other=other)
 
 
 def store_vec(ref, value, r0, n_valid: int, global_r0=None):

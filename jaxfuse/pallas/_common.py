@@ -130,7 +130,7 @@ def store_rows(ref, value, row0, n_rows: int):
 def reduce_tiles(n_tiles: int, step, init):
     """`init` folded with `step(j, carry)` over column tiles j; no loop when there is one tile."""
     if n_tiles == 1:
-        return step(0, init)
+        return step(jnp.int32(0), init)  # a traced-like index, as the loop would pass
     return jax.lax.fori_loop(0, n_tiles, step, init)
 
 

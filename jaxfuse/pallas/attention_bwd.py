@@ -85,12 +85,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
     bounds = A.query_blocks(spec, k0, bk, bq)
 
     def rows_of_head(ref, g, q0):
-        if spec.folded:
-            return A.load_rows(ref, q0, bq, spec.rows, spec)
-        return A.load_rows(ref.at[:, g], q0, bq, spec.rows, spec)
+        return A.load_rows(ref, q0, bq, spec.rows, spec, head=None if spec.folded else g)
 
     def vec_of_head(ref, g, q0, other=0.0):
-        return A.load_vec(ref if spec.folded else ref.at[g], q0, bq, spec.rows, other=other)
+        return A.load_vec(ref, q0, bq, spec.rows, other=other, head=None if spec.folded else g)
 
     def head(g, carry):
         def step(i, carry, masked):

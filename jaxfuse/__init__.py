@@ -4,10 +4,13 @@ Every op takes `impl="pallas" | "reference"`; Pallas kernels interpret on a CPU 
 (Triton) on an NVIDIA GPU.
 """
 from jaxfuse import pallas, reference
-from jaxfuse.ops import cross_entropy, flash_attention, layer_norm, rms_norm, softmax
+from jaxfuse.ops import (cross_entropy, decode_attention, flash_attention, layer_norm, rms_norm,
+                         softmax)
 from jaxfuse.pallas._attn import AttnBlocks
 from jaxfuse.pallas._rows import RowBlocks
+from jaxfuse.pallas.decode_attention import DecodeBlocks
 
-__all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy", "flash_attention", "RowBlocks",
+__all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy", "flash_attention", "decode_attention",
+           "RowBlocks", "DecodeBlocks",
            "AttnBlocks", "pallas", "reference"]
 __version__ = "0.1.0"

@@ -10,11 +10,13 @@ import jax
 from jaxfuse._dispatch import route
 from jaxfuse.pallas import attention as _p_attn
 from jaxfuse.pallas import cross_entropy as _p_ce
+from jaxfuse.pallas import decode_attention as _p_dec
 from jaxfuse.pallas import layer_norm as _p_ln
 from jaxfuse.pallas import rms_norm as _p_rms
 from jaxfuse.pallas import softmax as _p_softmax
 from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import cross_entropy as _r_ce
+from jaxfuse.reference import decode_attention as _r_dec
 from jaxfuse.reference import layer_norm as _r_ln
 from jaxfuse.reference import rms_norm as _r_rms
 from jaxfuse.reference import softmax as _r_softmax
@@ -92,3 +94,21 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                  scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                  return_lse=return_lse, interpret=interpret, block_sizes=block_sizes)
+
+
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                     kv_lengths: jax.Array, *, scale: float | None = None,
+                     num_splits: int | None = None, logits_soft_cap: float | None = None,
+                     return_lse: bool = False, impl: str = "pallas",
+                     interpret: bool | None = None, block_sizes=None):
+    """One new query per sequence, q [B, Hq, D], over KV caches [B, S, Hkv, D] that hold
+    `kv_lengths[b]` valid positions (int [B], clipped to [0, S]; whatever lies beyond is never
+    read). Returns o [B, Hq, D] (and float32 lse [B, Hq] with `return_lse`); a sequence of
+    length 0 gives zeros. `num_splits=None` picks the split-KV count to fill the GPU.
+
+    >>> o = jaxfuse.decode_attention(q, k_cache, v_cache, lengths)
+    """
+    return route(impl, _p_dec.decode_attention, _r_dec.decode_attention, q, k_cache, v_cache,
+                 kv_lengths, scale=scale, num_splits=num_splits,
+                 logits_soft_cap=logits_soft_cap, return_lse=return_lse, interpret=interpret,
+                 block_sizes=block_sizes)

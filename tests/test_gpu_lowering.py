@@ -55,3 +55,12 @@ def test_flash_attention_lowers(opts, d, hkv):
         seg = jnp.zeros((1, 100), jnp.int32)
         opts.update(q_segment_ids=seg, kv_segment_ids=seg)
     _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(q, k, v, interpret=False, **opts), q, k, k)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (4, 1)])
+def test_decode_attention_lowers(hq, hkv):
+    q = jnp.zeros((3, hq, 128), jnp.bfloat16)
+    kc = jnp.zeros((3, 1000, hkv, 128), jnp.bfloat16)
+    lens = jnp.array([0, 10, 1000], jnp.int32)
+    _lower(lambda q, kc, lens: jaxfuse.decode_attention(q, kc, kc, lens, interpret=False,
+                                                        num_splits=3), q, kc, lens)

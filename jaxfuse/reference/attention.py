@@ -117,3 +117,18 @@ def merge_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Ar
     inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
     o = (to_o(w_a * inv) * o_a.astype(jnp.float32) + to_o(w_b * inv) * o_b.astype(jnp.float32))
     return o.astype(o_a.dtype), lse
+
+
+def merge_many(o_parts: jax.Array, lse_parts: jax.Array, axis: int):
+    """`merge_states` folded over `axis` (partial results over disjoint key sets, e.g. the splits
+    of Flash-Decoding), in closed form: lse = logsumexp(lse_i), o = sum_i exp(lse_i - lse) o_i.
+    `o_parts` has a trailing feature axis that `lse_parts` lacks. Returns (float32 o, lse)."""
+    lse_parts = lse_parts.astype(jnp.float32)
+    m = jnp.max(lse_parts, axis=axis, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse_parts - m)
+    total = jnp.sum(w, axis=axis, keepdims=True)
+    lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    w = w * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    o = jnp.sum(w[..., None] * o_parts.astype(jnp.float32), axis=axis)
+    return o, jnp.squeeze(lse, axis)

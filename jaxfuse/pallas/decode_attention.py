@@ -1,0 +1,164 @@
+"""Split-KV decoding attention (Flash-Decoding) over a ragged KV cache, with GQA.
+
+Decoding reads the whole cache for one query per sequence: it is memory-bound (about 1 FLOP per
+byte), and with one program per (batch, head) a small batch leaves most multiprocessors idle
+(lecture 5, sec. 8.4). So the key axis is also split: program (b, kv head, split) attends its
+group's G query heads to one slice of the cache and writes a partial (o, lse); the partials are
+merged with the log-sum-exp rule (`merge_many`, the n-way form of `merge_states`). The query heads
+of a KV group are processed together, so each K/V tile is read once per group (GQA).
+
+Ragged lengths: a program reads kv_lengths[b] and loops only over tiles below it, so tiles wholly
+beyond a sequence's length are never read, and the tail tile is loaded under a mask, so whatever
+the cache holds there (NaN, inf) cannot leak in. The split count fills the GPU in whole waves
+(`choose_splits`, wave quantization in lecture 5 sec. 8.4).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxfuse.pallas import _attn as A
+from jaxfuse.pallas import _common as C
+from jaxfuse.pallas.attention import check_head_dim
+from jaxfuse.reference import decode_attention as ref
+from jaxfuse.reference.attention import merge_many
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlocks:
+    """`block_k` keys per inner step; `num_*` only matter on the GPU. `folded=None` folds batch
+    and KV heads into the block in interpret mode and squeezes them on the GPU."""
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    folded: bool | None = None
+
+
+def choose_splits(units: int, seq_len: int, sms: int, min_keys: int = 512) -> int:
+    """Split count that fills `sms` multiprocessors in whole waves of `units * splits` programs,
+    keeping at least `min_keys` keys per split (lecture 5, sec. 8.4: 4 splits of a 32K cache on
+    132 SMs is one wave, 5 spill into a second, mostly idle one)."""
+    n_max = max(1, min(seq_len // min_keys, 256))
+    best, best_eff = 1, 0.0
+    for n in range(1, n_max + 1):
+        eff = units * n / (C.cdiv(units * n, sms) * sms)
+        if eff > best_eff + 1e-9:
+            best, best_eff = n, eff
+    return best
+
+
+_SPLIT_AXIS = {True: 0, False: 2}   # grid axis of the split: (splits,) folded, (B, Hkv, splits)
+
+
+def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, *, spec: A.AttnSpec, bh: int,
+            bk: int, split_len: int):
+    # GPU: q_ref [G, Dp] (the group's heads), k_ref/v_ref [S, Dp], len_ref a scalar.
+    # Interpret: q_ref [B*Hkv, G, D], k_ref [B*Hkv, S, D], len_ref [B*Hkv].
+    g = spec.groups
+    s0 = pl.program_id(_SPLIT_AXIS[spec.folded]) * split_len
+    length = jnp.clip(len_ref[...], 0, spec.n_k)
+    n = length[..., None, None]                                              # [..., 1, 1]
+    q = A.load_rows(q_ref, 0, bh, g, spec)                                   # [..., bh, Dp]
+    end = jnp.minimum(s0 + split_len, jnp.max(length))
+    lead = q.shape[:-2]
+    acc = jnp.zeros(lead + (bh, spec.head_dim_pad), jnp.float32)
+    m = jnp.full(lead + (bh, 1), C.NEG_INF, jnp.float32)
+    l = jnp.zeros(lead + (bh, 1), jnp.float32)
+
+    def step(j, carry):
+        acc, m, l = carry
+        k0 = j * bk
+        k = A.load_rows(k_ref, k0, bk, n, spec)                               # [..., bk, Dp]
+        v = A.load_rows(v_ref, k0, bk, n, spec)
+        if bh == 1:   # one query row (MHA): a broadcast multiply-reduce, no 16-row matmul tile
+            s = jnp.sum(q[..., :, None, :].astype(jnp.float32) * k[..., None, :, :], axis=-1)
+        else:
+            s = A.dot(q, k, "...hd,...kd->...hk")                             # [..., bh, bk]
+        s2, _ = A.transform(spec, s, None, None, None, None, masked=False)
+        k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        s2 = jnp.where(k_pos < n, s2, C.NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s2, axis=-1, keepdims=True))
+        shift = C.safe_max(m_new)
+        alpha = jnp.exp2(m - shift)
+        p = jnp.exp2(s2 - shift)
+        l = l * alpha + jnp.sum(p, axis=-1, keepdims=True)
+        if bh == 1:
+            pv = jnp.sum(p[..., :, :, None] * v[..., None, :, :].astype(jnp.float32), axis=-2)
+        else:
+            pv = A.dot(p.astype(v.dtype), v, "...hk,...kd->...hd")
+        return acc * alpha + pv, m_new, l
+
+    acc, m, l = jax.lax.fori_loop(s0 // bk, (end + bk - 1) // bk, step, (acc, m, l))
+    seen = l > 0
+    o = acc * jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    A.store_rows(o_ref, o, 0, g, spec)
+    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * A.LN2, C.NEG_INF)
+    A.store_vec(lse_ref, lse[..., 0], 0, g)
+
+
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                     kv_lengths: jax.Array, *, scale: float | None = None,
+                     num_splits: int | None = None, logits_soft_cap: float | None = None,
+                     return_lse: bool = False, interpret: bool | None = None,
+                     block_sizes: DecodeBlocks | None = None):
+    """Pallas Flash-Decoding; same semantics as `jaxfuse.reference.decode_attention`."""
+    ref.validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale)
+    check_head_dim(q.shape[-1])
+    interpret = C.resolve_interpret(interpret)
+    blocks = block_sizes or DecodeBlocks()
+    folded = interpret if blocks.folded is None else blocks.folded
+    b, hq, d = q.shape
+    s_len, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    dp = d if folded else max(16, C.next_pow2(d))
+    spec = A.AttnSpec(1.0 / math.sqrt(d) if scale is None else float(scale), False, None,
+                      None if logits_soft_cap is None else float(logits_soft_cap), 1, s_len, d,
+                      dp, g, False, folded, interpret)
+    if num_splits is None:
+        num_splits = 1 if folded else choose_splits(b * hkv, s_len, C.num_multiprocessors())
+    bk = min(blocks.block_k, max(16, C.next_pow2(s_len))) if not folded else \
+        min(blocks.block_k, s_len)
+    split_len = bk * C.cdiv(C.cdiv(s_len, num_splits), bk)   # whole tiles; trailing splits may be empty
+    lengths = kv_lengths.astype(jnp.int32)
+    # One query row needs no matmul tile; G >= 2 rows are padded to Triton's 16-row minimum.
+    bh = g if folded else (1 if g == 1 else max(16, C.next_pow2(g)))
+    kernel = functools.partial(_kernel, spec=spec, bh=bh, bk=bk, split_len=split_len)
+    if folded:
+        qc = q.reshape(b * hkv, g, d)
+        kc = k_cache.transpose(0, 2, 1, 3).reshape(b * hkv, s_len, d)
+        vc = v_cache.transpose(0, 2, 1, 3).reshape(b * hkv, s_len, d)
+        lc = jnp.repeat(lengths, hkv)
+        n = b * hkv
+        grid = (num_splits,)
+        in_specs = [pl.BlockSpec((n, g, d), lambda s: (0, 0, 0)),
+                    pl.BlockSpec((n, s_len, d), lambda s: (0, 0, 0)),
+                    pl.BlockSpec((n, s_len, d), lambda s: (0, 0, 0)),
+                    pl.BlockSpec((n,), lambda s: (0,))]
+        out_specs = [pl.BlockSpec((n, None, g, d), lambda s: (0, s, 0, 0)),
+                     pl.BlockSpec((n, None, g), lambda s: (0, s, 0))]
+        out_shape = [jax.ShapeDtypeStruct((n, num_splits, g, d), jnp.float32),
+                     jax.ShapeDtypeStruct((n, num_splits, g), jnp.float32)]
+        args = (qc, kc, vc, lc)
+    else:
+        grid = (b, hkv, num_splits)
+        in_specs = [pl.BlockSpec((None, g, dp), lambda b_, h, s: (b_, h, 0)),
+                    pl.BlockSpec((None, s_len, None, dp), lambda b_, h, s: (b_, 0, h, 0)),
+                    pl.BlockSpec((None, s_len, None, dp), lambda b_, h, s: (b_, 0, h, 0)),
+                    pl.BlockSpec((None,), lambda b_, h, s: (b_,))]
+        out_specs = [pl.BlockSpec((None, None, g, dp), lambda b_, h, s: (b_, s, h, 0)),
+                     pl.BlockSpec((None, None, g), lambda b_, h, s: (b_, s, h))]
+        out_shape = [jax.ShapeDtypeStruct((b, num_splits, hq, d), jnp.float32),
+                     jax.ShapeDtypeStruct((b, num_splits, hq), jnp.float32)]
+        args = (q, k_cache, v_cache, lengths)
+    o_parts, lse_parts = C.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, name="jaxfuse_decode_attention",
+        interpret=interpret, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+        in_specs=in_specs, out_specs=out_specs)(*args)
+    o, lse = merge_many(o_parts, lse_parts, axis=1)        # the split axis, in both layouts
+    o, lse = o.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,85 @@
+"""Reference decoding attention: one new query per sequence over a ragged KV cache.
+
+For batch b and query head h (KV head h // (Hq / Hkv)), over the positions j < kv_lengths[b]:
+
+    s_j = scale * q . k_j   (then c * tanh(s_j / c) with logits_soft_cap=c),
+    o = sum_j softmax(s)_j v_j,   lse = log sum_j exp(s_j).
+
+Whatever the cache holds at positions >= kv_lengths[b] (stale values, NaN, inf) does not
+change the result. A sequence of length 0 gives o = 0 and lse = -inf.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse import _checks
+
+
+def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=None,
+             scale=None) -> None:
+    _checks.check_float("q", q)
+    _checks.check_ndim("q", q, 3)
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _checks.check_float(name, a)
+        _checks.check_ndim(name, a, 4)
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q.dtype={q.dtype}, k_cache.dtype={k_cache.dtype} and "
+                         f"v_cache.dtype={v_cache.dtype} must match")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache.shape={k_cache.shape} and v_cache.shape={v_cache.shape} "
+                         "must match")
+    b, hq, d = q.shape
+    if k_cache.shape[0] != b or k_cache.shape[3] != d:
+        raise ValueError(f"k_cache.shape={k_cache.shape} must be [B={b}, S, Hkv, D={d}] for "
+                         f"q.shape={q.shape}")
+    hkv = k_cache.shape[2]
+    if hq % hkv:
+        raise ValueError(f"the number of query heads {hq} (q.shape[1]) must be a multiple of "
+                         f"the number of KV heads {hkv} (k_cache.shape[2])")
+    if tuple(kv_lengths.shape) != (b,):
+        raise ValueError(f"kv_lengths.shape={tuple(kv_lengths.shape)} must be ({b},), one "
+                         "length per sequence")
+    if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+        raise ValueError(f"kv_lengths.dtype={kv_lengths.dtype} must be an integer type "
+                         "(e.g. kv_lengths.astype(jnp.int32))")
+    s = k_cache.shape[1]
+    if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= max(s, 1)):
+        raise ValueError(f"num_splits={num_splits!r} must be an int in [1, S={s}] or None")
+    _checks.check_positive("logits_soft_cap", logits_soft_cap)
+    _checks.check_positive("scale", scale)
+
+
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                     kv_lengths: jax.Array, *, scale: float | None = None,
+                     num_splits: int | None = None, logits_soft_cap: float | None = None,
+                     return_lse: bool = False):
+    """q [B, Hq, D] over caches [B, S, Hkv, D] up to kv_lengths [B]; returns o [B, Hq, D]
+    (and float32 lse [B, Hq]). `num_splits` only matters to the kernel; it is accepted here so
+    that both implementations share one signature."""
+    validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale)
+    b, hq, d = q.shape
+    s_len, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    keep = jnp.arange(s_len)[None, :] < jnp.clip(kv_lengths, 0, s_len)[:, None]   # [B, S]
+    # Zero the cache beyond each length so NaN/inf there cannot leak through 0 * NaN.
+    kf = jnp.where(keep[:, :, None, None], k_cache.astype(jnp.float32), 0.0)
+    vf = jnp.where(keep[:, :, None, None], v_cache.astype(jnp.float32), 0.0)
+    s = jnp.einsum("bhgd,bshd->bhgs", q.astype(jnp.float32).reshape(b, hkv, g, d), kf) * scale
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+    keep = keep[:, None, None, :]
+    s = jnp.where(keep, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.where(keep, jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bhgs,bshd->bhgd", p / jnp.where(l > 0, l, 1.0), vf)
+    o = o.reshape(b, hq, d).astype(q.dtype)
+    if not return_lse:
+        return o
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return o, lse.reshape(b, hq)

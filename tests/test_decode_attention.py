@@ -1,0 +1,107 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import jaxfuse
+from jaxfuse import DecodeBlocks
+from jaxfuse.pallas.decode_attention import choose_splits
+from jaxfuse.reference.attention import merge_many, merge_states
+from tests._util import assert_close, keys, randn
+
+# (B, S, Hq, Hkv, D): MHA, GQA 4 and 8 per KV head, MQA; S = 1, primes, non-multiples.
+CASES = [(4, 37, 4, 4, 16), (3, 53, 8, 2, 8), (2, 41, 8, 1, 16), (3, 1, 4, 1, 8), (2, 100, 16, 2, 8)]
+LAYOUTS = {"folded": DecodeBlocks(block_k=16),
+           "gpu_layout": DecodeBlocks(block_k=16, folded=False)}
+
+
+def _make(case, dtype, seed, poison):
+    b, s, hq, hkv, d = case
+    k = keys(seed, 4)
+    q = randn(k[0], (b, hq, d), dtype)
+    kc, vc = randn(k[1], (b, s, hkv, d), dtype), randn(k[2], (b, s, hkv, d), dtype)
+    lengths = jax.random.randint(k[3], (b,), 0, s + 1)
+    lengths = lengths.at[0].set(0).at[-1].set(s)
+    if b > 2:
+        lengths = lengths.at[1].set(1)
+    beyond = jnp.arange(s)[None, :, None, None] >= lengths[:, None, None, None]
+    kc = jnp.where(beyond, jnp.asarray(poison, dtype), kc)
+    vc = jnp.where(beyond, jnp.asarray(poison, dtype), vc)
+    return q, kc, vc, lengths
+
+
+class DecodeAttentionTest(chex.TestCase):
+
+    @chex.variants(with_jit=True)
+    @parameterized.product(case=CASES, dtype=[jnp.float32, jnp.bfloat16], layout=list(LAYOUTS))
+    def test_matches_reference(self, case, dtype, layout):
+        # The cache beyond each length holds NaN for some cases and 1e30 for the others.
+        poison = float("nan") if CASES.index(case) % 2 == 0 else 1e30
+        q, kc, vc, lengths = _make(case, dtype, sum(case), poison)
+        o_r, lse_r = jaxfuse.decode_attention(q, kc, vc, lengths, return_lse=True,
+                                              impl="reference")
+        self.assertFalse(bool(jnp.isnan(o_r.astype(jnp.float32)).any()))
+        s = case[1]
+        for n in sorted({1, 2, 3, 7, s} & set(range(1, s + 1))):
+            f = self.variant(lambda q, kc, vc, lengths: jaxfuse.decode_attention(
+                q, kc, vc, lengths, num_splits=n, return_lse=True, block_sizes=LAYOUTS[layout]))
+            o, lse = f(q, kc, vc, lengths)
+            self.assertEqual(o.dtype, dtype)
+            assert_close(o, o_r, dtype)
+            np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_r))
+            fin = np.isfinite(np.asarray(lse_r))
+            assert_close(np.asarray(lse)[fin], np.asarray(lse_r)[fin], dtype)
+        # Length 0 gives zeros.
+        np.testing.assert_array_equal(np.asarray(o[0], np.float32), 0.0)
+
+    def test_default_split_rule_and_soft_cap(self):
+        q, kc, vc, lengths = _make((2, 300, 8, 2, 16), jnp.float32, 7, 0.0)
+        o = jaxfuse.decode_attention(q, kc, vc, lengths, logits_soft_cap=2.0)
+        o_r = jaxfuse.decode_attention(q, kc, vc, lengths, logits_soft_cap=2.0, impl="reference")
+        assert_close(o, o_r, jnp.float32)
+
+    def test_equals_last_row_of_causal_prefill(self):
+        b, t, hq, hkv, d = 2, 29, 8, 2, 16
+        k = keys(8, 3)
+        q = randn(k[0], (b, t, hq, d))
+        kk, vv = randn(k[1], (b, t, hkv, d)), randn(k[2], (b, t, hkv, d))
+        full = jaxfuse.flash_attention(q, kk, vv, causal=True)
+        s = 40   # a cache longer than the prompt, garbage past it
+        pad = lambda x: jnp.concatenate([x, jnp.full((b, s - t, hkv, d), jnp.nan)], axis=1)
+        dec = jaxfuse.decode_attention(q[:, -1], pad(kk), pad(vv), jnp.full((b,), t, jnp.int32))
+        assert_close(dec, full[:, -1], jnp.float32)
+
+    def test_choose_splits_fills_waves(self):
+        self.assertEqual(choose_splits(256, 32768, 132) * 256 % 132, 0)   # whole waves
+        n = choose_splits(8, 131072, 132)
+        self.assertGreaterEqual(8 * n, 132)
+        self.assertEqual(choose_splits(8, 100, 132), 1)   # too short to split
+
+    def test_merge_many_equals_folded_merge_states(self):
+        k = keys(9, 2)
+        o = randn(k[0], (2, 5, 3, 4))
+        lse = randn(k[1], (2, 5, 3)).at[:, 2].set(-jnp.inf)
+        o_m, lse_m = merge_many(o, lse, axis=1)
+        o_f, lse_f = o[:, 0], lse[:, 0]
+        for i in range(1, 5):
+            o_f, lse_f = merge_states(o_f, lse_f, o[:, i], lse[:, i])
+        assert_close((o_m, lse_m), (o_f, lse_f), jnp.float32)
+
+    def test_bad_input(self):
+        q = jnp.zeros((2, 4, 16))
+        kc = jnp.zeros((2, 10, 2, 16))
+        with self.assertRaisesRegex(ValueError, "kv_lengths.shape=\\(3,\\)"):
+            jaxfuse.decode_attention(q, kc, kc, jnp.zeros((3,), jnp.int32))
+        with self.assertRaisesRegex(ValueError, "kv_lengths.dtype=float32"):
+            jaxfuse.decode_attention(q, kc, kc, jnp.zeros((2,)))
+        with self.assertRaisesRegex(ValueError, "query heads 4 .* KV heads 3"):
+            jaxfuse.decode_attention(q, jnp.zeros((2, 10, 3, 16)), jnp.zeros((2, 10, 3, 16)),
+                                     jnp.zeros((2,), jnp.int32))
+        with self.assertRaisesRegex(ValueError, "num_splits=11"):
+            jaxfuse.decode_attention(q, kc, kc, jnp.zeros((2,), jnp.int32), num_splits=11)
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])

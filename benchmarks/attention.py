@@ -127,8 +127,7 @@ def perf(copy_bw: float, sweep: bool = True):
         label = f"B4 H32 T4096 D128 {'causal' if causal else 'full'}"
         fns = _peers(causal)
         if sweep:
-            for bq, bk, w, st in [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
-                                  (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2)]:
+            for bq, bk, w, st in [(64, 64, 4, 3), (128, 64, 8, 3)]:
                 blk = dataclasses_replace(bq=bq, bk=bk, w=w, st=st)
                 fns[f"jaxfuse[{bq}x{bk},w{w},s{st}]"] = functools.partial(
                     lambda q, k, v, blk: jaxfuse.flash_attention(q, k, v, causal=causal,
@@ -136,8 +135,8 @@ def perf(copy_bw: float, sweep: bool = True):
         _time_row(label, fns, shape, causal, backward=False)
         fb = {k: v for k, v in fns.items() if not k.startswith(("xla", "jaxfuse["))}
         if sweep:
-            for bq, bk, w, st in [(64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 128, 8, 2),
-                                  (128, 128, 8, 2), (64, 64, 4, 3)]:
+            for bq, bk, w, st in [(64, 128, 4, 2), (128, 64, 4, 2), (32, 64, 4, 2),
+                                  (64, 32, 4, 2), (64, 64, 4, 1), (128, 128, 4, 2)]:
                 blk = AttnBlocks(block_q_dq=bq, block_k_dq=bk, block_k_dkv=bq, block_q_dkv=bk,
                                  num_warps_bwd=w, num_stages_bwd=st)
                 fb[f"jaxfuse[bwd {bq}x{bk},w{w},s{st}]"] = functools.partial(

@@ -4,13 +4,14 @@ Every op takes `impl="pallas" | "reference"`; Pallas kernels interpret on a CPU 
 (Triton) on an NVIDIA GPU.
 """
 from jaxfuse import pallas, reference
-from jaxfuse.ops import (cross_entropy, decode_attention, flash_attention, layer_norm, rms_norm,
-                         softmax)
+from jaxfuse.ops import (cross_entropy, decode_attention, flash_attention, layer_norm,
+                         linear_cross_entropy, rms_norm, softmax)
 from jaxfuse.pallas._attn import AttnBlocks
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.pallas.decode_attention import DecodeBlocks
+from jaxfuse.pallas.linear_cross_entropy import LCEBlocks
 
 __all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy", "flash_attention", "decode_attention",
-           "RowBlocks", "DecodeBlocks",
+           "linear_cross_entropy", "RowBlocks", "DecodeBlocks", "LCEBlocks",
            "AttnBlocks", "pallas", "reference"]
 __version__ = "0.1.0"

@@ -12,12 +12,14 @@ from jaxfuse.pallas import attention as _p_attn
 from jaxfuse.pallas import cross_entropy as _p_ce
 from jaxfuse.pallas import decode_attention as _p_dec
 from jaxfuse.pallas import layer_norm as _p_ln
+from jaxfuse.pallas import linear_cross_entropy as _p_lce
 from jaxfuse.pallas import rms_norm as _p_rms
 from jaxfuse.pallas import softmax as _p_softmax
 from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import cross_entropy as _r_ce
 from jaxfuse.reference import decode_attention as _r_dec
 from jaxfuse.reference import layer_norm as _r_ln
+from jaxfuse.reference import linear_cross_entropy as _r_lce
 from jaxfuse.reference import rms_norm as _r_rms
 from jaxfuse.reference import softmax as _r_softmax
 
@@ -112,3 +114,21 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                  kv_lengths, scale=scale, num_splits=num_splits,
                  logits_soft_cap=logits_soft_cap, return_lse=return_lse, interpret=interpret,
                  block_sizes=block_sizes)
+
+
+def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
+                         label_smoothing: float = 0.0, ignore_index: int = -100,
+                         z_loss: float = 0.0, logits_soft_cap: float | None = None,
+                         reduction: str = "mean", impl: str = "pallas",
+                         interpret: bool | None = None, block_sizes=None) -> jax.Array:
+    """`cross_entropy(x @ weight, labels, ...)` plus `z_loss * lse^2` per token, without ever
+    materializing the [N, V] logits (x [..., D], weight [D, V], labels [...]).
+    `logits_soft_cap=c` caps the logits with c * tanh(z / c). Differentiable in x and weight;
+    gradients are deterministic. `impl="reference"` is the plain composition.
+
+    >>> loss = jaxfuse.linear_cross_entropy(hidden, w_unembed, targets, z_loss=1e-4)
+    """
+    return route(impl, _p_lce.linear_cross_entropy, _r_lce.linear_cross_entropy, x, weight,
+                 labels, label_smoothing=label_smoothing, ignore_index=ignore_index,
+                 z_loss=z_loss, logits_soft_cap=logits_soft_cap, reduction=reduction,
+                 interpret=interpret, block_sizes=block_sizes)

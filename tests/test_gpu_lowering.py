@@ -64,3 +64,11 @@ def test_decode_attention_lowers(hq, hkv):
     lens = jnp.array([0, 10, 1000], jnp.int32)
     _lower(lambda q, kc, lens: jaxfuse.decode_attention(q, kc, kc, lens, interpret=False,
                                                         num_splits=3), q, kc, lens)
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, logits_soft_cap=30.0)])
+def test_linear_cross_entropy_lowers(opts):
+    x = jnp.zeros((300, 256), jnp.bfloat16)
+    w = jnp.zeros((256, 5000), jnp.bfloat16)
+    labels = jnp.zeros((300,), jnp.int32)
+    _fwd_bwd(lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, interpret=False, **opts), x, w)

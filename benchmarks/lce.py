@@ -1,0 +1,115 @@
+"""GPU check and benchmark of the fused linear + cross-entropy (`jaxfuse.linear_cross_entropy`).
+
+N=8192 D=4096 V=128256 bf16 forward+backward against XLA (the reference under jit, logits
+materialized), tokamax `linear_softmax_cross_entropy_loss`, and the unfused x @ W +
+`jaxfuse.cross_entropy`: time and compiled temporary memory. Then N=32768 V=262144, which the
+unfused paths cannot hold comfortably. FLOPs: XLA does 3 matmuls of 2NDV, we do 4 (recompute).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+from jaxfuse import LCEBlocks
+from benchmarks._timing import bench, guarded, record, rel_err, temp_bytes
+
+S = "lce"
+
+
+def _inputs(key, n, d, v, dtype=jnp.bfloat16):
+    k = jax.random.split(key, 3)
+    return (jax.random.normal(k[0], (n, d), dtype),
+            (jax.random.normal(k[1], (d, v), jnp.float32) * d ** -0.5).astype(dtype),
+            jax.random.randint(k[2], (n,), 0, v))
+
+
+def check():
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for n, d, v, kw in [(1000, 256, 5000, {}), (333, 128, 70001,
+                                                    dict(label_smoothing=0.1, z_loss=1e-4,
+                                                         logits_soft_cap=30.0))]:
+            name = f"check N{n} D{d} V{v} {kw}"
+
+            def run(n=n, d=d, v=v, kw=kw, name=name):
+                x, w, labels = _inputs(jax.random.key(v), n, d, v, dtype)
+                f = lambda impl, x, w: jaxfuse.linear_cross_entropy(x, w, labels, impl=impl, **kw)
+                vg = lambda impl: jax.jit(jax.value_and_grad(functools.partial(f, impl),
+                                                             argnums=(0, 1)))
+                loss, (dx, dw) = vg("pallas")(x, w)
+                with jax.default_matmul_precision("highest"):
+                    loss_r, (dx_r, dw_r) = vg("reference")(x.astype(jnp.float32),
+                                                           w.astype(jnp.float32))
+                errs = [rel_err(loss, loss_r), rel_err(dx, dx_r), rel_err(dw, dw_r)]
+                _, (dx2, dw2) = vg("pallas")(x, w)
+                same = bool(jnp.array_equal(dx, dx2)) and bool(jnp.array_equal(dw, dw2))
+                ok = errs[0] < 1e-3 and max(errs[1:]) < 1e-2 and same
+                record(S, name, jnp.dtype(dtype).name, loss_err=errs[0], grad_err=max(errs[1:]),
+                       deterministic=same, status="ok" if ok else "FAIL")
+            guarded(S, name, jnp.dtype(dtype).name, run)
+
+
+def _fns(sweep: bool):
+    fns = {
+        "jaxfuse": lambda x, w, y: jaxfuse.linear_cross_entropy(x, w, y),
+        "xla_reference": lambda x, w, y: jaxfuse.linear_cross_entropy(x, w, y, impl="reference"),
+        "unfused_logits+jaxfuse.cross_entropy": lambda x, w, y: jaxfuse.cross_entropy(
+            jnp.dot(x, w), y),
+    }
+    try:
+        import tokamax
+        fns["tokamax"] = lambda x, w, y: tokamax.linear_softmax_cross_entropy_loss(
+            x, y, w, reduction="mean")
+    except Exception as e:  # noqa: BLE001
+        record(S, "peer import", "tokamax", error=str(e)[:100])
+    if sweep:
+        for bn, bv, bd, nw, st in [(128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
+                                   (64, 128, 64, 4, 4), (128, 128, 32, 4, 4)]:
+            blk = LCEBlocks(bn, bv, bd, None, nw, st)
+            fns[f"jaxfuse[{bn}x{bv}x{bd},w{nw},s{st}]"] = functools.partial(
+                lambda x, w, y, blk: jaxfuse.linear_cross_entropy(x, w, y, block_sizes=blk),
+                blk=blk)
+    return fns
+
+
+def perf(copy_bw: float, sweep: bool = True):
+    del copy_bw
+    n, d, v = 8192, 4096, 128256
+    args = _inputs(jax.random.key(0), n, d, v)
+    flops_ours = 4 * 2 * n * d * v
+    for impl, f in _fns(sweep).items():
+        def run(f=f, impl=impl):
+            step = jax.value_and_grad(f, argnums=(0, 1))
+            t = bench(jax.jit(step), [args], reps=3, repeats=3, warmup=1)
+            record(S, f"N{n} D{d} V{v} fwd+bwd", impl, t,
+                   temp_GB=(temp_bytes(step, *args) or 0) / 1e9,
+                   TFLOPs_4matmul=flops_ours / t / 1e12)
+        guarded(S, f"N{n} D{d} V{v} fwd+bwd", impl, run)
+    # Forward alone (the logits-never-held kernel by itself).
+    for impl in ("jaxfuse", "xla_reference"):
+        f = _fns(False)[impl]
+
+        def run_fwd(f=f, impl=impl):
+            t = bench(jax.jit(f), [args], reps=5, repeats=3, warmup=1)
+            record(S, f"N{n} D{d} V{v} fwd", impl, t, TFLOPs=2 * n * d * v / t / 1e12)
+        guarded(S, f"N{n} D{d} V{v} fwd", impl, run_fwd)
+    del args
+    n, v = 32768, 262144
+    big = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
+           jax.ShapeDtypeStruct((n,), jnp.int32)]
+    for impl in ("jaxfuse", "xla_reference", "unfused_logits+jaxfuse.cross_entropy"):
+        f = _fns(False)[impl]
+        step = jax.value_and_grad(f, argnums=(0, 1))
+        guarded(S, f"N{n} D{d} V{v} fwd+bwd temp", impl, lambda step=step, impl=impl: record(
+            S, f"N{n} D{d} V{v} fwd+bwd temp", impl, temp_GB=(temp_bytes(step, *big) or -1e9) / 1e9))
+
+    def run_big():
+        x, w, y = _inputs(jax.random.key(1), n, d, v)
+        step = jax.jit(jax.value_and_grad(_fns(False)["jaxfuse"], argnums=(0, 1)))
+        t = bench(step, [(x, w, y)], reps=1, repeats=1, warmup=1)
+        stats = jax.devices()[0].memory_stats() or {}
+        record(S, f"N{n} D{d} V{v} fwd+bwd", "jaxfuse", t,
+               peak_GB=stats.get("peak_bytes_in_use", 0) / 1e9)
+    guarded(S, f"N{n} D{d} V{v} fwd+bwd", "jaxfuse", run_big)

@@ -1,0 +1,64 @@
+"""Reference linear + cross-entropy: the composition that materializes the logits.
+
+For tokens x [N, D], weight [D, V] and labels [N]:
+
+    z = x @ weight                      (then c * tanh(z / c) with logits_soft_cap=c)
+    loss = cross_entropy(z, labels, label_smoothing, ignore_index) + z_loss * lse(z)^2
+
+per token (the z-loss of PaLM keeps lse near 0), reduced as `jaxfuse.cross_entropy` does.
+Leading batch axes of x and labels are flattened.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse import _checks
+from jaxfuse.reference.cross_entropy import reduce_loss
+
+
+def validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_cap) -> None:
+    _checks.check_float("x", x)
+    _checks.check_float("weight", weight)
+    _checks.check_ndim("x", x, min_ndim=1)
+    _checks.check_ndim("weight", weight, 2)
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x.dtype={x.dtype} and weight.dtype={weight.dtype} must match")
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"x.shape[-1]={x.shape[-1]} must equal weight.shape[0]="
+                         f"{weight.shape[0]} (weight is [D, V])")
+    _checks.check_int("labels", labels)
+    if tuple(labels.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"labels.shape={tuple(labels.shape)} must equal x.shape[:-1]="
+                         f"{tuple(x.shape[:-1])}")
+    _checks.check_smoothing(label_smoothing)
+    _checks.check_reduction(reduction)
+    if not float(z_loss) >= 0.0:
+        raise ValueError(f"z_loss={z_loss!r} must be >= 0")
+    _checks.check_positive("logits_soft_cap", logits_soft_cap)
+
+
+def token_losses(z, labels, *, label_smoothing, ignore_index, z_loss):
+    """Per-token loss from float32 logits z [N, V], and the lse (0 at ignored, NaN at bad)."""
+    n_cls = z.shape[-1]
+    lse = jax.nn.logsumexp(z, axis=-1)
+    in_range = (labels >= 0) & (labels < n_cls)
+    picked = jnp.take_along_axis(z, jnp.clip(labels, 0, n_cls - 1)[:, None], axis=-1)[:, 0]
+    a = float(label_smoothing)
+    loss = lse - (1.0 - a) * picked - (a / n_cls) * jnp.sum(z, axis=-1) + z_loss * lse * lse
+    ignored = labels == ignore_index
+    return jnp.where(ignored, 0.0, jnp.where(in_range, loss, jnp.nan)), ~ignored
+
+
+def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
+                         label_smoothing: float = 0.0, ignore_index: int = -100,
+                         z_loss: float = 0.0, logits_soft_cap: float | None = None,
+                         reduction: str = "mean") -> jax.Array:
+    """Cross-entropy of x @ weight against labels; float32 result."""
+    validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_cap)
+    z = jnp.dot(x.reshape(-1, x.shape[-1]), weight, preferred_element_type=jnp.float32)
+    if logits_soft_cap is not None:
+        z = logits_soft_cap * jnp.tanh(z / logits_soft_cap)
+    loss, valid = token_losses(z, labels.reshape(-1), label_smoothing=label_smoothing,
+                               ignore_index=ignore_index, z_loss=float(z_loss))
+    return reduce_loss(loss.reshape(labels.shape), valid.reshape(labels.shape), reduction)

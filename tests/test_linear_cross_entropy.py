@@ -1,0 +1,108 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import jaxfuse
+from jaxfuse import LCEBlocks
+from tests._util import assert_close, keys, randn
+
+# (N, D, V, blocks): whole-vocabulary default and tiles that split every axis awkwardly.
+CASES = [(37, 24, 301, None), (37, 24, 301, LCEBlocks(16, 32, 8, 64)), (1, 8, 17, None),
+         (2, 3, 16, LCEBlocks(8, 16, 16, 16))]
+OPTIONS = [dict(), dict(label_smoothing=0.1), dict(z_loss=1e-2),
+           dict(logits_soft_cap=2.0, label_smoothing=0.2, z_loss=1e-3)]
+
+
+def _inputs(n, d, v, dtype=jnp.float32, seed=0):
+    k = keys(seed, 3)
+    x = randn(k[0], (n, d), dtype)
+    w = randn(k[1], (d, v), dtype, scale=0.3)
+    labels = jax.random.randint(k[2], (n,), 0, v)
+    if n > 2:
+        labels = labels.at[1].set(-100)
+    return x, w, labels
+
+
+class LinearCrossEntropyTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(case=CASES, options=OPTIONS, reduction=["mean", "sum", "none"])
+    def test_matches_reference(self, case, options, reduction):
+        n, d, v, blocks = case
+        x, w, labels = _inputs(n, d, v, seed=n + v)
+        kw = dict(options, reduction=reduction)
+        f = self.variant(lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels,
+                                                                   block_sizes=blocks, **kw))
+        fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, impl="reference", **kw)
+        y, vjp = jax.vjp(f, x, w)
+        y_r, vjp_r = jax.vjp(fr, x, w)
+        assert_close(y, y_r, jnp.float32, scale=10.0)
+        ct = randn(keys(1, 1)[0], y.shape)
+        assert_close(vjp(ct), vjp_r(ct), jnp.float32, scale=10.0)
+
+    def test_bf16_inputs_against_float32_reference(self):
+        x, w, labels = _inputs(64, 32, 1000, jnp.bfloat16, seed=2)
+        f = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
+                                                      block_sizes=LCEBlocks(16, 128, 16, 256))
+        fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
+                                                       impl="reference")
+        loss, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(x, w)
+        self.assertEqual((dx.dtype, dw.dtype), (jnp.bfloat16, jnp.bfloat16))
+        loss_r, (dx_r, dw_r) = jax.value_and_grad(fr, argnums=(0, 1))(
+            x.astype(jnp.float32), w.astype(jnp.float32))
+        rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+        self.assertLess(abs(float(loss) - float(loss_r)) / abs(float(loss_r)), 1e-3)
+        self.assertLess(rel(dx, dx_r), 1e-2)
+        self.assertLess(rel(dw, dw_r), 1e-2)
+
+    def test_ignored_tokens_and_bad_labels(self):
+        x, w, _ = _inputs(4, 8, 11)
+        labels = jnp.array([3, -100, 11, -2])
+        loss = jaxfuse.linear_cross_entropy(x, w, labels, reduction="none")
+        self.assertEqual(float(loss[1]), 0.0)
+        self.assertTrue(bool(jnp.isnan(loss[2])) and bool(jnp.isnan(loss[3])))
+        g = jax.grad(lambda x: jaxfuse.linear_cross_entropy(
+            x, w, jnp.array([3, -100, 5, -100])))(x)
+        np.testing.assert_array_equal(g[1], 0.0)
+
+    def test_leading_batch_axes(self):
+        x, w, labels = _inputs(12, 8, 30)
+        y = jaxfuse.linear_cross_entropy(x.reshape(3, 4, 8), w, labels.reshape(3, 4),
+                                         reduction="none")
+        self.assertEqual(y.shape, (3, 4))
+        assert_close(y.reshape(-1), jaxfuse.linear_cross_entropy(x, w, labels, reduction="none"),
+                     jnp.float32)
+
+    def test_temporary_memory_stays_far_below_the_logits(self):
+        # Compiled only, never run: 4096 tokens x 32768 classes would be 512 MiB of logits.
+        n, d, v = 4096, 32, 32768
+        x = jax.ShapeDtypeStruct((n, d), jnp.float32)
+        w = jax.ShapeDtypeStruct((d, v), jnp.float32)
+        labels = jnp.zeros((n,), jnp.int32)
+        logits_bytes = n * v * 4
+        def temp(impl):
+            f = jax.value_and_grad(lambda x, w: jaxfuse.linear_cross_entropy(
+                x, w, labels, impl=impl), argnums=(0, 1))
+            return jax.jit(f).lower(x, w).compile().memory_analysis().temp_size_in_bytes
+        self.assertLess(temp("pallas"), logits_bytes / 8)
+        self.assertGreater(temp("reference"), logits_bytes)
+
+    def test_bad_input(self):
+        x, w, labels = _inputs(4, 8, 11)
+        with self.assertRaisesRegex(ValueError, "x.shape\\[-1\\]=8 must equal weight.shape\\[0\\]=7"):
+            jaxfuse.linear_cross_entropy(x, w[:7], labels)
+        with self.assertRaisesRegex(ValueError, "labels.shape=\\(3,\\)"):
+            jaxfuse.linear_cross_entropy(x, w, labels[:3])
+        with self.assertRaisesRegex(ValueError, "weight.dtype=bfloat16"):
+            jaxfuse.linear_cross_entropy(x, w.astype(jnp.bfloat16), labels)
+        with self.assertRaisesRegex(ValueError, "z_loss=-1"):
+            jaxfuse.linear_cross_entropy(x, w, labels, z_loss=-1)
+        with self.assertRaisesRegex(ValueError, "slab=24 must be a multiple of block_v=16"):
+            jaxfuse.linear_cross_entropy(x, w, labels, block_sizes=LCEBlocks(4, 16, 8, 24))
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])

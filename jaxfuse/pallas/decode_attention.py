@@ -33,7 +33,7 @@ from jaxfuse.reference.attention import merge_many
 class DecodeBlocks:
     """`block_k` keys per inner step; `num_*` only matter on the GPU. `folded=None` folds batch
     and KV heads into the block in interpret mode and squeezes them on the GPU."""
-    block_k: int = 128
+    block_k: int = 64      # 64 measured as fast as 128 on an H200 and fits float32 in shared memory
     num_warps: int = 4
     num_stages: int = 3
     folded: bool | None = None
@@ -75,8 +75,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, *, spec: A.AttnSpec, b
         k0 = j * bk
         k = A.load_rows(k_ref, k0, bk, n, spec)                               # [..., bk, Dp]
         v = A.load_rows(v_ref, k0, bk, n, spec)
-        if bh == 1:   # one query row (MHA): a broadcast multiply-reduce, no 16-row matmul tile
-            s = jnp.sum(q[..., :, None, :].astype(jnp.float32) * k[..., None, :, :], axis=-1)
+        if bh == 1:   # one query row (MHA): a 2-D multiply-reduce, no 16-row matmul tile
+            s = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=-1)[..., None, :]
         else:
             s = A.dot(q, k, "...hd,...kd->...hk")                             # [..., bh, bk]
         s2, _ = A.transform(spec, s, None, None, None, None, masked=False)
@@ -88,7 +88,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, *, spec: A.AttnSpec, b
         p = jnp.exp2(s2 - shift)
         l = l * alpha + jnp.sum(p, axis=-1, keepdims=True)
         if bh == 1:
-            pv = jnp.sum(p[..., :, :, None] * v[..., None, :, :].astype(jnp.float32), axis=-2)
+            pv = jnp.sum(jnp.swapaxes(p, -1, -2) * v.astype(jnp.float32), axis=-2,
+                         keepdims=True)                                       # [..., 1, Dp]
         else:
             pv = A.dot(p.astype(v.dtype), v, "...hk,...kd->...hd")
         return acc * alpha + pv, m_new, l

@@ -204,6 +204,8 @@ def load_rows(ref, r0, n: int, n_valid: int, spec: AttnSpec, global_r0=None, hea
     mask = (rows < n_valid) & (cols < spec.head_dim)
     idx = (pl.ds(r0, n), pl.ds(0, spec.head_dim_pad))
     idx = (Ellipsis, *idx) if head is None else (idx[0], head, idx[1])
+    if C.tiles_exactly(n_valid, n) and spec.head_dim == spec.head_dim_pad:
+        return C.pltriton.load(ref.at[idx])     # whole tile in range: no predicate
     return C.pltriton.load(ref.at[idx], mask=mask, other=0.0)
 
 
@@ -212,8 +214,11 @@ def store_rows(ref, value, r0, n_valid: int, spec: AttnSpec, global_r0=None):
     g0 = r0 if global_r0 is None else global_r0
     rows = g0 + jax.lax.broadcasted_iota(jnp.int32, (n, spec.head_dim_pad), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (n, spec.head_dim_pad), 1)
-    C.pltriton.store(ref.at[..., pl.ds(r0, n), pl.ds(0, spec.head_dim_pad)],
-                     value.astype(ref.dtype), mask=(rows < n_valid) & (cols < spec.head_dim))
+    at = ref.at[..., pl.ds(r0, n), pl.ds(0, spec.head_dim_pad)]
+    if C.tiles_exactly(n_valid, n) and spec.head_dim == spec.head_dim_pad:
+        C.pltriton.store(at, value.astype(ref.dtype))
+        return
+    C.pltriton.store(at, value.astype(ref.dtype), mask=(rows < n_valid) & (cols < spec.head_dim))
 
 
 def load_vec(ref, r0, n: int, n_valid: int, global_r0=None, other=0, head=None):

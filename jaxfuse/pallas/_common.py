@@ -100,16 +100,26 @@ def load_tile(ref, row0, col0, block_rows: int, block_cols: int, n_rows: int, n_
     Returns `(tile, rows, cols, valid)`; `rows`/`cols` are absolute int32 indices of the tile.
     """
     rows, cols, valid = _tile_index(row0, col0, block_rows, block_cols, n_rows, n_cols)
-    tile = pltriton.load(ref.at[pl.ds(row0, block_rows), pl.ds(col0, block_cols)],
-                         mask=valid, other=other)
-    return tile, rows, cols, valid
+    at = ref.at[pl.ds(row0, block_rows), pl.ds(col0, block_cols)]
+    if tiles_exactly(n_rows, block_rows) and tiles_exactly(n_cols, block_cols):
+        return pltriton.load(at), rows, cols, valid   # no tile hangs over: skip the predicate
+    return pltriton.load(at, mask=valid, other=other), rows, cols, valid
+
+
+def tiles_exactly(n, block: int) -> bool:
+    """True when every tile starting at a multiple of `block` lies inside a static length n
+    (callers only start tiles at multiples of their block size)."""
+    return isinstance(n, int) and n % block == 0
 
 
 def store_tile(ref, value, row0, col0, n_rows: int, n_cols: int):
     block_rows, block_cols = value.shape
+    at = ref.at[pl.ds(row0, block_rows), pl.ds(col0, block_cols)]
+    if tiles_exactly(n_rows, block_rows) and tiles_exactly(n_cols, block_cols):
+        pltriton.store(at, value.astype(ref.dtype))
+        return
     _, _, valid = _tile_index(row0, col0, block_rows, block_cols, n_rows, n_cols)
-    pltriton.store(ref.at[pl.ds(row0, block_rows), pl.ds(col0, block_cols)],
-                   value.astype(ref.dtype), mask=valid)
+    pltriton.store(at, value.astype(ref.dtype), mask=valid)
 
 
 def load_rows(ref, row0, block_rows: int, n_rows: int, *, other=0):

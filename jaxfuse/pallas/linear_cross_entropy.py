@@ -52,7 +52,7 @@ class LCEBlocks:
             slab_budget = 1 << 20                     # elements of dz per slab (4 MiB f32)
             return cls(n, bv, d, _slab(slab_budget, n, bv, v), 1, 1)
         slab_budget = (64 << 20) // itemsize          # 64 MiB of dz per slab
-        return cls(128, 128, 64, _slab(slab_budget, n, 128, v), 8, 3)
+        return cls(128, 128, 64, _slab(slab_budget, n, 128, v), 8, 4)
 
 
 def _slab(budget: int, n: int, bv: int, v: int) -> int:

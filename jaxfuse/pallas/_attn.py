@@ -44,6 +44,7 @@ class AttnSpec:
     groups: int       # G = Hq // Hkv
     segments: bool
     folded: bool      # interpret-mode layout (batch and heads folded into the block)
+    itemsize: int     # bytes per element of q, k, v (tile sizes depend on it)
     interpret: bool   # interpret the pallas_call (normally == folded; tests run the GPU layout
                       # in interpret mode by forcing AttnBlocks(folded=False))
 
@@ -82,13 +83,16 @@ class AttnBlocks:
         # Measured on an H200 (BENCHMARKS.md): 128 x 128 tiles with 8 warps and 3 stages for the
         # forward at D <= 128 (455 TFLOP/s non-causal vs 413 at 128 x 64), 64 x 64 tiles with
         # 4 warps for both backward kernels (8 warps ran 1.9x slower).
+        # float32 inputs double the bytes per tile: 128 x 128 tiles in 3 stages asked for 272 KiB
+        # of shared memory (the H200 has 227 KiB), so they get smaller tiles and 2 stages.
+        wide = spec.itemsize >= 4
         if dp <= 128:
-            bq, bk, w = 128, 128, 4 if dp <= 64 else 8
+            bq, bk, w, st = (64, 64, 4, 2) if wide else (128, 128, 4 if dp <= 64 else 8, 3)
         else:
-            bq, bk, w = 64, 32, 8
+            bq, bk, w, st = (32, 32, 4, 2) if wide else (64, 32, 8, 3)
         bwd = 32 if dp > 128 else 64
         return cls(small(bq, spec.n_q), small(bk, spec.n_k), small(bwd, spec.n_q),
-                   small(bwd, spec.n_k), small(bwd, spec.n_k), small(bwd, spec.n_q), w, 3, 4, 2)
+                   small(bwd, spec.n_k), small(bwd, spec.n_k), small(bwd, spec.n_q), w, st, 4, 2)
 
     def validate(self, folded: bool) -> None:
         for f in dataclasses.fields(self):

@@ -94,14 +94,15 @@ def _tile_index(row0, col0, block_rows: int, block_cols: int, n_rows: int, n_col
 
 
 def load_tile(ref, row0, col0, block_rows: int, block_cols: int, n_rows: int, n_cols: int,
-              *, other=0.0):
+              *, other=0.0, predicate: bool = False):
     """Loads `ref[row0:row0+br, col0:col0+bc]` (a 2-D ref), `other` outside the array.
 
     Returns `(tile, rows, cols, valid)`; `rows`/`cols` are absolute int32 indices of the tile.
+    Tiles that lie wholly inside a static shape skip the predicate, unless `predicate=True`.
     """
     rows, cols, valid = _tile_index(row0, col0, block_rows, block_cols, n_rows, n_cols)
     at = ref.at[pl.ds(row0, block_rows), pl.ds(col0, block_cols)]
-    if tiles_exactly(n_rows, block_rows) and tiles_exactly(n_cols, block_cols):
+    if not predicate and tiles_exactly(n_rows, block_rows) and tiles_exactly(n_cols, block_cols):
         return pltriton.load(at), rows, cols, valid   # no tile hangs over: skip the predicate
     return pltriton.load(at, mask=valid, other=other), rows, cols, valid
 

@@ -135,7 +135,7 @@ def make_spec(q, k, *, causal, scale, window, softcap, segments, interpret,
     return AttnSpec(1.0 / math.sqrt(d) if scale is None else float(scale), bool(causal),
                     None if window is None else int(window),
                     None if softcap is None else float(softcap), q.shape[1], k.shape[1], d, dp,
-                    q.shape[2] // k.shape[2], segments, folded, interpret)
+                    q.shape[2] // k.shape[2], segments, folded, q.dtype.itemsize, interpret)
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,

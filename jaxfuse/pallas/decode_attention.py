@@ -119,7 +119,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     dp = d if folded else max(16, C.next_pow2(d))
     spec = A.AttnSpec(1.0 / math.sqrt(d) if scale is None else float(scale), False, None,
                       None if logits_soft_cap is None else float(logits_soft_cap), 1, s_len, d,
-                      dp, g, False, folded, interpret)
+                      dp, g, False, folded, q.dtype.itemsize, interpret)
     if num_splits is None:
         num_splits = 1 if folded else choose_splits(b * hkv, s_len, C.num_multiprocessors())
     bk = min(blocks.block_k, max(16, C.next_pow2(s_len))) if not folded else \

@@ -9,6 +9,7 @@ import jax
 
 from jaxfuse._dispatch import route
 from jaxfuse.pallas import attention as _p_attn
+from jaxfuse.pallas import beam_top_k as _p_topk
 from jaxfuse.pallas import cross_entropy as _p_ce
 from jaxfuse.pallas import decode_attention as _p_dec
 from jaxfuse.pallas import layer_norm as _p_ln
@@ -16,6 +17,7 @@ from jaxfuse.pallas import linear_cross_entropy as _p_lce
 from jaxfuse.pallas import rms_norm as _p_rms
 from jaxfuse.pallas import softmax as _p_softmax
 from jaxfuse.reference import attention as _r_attn
+from jaxfuse.reference import beam_top_k as _r_topk
 from jaxfuse.reference import cross_entropy as _r_ce
 from jaxfuse.reference import decode_attention as _r_dec
 from jaxfuse.reference import layer_norm as _r_ln
@@ -131,4 +133,17 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
     return route(impl, _p_lce.linear_cross_entropy, _r_lce.linear_cross_entropy, x, weight,
                  labels, label_smoothing=label_smoothing, ignore_index=ignore_index,
                  z_loss=z_loss, logits_soft_cap=logits_soft_cap, reduction=reduction,
+                 interpret=interpret, block_sizes=block_sizes)
+
+
+def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *, impl: str = "pallas",
+               interpret: bool | None = None, block_sizes=None):
+    """Best k of the beam_size x V continuations scored beam_scores[b, i] + log_probs[b, i, j]:
+    (scores [B, k] float32, beam_index [B, k], token_index [B, k]), best first, ties broken by
+    the lower flat index i * V + j. "pallas" is the hierarchical HARS selection (exact);
+    "reference" is `lax.top_k` over the flattened scores. Both give identical results.
+
+    >>> scores, parent, token = jaxfuse.beam_top_k(log_probs, beam_scores, beam_size)
+    """
+    return route(impl, _p_topk.beam_top_k, _r_topk.beam_top_k, log_probs, beam_scores, k,
                  interpret=interpret, block_sizes=block_sizes)

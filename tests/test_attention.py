@@ -38,7 +38,7 @@ def _make(case, dtype, seed):
 
 class FlashAttentionTest(chex.TestCase):
 
-    @chex.variants(with_jit=True, without_jit=True)
+    @chex.variants(with_jit=True)
     @parameterized.product(case=CASES, dtype=DTYPES, layout=list(LAYOUTS))
     def test_matches_reference_with_grads(self, case, dtype, layout):
         (q, k, v), opts, ks = _make(case, dtype, case[1] + case[3])

@@ -28,9 +28,10 @@ def _inputs(n, d, v, dtype=jnp.float32, seed=0):
 
 class LinearCrossEntropyTest(chex.TestCase):
 
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.product(case=CASES, options=OPTIONS, reduction=["mean", "sum", "none"])
-    def test_matches_reference(self, case, options, reduction):
+    @chex.variants(with_jit=True)
+    @parameterized.product(case=CASES, options=OPTIONS)
+    def test_matches_reference(self, case, options):
+        reduction = ("mean", "sum", "none")[(CASES.index(case) + OPTIONS.index(options)) % 3]
         n, d, v, blocks = case
         x, w, labels = _inputs(n, d, v, seed=n + v)
         kw = dict(options, reduction=reduction)

@@ -17,7 +17,7 @@ CASES = [((1, 1), None), ((5, 37), RowBlocks(2, 8)), ((2, 3, 17, 29), None),
 
 class SoftmaxTest(chex.TestCase):
 
-    @chex.variants(with_jit=True, without_jit=True)
+    @chex.variants(with_jit=True)
     @parameterized.product(case=CASES, dtype=DTYPES, masking=["none", "both"])
     def test_matches_reference_with_grads(self, case, dtype, masking):
         shape, blocks = case

@@ -1,0 +1,99 @@
+"""Greedy decoding and beam search over the KV cache, each under one `jax.jit`.
+
+Beam search (lecture 10, sec. 6): every step scores beam_size x V continuations and keeps the best
+beam_size with `jaxfuse.beam_top_k` (HARS with impl="pallas"); the cache rows are then gathered
+by parent beam (no Python loop). A finished beam's only continuation is `eos_id` at log-prob 0,
+so it keeps its score and competes with the live beams on the same scale:
+score = sum of log-probs / len ** length_penalty, len counting the tokens up to and including eos.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+from jaxfuse.model import decoding
+from jaxfuse.model.config import Config
+
+
+def _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg):
+    if prompts.ndim != 2 or tuple(prompt_lengths.shape) != (prompts.shape[0],):
+        raise ValueError(f"prompts.shape={prompts.shape} must be [B, P] and prompt_lengths.shape="
+                         f"{prompt_lengths.shape} must be [B]")
+    if prompts.shape[1] + max_new_tokens > cfg.max_len:
+        raise ValueError(f"prompt width {prompts.shape[1]} + max_new_tokens={max_new_tokens} "
+                         f"exceeds cfg.max_len={cfg.max_len}")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_id", "impl"))
+def greedy(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: jax.Array, *,
+           max_new_tokens: int, eos_id: int, impl: str = "pallas") -> jax.Array:
+    """Generated tokens [B, max_new_tokens]; `eos_id` fills the rest once a sequence ended."""
+    _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg)
+    b = prompts.shape[0]
+    cache = decoding.init_cache(cfg, b)
+    logits, cache = decoding.prefill(params, cache, prompts, prompt_lengths, cfg, impl=impl)
+
+    def step(t, state):
+        logits, cache, out, done = state
+        tok = jnp.where(done, eos_id, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        out = out.at[:, t].set(tok)
+        done = done | (tok == eos_id)
+        logits, cache = decoding.decode_step(params, cache, tok, cfg, impl=impl)
+        return logits, cache, out, done
+
+    out = jnp.full((b, max_new_tokens), eos_id, jnp.int32)
+    state = (logits, cache, out, jnp.zeros((b,), bool))
+    return jax.lax.fori_loop(0, max_new_tokens, step, state)[2]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "beam_size", "max_new_tokens", "eos_id",
+                                             "length_penalty", "impl"))
+def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: jax.Array, *,
+                beam_size: int, max_new_tokens: int, eos_id: int, length_penalty: float = 0.0,
+                impl: str = "pallas"):
+    """(tokens [B, beam_size, max_new_tokens], scores [B, beam_size]), best first."""
+    _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg)
+    b, k, v = prompts.shape[0], beam_size, cfg.vocab_size
+    cache = decoding.init_cache(cfg, b)
+    logits, cache = decoding.prefill(params, cache, prompts, prompt_lengths, cfg, impl=impl)
+    # Every beam starts as the prompt; only beam 0 is live at first, so the k first picks differ.
+    tile = lambda x: jnp.repeat(x, k, axis=1 if x.ndim == 5 else 0)
+    cache = {"k": tile(cache["k"]), "v": tile(cache["v"]), "lengths": tile(cache["lengths"])}
+    logits = jnp.repeat(logits, k, axis=0)                                   # [B*K, V]
+    raw = jnp.where(jnp.arange(k)[None] == 0, 0.0, -jnp.inf) * jnp.ones((b, 1))
+    state = (logits, cache, jnp.full((b, k, max_new_tokens), eos_id, jnp.int32), raw,
+             jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), bool))
+    eos_only = jnp.where(jnp.arange(v) == eos_id, 0.0, -jnp.inf)             # [V]
+
+    def norm(score, length):
+        if length_penalty == 0.0:
+            return score
+        return score / jnp.maximum(length, 1).astype(jnp.float32) ** length_penalty
+
+    def step(t, state):
+        logits, cache, tokens, raw, length, done = state
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(b, k, v)
+        logp = jnp.where(done[..., None], eos_only, logp)                    # finished: eos only
+        new_len = length + jnp.where(done, 0, 1)                             # [B, K]
+        cand = norm(raw[..., None] + logp, new_len[..., None])               # [B, K, V]
+        _, parent, tok = jaxfuse.beam_top_k(cand, jnp.zeros((b, k)), k, impl=impl)
+        raw = jnp.take_along_axis(raw, parent, 1) + jnp.take_along_axis(
+            logp.reshape(b, k * v), parent * v + tok, 1)
+        length = jnp.take_along_axis(new_len, parent, 1)
+        done = jnp.take_along_axis(done, parent, 1) | (tok == eos_id)
+        tokens = jnp.take_along_axis(tokens, parent[..., None], 1).at[:, :, t].set(tok)
+        # Reorder the cache by parent beam: one gather over the (batch, beam) rows.
+        rows = (jnp.arange(b)[:, None] * k + parent).reshape(-1)             # [B*K]
+        cache = {"k": cache["k"][:, rows], "v": cache["v"][:, rows],
+                 "lengths": cache["lengths"][rows]}
+        logits, cache = decoding.decode_step(params, cache, tok.reshape(-1), cfg, impl=impl)
+        return logits, cache, tokens, raw, length, done
+
+    _, _, tokens, raw, length, _ = jax.lax.fori_loop(0, max_new_tokens, step, state)
+    scores = norm(raw, length)
+    order = jnp.argsort(-scores, axis=1, stable=True)
+    return (jnp.take_along_axis(tokens, order[..., None], 1),
+            jnp.take_along_axis(scores, order, 1))

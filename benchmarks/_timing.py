@@ -74,6 +74,18 @@ def guarded(section: str, workload: str, impl: str, thunk):
         return None
 
 
+def peers(section: str, **builders) -> dict:
+    """Peer implementations by name; a builder that fails (peer not installed) is recorded as a
+    row and skipped. Each builder returns a dict of name -> function."""
+    out = {}
+    for name, build in builders.items():
+        try:
+            out.update(build())
+        except Exception as e:  # noqa: BLE001
+            record(section, "peer import", name, error=f"{type(e).__name__}: {str(e)[:100]}")
+    return out
+
+
 def copy_ceiling() -> float:
     """Bytes/s of a large device copy (elementwise scale of 1 GiB float32: read + write)."""
     x = jax.random.normal(jax.random.key(0), (1 << 28,), jnp.float32)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 import jaxfuse
 from jaxfuse import AttnBlocks
+from benchmarks import _timing
 from benchmarks._timing import bench, guarded, record, rel_err
 
 S = "attention"
@@ -82,20 +83,18 @@ def _peers(causal: bool):
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                               implementation="cudnn"),
     }
-    try:
+    def jax_pallas():
         from jax.experimental.pallas.ops.gpu import attention as jattn
-        peers["jax_pallas_mha"] = lambda q, k, v: jattn.mha(
-            q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)
-    except Exception as e:  # noqa: BLE001
-        record(S, "peer import", "jax_pallas_mha", error=str(e)[:100])
-    try:
+        return {"jax_pallas_mha": lambda q, k, v: jattn.mha(
+            q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)}
+
+    def tokamax_peers():
         import tokamax
-        for impl in ("triton", "mosaic"):
-            peers[f"tokamax_{impl}"] = functools.partial(
-                lambda q, k, v, impl: tokamax.dot_product_attention(
-                    q, k, v, is_causal=causal, implementation=impl), impl=impl)
-    except Exception as e:  # noqa: BLE001
-        record(S, "peer import", "tokamax", error=str(e)[:100])
+        return {f"tokamax_{impl}": functools.partial(
+            lambda q, k, v, impl: tokamax.dot_product_attention(
+                q, k, v, is_causal=causal, implementation=impl), impl=impl)
+            for impl in ("triton", "mosaic")}
+    peers.update(_timing.peers(S, jax_pallas=jax_pallas, tokamax=tokamax_peers))
     return peers
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 import jaxfuse
 from jaxfuse import RowBlocks
-from benchmarks._timing import bench, guarded, record, rel_err, temp_bytes
+from benchmarks._timing import bench, guarded, peers, record, rel_err, temp_bytes
 
 S = "rows"
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
@@ -71,24 +71,20 @@ def check():
 
 
 def _peers_norm(center: bool):
-    peers = {}
-    try:
+    def jax_pallas():
         from jax.experimental.pallas.ops.gpu import layer_norm as jln, rms_norm as jrms
-        mod = jln if center else jrms
-        peers["jax_pallas"] = lambda x, w, b: mod.layer_norm(x, w, b) if center else \
-            mod.rms_norm(x, w, b)
-    except Exception as e:  # noqa: BLE001
-        record(S, "peer import", "jax_pallas", error=str(e)[:100])
-    try:
+        fn = jln.layer_norm if center else jrms.rms_norm
+        # JAX's ops vmap over two leading axes: give them [B, T, D].
+        return {"jax_pallas": lambda x, w, b: fn(x.reshape(32, -1, x.shape[-1]), w, b).reshape(
+            x.shape)}
+
+    def tokamax_peers():
         import tokamax
-        for impl in ("triton", "xla"):
-            peers[f"tokamax_{impl}"] = functools.partial(
-                lambda x, w, b, impl: tokamax.layer_norm(
-                    x, w, b if center else None, epsilon=1e-5, subtract_mean=center,
-                    implementation=impl), impl=impl)
-    except Exception as e:  # noqa: BLE001
-        record(S, "peer import", "tokamax", error=str(e)[:100])
-    return peers
+        return {f"tokamax_{impl}": functools.partial(
+            lambda x, w, b, impl: tokamax.layer_norm(
+                x, w, b if center else None, epsilon=1e-5, subtract_mean=center,
+                implementation=impl), impl=impl) for impl in ("triton", "xla")}
+    return peers(S, jax_pallas=jax_pallas, tokamax=tokamax_peers)
 
 
 def perf(copy_bw: float, sweep: bool = True):

@@ -15,7 +15,19 @@ accuracy sits on the plateau of "some item from the context" (1/4).
 
 The recipe, and what was measured finding it (2-core CPU, jax 0.10.2, plain-XLA model, batch 64,
 loss on answers only, AdamW, 100 warmup steps then cosine):
-RECIPE_NOTES
+- Initialization decides it. With token embeddings ~ N(0, 1) (what `jaxfuse.model.init` does)
+  held-out accuracy crossed from the plateau to 97-100% by step 500 in each of 4 seeds (1,500
+  steps: 37 s); with GPT-2's N(0, 0.02) embeddings the same run sat at 27-30% through step
+  1,500, the plateau the issue's calibration reports for 4,500 steps. RMSNorm makes the block
+  inputs scale-free, so a tiny embedding mostly shrinks the residual stream against what the
+  blocks add, and the two-step circuit starts from almost nothing.
+- Loss on the answers only: with the loss on every next token the run stayed at 10-32% through
+  step 1,500 (the unpredictable names and items dominate the gradient).
+- Learning rate 1e-3 and 3e-3 both crossed by step 500 with this initialization.
+- Asking all 4 facts (4 questions) also works but lets the last answer be found by elimination;
+  training on 2 questions keeps the task honest, and the test set always has 2.
+With the Pallas kernels in interpret mode a step takes about 40 ms (25 ms with impl="reference"),
+so the default 1,500 steps train in about a minute.
 """
 from __future__ import annotations
 
@@ -32,6 +44,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jaxfuse import model as M  # noqa: E402
 from likesworld_data import World  # noqa: E402
+
+
+DEFAULT_STEPS = 1500
+DEFAULT_BATCH = 64
+DEFAULT_LR = 1e-3
+DEFAULT_QUESTIONS = 2
 
 
 def make_targets(tokens, positions, answers):
@@ -159,8 +177,9 @@ def main(argv=None) -> float:
     return acc
 
 
-def decode_examples(params, cfg, world, test, impl, n=3):
-    """Prompts cut right after the first `q NAME`: the model should answer the item, then '.'."""
+def decode_examples(params, cfg, world, test, impl, n=4):
+    """Prompts cut right after the first `q NAME`: greedy decoding and a 3-beam search of the
+    answer (the model was trained on answers only, so one new token is the meaningful part)."""
     tokens, positions, answers = test
     lengths = positions[:n, 0] + 1
     prompts = np.zeros((n, tokens.shape[1]), np.int32)
@@ -168,14 +187,16 @@ def decode_examples(params, cfg, world, test, impl, n=3):
         prompts[i, :lengths[i]] = tokens[i, :lengths[i]]
     prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths, jnp.int32)
     eos = world.tok("<eos>")
-    greedy = M.greedy(params, cfg, prompts, lengths, max_new_tokens=4, eos_id=eos, impl=impl)
-    beams, scores = M.beam_search(params, cfg, prompts, lengths, beam_size=3, max_new_tokens=4,
+    greedy = M.greedy(params, cfg, prompts, lengths, max_new_tokens=1, eos_id=eos, impl=impl)
+    beams, scores = M.beam_search(params, cfg, prompts, lengths, beam_size=3, max_new_tokens=1,
                                   eos_id=eos, impl=impl)
-    print("\ndecoding (prompt ... | greedy | best beams with log-prob):")
+    print("\ndecoding: prompt (end) -> truth | greedy | 3 beams with probabilities")
     for i in range(n):
-        print(f"  ... {world.decode(np.asarray(prompts[i, lengths[i] - 6:lengths[i]]))} | "
-              f"{world.decode(greedy[i])} | " + " / ".join(
-                  f"{world.decode(beams[i, j])} ({float(scores[i, j]):.2f})" for j in range(2)))
+        tail = world.decode(np.asarray(prompts[i, lengths[i] - 6:lengths[i]]))
+        beam_txt = ", ".join(f"{world.decode(beams[i, j])} {float(jnp.exp(scores[i, j])):.3f}"
+                             for j in range(3))
+        print(f"  ... {tail} -> {world.vocab[int(answers[i, 0])]} | "
+              f"{world.decode(greedy[i])} | {beam_txt}")
 
 
 if __name__ == "__main__":

@@ -73,3 +73,13 @@ def check_reduction(reduction: str) -> None:
 def check_smoothing(label_smoothing: float) -> None:
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing!r} must lie in [0, 1]")
+
+
+def check_labels(labels, lead_shape, of: str, label_smoothing: float, reduction: str) -> None:
+    """Integer labels shaped like `of` without its last axis, plus the loss options."""
+    check_int("labels", labels)
+    if tuple(labels.shape) != tuple(lead_shape):
+        raise ValueError(f"labels.shape={tuple(labels.shape)} must equal {of}.shape[:-1]="
+                         f"{tuple(lead_shape)}")
+    check_smoothing(label_smoothing)
+    check_reduction(reduction)

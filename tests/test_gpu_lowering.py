@@ -72,3 +72,8 @@ def test_linear_cross_entropy_lowers(opts):
     w = jnp.zeros((256, 5000), jnp.bfloat16)
     labels = jnp.zeros((300,), jnp.int32)
     _fwd_bwd(lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, interpret=False, **opts), x, w)
+
+
+def test_beam_top_k_lowers():
+    lp = jnp.zeros((2, 4, 1000), jnp.float32)
+    _lower(lambda lp, s: jaxfuse.beam_top_k(lp, s, 4, interpret=False), lp, jnp.zeros((2, 4)))

@@ -103,6 +103,14 @@ class AttnBlocks:
                 raise ValueError(f"{f.name}={v} must be a positive power of two on the GPU")
 
 
+def split_refs(refs, spec: AttnSpec, n_out: int):
+    """(segment-id refs or (None, None), output refs) from a kernel's trailing refs."""
+    if spec.segments:
+        return tuple(refs[:2]), tuple(refs[2:])
+    assert len(refs) == n_out
+    return (None, None), tuple(refs)
+
+
 def row_positions(spec: AttnSpec, r0, n: int):
     """Positions [n, 1] of query rows r0..r0+n-1, and which rows exist."""
     r = r0 + jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)

@@ -31,10 +31,7 @@ from jaxfuse.reference import attention as ref
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
     # q_ref: [..., bq, Dp] this program's query block; k_ref, v_ref: [..., Tk, Dp].
-    if spec.segments:
-        qs_ref, ks_ref, o_ref, lse_ref = refs
-    else:
-        (o_ref, lse_ref), qs_ref, ks_ref = refs, None, None
+    (qs_ref, ks_ref), (o_ref, lse_ref) = A.split_refs(refs, spec, 2)
     r0 = pl.program_id(0) * bq
     q = A.load_rows(q_ref, 0, bq, spec.rows, spec, global_r0=r0)            # [..., bq, Dp]
     q_pos, _ = A.row_positions(spec, r0, bq)                                  # [bq, 1]

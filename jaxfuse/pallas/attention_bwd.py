@@ -39,10 +39,7 @@ def _ds(spec: AttnSpec, p, dp, delta, t):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: AttnSpec, bq: int,
                bk: int):
-    if spec.segments:
-        qs_ref, ks_ref, dq_ref = refs
-    else:
-        (dq_ref,), qs_ref, ks_ref = refs, None, None
+    (qs_ref, ks_ref), (dq_ref,) = A.split_refs(refs, spec, 1)
     r0 = pl.program_id(0) * bq
     q = A.load_rows(q_ref, 0, bq, spec.rows, spec, global_r0=r0)             # [..., bq, Dp]
     do = A.load_rows(do_ref, 0, bq, spec.rows, spec, global_r0=r0)
@@ -72,10 +69,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
                 bk: int):
     # GPU: q_ref/do_ref [Tq, G, Dp] (the group's query heads), lse_ref/delta_ref [G, Tq].
     # Interpret: q_ref [BH, G*Tq, Dp] (heads already stacked in rows), lse_ref [BH, G*Tq].
-    if spec.segments:
-        qs_ref, ks_ref, dk_ref, dv_ref = refs
-    else:
-        (dk_ref, dv_ref), qs_ref, ks_ref = refs, None, None
+    (qs_ref, ks_ref), (dk_ref, dv_ref) = A.split_refs(refs, spec, 2)
     k0 = pl.program_id(0) * bk
     k = A.load_rows(k_ref, 0, bk, spec.n_k, spec, global_r0=k0)              # [..., bk, Dp]
     v = A.load_rows(v_ref, 0, bk, spec.n_k, spec, global_r0=k0)

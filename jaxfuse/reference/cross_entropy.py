@@ -20,12 +20,7 @@ from jaxfuse import _checks
 def validate(logits, labels, label_smoothing, reduction) -> None:
     _checks.check_float("logits", logits)
     _checks.check_ndim("logits", logits, min_ndim=1)
-    _checks.check_int("labels", labels)
-    if tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"labels.shape={tuple(labels.shape)} must equal logits.shape[:-1]="
-                         f"{tuple(logits.shape[:-1])}")
-    _checks.check_smoothing(label_smoothing)
-    _checks.check_reduction(reduction)
+    _checks.check_labels(labels, logits.shape[:-1], "logits", label_smoothing, reduction)
 
 
 def reduce_loss(per_token: jax.Array, valid: jax.Array, reduction: str) -> jax.Array:

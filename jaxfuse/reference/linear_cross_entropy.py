@@ -27,12 +27,7 @@ def validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"x.shape[-1]={x.shape[-1]} must equal weight.shape[0]="
                          f"{weight.shape[0]} (weight is [D, V])")
-    _checks.check_int("labels", labels)
-    if tuple(labels.shape) != tuple(x.shape[:-1]):
-        raise ValueError(f"labels.shape={tuple(labels.shape)} must equal x.shape[:-1]="
-                         f"{tuple(x.shape[:-1])}")
-    _checks.check_smoothing(label_smoothing)
-    _checks.check_reduction(reduction)
+    _checks.check_labels(labels, x.shape[:-1], "x", label_smoothing, reduction)
     if not float(z_loss) >= 0.0:
         raise ValueError(f"z_loss={z_loss!r} must be >= 0")
     _checks.check_positive("logits_soft_cap", logits_soft_cap)

@@ -1,0 +1,153 @@
+"""The tiny Transformer: kernels vs reference, KV-cache decoding, greedy and beam search,
+HARS beam top-k, and a short LikesWorld run."""
+import itertools
+import os
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import jaxfuse
+from jaxfuse import model as M
+from tests._util import assert_close, keys
+
+CFG = M.Config(vocab_size=11, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
+               max_len=24)
+
+
+def _params(cfg=CFG, seed=0):
+    return M.init(jax.random.key(seed), cfg)
+
+
+class ModelTest(chex.TestCase):
+
+    @parameterized.parameters("rms", "layer")
+    def test_pallas_and_reference_agree_with_grads(self, norm):
+        cfg = M.Config(vocab_size=11, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, max_len=24,
+                       norm=norm, label_smoothing=0.1)
+        params = _params(cfg)
+        k = keys(1, 2)
+        tokens = jax.random.randint(k[0], (3, 13), 0, 11)
+        targets = jax.random.randint(k[1], (3, 13), 0, 11).at[:, :4].set(-100)
+        assert_close(M.apply(params, tokens, cfg), M.apply(params, tokens, cfg, impl="reference"),
+                     jnp.float32, scale=5.0)
+        g = jax.grad(M.loss)(params, tokens, targets, cfg)
+        g_r = jax.grad(M.loss)(params, tokens, targets, cfg, impl="reference")
+        assert_close(g, g_r, jnp.float32, scale=10.0)
+
+    def test_cached_decoding_equals_recomputing(self):
+        params = _params()
+        prompts = jax.random.randint(keys(2, 1)[0], (3, 7), 0, 11)
+        lengths = jnp.array([2, 5, 7], jnp.int32)
+        cache = M.init_cache(CFG, 3)
+        logits, cache = M.prefill(params, cache, prompts, lengths, CFG)
+        seqs = [list(np.asarray(prompts[i, :lengths[i]])) for i in range(3)]
+        for _ in range(4):
+            for i in range(3):
+                full = M.apply(params, jnp.asarray([seqs[i]]), CFG, impl="reference")[0, -1]
+                assert_close(logits[i], full, jnp.float32, scale=10.0)
+            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+            for i in range(3):
+                seqs[i].append(int(tok[i]))
+            logits, cache = M.decode_step(params, cache, tok, CFG)
+        np.testing.assert_array_equal(cache["lengths"], lengths + 4)
+
+    def test_greedy_equals_beam_search_of_one(self):
+        params = _params(seed=3)
+        prompts = jax.random.randint(keys(3, 1)[0], (2, 6), 0, 11)
+        lengths = jnp.array([6, 3], jnp.int32)
+        g = M.greedy(params, CFG, prompts, lengths, max_new_tokens=5, eos_id=10)
+        b, _ = M.beam_search(params, CFG, prompts, lengths, beam_size=1, max_new_tokens=5,
+                             eos_id=10)
+        np.testing.assert_array_equal(g, b[:, 0])
+        # After eos, greedy keeps emitting eos.
+        for row in np.asarray(g):
+            hits = np.nonzero(row == 10)[0]
+            if len(hits):
+                self.assertTrue(np.all(row[hits[0]:] == 10))
+
+    def test_beam_search_matches_brute_force(self):
+        cfg = M.Config(vocab_size=5, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=16,
+                       max_len=8)
+        params = _params(cfg, seed=4)
+        params["unembed"] = params["unembed"] * 3.0      # peaked, so ties are impossible
+        prompts = jnp.array([[1, 3, 0], [2, 0, 0]], jnp.int32)
+        lengths = jnp.array([2, 1], jnp.int32)
+        seqs = np.array(list(itertools.product(range(5), repeat=3)), np.int32)   # 125
+        for b in range(2):
+            prompt = np.asarray(prompts[b, :lengths[b]])
+            full = np.concatenate([np.repeat(prompt[None], 125, 0), seqs], axis=1)
+            logp = jax.nn.log_softmax(M.apply(params, jnp.asarray(full), cfg, impl="reference"))
+            steps = np.arange(len(prompt) - 1, len(prompt) + 2)
+            scores = np.asarray(logp)[np.arange(125)[:, None], steps, seqs].sum(1)
+            order = np.argsort(-scores, kind="stable")
+            # eos_id=5 is outside the vocabulary: no sequence ends early, all 125 are distinct.
+            tokens, beam_scores = M.beam_search(params, cfg, prompts, lengths, beam_size=125,
+                                                max_new_tokens=3, eos_id=5)
+            np.testing.assert_array_equal(np.asarray(tokens[b]), seqs[order])
+            np.testing.assert_allclose(beam_scores[b], scores[order], atol=2e-5)
+            for k in (1, 3, 7):
+                _, s = M.beam_search(params, cfg, prompts, lengths, beam_size=k,
+                                     max_new_tokens=3, eos_id=5)
+                self.assertLessEqual(float(s[b, 0]), scores[order[0]] + 1e-5)
+
+    def test_beam_search_length_penalty_and_eos(self):
+        params = _params(seed=5)
+        prompts = jax.random.randint(keys(5, 1)[0], (2, 4), 0, 11)
+        lengths = jnp.array([4, 2], jnp.int32)
+        tokens, scores = M.beam_search(params, CFG, prompts, lengths, beam_size=4,
+                                       max_new_tokens=6, eos_id=3, length_penalty=0.7)
+        self.assertTrue(bool(jnp.all(scores[:, :-1] >= scores[:, 1:])))   # best first
+        for row in np.asarray(tokens).reshape(-1, 6):
+            hits = np.nonzero(row == 3)[0]
+            if len(hits):
+                self.assertTrue(np.all(row[hits[0]:] == 3))
+
+
+class BeamTopKTest(chex.TestCase):
+
+    @parameterized.product(shape=[(2, 4, 37), (3, 5, 16), (1, 3, 2), (2, 8, 1001)],
+                           k=[1, 3, 8], ties=[False, True])
+    def test_equals_reference(self, shape, k, ties):
+        kk = keys(sum(shape) + k, 2)
+        log_probs = jax.nn.log_softmax(jax.random.normal(kk[0], shape) * 2)
+        if ties:   # few distinct values: many exact ties, broken by the lower flat index
+            log_probs = jnp.round(log_probs)
+        scores = jax.random.normal(kk[1], shape[:2])
+        if ties:
+            scores = jnp.round(scores)
+        k = min(k, shape[1] * shape[2])
+        out = jaxfuse.beam_top_k(log_probs, scores, k)
+        ref = jaxfuse.beam_top_k(log_probs, scores, k, impl="reference")
+        for a, b in zip(out, ref):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    def test_capacity_overflow_falls_back_exactly(self):
+        log_probs = jnp.zeros((2, 3, 50))       # every candidate ties
+        scores = jnp.zeros((2, 3))
+        out = jaxfuse.beam_top_k(log_probs, scores, 4)
+        ref = jaxfuse.beam_top_k(log_probs, scores, 4, impl="reference")
+        for a, b in zip(out, ref):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    def test_bad_input(self):
+        with self.assertRaisesRegex(ValueError, "beam_scores.shape=\\(2, 4\\)"):
+            jaxfuse.beam_top_k(jnp.zeros((2, 3, 5)), jnp.zeros((2, 4)), 2)
+        with self.assertRaisesRegex(ValueError, "k=16"):
+            jaxfuse.beam_top_k(jnp.zeros((2, 3, 5)), jnp.zeros((2, 3)), 16)
+
+
+def test_short_likesworld_run_beats_the_random_baseline(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    import likesworld
+    acc = likesworld.main(["--steps", "500", "--no-extras", "--out", str(tmp_path)])
+    assert acc > 0.6, acc      # the random item from the context scores about 0.25
+    assert os.path.exists(tmp_path / "likesworld.npz")
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])

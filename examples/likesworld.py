@@ -26,8 +26,16 @@ loss on answers only, AdamW, 100 warmup steps then cosine):
 - Learning rate 1e-3 and 3e-3 both crossed by step 500 with this initialization.
 - Asking all 4 facts (4 questions) also works but lets the last answer be found by elimination;
   training on 2 questions keeps the task honest, and the test set always has 2.
-With the Pallas kernels in interpret mode a step takes about 40 ms (25 ms with impl="reference"),
-so the default 1,500 steps train in about a minute.
+With the Pallas kernels in interpret mode a step takes about 36 ms (25 ms with impl="reference"),
+so the default 1,500 steps train in about a minute; the whole script ran in 83 s on 2 cores and
+reached 100% held-out accuracy (random item from the context: 24%).
+
+What the trained model does (seed 0, ablating one head at a time on 1,000 held-out episodes):
+zeroing layer 1 head 2 drops accuracy to 22%, the plateau: it is the lookup head, whose query at
+`q NAME` lands on the item that NAME likes. Layer 0 heads 0 and 3 cost 22 and 17 points each:
+they share the "item remembers its owner" job (at `jam` they attend to the name two tokens back).
+The other heads cost 0-2 points. The lecture's model split the work the other way round (one
+layer-0 head essential, two layer-1 heads); the two-step circuit is the same.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Greedy decoding and beam search over the KV cache, each under one `jax.jit`.
+"""Greedy decoding and beam search over the KV cache, each one `jax.jit` around a
+`lax.while_loop` that stops early once every sequence (every beam) has ended.
 
 Beam search (lecture 10, sec. 6): every step scores beam_size x V continuations and keeps the best
 beam_size with `jaxfuse.beam_top_k` (HARS with impl="pallas"); the cache rows are then gathered
@@ -36,17 +37,22 @@ def greedy(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: jax.Ar
     cache = decoding.init_cache(cfg, b)
     logits, cache = decoding.prefill(params, cache, prompts, prompt_lengths, cfg, impl=impl)
 
-    def step(t, state):
-        logits, cache, out, done = state
+    def step(state):
+        t, logits, cache, out, done = state
         tok = jnp.where(done, eos_id, jnp.argmax(logits, axis=-1).astype(jnp.int32))
         out = out.at[:, t].set(tok)
         done = done | (tok == eos_id)
         logits, cache = decoding.decode_step(params, cache, tok, cfg, impl=impl)
-        return logits, cache, out, done
+        return t + 1, logits, cache, out, done
 
     out = jnp.full((b, max_new_tokens), eos_id, jnp.int32)
-    state = (logits, cache, out, jnp.zeros((b,), bool))
-    return jax.lax.fori_loop(0, max_new_tokens, step, state)[2]
+    state = (jnp.int32(0), logits, cache, out, jnp.zeros((b,), bool))
+    return jax.lax.while_loop(_running(max_new_tokens), step, state)[3]
+
+
+def _running(max_new_tokens: int):
+    """Loop while tokens remain to generate and some sequence has not ended."""
+    return lambda state: (state[0] < max_new_tokens) & ~jnp.all(state[-1])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "beam_size", "max_new_tokens", "eos_id",
@@ -64,8 +70,8 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
     cache = {"k": tile(cache["k"]), "v": tile(cache["v"]), "lengths": tile(cache["lengths"])}
     logits = jnp.repeat(logits, k, axis=0)                                   # [B*K, V]
     raw = jnp.where(jnp.arange(k)[None] == 0, 0.0, -jnp.inf) * jnp.ones((b, 1))
-    state = (logits, cache, jnp.full((b, k, max_new_tokens), eos_id, jnp.int32), raw,
-             jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), bool))
+    state = (jnp.int32(0), logits, cache, jnp.full((b, k, max_new_tokens), eos_id, jnp.int32),
+             raw, jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), bool))
     eos_only = jnp.where(jnp.arange(v) == eos_id, 0.0, -jnp.inf)             # [V]
 
     def norm(score, length):
@@ -73,8 +79,8 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
             return score
         return score / jnp.maximum(length, 1).astype(jnp.float32) ** length_penalty
 
-    def step(t, state):
-        logits, cache, tokens, raw, length, done = state
+    def step(state):
+        t, logits, cache, tokens, raw, length, done = state
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(b, k, v)
         logp = jnp.where(done[..., None], eos_only, logp)                    # finished: eos only
         new_len = length + jnp.where(done, 0, 1)                             # [B, K]
@@ -90,9 +96,9 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
         cache = {"k": cache["k"][:, rows], "v": cache["v"][:, rows],
                  "lengths": cache["lengths"][rows]}
         logits, cache = decoding.decode_step(params, cache, tok.reshape(-1), cfg, impl=impl)
-        return logits, cache, tokens, raw, length, done
+        return t + 1, logits, cache, tokens, raw, length, done
 
-    _, _, tokens, raw, length, _ = jax.lax.fori_loop(0, max_new_tokens, step, state)
+    _, _, _, tokens, raw, length, _ = jax.lax.while_loop(_running(max_new_tokens), step, state)
     scores = norm(raw, length)
     order = jnp.argsort(-scores, axis=1, stable=True)
     return (jnp.take_along_axis(tokens, order[..., None], 1),

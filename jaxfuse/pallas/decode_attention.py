@@ -107,11 +107,47 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      num_splits: int | None = None, logits_soft_cap: float | None = None,
                      return_lse: bool = False, interpret: bool | None = None,
                      block_sizes: DecodeBlocks | None = None):
-    """Pallas Flash-Decoding; same semantics as `jaxfuse.reference.decode_attention`."""
+    """Pallas Flash-Decoding; same semantics as `jaxfuse.reference.decode_attention`.
+
+    Inference only: it has no gradient (train with `flash_attention`)."""
     ref.validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale)
     check_head_dim(q.shape[-1])
-    interpret = C.resolve_interpret(interpret)
-    blocks = block_sizes or DecodeBlocks()
+    run = functools.partial(_decode, scale=scale, num_splits=num_splits,
+                            logits_soft_cap=logits_soft_cap,
+                            interpret=C.resolve_interpret(interpret),
+                            blocks=block_sizes or DecodeBlocks())
+    o, lse = _inference_op(run)(q, k_cache, v_cache, kv_lengths.astype(jnp.int32))
+    return (o, lse) if return_lse else o
+
+
+def _inference_op(run):
+    """`run` under a vmap rule that folds the mapped axis into the batch axis (the kernel's loop
+    bounds come from kv_lengths, data that a batched pallas_call cannot loop over), and with a
+    gradient that fails loudly rather than silently."""
+    @jax.custom_jvp
+    @jax.custom_batching.custom_vmap
+    def op(q, k_cache, v_cache, lengths):
+        return run(q, k_cache, v_cache, lengths)
+
+    @op.fun.def_vmap
+    def _fold(axis_size, in_batched, *args):
+        args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+                for a, batched in zip(args, in_batched)]
+        o, lse = op.fun(*[a.reshape(-1, *a.shape[2:]) for a in args])
+        unfold = lambda x: x.reshape(axis_size, -1, *x.shape[1:])
+        return (unfold(o), unfold(lse)), (True, True)
+
+    @op.defjvp
+    def _no_gradient(primals, tangents):
+        raise ValueError("decode_attention is for inference and has no gradient; "
+                         "use jaxfuse.flash_attention (with kv segment ids or causal) to train")
+
+    return op
+
+
+def _decode(q, k_cache, v_cache, lengths, *, scale, num_splits, logits_soft_cap, interpret,
+            blocks: DecodeBlocks):
+    """(o [B, Hq, D] in q's dtype, float32 lse [B, Hq])."""
     folded = interpret if blocks.folded is None else blocks.folded
     b, hq, d = q.shape
     s_len, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -125,7 +161,6 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     bk = min(blocks.block_k, max(16, C.next_pow2(s_len))) if not folded else \
         min(blocks.block_k, s_len)
     split_len = bk * C.cdiv(C.cdiv(s_len, num_splits), bk)   # whole tiles; trailing splits may be empty
-    lengths = kv_lengths.astype(jnp.int32)
     # One query row needs no matmul tile; G >= 2 rows are padded to Triton's 16-row minimum.
     bh = g if folded else (1 if g == 1 else max(16, C.next_pow2(g)))
     kernel = functools.partial(_kernel, spec=spec, bh=bh, bk=bk, split_len=split_len)
@@ -161,5 +196,4 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         interpret=interpret, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         in_specs=in_specs, out_specs=out_specs)(*args)
     o, lse = merge_many(o_parts, lse_parts, axis=1)        # the split axis, in both layouts
-    o, lse = o.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
-    return (o, lse) if return_lse else o
+    return o.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)

@@ -81,7 +81,7 @@ def perf(copy_bw: float, sweep: bool = True):
     args = _inputs(jax.random.key(0), n, d, v)
     flops_ours = 4 * 2 * n * d * v
     for impl, f in _fns(sweep).items():
-        def run(f=f, impl=impl):
+        def run(f=f, impl=impl, args=args):
             step = jax.value_and_grad(f, argnums=(0, 1))
             t = bench(jax.jit(step), [args], reps=3, repeats=3, warmup=1)
             record(S, f"N{n} D{d} V{v} fwd+bwd", impl, t,
@@ -92,7 +92,7 @@ def perf(copy_bw: float, sweep: bool = True):
     for impl in ("jaxfuse", "xla_reference"):
         f = _fns(False)[impl]
 
-        def run_fwd(f=f, impl=impl):
+        def run_fwd(f=f, impl=impl, args=args):
             t = bench(jax.jit(f), [args], reps=5, repeats=3, warmup=1)
             record(S, f"N{n} D{d} V{v} fwd", impl, t, TFLOPs=2 * n * d * v / t / 1e12)
         guarded(S, f"N{n} D{d} V{v} fwd", impl, run_fwd)

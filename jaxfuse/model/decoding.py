@@ -31,18 +31,10 @@ def prefill(params: dict, cache: dict, prompts: jax.Array, prompt_lengths: jax.A
 
     Padding sits after each prompt, so the causal mask keeps it out of every real position; its
     K/V land in the cache beyond `lengths` and are overwritten by the first decoded tokens."""
-    b, p = prompts.shape
-    positions = jnp.broadcast_to(jnp.arange(p), (b, p))
-    x = params["embed"][prompts]
-    ks, vs = [], []
-    for blk in params["blocks"]:
-        q, k, v = T.qkv(blk, T.norm(blk["attn_norm"], x, cfg, impl), positions, cfg)
-        ks.append(k)
-        vs.append(v)
-        o = jaxfuse.flash_attention(q, k, v, causal=True, impl=impl)
-        x = x + T.attn_out(blk, o, None)
-        x = x + T.swiglu(blk, T.norm(blk["mlp_norm"], x, cfg, impl))
-    logits = T.norm(params["final_norm"], x, cfg, impl) @ params["unembed"]   # [B, P, V]
+    p = prompts.shape[1]
+    logits, qkvs = T.forward(params, prompts, cfg, impl=impl)                  # [B, P, V]
+    ks = [k for _, k, _ in qkvs]
+    vs = [v for _, _, v in qkvs]
     last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     k_all = jnp.stack(ks).astype(cache["k"].dtype)                           # [L, B, P, Hkv, hd]
     v_all = jnp.stack(vs).astype(cache["v"].dtype)

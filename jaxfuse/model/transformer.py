@@ -87,19 +87,30 @@ def swiglu(blk: dict, h: jax.Array) -> jax.Array:
     return (jax.nn.silu(h @ blk["w1"]) * (h @ blk["w3"])) @ blk["w2"]
 
 
+def forward(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas",
+            head_mask: jax.Array | None = None):
+    """(logits [B, T, V], each layer's (q, k, v) after RoPE) for tokens [B, T], causal.
+
+    `apply` keeps the logits, `prefill` also the keys and values, `attention_maps` the queries
+    and keys; under jit whatever a caller drops is never computed."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    x = params["embed"][tokens]                                              # [B, T, D]
+    qkvs = []
+    for i, blk in enumerate(params["blocks"]):
+        q, k, v = qkv(blk, norm(blk["attn_norm"], x, cfg, impl), positions, cfg)
+        qkvs.append((q, k, v))
+        o = jaxfuse.flash_attention(q, k, v, causal=True, impl=impl)         # [B, T, H, hd]
+        x = x + attn_out(blk, o, None if head_mask is None else head_mask[i])
+        x = x + swiglu(blk, norm(blk["mlp_norm"], x, cfg, impl))
+    return norm(params["final_norm"], x, cfg, impl) @ params["unembed"], qkvs
+
+
 def apply(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas",
           head_mask: jax.Array | None = None) -> jax.Array:
     """Logits [B, T, V] of tokens [B, T] (causal). `head_mask` [n_layers, n_heads] multiplies
     each head's attention output (1 keeps it, 0 ablates it)."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    x = params["embed"][tokens]                                              # [B, T, D]
-    for i, blk in enumerate(params["blocks"]):
-        q, k, v = qkv(blk, norm(blk["attn_norm"], x, cfg, impl), positions, cfg)
-        o = jaxfuse.flash_attention(q, k, v, causal=True, impl=impl)         # [B, T, H, hd]
-        x = x + attn_out(blk, o, None if head_mask is None else head_mask[i])
-        x = x + swiglu(blk, norm(blk["mlp_norm"], x, cfg, impl))
-    return norm(params["final_norm"], x, cfg, impl) @ params["unembed"]
+    return forward(params, tokens, cfg, impl=impl, head_mask=head_mask)[0]
 
 
 def loss(params: dict, tokens: jax.Array, targets: jax.Array, cfg: Config, *,
@@ -113,16 +124,9 @@ def loss(params: dict, tokens: jax.Array, targets: jax.Array, cfg: Config, *,
 
 def attention_maps(params: dict, tokens: jax.Array, cfg: Config) -> jax.Array:
     """Attention probabilities [n_layers, B, H, T, T] (for plots), via `jaxfuse.softmax`."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    x = params["embed"][tokens]
-    maps = []
     g = cfg.n_heads // cfg.n_kv_heads
-    for blk in params["blocks"]:
-        q, k, v = qkv(blk, norm(blk["attn_norm"], x, cfg, "reference"), positions, cfg)
+    maps = []
+    for q, k, _ in forward(params, tokens, cfg, impl="reference")[1]:
         s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, g, axis=2))
         maps.append(jaxfuse.softmax(s, scale=cfg.head_dim ** -0.5, causal=True))
-        o = jaxfuse.flash_attention(q, k, v, causal=True, impl="reference")
-        x = x + attn_out(blk, o, None)
-        x = x + swiglu(blk, norm(blk["mlp_norm"], x, cfg, "reference"))
     return jnp.stack(maps)

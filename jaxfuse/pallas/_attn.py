@@ -21,7 +21,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from jaxfuse.pallas import _common as C
 
@@ -47,6 +46,19 @@ class AttnSpec:
     itemsize: int     # bytes per element of q, k, v (tile sizes depend on it)
     interpret: bool   # interpret the pallas_call (normally == folded; tests run the GPU layout
                       # in interpret mode by forcing AttnBlocks(folded=False))
+
+    @classmethod
+    def make(cls, *, n_q: int, n_k: int, head_dim: int, groups: int, dtype, scale, interpret: bool,
+             folded: bool | None = None, causal: bool = False, window=None, softcap=None,
+             segments: bool = False) -> "AttnSpec":
+        """The spec of a problem; `folded=None` folds in interpret mode and squeezes on the GPU,
+        where the head dim is padded to a power of two of at least 16 (Triton's tile rules)."""
+        folded = interpret if folded is None else folded
+        dp = head_dim if folded else max(16, C.next_pow2(head_dim))
+        return cls(1.0 / math.sqrt(head_dim) if scale is None else float(scale), bool(causal),
+                   None if window is None else int(window),
+                   None if softcap is None else float(softcap), n_q, n_k, head_dim, dp, groups,
+                   segments, folded, jnp.dtype(dtype).itemsize, interpret)
 
     @property
     def rows(self) -> int:
@@ -205,48 +217,44 @@ def split_loop(bounds, step, carry):
     return jax.lax.fori_loop(f_hi, hi, lambda j, c: step(j, c, True), carry)
 
 
-def load_rows(ref, r0, n: int, n_valid: int, spec: AttnSpec, global_r0=None, head=None):
-    """Masked load of rows [r0, r0+n) x [0, Dp) of a [..., rows, D] ref (zeros outside).
-
-    `head`: for a [rows, heads, D] ref (a KV group's query heads on the GPU), the head to read.
-    (One indexer per load: Triton's lowering does not compose `ref.at[...]` twice.)"""
-    g0 = r0 if global_r0 is None else global_r0
-    rows = g0 + jax.lax.broadcasted_iota(jnp.int32, (n, spec.head_dim_pad), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (n, spec.head_dim_pad), 1)
-    mask = (rows < n_valid) & (cols < spec.head_dim)
-    idx = (pl.ds(r0, n), pl.ds(0, spec.head_dim_pad))
-    idx = (Ellipsis, *idx) if head is None else (idx[0], head, idx[1])
-    if C.tiles_exactly(n_valid, n) and spec.head_dim == spec.head_dim_pad:
-        return C.pltriton.load(ref.at[idx])     # whole tile in range: no predicate
-    return C.pltriton.load(ref.at[idx], mask=mask, other=0.0)
+def load_rows(ref, r0, n: int, n_valid, spec: AttnSpec, global_r0=None, head=None):
+    """Rows [r0, r0+n) x [0, Dp) of a [..., rows, D] ref (zeros outside), or of one `head` of a
+    [rows, heads, D] ref (a KV group's query heads on the GPU)."""
+    return C.load_tile(ref, r0, 0, n, spec.head_dim_pad, n_valid, spec.head_dim,
+                       global_row0=global_r0, head=head)[0]
 
 
 def store_rows(ref, value, r0, n_valid: int, spec: AttnSpec, global_r0=None):
-    n = value.shape[-2]
-    g0 = r0 if global_r0 is None else global_r0
-    rows = g0 + jax.lax.broadcasted_iota(jnp.int32, (n, spec.head_dim_pad), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (n, spec.head_dim_pad), 1)
-    at = ref.at[..., pl.ds(r0, n), pl.ds(0, spec.head_dim_pad)]
-    if C.tiles_exactly(n_valid, n) and spec.head_dim == spec.head_dim_pad:
-        C.pltriton.store(at, value.astype(ref.dtype))
-        return
-    C.pltriton.store(at, value.astype(ref.dtype), mask=(rows < n_valid) & (cols < spec.head_dim))
+    C.store_tile(ref, value, r0, 0, n_valid, spec.head_dim, global_row0=global_r0)
 
 
-def load_vec(ref, r0, n: int, n_valid: int, global_r0=None, other=0, head=None):
-    """Masked load of entries [r0, r0+n) of a [..., rows] ref (lse, D, segment ids), or of
-    `ref[head, r0:r0+n]` for a [heads, rows] ref."""
-    g0 = r0 if global_r0 is None else global_r0
-    idx = g0 + jnp.arange(n, dtype=jnp.int32)
-    at = (Ellipsis, pl.ds(r0, n)) if head is None else (head, pl.ds(r0, n))
-    return C.pltriton.load(ref.at[at], mask=idx < n_valid, other=other)
+def online_init(lead: tuple, rows: int, spec: AttnSpec):
+    """Empty FlashAttention running state (acc, m, l) for `rows` query rows."""
+    return (jnp.zeros(lead + (rows, spec.head_dim_pad), jnp.float32),
+            jnp.full(lead + (rows, 1), C.NEG_INF, jnp.float32),
+            jnp.zeros(lead + (rows, 1), jnp.float32))
 
 
-def store_vec(ref, value, r0, n_valid: int, global_r0=None):
-    n = value.shape[-1]
-    g0 = r0 if global_r0 is None else global_r0
-    idx = g0 + jnp.arange(n, dtype=jnp.int32)
-    C.pltriton.store(ref.at[..., pl.ds(r0, n)], value.astype(ref.dtype), mask=idx < n_valid)
+def online_update(carry, s2, pv_of):
+    """Folds a tile of log2-domain scores s2 [..., rows, keys] into (acc, m, l): the row max grows,
+    old sums are rescaled by exp2(m_old - m_new) (FlashAttention-2, Algorithm 1). `pv_of(p)`
+    returns p @ V for the tile's values."""
+    acc, m, l = carry
+    m_new = jnp.maximum(m, jnp.max(s2, axis=-1, keepdims=True))
+    shift = C.safe_max(m_new)
+    alpha = jnp.exp2(m - shift)
+    p = jnp.exp2(s2 - shift)
+    return acc * alpha + pv_of(p), m_new, l * alpha + jnp.sum(p, axis=-1, keepdims=True)
+
+
+def online_finish(carry):
+    """(o [..., rows, Dp], natural-log lse [..., rows]); a row that saw no key gets o = 0 and
+    lse = -inf rather than 0/0."""
+    acc, m, l = carry
+    seen = l > 0
+    o = acc * jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, C.NEG_INF)
+    return o, lse[..., 0]
 
 
 def dot(a, b, contract: str):

@@ -4,9 +4,9 @@
   compiled (GPU, through Triton).
 * `cdiv`, `next_pow2`, `num_multiprocessors`: arithmetic for picking block sizes.
 * `keep_mask`: the causal / sliding-window / tail mask shared by softmax and attention.
-* `load_tile` / `store_tile` / `load_rows` / `store_rows`: masked loads and stores of a
-  `[rows, cols]` tile at any offset. Triton does no bounds checks of its own, so every tile at an
-  edge must be masked; in interpret mode the same masked primitives pad instead of clamping, so a
+* `load_tile` / `store_tile` / `load_vec` / `store_vec`: masked loads and stores of a
+  `[rows, cols]` tile or a per-row vector at any offset, over any leading axes. Triton does no
+  bounds checks of its own, so every tile at an edge must be masked; in interpret mode the same masked primitives pad instead of clamping, so a
   tile that hangs over the edge reads the right elements there too.
 * `pallas_call`: `pl.pallas_call` with the compiler parameters for the current regime.
 
@@ -29,8 +29,8 @@ from jaxfuse.reference._masks import keep_mask  # noqa: F401  (re-exported for k
 
 __all__ = [
     "cdiv", "next_pow2", "resolve_interpret", "num_multiprocessors", "keep_mask",
-    "online_max_sum", "safe_max", "load_tile", "store_tile", "load_rows", "store_rows", "pallas_call", "reduce_tiles",
-    "NEG_INF",
+    "online_max_sum", "safe_max", "tile_index", "tiles_exactly", "load_tile", "store_tile",
+    "load_vec", "store_vec", "pallas_call", "reduce_tiles", "NEG_INF",
 ]
 
 NEG_INF = float("-inf")
@@ -87,24 +87,12 @@ def safe_max(m):
     return jnp.where(m == NEG_INF, 0.0, m)
 
 
-def _tile_index(row0, col0, block_rows: int, block_cols: int, n_rows: int, n_cols: int):
+def tile_index(row0, col0, block_rows: int, block_cols: int, n_rows, n_cols):
+    """Absolute row and column indices of a [br, bc] tile, and which lie inside the array.
+    `n_rows` may be traced (ragged lengths), broadcast against the tile."""
     rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_cols), 0)
     cols = col0 + jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_cols), 1)
     return rows, cols, (rows < n_rows) & (cols < n_cols)
-
-
-def load_tile(ref, row0, col0, block_rows: int, block_cols: int, n_rows: int, n_cols: int,
-              *, other=0.0, predicate: bool = False):
-    """Loads `ref[row0:row0+br, col0:col0+bc]` (a 2-D ref), `other` outside the array.
-
-    Returns `(tile, rows, cols, valid)`; `rows`/`cols` are absolute int32 indices of the tile.
-    Tiles that lie wholly inside a static shape skip the predicate, unless `predicate=True`.
-    """
-    rows, cols, valid = _tile_index(row0, col0, block_rows, block_cols, n_rows, n_cols)
-    at = ref.at[pl.ds(row0, block_rows), pl.ds(col0, block_cols)]
-    if not predicate and tiles_exactly(n_rows, block_rows) and tiles_exactly(n_cols, block_cols):
-        return pltriton.load(at), rows, cols, valid   # no tile hangs over: skip the predicate
-    return pltriton.load(at, mask=valid, other=other), rows, cols, valid
 
 
 def tiles_exactly(n, block: int) -> bool:
@@ -113,29 +101,60 @@ def tiles_exactly(n, block: int) -> bool:
     return isinstance(n, int) and n % block == 0
 
 
-def store_tile(ref, value, row0, col0, n_rows: int, n_cols: int):
-    block_rows, block_cols = value.shape
-    at = ref.at[pl.ds(row0, block_rows), pl.ds(col0, block_cols)]
+def _at(ref, row0, n: int, col0=None, n_cols: int | None = None, head=None):
+    """`ref.at[...]` for rows [row0, row0+n) (and columns [col0, col0+n_cols)) over any leading
+    axes, or at one `head` of a [rows, heads, cols] ref. One indexer per load: Triton's lowering
+    does not compose `ref.at[...]` twice."""
+    idx = (pl.ds(row0, n),) if col0 is None else (pl.ds(row0, n), pl.ds(col0, n_cols))
+    if head is None:
+        return ref.at[(Ellipsis, *idx)]
+    return ref.at[(idx[0], head, *idx[1:])] if col0 is not None else ref.at[(head, *idx)]
+
+
+def load_tile(ref, row0, col0, block_rows: int, block_cols: int, n_rows, n_cols: int, *,
+              other=0.0, predicate: bool = False, global_row0=None, head=None):
+    """Loads rows [row0, +br) x columns [col0, +bc) of a [..., rows, cols] ref (or of one `head`
+    of a [rows, heads, cols] ref), `other` outside the array.
+
+    `global_row0`: the absolute index of the first row when the ref is a block whose local row 0
+    is not row 0 of the array (it decides the mask). Returns `(tile, rows, cols, valid)` with
+    absolute indices. Tiles wholly inside a static shape skip the predicate, unless
+    `predicate=True`.
+    """
+    g0 = row0 if global_row0 is None else global_row0
+    rows, cols, valid = tile_index(g0, col0, block_rows, block_cols, n_rows, n_cols)
+    at = _at(ref, row0, block_rows, col0, block_cols, head)
+    if not predicate and tiles_exactly(n_rows, block_rows) and tiles_exactly(n_cols, block_cols):
+        return pltriton.load(at), rows, cols, valid   # no tile hangs over: skip the predicate
+    return pltriton.load(at, mask=valid, other=other), rows, cols, valid
+
+
+def store_tile(ref, value, row0, col0, n_rows, n_cols: int, *, global_row0=None):
+    """Stores a [..., br, bc] value at rows row0.. and columns col0.., masking what lies outside."""
+    block_rows, block_cols = value.shape[-2:]
+    at = _at(ref, row0, block_rows, col0, block_cols)
     if tiles_exactly(n_rows, block_rows) and tiles_exactly(n_cols, block_cols):
         pltriton.store(at, value.astype(ref.dtype))
         return
-    _, _, valid = _tile_index(row0, col0, block_rows, block_cols, n_rows, n_cols)
+    g0 = row0 if global_row0 is None else global_row0
+    _, _, valid = tile_index(g0, col0, block_rows, block_cols, n_rows, n_cols)
     pltriton.store(at, value.astype(ref.dtype), mask=valid)
 
 
-def load_rows(ref, row0, block_rows: int, n_rows: int, *, other=0):
-    """Loads a per-row vector `ref[row0:row0+br]` (a 1-D ref) as a `[br, 1]` column."""
-    rows = row0 + jnp.arange(block_rows, dtype=jnp.int32)
-    vec = pltriton.load(ref.at[pl.ds(row0, block_rows)], mask=rows < n_rows, other=other)
-    return vec[:, None]
+def load_vec(ref, row0, n: int, n_valid, *, other=0, global_row0=None, head=None):
+    """Masked load of entries [row0, row0+n) of a [..., rows] ref (per-row values: labels, lse,
+    segment ids), or of `ref[head, row0:row0+n]`; returns [..., n]."""
+    g0 = row0 if global_row0 is None else global_row0
+    idx = g0 + jnp.arange(n, dtype=jnp.int32)
+    return pltriton.load(_at(ref, row0, n, head=head), mask=idx < n_valid, other=other)
 
 
-def store_rows(ref, value, row0, n_rows: int):
-    """Stores a `[br, 1]` column into the 1-D ref at `row0`, masking rows past the end."""
-    value = value.reshape(-1)
-    rows = row0 + jnp.arange(value.shape[0], dtype=jnp.int32)
-    pltriton.store(ref.at[pl.ds(row0, value.shape[0])], value.astype(ref.dtype),
-                   mask=rows < n_rows)
+def store_vec(ref, value, row0, n_valid, *, global_row0=None):
+    """Masked store of a [..., n] value at entries [row0, row0+n) of a [..., rows] ref."""
+    n = value.shape[-1]
+    g0 = row0 if global_row0 is None else global_row0
+    idx = g0 + jnp.arange(n, dtype=jnp.int32)
+    pltriton.store(_at(ref, row0, n), value.astype(ref.dtype), mask=idx < n_valid)
 
 
 def reduce_tiles(n_tiles: int, step, init):

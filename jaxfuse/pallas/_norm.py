@@ -118,46 +118,40 @@ def _backward(x2, weight, mean, rstd, g2, st: _Static):
         wg = g * tile.per_col[0] if st.has_weight else g
         return xhat, wg
 
+    # Row sums the dx formula needs: sum(xhat * wg), and sum(wg) for LayerNorm only.
+    n_stats = 2 if st.center else 1
+
     def c_step(acc, tile):
         mean_, rstd_ = tile.per_row[:2]
         xhat, wg = terms(tile, mean_, rstd_)
-        c1, c2 = acc
-        return (c1 + jnp.sum(xhat * wg, axis=-1, keepdims=True),
-                c2 + jnp.sum(wg, axis=-1, keepdims=True))
+        new = (xhat * wg, wg)[:n_stats]
+        return tuple(a + jnp.sum(t, axis=-1, keepdims=True) for a, t in zip(acc, new))
 
-    zero = lambda _: (jnp.zeros((b.block_rows, 1), jnp.float32),) * 2
+    zero = lambda _: (jnp.zeros((b.block_rows, 1), jnp.float32),) * n_stats
     per_row = (mean, rstd)
     if n_tiles > 1:
         per_row += tuple(_rows.reduce_pass(
             zero, c_step, lambda acc, _: acc, tiled=[x2, g2], fills=[0.0, 0.0],
-            per_row=(mean, rstd), per_col=per_col, out_dtypes=(jnp.float32, jnp.float32),
+            per_row=(mean, rstd), per_col=per_col, out_dtypes=(jnp.float32,) * n_stats,
             blocks=b, name=f"jaxfuse_{st.name}_bwd_stats", interpret=st.interpret))
 
     def emit(tile):
         mean_, rstd_ = tile.per_row[:2]
         xhat, wg = terms(tile, mean_, rstd_)
-        c1, c2 = tile.per_row[2:] if n_tiles > 1 else c_step(zero(None), tile)
-        c1, c2 = c1 / n_cols, c2 / n_cols
-        dx = (wg - xhat * c1 - (c2 if st.center else 0.0)) * rstd_
+        sums = tile.per_row[2:] if n_tiles > 1 else c_step(zero(None), tile)
+        dx = wg - xhat * (sums[0] / n_cols)
+        if st.center:
+            dx = dx - sums[1] / n_cols
         g = tile.x[1]
-        return (dx,), (), (g * xhat, g)
+        col_sums = ((g * xhat,) if st.has_weight else ()) + ((g,) if st.has_bias else ())
+        return (dx * rstd_,), (), col_sums
 
-    n_sums = int(st.has_weight) + int(st.has_bias)
     dx2, *sums = _rows.map_pass(
-        emit if n_sums == 2 else _keep_sums(emit, st), tiled=[x2, g2], fills=[0.0, 0.0],
-        per_row=per_row, per_col=per_col, out_dtypes=(g2.dtype,), n_col_sums=n_sums, blocks=b,
+        emit, tiled=[x2, g2], fills=[0.0, 0.0], per_row=per_row, per_col=per_col,
+        out_dtypes=(g2.dtype,), n_col_sums=int(st.has_weight) + int(st.has_bias), blocks=b,
         name=f"jaxfuse_{st.name}_bwd", interpret=st.interpret)
     sums = [jnp.sum(s, axis=0) for s in sums]
     return dx2, sums
-
-
-def _keep_sums(emit, st: _Static):
-    """Drops the column sums that have no parameter behind them (no weight / no bias)."""
-    def wrapped(tile):
-        outs, rows, (dw, db) = emit(tile)
-        keep = ([dw] if st.has_weight else []) + ([db] if st.has_bias else [])
-        return outs, rows, tuple(keep)
-    return wrapped
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

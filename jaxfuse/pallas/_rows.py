@@ -81,11 +81,10 @@ def resolve_blocks(blocks: RowBlocks | None, n_rows: int, n_cols: int, interpret
                                    accumulate_rows=accumulate_rows)
     blocks.validate(interpret)
     if accumulate_rows and blocks.rows_per_program is None:
-        rpp = blocks.block_rows * C.cdiv(n_rows, blocks.block_rows) if interpret else \
-            RowBlocks.for_shape(n_rows, n_cols, interpret=False,
-                                accumulate_rows=True).rows_per_program
-        rpp = blocks.block_rows * C.cdiv(rpp, blocks.block_rows)
-        blocks = dataclasses.replace(blocks, rows_per_program=rpp)
+        target = n_rows if interpret else RowBlocks.for_shape(
+            n_rows, n_cols, interpret=False, accumulate_rows=True).rows_per_program
+        blocks = dataclasses.replace(
+            blocks, rows_per_program=blocks.block_rows * C.cdiv(target, blocks.block_rows))
     return blocks
 
 
@@ -99,20 +98,22 @@ class Tile(NamedTuple):
     valid: jax.Array  # bool [br, bc] inside the array
 
 
-def _load(refs, fills, per_row_refs, per_col_refs, row0, col0, b: RowBlocks, n_rows, n_cols):
-    tiles, rows, cols, valid = [], None, None, None
-    for ref, fill in zip(refs, fills):
-        t, rows, cols, valid = C.load_tile(ref, row0, col0, b.block_rows, b.block_cols,
-                                           n_rows, n_cols, other=fill)
-        tiles.append(t.astype(jnp.float32))
-    if rows is None:
-        rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (b.block_rows, b.block_cols), 0)
-        cols = col0 + jax.lax.broadcasted_iota(jnp.int32, (b.block_rows, b.block_cols), 1)
-        valid = (rows < n_rows) & (cols < n_cols)
-    per_row = tuple(C.load_rows(r, row0, b.block_rows, n_rows) for r in per_row_refs)
-    per_col = tuple(C.load_tile(r, 0, col0, 1, b.block_cols, 1, n_cols)[0].astype(jnp.float32)
-                    for r in per_col_refs)
+def _load(refs, fills, per_row, per_col, row0, col0, b: RowBlocks, n_rows, n_cols):
+    """The tile of every tiled input at (row0, col0), with the per-row and per-column values the
+    caller loaded once for it (they do not change from tile to tile)."""
+    tiles = [C.load_tile(ref, row0, col0, b.block_rows, b.block_cols, n_rows, n_cols,
+                         other=fill)[0].astype(jnp.float32) for ref, fill in zip(refs, fills)]
+    rows, cols, valid = C.tile_index(row0, col0, b.block_rows, b.block_cols, n_rows, n_cols)
     return Tile(tuple(tiles), per_row, per_col, rows, cols, valid)
+
+
+def _per_row(refs, row0, b: RowBlocks, n_rows):
+    return tuple(C.load_vec(r, row0, b.block_rows, n_rows)[:, None] for r in refs)
+
+
+def _per_col(refs, col0, b: RowBlocks, n_cols):
+    return tuple(C.load_tile(r, 0, col0, 1, b.block_cols, 1, n_cols)[0].astype(jnp.float32)
+                 for r in refs)
 
 
 def reduce_pass(init: Callable, step: Callable, finalize: Callable, *, tiled: Sequence,
@@ -134,15 +135,17 @@ def reduce_pass(init: Callable, step: Callable, finalize: Callable, *, tiled: Se
         c_refs = refs[n_in[0] + n_in[1]:sum(n_in)]
         out_refs = refs[sum(n_in):]
         row0 = pl.program_id(0) * b.block_rows
-        rows_in = tuple(C.load_rows(r, row0, b.block_rows, n_rows) for r in r_refs)
+        rows_in = _per_row(r_refs, row0, b, n_rows)
 
         def body(j, state):
-            tile = _load(t_refs, fills, r_refs, c_refs, row0, j * b.block_cols, b, n_rows, n_cols)
+            col0 = j * b.block_cols
+            tile = _load(t_refs, fills, rows_in, _per_col(c_refs, col0, b, n_cols), row0, col0,
+                         b, n_rows, n_cols)
             return step(state, tile)
 
         state = C.reduce_tiles(n_tiles, body, init(rows_in))
         for ref, val in zip(out_refs, finalize(state, rows_in)):
-            C.store_rows(ref, val, row0, n_rows)
+            C.store_vec(ref, val[:, 0], row0, n_rows)
 
     out_shape = [jax.ShapeDtypeStruct((n_rows,), d) for d in out_dtypes]
     return C.pallas_call(kernel, out_shape=out_shape, grid=(C.cdiv(n_rows, b.block_rows),),
@@ -179,15 +182,17 @@ def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Seque
         cs_refs = outs[sum(n_out):]
         group, j = pl.program_id(0), pl.program_id(1)
         col0 = j * b.block_cols
+        cols_in = _per_col(c_refs, col0, b, n_cols)   # the same for every chunk of rows
 
         def chunk(c, sums):
             row0 = group * rpp + c * b.block_rows
-            tile = _load(t_refs, fills, r_refs, c_refs, row0, col0, b, n_rows, n_cols)
+            tile = _load(t_refs, fills, _per_row(r_refs, row0, b, n_rows), cols_in, row0, col0,
+                         b, n_rows, n_cols)
             out_tiles, row_outs, col_sums = emit(tile)
             for ref, val in zip(o_refs, out_tiles):
                 C.store_tile(ref, val, row0, col0, n_rows, n_cols)
             for ref, val in zip(ro_refs, row_outs):
-                C.store_rows(ref, val, row0, n_rows)
+                C.store_vec(ref, val[:, 0], row0, n_rows)
             # Rows past the end were loaded as fills; zero their contribution explicitly.
             return tuple(s + jnp.sum(jnp.where(tile.rows < n_rows, v, 0.0), axis=0, keepdims=True)
                          for s, v in zip(sums, col_sums))

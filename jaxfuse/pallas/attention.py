@@ -16,7 +16,6 @@ Backward: `attention_bwd.py` (saves only q, k, v, o, lse).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -35,35 +34,24 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
     r0 = pl.program_id(0) * bq
     q = A.load_rows(q_ref, 0, bq, spec.rows, spec, global_r0=r0)            # [..., bq, Dp]
     q_pos, _ = A.row_positions(spec, r0, bq)                                  # [bq, 1]
-    q_seg = A.load_vec(qs_ref, 0, bq, spec.rows, global_r0=r0) if spec.segments else None
-    lead = q.shape[:-2]
-    acc = jnp.zeros(lead + (bq, spec.head_dim_pad), jnp.float32)
-    m = jnp.full(lead + (bq, 1), C.NEG_INF, jnp.float32)
-    l = jnp.zeros(lead + (bq, 1), jnp.float32)
+    q_seg = C.load_vec(qs_ref, 0, bq, spec.rows, global_row0=r0) if spec.segments else None
 
     def step(j, carry, masked):
-        acc, m, l = carry
         k0 = j * bk
         k = A.load_rows(k_ref, k0, bk, spec.n_k, spec)                        # [..., bk, Dp]
         v = A.load_rows(v_ref, k0, bk, spec.n_k, spec)
         k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        k_seg = A.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
+        k_seg = C.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
         s2, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
                             k_seg, masked)                                    # [..., bq, bk]
-        m_new = jnp.maximum(m, jnp.max(s2, axis=-1, keepdims=True))
-        shift = C.safe_max(m_new)
-        alpha = jnp.exp2(m - shift)
-        p = jnp.exp2(s2 - shift)
-        l = l * alpha + jnp.sum(p, axis=-1, keepdims=True)
-        acc = acc * alpha + A.dot(p.astype(v.dtype), v, "...qk,...kd->...qd")
-        return acc, m_new, l
+        return A.online_update(carry, s2,
+                               lambda p: A.dot(p.astype(v.dtype), v, "...qk,...kd->...qd"))
 
-    acc, m, l = A.split_loop(A.key_blocks(spec, r0, bq, bk), step, (acc, m, l))
-    seen = l > 0                      # a row that sees no key: o = 0, lse = -inf
-    o = acc * jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    carry = A.split_loop(A.key_blocks(spec, r0, bq, bk), step,
+                         A.online_init(q.shape[:-2], bq, spec))
+    o, lse = A.online_finish(carry)
     A.store_rows(o_ref, o, 0, spec.rows, spec, global_r0=r0)
-    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * A.LN2, C.NEG_INF)
-    A.store_vec(lse_ref, lse[..., 0], 0, spec.rows, global_r0=r0)
+    C.store_vec(lse_ref, lse, 0, spec.rows, global_row0=r0)
 
 
 def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks):
@@ -125,16 +113,6 @@ def check_head_dim(d: int) -> None:
                          f"{A.SUPPORTED_HEAD_DIM} (e.g. 64, 80, 96, 128, 256)")
 
 
-def make_spec(q, k, *, causal, scale, window, softcap, segments, interpret,
-              folded) -> AttnSpec:
-    d = q.shape[-1]
-    dp = d if folded else max(16, C.next_pow2(d))
-    return AttnSpec(1.0 / math.sqrt(d) if scale is None else float(scale), bool(causal),
-                    None if window is None else int(window),
-                    None if softcap is None else float(softcap), q.shape[1], k.shape[1], d, dp,
-                    q.shape[2] // k.shape[2], segments, folded, q.dtype.itemsize, interpret)
-
-
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
                     scale: float | None = None, q_segment_ids: jax.Array | None = None,
                     kv_segment_ids: jax.Array | None = None, sliding_window: int | None = None,
@@ -144,11 +122,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     ref.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap, scale)
     check_head_dim(q.shape[-1])
     interpret = C.resolve_interpret(interpret)
-    folded = interpret if block_sizes is None or block_sizes.folded is None \
-        else block_sizes.folded
-    spec = make_spec(q, k, causal=causal, scale=scale, window=sliding_window,
-                     softcap=logits_soft_cap, segments=q_segment_ids is not None,
-                     interpret=interpret, folded=folded)
+    spec = AttnSpec.make(n_q=q.shape[1], n_k=k.shape[1], head_dim=q.shape[-1],
+                         groups=q.shape[2] // k.shape[2], dtype=q.dtype, scale=scale,
+                         interpret=interpret, folded=None if block_sizes is None else block_sizes.folded,
+                         causal=causal, window=sliding_window, softcap=logits_soft_cap,
+                         segments=q_segment_ids is not None)
+    folded = spec.folded
     blocks = AttnBlocks.for_shape(spec) if block_sizes is None else block_sizes
     blocks.validate(folded)
     b, tq, hq, d = q.shape

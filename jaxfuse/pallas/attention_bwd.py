@@ -43,17 +43,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Att
     r0 = pl.program_id(0) * bq
     q = A.load_rows(q_ref, 0, bq, spec.rows, spec, global_r0=r0)             # [..., bq, Dp]
     do = A.load_rows(do_ref, 0, bq, spec.rows, spec, global_r0=r0)
-    lse2 = _safe_lse2(A.load_vec(lse_ref, 0, bq, spec.rows, global_r0=r0))   # [..., bq]
-    delta = A.load_vec(delta_ref, 0, bq, spec.rows, global_r0=r0)
+    lse2 = _safe_lse2(C.load_vec(lse_ref, 0, bq, spec.rows, global_row0=r0))   # [..., bq]
+    delta = C.load_vec(delta_ref, 0, bq, spec.rows, global_row0=r0)
     q_pos, _ = A.row_positions(spec, r0, bq)
-    q_seg = A.load_vec(qs_ref, 0, bq, spec.rows, global_r0=r0) if spec.segments else None
+    q_seg = C.load_vec(qs_ref, 0, bq, spec.rows, global_row0=r0) if spec.segments else None
 
     def step(j, dq, masked):
         k0 = j * bk
         k = A.load_rows(k_ref, k0, bk, spec.n_k, spec)
         v = A.load_rows(v_ref, k0, bk, spec.n_k, spec)
         k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        k_seg = A.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
+        k_seg = C.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
         s2, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
                             k_seg, masked)
         p = jnp.exp2(s2 - lse2[..., None])                                    # [..., bq, bk]
@@ -74,7 +74,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
     k = A.load_rows(k_ref, 0, bk, spec.n_k, spec, global_r0=k0)              # [..., bk, Dp]
     v = A.load_rows(v_ref, 0, bk, spec.n_k, spec, global_r0=k0)
     k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    k_seg = A.load_vec(ks_ref, 0, bk, spec.n_k, global_r0=k0, other=-1) if spec.segments \
+    k_seg = C.load_vec(ks_ref, 0, bk, spec.n_k, global_row0=k0, other=-1) if spec.segments \
         else None
     bounds = A.query_blocks(spec, k0, bk, bq)
 
@@ -82,7 +82,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
         return A.load_rows(ref, q0, bq, spec.rows, spec, head=None if spec.folded else g)
 
     def vec_of_head(ref, g, q0, other=0.0):
-        return A.load_vec(ref, q0, bq, spec.rows, other=other, head=None if spec.folded else g)
+        return C.load_vec(ref, q0, bq, spec.rows, other=other, head=None if spec.folded else g)
 
     def head(g, carry):
         def step(i, carry, masked):
@@ -93,7 +93,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
             lse2 = _safe_lse2(vec_of_head(lse_ref, g, q0))
             delta = vec_of_head(delta_ref, g, q0)
             q_pos, _ = A.row_positions(spec, q0, bq)
-            q_seg = A.load_vec(qs_ref, q0, bq, spec.rows) if spec.segments else None
+            q_seg = C.load_vec(qs_ref, q0, bq, spec.rows) if spec.segments else None
             s2, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
                                 k_seg, masked)
             p = jnp.exp2(s2 - lse2[..., None])                                # [..., bq, bk]

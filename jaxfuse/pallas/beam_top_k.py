@@ -53,11 +53,11 @@ def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *,
     ref.validate(log_probs, beam_scores, k)
     interpret = C.resolve_interpret(interpret)
     b, n_beams, v = log_probs.shape
-    total = beam_scores.astype(jnp.float32)[:, :, None] + log_probs.astype(jnp.float32)
+    flat = ref.candidates(log_probs, beam_scores)                           # [B, K * V]
     # 1. Retrieve: rough threshold per batch row.
-    m = group_maxima(total, k, interpret=interpret, block_sizes=block_sizes)
+    m = group_maxima(flat.reshape(b, n_beams, v), k, interpret=interpret,
+                     block_sizes=block_sizes)
     threshold = jnp.max(jnp.min(m, axis=-1), axis=-1)                      # [B]
-    flat = total.reshape(b, n_beams * v)
     keep = flat >= threshold[:, None]
     cap = min(n_beams * v, capacity or max(4 * k, 2 * n_beams))
 

@@ -51,12 +51,9 @@ def _forward(logits2, labels, st: _Static):
 
     def finalize(state, per_row):
         m, l, sum_x, picked = state
-        (label,) = per_row
         lse = m + jnp.log(l)
-        loss = lse - (1.0 - a) * picked - (a / n_cls) * sum_x
-        bad = (label < 0) | (label >= n_cls)
-        loss = jnp.where(label == st.ignore_index, 0.0, jnp.where(bad, jnp.nan, loss))
-        return loss, lse
+        return ref.loss_from_stats(lse, picked, sum_x, per_row[0], n_cls, label_smoothing=a,
+                                   ignore_index=st.ignore_index), lse
 
     return _rows.reduce_pass(init, step, finalize, tiled=[logits2], fills=[0.0],
                              per_row=[labels], out_dtypes=(jnp.float32, jnp.float32), blocks=b,
@@ -69,9 +66,8 @@ def _backward(logits2, labels, lse, g, st: _Static):
 
     def emit(tile):
         label, lse_, g_ = tile.per_row
-        q = jnp.exp(tile.x[0] - lse_)
-        p = jnp.where(tile.cols == label, 1.0 - a, 0.0) + a / n_cls
-        return ((q - p) * g_,), (), ()
+        return (ref.logits_grad(tile.x[0], tile.cols, label, lse_, g_, n_cls,
+                                label_smoothing=a),), (), ()
 
     (dlogits,) = _rows.map_pass(emit, tiled=[logits2], fills=[0.0], per_row=[labels, lse, g],
                                 out_dtypes=(logits2.dtype,), blocks=st.blocks,
@@ -92,10 +88,8 @@ def _token_loss_fwd(logits2, labels, st):
 
 def _token_loss_bwd(st, res, g):
     logits2, labels, lse = res
-    n_cls = logits2.shape[1]
-    bad = ((labels < 0) | (labels >= n_cls)) & (labels != st.ignore_index)
-    g = jnp.where(labels == st.ignore_index, 0.0, jnp.where(bad, jnp.nan, g))
-    return (_backward(logits2, labels, lse, g.astype(jnp.float32), st),
+    g = ref.token_cotangent(g, labels, logits2.shape[1], st.ignore_index)
+    return (_backward(logits2, labels, lse, g, st),
             jnp.zeros(labels.shape, jax.dtypes.float0))
 
 

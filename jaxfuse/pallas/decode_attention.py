@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -65,41 +64,27 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, *, spec: A.AttnSpec, b
     n = length[..., None, None]                                              # [..., 1, 1]
     q = A.load_rows(q_ref, 0, bh, g, spec)                                   # [..., bh, Dp]
     end = jnp.minimum(s0 + split_len, jnp.max(length))
-    lead = q.shape[:-2]
-    acc = jnp.zeros(lead + (bh, spec.head_dim_pad), jnp.float32)
-    m = jnp.full(lead + (bh, 1), C.NEG_INF, jnp.float32)
-    l = jnp.zeros(lead + (bh, 1), jnp.float32)
 
     def step(j, carry):
-        acc, m, l = carry
         k0 = j * bk
         k = A.load_rows(k_ref, k0, bk, n, spec)                               # [..., bk, Dp]
         v = A.load_rows(v_ref, k0, bk, n, spec)
         if bh == 1:   # one query row (MHA): a 2-D multiply-reduce, no 16-row matmul tile
             s = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=-1)[..., None, :]
+            pv_of = lambda p: jnp.sum(jnp.swapaxes(p, -1, -2) * v.astype(jnp.float32),
+                                      axis=-2, keepdims=True)                 # [..., 1, Dp]
         else:
             s = A.dot(q, k, "...hd,...kd->...hk")                             # [..., bh, bk]
+            pv_of = lambda p: A.dot(p.astype(v.dtype), v, "...hk,...kd->...hd")
         s2, _ = A.transform(spec, s, None, None, None, None, masked=False)
         k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        s2 = jnp.where(k_pos < n, s2, C.NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(s2, axis=-1, keepdims=True))
-        shift = C.safe_max(m_new)
-        alpha = jnp.exp2(m - shift)
-        p = jnp.exp2(s2 - shift)
-        l = l * alpha + jnp.sum(p, axis=-1, keepdims=True)
-        if bh == 1:
-            pv = jnp.sum(jnp.swapaxes(p, -1, -2) * v.astype(jnp.float32), axis=-2,
-                         keepdims=True)                                       # [..., 1, Dp]
-        else:
-            pv = A.dot(p.astype(v.dtype), v, "...hk,...kd->...hd")
-        return acc * alpha + pv, m_new, l
+        return A.online_update(carry, jnp.where(k_pos < n, s2, C.NEG_INF), pv_of)
 
-    acc, m, l = jax.lax.fori_loop(s0 // bk, (end + bk - 1) // bk, step, (acc, m, l))
-    seen = l > 0
-    o = acc * jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    carry = jax.lax.fori_loop(s0 // bk, (end + bk - 1) // bk, step,
+                              A.online_init(q.shape[:-2], bh, spec))
+    o, lse = A.online_finish(carry)
     A.store_rows(o_ref, o, 0, g, spec)
-    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * A.LN2, C.NEG_INF)
-    A.store_vec(lse_ref, lse[..., 0], 0, g)
+    C.store_vec(lse_ref, lse, 0, g)
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -148,14 +133,12 @@ def _inference_op(run):
 def _decode(q, k_cache, v_cache, lengths, *, scale, num_splits, logits_soft_cap, interpret,
             blocks: DecodeBlocks):
     """(o [B, Hq, D] in q's dtype, float32 lse [B, Hq])."""
-    folded = interpret if blocks.folded is None else blocks.folded
     b, hq, d = q.shape
     s_len, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
-    dp = d if folded else max(16, C.next_pow2(d))
-    spec = A.AttnSpec(1.0 / math.sqrt(d) if scale is None else float(scale), False, None,
-                      None if logits_soft_cap is None else float(logits_soft_cap), 1, s_len, d,
-                      dp, g, False, folded, q.dtype.itemsize, interpret)
+    spec = A.AttnSpec.make(n_q=1, n_k=s_len, head_dim=d, groups=g, dtype=q.dtype, scale=scale,
+                           interpret=interpret, folded=blocks.folded, softcap=logits_soft_cap)
+    folded, dp = spec.folded, spec.head_dim_pad
     if num_splits is None:
         num_splits = 1 if folded else choose_splits(b * hkv, s_len, C.num_multiprocessors())
     bk = min(blocks.block_k, max(16, C.next_pow2(s_len))) if not folded else \

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 
 from jaxfuse.pallas import _common as C
 from jaxfuse.reference import linear_cross_entropy as ref
+from jaxfuse.reference import cross_entropy as ce
 from jaxfuse.reference.cross_entropy import reduce_loss
 
 
@@ -95,7 +96,7 @@ def _fwd_kernel(x_ref, w_ref, lab_ref, loss_ref, lse_ref, *, st: _Static):
     b = st.blocks
     bn, bv = b.block_n, b.block_v
     t0 = pl.program_id(0) * bn
-    label = C.load_rows(lab_ref, t0, bn, st.n)                                # [bn, 1]
+    label = C.load_vec(lab_ref, t0, bn, st.n)[:, None]                        # [bn, 1]
     cols0 = jax.lax.broadcasted_iota(jnp.int32, (bn, bv), 1)
 
     def v_step(j, carry):
@@ -113,12 +114,10 @@ def _fwd_kernel(x_ref, w_ref, lab_ref, loss_ref, lse_ref, *, st: _Static):
     init = (jnp.full((bn, 1), C.NEG_INF, jnp.float32), zero, zero, zero)
     m, l, sum_z, picked = C.reduce_tiles(C.cdiv(st.v, bv), v_step, init)
     lse = m + jnp.log(l)
-    a = st.label_smoothing
-    loss = lse - (1.0 - a) * picked - (a / st.v) * sum_z + st.z_loss * lse * lse
-    bad = (label < 0) | (label >= st.v)
-    loss = jnp.where(label == st.ignore_index, 0.0, jnp.where(bad, jnp.nan, loss))
-    C.store_rows(loss_ref, loss, t0, st.n)
-    C.store_rows(lse_ref, lse, t0, st.n)
+    loss = ce.loss_from_stats(lse, picked, sum_z, label, st.v, label_smoothing=st.label_smoothing,
+                              ignore_index=st.ignore_index, z_loss=st.z_loss)
+    C.store_vec(loss_ref, loss[:, 0], t0, st.n)
+    C.store_vec(lse_ref, lse[:, 0], t0, st.n)
 
 
 def _dz_kernel(off_ref, x_ref, w_ref, lab_ref, lse_ref, g_ref, dz_ref, *, st: _Static,
@@ -130,14 +129,10 @@ def _dz_kernel(off_ref, x_ref, w_ref, lab_ref, lse_ref, g_ref, dz_ref, *, st: _S
     # Predicated loads measured faster here than unpredicated ones (H200: 55.6 vs 81.6 ms for
     # the backward at N=8192, V=128256; BENCHMARKS.md), the opposite of the forward.
     z, t = _logits(x_ref, w_ref, t0, off + v0, st, predicate=True)
-    label = C.load_rows(lab_ref, t0, bn, st.n)
-    lse = C.load_rows(lse_ref, t0, bn, st.n, other=0.0)
-    g = C.load_rows(g_ref, t0, bn, st.n, other=0.0)
+    label, lse, g = (C.load_vec(r, t0, bn, st.n)[:, None] for r in (lab_ref, lse_ref, g_ref))
     cols = off + v0 + jax.lax.broadcasted_iota(jnp.int32, (bn, bv), 1)
-    a = st.label_smoothing
-    q = jnp.exp(z - lse)
-    p = jnp.where(cols == label, 1.0 - a, 0.0) + a / st.v
-    dz = (q * (1.0 + 2.0 * st.z_loss * lse) - p) * g
+    dz = ce.logits_grad(z, cols, label, lse, g, st.v, label_smoothing=st.label_smoothing,
+                        z_loss=st.z_loss)
     if t is not None:
         dz = dz * (1.0 - t * t)
     C.store_tile(dz_ref, dz, t0, v0, st.n, width)
@@ -197,9 +192,8 @@ def _token_loss_fwd(x2, w, labels, st):
 
 def _token_loss_bwd(st, res, g):
     x2, w, labels, lse = res
-    bad = ((labels < 0) | (labels >= st.v)) & (labels != st.ignore_index)
-    g = jnp.where(labels == st.ignore_index, 0.0, jnp.where(bad, jnp.nan, g))
-    dx, dw = _backward(x2, w, labels, lse, g.astype(jnp.float32), st)
+    dx, dw = _backward(x2, w, labels, lse, ce.token_cotangent(g, labels, st.v, st.ignore_index),
+                       st)
     return dx, dw, jnp.zeros(labels.shape, jax.dtypes.float0)
 
 

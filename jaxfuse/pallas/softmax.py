@@ -45,16 +45,11 @@ def _scores(tile: _rows.Tile, st: _Static):
     return jnp.where(keep, tile.x[0] * st.scale, C.NEG_INF)
 
 
-def _online_ml(st: _Static):
-    return lambda state, tile: C.online_max_sum(state, _scores(tile, st))
-
-
 def _forward(x2, mask2, st: _Static):
     b = st.blocks
     tiled, fills = [x2], [0.0]
     if st.has_mask:
         tiled, fills = [x2, mask2], [0.0, 0]
-    step = _online_ml(st)
     n_tiles = C.cdiv(st.n_k, b.block_cols)
     per_row = ()
     if n_tiles > 1:
@@ -62,13 +57,19 @@ def _forward(x2, mask2, st: _Static):
         init = lambda _: (jnp.full((br, 1), C.NEG_INF, jnp.float32),
                           jnp.zeros((br, 1), jnp.float32))
         per_row = tuple(_rows.reduce_pass(
-            init, step, lambda state, _: state, tiled=tiled, fills=fills,
+            init, lambda state, tile: C.online_max_sum(state, _scores(tile, st)),
+            lambda state, _: state, tiled=tiled, fills=fills,
             out_dtypes=(jnp.float32, jnp.float32), blocks=b, name="jaxfuse_softmax_stats",
             interpret=st.interpret))
 
     def emit(tile):
-        m, l = tile.per_row if n_tiles > 1 else step(None, tile)
-        e = jnp.exp(_scores(tile, st) - C.safe_max(m))
+        s = _scores(tile, st)
+        if n_tiles > 1:
+            m, l = tile.per_row
+            e = jnp.exp(s - C.safe_max(m))
+        else:   # the whole row is this tile: its statistics come from the same exponentials
+            e = jnp.exp(s - C.safe_max(jnp.max(s, axis=-1, keepdims=True)))
+            l = jnp.sum(e, axis=-1, keepdims=True)
         return (e * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0),), (), ()
 
     (y2,) = _rows.map_pass(emit, tiled=tiled, fills=fills, per_row=per_row,

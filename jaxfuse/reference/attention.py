@@ -100,23 +100,13 @@ def merge_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Ar
     if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape:
         raise ValueError(f"shapes differ: o {o_a.shape} vs {o_b.shape}, lse {lse_a.shape} vs "
                          f"{lse_b.shape}")
-    if o_a.ndim == 4 and lse_a.ndim == 3:      # flash layout: lse [B, H, T] -> [B, T, H]
-        to_o = lambda lse: jnp.swapaxes(lse, 1, 2)[..., None]
-    elif o_a.ndim == lse_a.ndim + 1:           # decode layout: lse [B, H]
-        to_o = lambda lse: lse[..., None]
-    else:
+    flash = o_a.ndim == 4 and lse_a.ndim == 3      # lse [B, H, T] for o [B, T, H, D]
+    if not flash and o_a.ndim != lse_a.ndim + 1:
         raise ValueError(f"o.shape={o_a.shape} with lse.shape={lse_a.shape} is neither "
                          "([B, T, H, D], [B, H, T]) nor ([B, H, D], [B, H])")
-    lse_a = lse_a.astype(jnp.float32)
-    lse_b = lse_b.astype(jnp.float32)
-    m = jnp.maximum(lse_a, lse_b)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
-    total = w_a + w_b
-    lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-    inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-    o = (to_o(w_a * inv) * o_a.astype(jnp.float32) + to_o(w_b * inv) * o_b.astype(jnp.float32))
-    return o.astype(o_a.dtype), lse
+    to_o = (lambda lse: jnp.swapaxes(lse, 1, 2)) if flash else (lambda lse: lse)
+    o, lse = merge_many(jnp.stack([o_a, o_b]), jnp.stack([to_o(lse_a), to_o(lse_b)]), axis=0)
+    return o.astype(o_a.dtype), to_o(lse)
 
 
 def merge_many(o_parts: jax.Array, lse_parts: jax.Array, axis: int):

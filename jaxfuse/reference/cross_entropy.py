@@ -34,18 +34,44 @@ def reduce_loss(per_token: jax.Array, valid: jax.Array, reduction: str) -> jax.A
     return total / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
 
 
-def token_losses(logits, labels, *, label_smoothing: float, ignore_index: int):
+def loss_from_stats(lse, picked, sum_logits, labels, n_cls: int, *, label_smoothing: float,
+                    ignore_index: int, z_loss: float = 0.0):
+    """Per-token loss from what one pass over a row gathers (its lse, the label's logit and the
+    sum of logits): lse - (1 - a) x_y - (a / V) sum x + z_loss lse^2; 0 at ignored tokens, NaN at
+    out-of-range labels. Shared by the references and the kernels."""
+    a = float(label_smoothing)
+    loss = lse - (1.0 - a) * picked - (a / n_cls) * sum_logits + z_loss * lse * lse
+    bad = (labels < 0) | (labels >= n_cls)
+    return jnp.where(labels == ignore_index, 0.0, jnp.where(bad, jnp.nan, loss))
+
+
+def logits_grad(z, cols, labels, lse, g, n_cls: int, *, label_smoothing: float,
+                z_loss: float = 0.0):
+    """d loss / d z = (q (1 + 2 z_loss lse) - p) * g for logits z at class indices `cols`, with
+    q = exp(z - lse), p the smoothed target and g the per-token cotangent."""
+    a = float(label_smoothing)
+    q = jnp.exp(z - lse)
+    p = jnp.where(cols == labels, 1.0 - a, 0.0) + a / n_cls
+    return (q * (1.0 + 2.0 * z_loss * lse) - p) * g
+
+
+def token_cotangent(g, labels, n_cls: int, ignore_index: int):
+    """The per-token cotangent as the kernels use it: 0 at ignored tokens, NaN at out-of-range
+    labels (so a bad label poisons its gradient the way it poisons its loss)."""
+    bad = ((labels < 0) | (labels >= n_cls)) & (labels != ignore_index)
+    return jnp.where(labels == ignore_index, 0.0, jnp.where(bad, jnp.nan, g)).astype(jnp.float32)
+
+
+def token_losses(logits, labels, *, label_smoothing: float, ignore_index: int,
+                 z_loss: float = 0.0):
     """Per-token losses (0 at ignored tokens, NaN at out-of-range labels) and the valid mask."""
     x = logits.astype(jnp.float32)
     n_classes = x.shape[-1]
-    lse = jax.nn.logsumexp(x, axis=-1)
-    in_range = (labels >= 0) & (labels < n_classes)
     picked = jnp.take_along_axis(x, jnp.clip(labels, 0, n_classes - 1)[..., None], axis=-1)[..., 0]
-    a = float(label_smoothing)
-    loss = lse - (1.0 - a) * picked - (a / n_classes) * jnp.sum(x, axis=-1)
-    ignored = labels == ignore_index
-    loss = jnp.where(ignored, 0.0, jnp.where(in_range, loss, jnp.nan))
-    return loss, ~ignored
+    loss = loss_from_stats(jax.nn.logsumexp(x, axis=-1), picked, jnp.sum(x, axis=-1), labels,
+                           n_classes, label_smoothing=label_smoothing, ignore_index=ignore_index,
+                           z_loss=z_loss)
+    return loss, labels != ignore_index
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: float = 0.0,

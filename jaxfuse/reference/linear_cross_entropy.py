@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse import _checks
-from jaxfuse.reference.cross_entropy import reduce_loss
+from jaxfuse.reference.cross_entropy import reduce_loss, token_losses
 
 
 def validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_cap) -> None:
@@ -31,18 +31,6 @@ def validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_
     if not float(z_loss) >= 0.0:
         raise ValueError(f"z_loss={z_loss!r} must be >= 0")
     _checks.check_positive("logits_soft_cap", logits_soft_cap)
-
-
-def token_losses(z, labels, *, label_smoothing, ignore_index, z_loss):
-    """Per-token loss from float32 logits z [N, V], and the lse (0 at ignored, NaN at bad)."""
-    n_cls = z.shape[-1]
-    lse = jax.nn.logsumexp(z, axis=-1)
-    in_range = (labels >= 0) & (labels < n_cls)
-    picked = jnp.take_along_axis(z, jnp.clip(labels, 0, n_cls - 1)[:, None], axis=-1)[:, 0]
-    a = float(label_smoothing)
-    loss = lse - (1.0 - a) * picked - (a / n_cls) * jnp.sum(z, axis=-1) + z_loss * lse * lse
-    ignored = labels == ignore_index
-    return jnp.where(ignored, 0.0, jnp.where(in_range, loss, jnp.nan)), ~ignored
 
 
 def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,

@@ -6,12 +6,13 @@ import pytest
 from absl.testing import parameterized
 
 import jaxfuse
-from jaxfuse import LCEBlocks
+from jaxfuse import LCEBlocks, RowBlocks
 from tests._util import assert_close, keys, randn
 
-# (N, D, V, blocks): whole-vocabulary default and tiles that split every axis awkwardly.
-CASES = [(37, 24, 301, None), (37, 24, 301, LCEBlocks(16, 32, 8, 64)), (1, 8, 17, None),
-         (2, 3, 16, LCEBlocks(8, 16, 16, 16))]
+# (N, D, V, blocks): one whole-vocabulary slab by default; slabs with a narrower tail (301 =
+# 4 x 64 + 45) walked by row tiles that split both axes; a slab of one column.
+CASES = [(37, 24, 301, None), (37, 24, 301, LCEBlocks(64, RowBlocks(5, 16))), (1, 8, 17, None),
+         (2, 3, 16, LCEBlocks(1)), (13, 7, 40, LCEBlocks(16))]
 OPTIONS = [dict(), dict(label_smoothing=0.1), dict(z_loss=1e-2),
            dict(logits_soft_cap=2.0, label_smoothing=0.2, z_loss=1e-3)]
 
@@ -47,7 +48,7 @@ class LinearCrossEntropyTest(chex.TestCase):
     def test_bf16_inputs_against_float32_reference(self):
         x, w, labels = _inputs(64, 32, 1000, jnp.bfloat16, seed=2)
         f = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
-                                                      block_sizes=LCEBlocks(16, 128, 16, 256))
+                                                      block_sizes=LCEBlocks(256))
         fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
                                                        impl="reference")
         loss, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(x, w)
@@ -101,8 +102,8 @@ class LinearCrossEntropyTest(chex.TestCase):
             jaxfuse.linear_cross_entropy(x, w.astype(jnp.bfloat16), labels)
         with self.assertRaisesRegex(ValueError, "z_loss=-1"):
             jaxfuse.linear_cross_entropy(x, w, labels, z_loss=-1)
-        with self.assertRaisesRegex(ValueError, "slab=24 must be a multiple of block_v=16"):
-            jaxfuse.linear_cross_entropy(x, w, labels, block_sizes=LCEBlocks(4, 16, 8, 24))
+        with self.assertRaisesRegex(ValueError, "slab=0 must be a positive number"):
+            jaxfuse.linear_cross_entropy(x, w, labels, block_sizes=LCEBlocks(0))
 
 
 if __name__ == "__main__":

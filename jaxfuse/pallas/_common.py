@@ -44,6 +44,11 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def prev_pow2(n: int) -> int:
+    """The largest power of two <= n (1 for n < 2)."""
+    return 1 if n < 2 else 1 << (int(n).bit_length() - 1)
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """`None` means: interpret on a CPU backend, compile otherwise. `JAXFUSE_INTERPRET=1|0` overrides."""
     if interpret is not None:
@@ -165,7 +170,8 @@ def reduce_tiles(n_tiles: int, step, init):
 
 
 def pallas_call(kernel, *, out_shape, grid, name: str, interpret: bool, num_warps: int = 4,
-                num_stages: int | None = None, in_specs=None, out_specs=None):
+                num_stages: int | None = None, in_specs=None, out_specs=None,
+                input_output_aliases=None):
     """`pl.pallas_call` for either regime. Without specs every ref sees its whole array and the
     body offsets by `pl.program_id` itself (that is what lets one body serve both regimes)."""
     kwargs = {}
@@ -173,6 +179,8 @@ def pallas_call(kernel, *, out_shape, grid, name: str, interpret: bool, num_warp
         kwargs["in_specs"] = in_specs
     if out_specs is not None:
         kwargs["out_specs"] = out_specs
+    if input_output_aliases:
+        kwargs["input_output_aliases"] = input_output_aliases
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps,
                                                             num_stages=num_stages)
     return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret,

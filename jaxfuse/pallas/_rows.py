@@ -155,9 +155,13 @@ def reduce_pass(init: Callable, step: Callable, finalize: Callable, *, tiled: Se
 
 def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Sequence = (),
              per_col: Sequence = (), out_dtypes: Sequence, row_out_dtypes: Sequence = (),
-             n_col_sums: int = 0, blocks: RowBlocks, name: str, interpret: bool):
+             n_col_sums: int = 0, blocks: RowBlocks, name: str, interpret: bool,
+             in_place: bool = False):
     """Tiles written from tiles: `emit(tile) -> (out_tiles, row_outs, col_sums)`.
 
+    `in_place=True` writes the first output over the first tiled input (same shape and dtype;
+    each tile is read before it is written, by the same program), saving one [n_rows, n_cols]
+    buffer.
     `out_tiles`: [br, bc] values for outputs shaped like the input (dtypes `out_dtypes`).
     `row_outs`: [br, 1] per-row values (only when a row is one tile), dtypes `row_out_dtypes`.
     `col_sums`: [1, bc] float32 values summed over the program's rows into `[groups, n_cols]`.
@@ -206,7 +210,9 @@ def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Seque
                  + [jax.ShapeDtypeStruct((n_rows,), d) for d in row_out_dtypes]
                  + [jax.ShapeDtypeStruct((n_groups, n_cols), jnp.float32)] * n_col_sums)
     return C.pallas_call(kernel, out_shape=out_shape, grid=(n_groups, n_tiles), name=name,
-                         interpret=interpret, num_warps=b.num_warps)(*tiled, *per_row, *per_col)
+                         interpret=interpret, num_warps=b.num_warps,
+                         input_output_aliases={0: 0} if in_place else None)(
+        *tiled, *per_row, *per_col)
 
 
 def as_rows(x: jax.Array) -> jax.Array:

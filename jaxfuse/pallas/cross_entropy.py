@@ -33,21 +33,31 @@ class _Static:
     interpret: bool
 
 
+def fold_logits(state, x, valid, cols, label):
+    """One tile of logits x [br, bc] folded into the per-row state (m, l, sum of logits, label's
+    logit), each [br, 1]: the single pass of the forward. Shared with linear + cross-entropy,
+    which folds vocabulary slabs one after another into the same state."""
+    m, l, sum_x, picked = state
+    m, l = C.online_max_sum((m, l), jnp.where(valid, x, C.NEG_INF))
+    sum_x = sum_x + jnp.sum(jnp.where(valid, x, 0.0), axis=-1, keepdims=True)
+    picked = picked + jnp.sum(jnp.where(cols == label, x, 0.0), axis=-1, keepdims=True)
+    return m, l, sum_x, picked
+
+
+def empty_state(rows: int):
+    z = jnp.zeros((rows, 1), jnp.float32)
+    return jnp.full((rows, 1), C.NEG_INF, jnp.float32), z, z, z
+
+
 def _forward(logits2, labels, st: _Static):
     n_rows, n_cls = logits2.shape
     b, a = st.blocks, st.label_smoothing
 
     def init(_):
-        z = jnp.zeros((b.block_rows, 1), jnp.float32)
-        return (jnp.full((b.block_rows, 1), C.NEG_INF, jnp.float32), z, z, z)
+        return empty_state(b.block_rows)
 
     def step(state, tile):
-        x, (label,) = tile.x[0], tile.per_row
-        m, l, sum_x, picked = state
-        m, l = C.online_max_sum((m, l), jnp.where(tile.valid, x, C.NEG_INF))
-        sum_x = sum_x + jnp.sum(x, axis=-1, keepdims=True)      # fill is 0 outside the row
-        picked = picked + jnp.sum(jnp.where(tile.cols == label, x, 0.0), axis=-1, keepdims=True)
-        return m, l, sum_x, picked
+        return fold_logits(state, tile.x[0], tile.valid, tile.cols, tile.per_row[0])
 
     def finalize(state, per_row):
         m, l, sum_x, picked = state

@@ -1,23 +1,26 @@
 """Fused linear + cross-entropy that never holds the logits (lecture 10, sec. 5.2).
 
 With a 128K vocabulary the logits x @ W of a batch outweigh the model: 8192 tokens give a
-[8192, 128256] float32 array of 4.2 GB, and its gradient another. Here:
+[8192, 128256] array of 2.1 GB in bf16 (4.2 GB in float32), and its gradient as much again.
+Here the vocabulary is walked in slabs of `slab` columns, and only one [N, slab] slab of logits
+exists at a time (the Flash-Decoding idea applied to the vocabulary: partial log-sum-exps merged
+with the online rule).
 
-Forward (one Pallas kernel): a program owns a tile of tokens and walks the vocabulary in tiles;
-for each it computes the logits tile (the matmul over D in chunks, float32 accumulation), applies
-the soft cap, and folds it into the online (m, l) log-sum-exp, the sum of logits (smoothing) and
-the label's logit. It writes the per-token loss and lse: nothing of size N x V exists anywhere.
+Forward, per slab: z = x @ W[:, slab] (one large matmul, cuBLAS on the GPU, logits in x's dtype
+exactly as `x @ weight` rounds them), then one Pallas row pass folds the slab into each token's
+running state (m, l, sum of logits, label's logit) with the online (m, l) merge, applying the
+soft cap in float32 on the way. After the last slab, lse = m + log l gives the per-token loss.
 
-Backward (`custom_vjp`, saves x, weight, labels, lse): the vocabulary is walked in slabs of a few
-thousand columns. For each slab a Pallas kernel recomputes the logits tiles and forms
-dz = (q (1 + 2 z_loss lse) - p) * g (times 1 - tanh^2 under a soft cap) in registers, writing
-only dz for that slab ([N, slab], a few tens of MB); two matmuls then add dz @ W_slab^T into a
-float32 dx and give dW_slab = x^T dz exactly (each element accumulated over all tokens in float32
-and cast once). No atomics anywhere, so gradients are deterministic. The slab bounds the
-temporary memory to about N x slab + N x D x 4 bytes whatever V is.
+Backward (`custom_vjp`, saves x, weight, labels, lse), per slab: recompute z, one Pallas pass
+turns it in place into dz = (q (1 + 2 z_loss lse) - p) * g (times 1 - tanh^2 under a soft cap),
+then two matmuls add dz @ W_slab^T into a float32 dx and give dW_slab = x^T dz whole (each element
+accumulated over all tokens in float32 and cast once). No atomics: gradients are deterministic.
 
-Cost: the logits are computed twice (forward, and recomputed backward): 4 matmuls of
-2 N D V FLOPs against XLA's 3, the price of never storing them.
+Why cuBLAS matmuls around Pallas row passes rather than the matmul inside the kernel: the Pallas
+(Triton) tile matmul ran at 260-320 TFLOP/s on an H200 against ~750 for cuBLAS, and this op is
+all matmul (4 x 2NDV FLOPs: the logits are computed twice, the price of not storing them, against
+XLA's 3). The row passes move 2 bytes per logit forward and 4 backward, ~1 ms each at N=8192,
+V=128256. Temporary memory: one slab (`_SLAB_BYTES`) + the float32 dx + a weight slab.
 """
 from __future__ import annotations
 
@@ -26,38 +29,33 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from jaxfuse.pallas import _common as C
-from jaxfuse.reference import linear_cross_entropy as ref
+from jaxfuse.pallas import _rows
+from jaxfuse.pallas._rows import RowBlocks
+from jaxfuse.pallas.cross_entropy import empty_state, fold_logits
 from jaxfuse.reference import cross_entropy as ce
-from jaxfuse.reference.cross_entropy import reduce_loss
+from jaxfuse.reference import linear_cross_entropy as ref
+
+# Bytes of one [N, slab] logits slab on the GPU. Larger slabs mean fewer read-modify-writes of
+# the float32 dx accumulator (N x D x 8 bytes per slab) but more temporary memory.
+_SLAB_BYTES = 128 << 20
+_INTERPRET_SLAB_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class LCEBlocks:
-    """Tiles: `block_n` tokens x `block_v` vocabulary per logits tile, `block_d` of D per matmul
-    step; `slab` vocabulary columns per backward step. `num_*` only matter on the GPU."""
-    block_n: int = 128
-    block_v: int = 128
-    block_d: int = 64
+    """`slab`: vocabulary columns per step (one [N, slab] matmul and logits buffer); None picks
+    the largest power of two whose slab fits the memory budget. `rows`: tiles of the two row
+    passes over a slab (None: `RowBlocks.for_shape`)."""
     slab: int | None = None
-    num_warps: int = 8
-    num_stages: int = 3
+    rows: RowBlocks | None = None
 
     @classmethod
-    def for_shape(cls, n: int, d: int, v: int, itemsize: int, interpret: bool) -> "LCEBlocks":
-        if interpret:
-            # One interpreted step over all tokens, the vocabulary walked in-kernel.
-            bv = min(v, 256)
-            slab_budget = 1 << 20                     # elements of dz per slab (4 MiB f32)
-            return cls(n, bv, d, _slab(slab_budget, n, bv, v), 1, 1)
-        slab_budget = (64 << 20) // itemsize          # 64 MiB of dz per slab
-        return cls(128, 128, 64, _slab(slab_budget, n, 128, v), 8, 4)
-
-
-def _slab(budget: int, n: int, bv: int, v: int) -> int:
-    return min(C.cdiv(v, bv) * bv, max(bv, (budget // max(n, 1)) // bv * bv))
+    def for_shape(cls, n: int, v: int, itemsize: int, interpret: bool) -> "LCEBlocks":
+        budget = (_INTERPRET_SLAB_BYTES if interpret else _SLAB_BYTES) // itemsize
+        slab = max(128, C.prev_pow2(budget // max(n, 1)))
+        return cls(v if slab >= v else slab)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,116 +64,85 @@ class _Static:
     ignore_index: int
     z_loss: float
     softcap: float | None
-    n: int
-    d: int
     v: int
-    blocks: LCEBlocks
+    slab: int
+    rows: RowBlocks
     interpret: bool
 
 
-def _logits(x_ref, w_ref, t0, v0, st: _Static, predicate: bool = False):
-    """Float32 logits tile [bn, bv] of tokens t0.. and vocabulary columns v0.., and tanh(z / c)
-    under a soft cap (else None). Out-of-range rows/columns read zeros."""
-    b = st.blocks
-    bn, bv, bd = b.block_n, b.block_v, b.block_d
-
-    def d_step(c, acc):
-        d0 = c * bd
-        xt = C.load_tile(x_ref, t0, d0, bn, bd, st.n, st.d, predicate=predicate)[0]
-        wt = C.load_tile(w_ref, d0, v0, bd, bv, st.d, st.v, predicate=predicate)[0]
-        return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
-
-    z = C.reduce_tiles(C.cdiv(st.d, bd), d_step, jnp.zeros((bn, bv), jnp.float32))
-    if st.softcap is None:
+def _capped(z, softcap):
+    """Float32 logits after the soft cap c tanh(z / c), and tanh(z / c) (None without a cap)."""
+    if softcap is None:
         return z, None
-    t = jnp.tanh(z / st.softcap)
-    return st.softcap * t, t
+    t = jnp.tanh(z / softcap)
+    return softcap * t, t
 
 
-def _fwd_kernel(x_ref, w_ref, lab_ref, loss_ref, lse_ref, *, st: _Static):
-    b = st.blocks
-    bn, bv = b.block_n, b.block_v
-    t0 = pl.program_id(0) * bn
-    label = C.load_vec(lab_ref, t0, bn, st.n)[:, None]                        # [bn, 1]
-    cols0 = jax.lax.broadcasted_iota(jnp.int32, (bn, bv), 1)
-
-    def v_step(j, carry):
-        m, l, sum_z, picked = carry
-        v0 = j * bv
-        z, _ = _logits(x_ref, w_ref, t0, v0, st)
-        cols = v0 + cols0
-        valid = cols < st.v
-        m, l = C.online_max_sum((m, l), jnp.where(valid, z, C.NEG_INF))
-        sum_z = sum_z + jnp.sum(jnp.where(valid, z, 0.0), axis=-1, keepdims=True)
-        picked = picked + jnp.sum(jnp.where(cols == label, z, 0.0), axis=-1, keepdims=True)
-        return m, l, sum_z, picked
-
-    zero = jnp.zeros((bn, 1), jnp.float32)
-    init = (jnp.full((bn, 1), C.NEG_INF, jnp.float32), zero, zero, zero)
-    m, l, sum_z, picked = C.reduce_tiles(C.cdiv(st.v, bv), v_step, init)
-    lse = m + jnp.log(l)
-    loss = ce.loss_from_stats(lse, picked, sum_z, label, st.v, label_smoothing=st.label_smoothing,
-                              ignore_index=st.ignore_index, z_loss=st.z_loss)
-    C.store_vec(loss_ref, loss[:, 0], t0, st.n)
-    C.store_vec(lse_ref, lse[:, 0], t0, st.n)
+def _over_slabs(step, carry, w, slab: int):
+    """`carry = step(offset, w[:, offset:offset + width], carry)` for every vocabulary slab: a
+    loop over the full slabs (one compiled body) and the narrower tail, if any, after it."""
+    d, v = w.shape
+    n_full, tail = divmod(v, slab)
+    if n_full:
+        carry = jax.lax.fori_loop(
+            0, n_full, lambda i, c: step(i * slab, jax.lax.dynamic_slice_in_dim(
+                w, i * slab, slab, axis=1), c), carry)
+    if tail:
+        carry = step(n_full * slab, w[:, n_full * slab:], carry)
+    return carry
 
 
-def _dz_kernel(off_ref, x_ref, w_ref, lab_ref, lse_ref, g_ref, dz_ref, *, st: _Static,
-               width: int):
-    b = st.blocks
-    bn, bv = b.block_n, b.block_v
-    t0, v0 = pl.program_id(0) * bn, pl.program_id(1) * bv
-    off = off_ref[0]
-    # Predicated loads measured faster here than unpredicated ones (H200: 55.6 vs 81.6 ms for
-    # the backward at N=8192, V=128256; BENCHMARKS.md), the opposite of the forward.
-    z, t = _logits(x_ref, w_ref, t0, off + v0, st, predicate=True)
-    label, lse, g = (C.load_vec(r, t0, bn, st.n)[:, None] for r in (lab_ref, lse_ref, g_ref))
-    cols = off + v0 + jax.lax.broadcasted_iota(jnp.int32, (bn, bv), 1)
-    dz = ce.logits_grad(z, cols, label, lse, g, st.v, label_smoothing=st.label_smoothing,
-                        z_loss=st.z_loss)
-    if t is not None:
-        dz = dz * (1.0 - t * t)
-    C.store_tile(dz_ref, dz, t0, v0, st.n, width)
+def _fold_slab(z, labels_rel, state, st: _Static):
+    """The running per-token state (m, l, sum of logits, label's logit), each [N] float32, with
+    the logits slab z [N, width] folded in. `labels_rel` is labels minus the slab's offset."""
+    def step(s, tile):
+        return fold_logits(s, _capped(tile.x[0], st.softcap)[0], tile.valid, tile.cols,
+                           tile.per_row[0])
+
+    return _rows.reduce_pass(lambda per_row: per_row[1:], step, lambda s, _: s, tiled=[z],
+                             fills=[0.0], per_row=[labels_rel, *state],
+                             out_dtypes=(jnp.float32,) * 4, blocks=st.rows,
+                             name="jaxfuse_linear_cross_entropy_fwd", interpret=st.interpret)
+
+
+def _dz_slab(z, labels_rel, lse, g, st: _Static):
+    """dz for the logits slab z [N, width], written over z."""
+    def emit(tile):
+        label, lse_, g_ = tile.per_row
+        zc, t = _capped(tile.x[0], st.softcap)
+        dz = ce.logits_grad(zc, tile.cols, label, lse_, g_, st.v,
+                            label_smoothing=st.label_smoothing, z_loss=st.z_loss)
+        return (dz if t is None else dz * (1.0 - t * t),), (), ()
+
+    (dz,) = _rows.map_pass(emit, tiled=[z], fills=[0.0], per_row=[labels_rel, lse, g],
+                           out_dtypes=(z.dtype,), blocks=st.rows, in_place=True,
+                           name="jaxfuse_linear_cross_entropy_bwd", interpret=st.interpret)
+    return dz
 
 
 def _forward(x2, w, labels, st: _Static):
-    b = st.blocks
-    return C.pallas_call(
-        functools.partial(_fwd_kernel, st=st),
-        out_shape=[jax.ShapeDtypeStruct((st.n,), jnp.float32)] * 2,
-        grid=(C.cdiv(st.n, b.block_n),), name="jaxfuse_linear_cross_entropy_fwd",
-        interpret=st.interpret, num_warps=b.num_warps, num_stages=b.num_stages)(x2, w, labels)
+    def step(off, w_s, state):
+        return _fold_slab(jnp.dot(x2, w_s), labels - off, state, st)
 
-
-def _dz(offset, width: int, x2, w, labels, lse, g, st: _Static):
-    """dz for vocabulary columns [offset, offset + width) ([N, width], in x's dtype)."""
-    b = st.blocks
-    return C.pallas_call(
-        functools.partial(_dz_kernel, st=st, width=width),
-        out_shape=jax.ShapeDtypeStruct((st.n, width), x2.dtype),
-        grid=(C.cdiv(st.n, b.block_n), C.cdiv(width, b.block_v)),
-        name="jaxfuse_linear_cross_entropy_dz", interpret=st.interpret,
-        num_warps=b.num_warps, num_stages=b.num_stages)(
-        jnp.reshape(offset, (1,)).astype(jnp.int32), x2, w, labels, lse, g)
+    init = tuple(s[:, 0] for s in empty_state(x2.shape[0]))
+    m, l, sum_z, picked = _over_slabs(step, init, w, st.slab)
+    lse = m + jnp.log(l)
+    loss = ce.loss_from_stats(lse, picked, sum_z, labels, st.v,
+                              label_smoothing=st.label_smoothing, ignore_index=st.ignore_index,
+                              z_loss=st.z_loss)
+    return loss, lse
 
 
 def _backward(x2, w, labels, lse, g, st: _Static):
-    slab = st.blocks.slab
-    n_full, tail = divmod(st.v, slab)
+    def step(off, w_s, carry):
+        dx, dw = carry
+        dz = _dz_slab(jnp.dot(x2, w_s), labels - off, lse, g, st)         # [N, width]
+        dx = dx + jnp.einsum("nv,dv->nd", dz, w_s, preferred_element_type=jnp.float32)
+        dw_s = jnp.einsum("nd,nv->dv", x2, dz, preferred_element_type=jnp.float32)
+        return dx, jax.lax.dynamic_update_slice_in_dim(dw, dw_s.astype(w.dtype), off, axis=1)
 
-    def add_slab(offset, width, dx, dw):
-        dz = _dz(offset, width, x2, w, labels, lse, g, st)                    # [N, width]
-        w_slab = jax.lax.dynamic_slice(w, (0, offset), (st.d, width))
-        dx = dx + jnp.dot(dz, w_slab.T, preferred_element_type=jnp.float32)
-        dw_slab = jnp.dot(x2.T, dz, preferred_element_type=jnp.float32).astype(w.dtype)
-        return dx, jax.lax.dynamic_update_slice(dw, dw_slab, (0, offset))
-
-    carry = (jnp.zeros((st.n, st.d), jnp.float32), jnp.zeros_like(w))
-    if n_full:
-        carry = jax.lax.fori_loop(0, n_full, lambda s, c: add_slab(s * slab, slab, *c), carry)
-    if tail:
-        carry = add_slab(n_full * slab, tail, *carry)
-    dx, dw = carry
+    init = (jnp.zeros(x2.shape, jnp.float32), jnp.zeros_like(w))
+    dx, dw = _over_slabs(step, init, w, st.slab)
     return dx.astype(x2.dtype), dw
 
 
@@ -211,14 +178,17 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
     d, v = weight.shape
     x2 = x.reshape(-1, d)
     n = x2.shape[0]
-    blocks = block_sizes or LCEBlocks.for_shape(n, d, v, x.dtype.itemsize, interpret)
+    blocks = block_sizes or LCEBlocks()
     if blocks.slab is None:
-        blocks = dataclasses.replace(blocks, slab=_slab(1 << 24, n, blocks.block_v, v))
-    if blocks.slab % blocks.block_v:
-        raise ValueError(f"slab={blocks.slab} must be a multiple of block_v={blocks.block_v}")
+        blocks = dataclasses.replace(
+            blocks, slab=LCEBlocks.for_shape(n, v, x.dtype.itemsize, interpret).slab)
+    if not (isinstance(blocks.slab, int) and blocks.slab >= 1):
+        raise ValueError(f"slab={blocks.slab!r} must be a positive number of vocabulary columns")
+    slab = min(blocks.slab, v)
+    rows = _rows.resolve_blocks(blocks.rows, n, slab, interpret)
     st = _Static(float(label_smoothing), int(ignore_index), float(z_loss),
-                 None if logits_soft_cap is None else float(logits_soft_cap), n, d, v, blocks,
+                 None if logits_soft_cap is None else float(logits_soft_cap), v, slab, rows,
                  interpret)
     labels1 = labels.reshape(-1).astype(jnp.int32)
     loss = token_loss(x2, weight, labels1, st).reshape(labels.shape)
-    return reduce_loss(loss, labels != ignore_index, reduction)
+    return ce.reduce_loss(loss, labels != ignore_index, reduction)

@@ -2,7 +2,8 @@
 
 For tokens x [N, D], weight [D, V] and labels [N]:
 
-    z = x @ weight                      (then c * tanh(z / c) with logits_soft_cap=c)
+    z = x @ weight                      (in x's dtype, as jnp rounds it; then float32 and
+                                         c * tanh(z / c) with logits_soft_cap=c)
     loss = cross_entropy(z, labels, label_smoothing, ignore_index) + z_loss * lse(z)^2
 
 per token (the z-loss of PaLM keeps lse near 0), reduced as `jaxfuse.cross_entropy` does.
@@ -39,7 +40,7 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
                          reduction: str = "mean") -> jax.Array:
     """Cross-entropy of x @ weight against labels; float32 result."""
     validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_cap)
-    z = jnp.dot(x.reshape(-1, x.shape[-1]), weight, preferred_element_type=jnp.float32)
+    z = jnp.dot(x.reshape(-1, x.shape[-1]), weight).astype(jnp.float32)
     if logits_soft_cap is not None:
         z = logits_soft_cap * jnp.tanh(z / logits_soft_cap)
     loss, valid = token_losses(z, labels.reshape(-1), label_smoothing=label_smoothing,

@@ -68,14 +68,91 @@ def _fns(sweep: bool):
     except Exception as e:  # noqa: BLE001
         record(S, "peer import", "tokamax", error=str(e)[:100])
     if sweep:
-        for slab in (2048, 4096, 16384):
+        for slab in (2048, 8192, 16384):
             fns[f"jaxfuse[slab={slab}]"] = functools.partial(
                 lambda x, w, y, blk: jaxfuse.linear_cross_entropy(x, w, y, block_sizes=blk),
                 blk=LCEBlocks(slab))
     return fns
 
 
+def layouts(n=8192, d=4096, v=128256):
+    """The per-slab matmuls of the slab design, timed alone in each operand layout, projected to
+    the whole vocabulary (x v / slab): which layout cuBLAS runs fastest, and what the weight
+    slab copy and the dW cast cost."""
+    k = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(k[0], (n, d), jnp.bfloat16)
+    w = jax.random.normal(k[1], (d, v), jnp.bfloat16)
+    dx = jax.random.normal(k[2], (n, d), jnp.float32)
+    f32 = jnp.float32
+    for slab in (4096, 8192):
+        ws = w[:, :slab]
+        wst = ws.T.copy()
+        dz = jax.random.normal(k[3], (n, slab), jnp.bfloat16)
+        variants = {
+            "slice copy W[:, s] -> [D,S]": (lambda w: jax.lax.dynamic_slice_in_dim(
+                w, 2 * slab, slab, axis=1), (w,)),
+            "slice copy W[:, s] -> [S,D]": (lambda w: jax.lax.dynamic_slice_in_dim(
+                w, 2 * slab, slab, axis=1).T, (w,)),
+            "z = x @ Ws [D,S]": (lambda x, a: jnp.dot(x, a), (x, ws)),
+            "z = x @ WsT.T [S,D]": (lambda x, a: jnp.dot(x, a.T), (x, wst)),
+            "z = x @ slice(W) fused?": (lambda x, w: jnp.dot(x, jax.lax.dynamic_slice_in_dim(
+                w, 2 * slab, slab, axis=1)), (x, w)),
+            "dx += dz @ Ws.T": (lambda dx, dz, a: dx + jnp.einsum(
+                "nv,dv->nd", dz, a, preferred_element_type=f32), (dx, dz, ws)),
+            "dx += dz @ WsT": (lambda dx, dz, a: dx + jnp.einsum(
+                "nv,vd->nd", dz, a, preferred_element_type=f32), (dx, dz, wst)),
+            "dx_s = dz @ Ws.T (no acc, f32)": (lambda dz, a: jnp.einsum(
+                "nv,dv->nd", dz, a, preferred_element_type=f32), (dz, ws)),
+            "dWs = x.T @ dz f32 -> bf16": (lambda x, dz: jnp.einsum(
+                "nd,nv->dv", x, dz, preferred_element_type=f32).astype(jnp.bfloat16), (x, dz)),
+            "dWs = x.T @ dz bf16 out": (lambda x, dz: jnp.einsum("nd,nv->dv", x, dz), (x, dz)),
+            "dWsT = dz.T @ x bf16 out": (lambda x, dz: jnp.einsum("nd,nv->vd", x, dz), (x, dz)),
+        }
+        for name, (f, a) in variants.items():
+            def run(f=f, a=a, name=name):
+                t = bench(jax.jit(f), [a], reps=10, repeats=3, warmup=1)
+                record(S, f"layout slab={slab}", name, t, x_vocab_ms=t * 1e3 * v / slab)
+            guarded(S, f"layout slab={slab}", name, run)
+
+
+def _unrolled_and_hlo(x, w, y):
+    """Experiment: the slab loop unrolled in Python (static slices, XLA free to schedule) against
+    the `fori_loop`; and the optimized HLO of the default, written to $JAXFUSE_HLO_DIR."""
+    from jaxfuse.pallas import linear_cross_entropy as lce_mod
+    out_dir = os.environ.get("JAXFUSE_HLO_DIR")
+    for slab in (4096, 8192):
+        step = jax.value_and_grad(lambda x, w, y, slab=slab: jaxfuse.linear_cross_entropy(
+            x, w, y, block_sizes=LCEBlocks(slab)), argnums=(0, 1))
+        if out_dir:
+            with open(os.path.join(out_dir, f"lce_slab{slab}.hlo.txt"), "w") as fh:
+                fh.write(jax.jit(step).lower(x, w, y).compile().as_text())
+
+    def unrolled(step_fn, carry, w, slab):
+        d, v = w.shape
+        for off in range(0, v, slab):
+            carry = step_fn(off, w[:, off:off + slab], carry)
+        return carry
+
+    original = lce_mod._over_slabs
+    lce_mod._over_slabs = unrolled
+    try:
+        for slab in (4096, 8192):
+            def run(slab=slab):
+                g = jax.value_and_grad(lambda x, w, y: jaxfuse.linear_cross_entropy(
+                    x, w, y, block_sizes=LCEBlocks(slab)), argnums=(0, 1))
+                t = bench(jax.jit(g), [(x, w, y)], reps=3, repeats=3, warmup=1)
+                record(S, "N8192 D4096 V128256 fwd+bwd", f"jaxfuse[unrolled,slab={slab}]", t,
+                       temp_GB=(temp_bytes(g, x, w, y) or 0) / 1e9)
+            guarded(S, "N8192 D4096 V128256 fwd+bwd", f"jaxfuse[unrolled,slab={slab}]", run)
+    finally:
+        lce_mod._over_slabs = original
+
+
 def perf(copy_bw: float, sweep: bool = True):
+    if sweep:
+        layouts()
+    if os.environ.get("JAXFUSE_BENCH_EXPERIMENTS"):
+        _unrolled_and_hlo(*_inputs(jax.random.key(0), 8192, 4096, 128256))
     del copy_bw
     n, d, v = 8192, 4096, 128256
     args = _inputs(jax.random.key(0), n, d, v)

@@ -36,10 +36,11 @@ class _Static:
 def fold_logits(state, x, valid, cols, label):
     """One tile of logits x [br, bc] folded into the per-row state (m, l, sum of logits, label's
     logit), each [br, 1]: the single pass of the forward. Shared with linear + cross-entropy,
-    which folds vocabulary slabs one after another into the same state."""
+    which folds vocabulary slabs one after another into the same state. x must be 0 outside the
+    array (the tiles are loaded with fill 0), so the sum needs no mask."""
     m, l, sum_x, picked = state
     m, l = C.online_max_sum((m, l), jnp.where(valid, x, C.NEG_INF))
-    sum_x = sum_x + jnp.sum(jnp.where(valid, x, 0.0), axis=-1, keepdims=True)
+    sum_x = sum_x + jnp.sum(x, axis=-1, keepdims=True)
     picked = picked + jnp.sum(jnp.where(cols == label, x, 0.0), axis=-1, keepdims=True)
     return m, l, sum_x, picked
 

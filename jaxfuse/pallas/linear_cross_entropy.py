@@ -74,7 +74,8 @@ class _Static:
 
 
 def _capped(z, softcap):
-    """Float32 logits after the soft cap c tanh(z / c), and tanh(z / c) (None without a cap)."""
+    """Float32 logits after the soft cap c tanh(z / c), and tanh(z / c) (None without a cap).
+    The cap keeps 0 at 0, so fill-0 tiles still sum correctly in `fold_logits`."""
     if softcap is None:
         return z, None
     t = jnp.tanh(z / softcap)

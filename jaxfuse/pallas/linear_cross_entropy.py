@@ -17,10 +17,11 @@ then two matmuls add dz @ W_slab^T into a float32 dx and give dW_slab = x^T dz w
 accumulated over all tokens in float32 and cast once). No atomics: gradients are deterministic.
 
 Why cuBLAS matmuls around Pallas row passes rather than the matmul inside the kernel: the Pallas
-(Triton) tile matmul ran at 260-320 TFLOP/s on an H200 against ~750 for cuBLAS, and this op is
-all matmul (4 x 2NDV FLOPs: the logits are computed twice, the price of not storing them, against
-XLA's 3). The row passes move 2 bytes per logit forward and 4 backward, ~1 ms each at N=8192,
-V=128256. Temporary memory: one slab (`_SLAB_BYTES`) + the float32 dx + a weight slab.
+(Triton) tile matmul ran at 260-320 TFLOP/s on an H200 against 680-790 for cuBLAS, and this op
+is all matmul (4 x 2NDV FLOPs: the logits are computed twice, the price of not storing them,
+against XLA's 3). The row passes move 2 bytes per bf16 logit forward and 4 backward: ~0.5 and
+~1 ms at N=8192, V=128256. Temporary memory: one slab (`_SLAB_BYTES`) + the float32 dx + a
+weight slab, whatever V is.
 """
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ from jaxfuse.reference import linear_cross_entropy as ref
 
 # Bytes of one [N, slab] logits slab on the GPU. Larger slabs mean fewer, larger matmuls and
 # fewer read-modify-writes of the float32 dx accumulator, but more temporary memory. Measured on
-# an H200 at N=8192, D=4096, V=128256 bf16 (BENCHMARKS.md): slabs of 2048 / 4096 / 8192 / 16384
-# columns took 57.2 / 55.7 / 54.3 / 52.6 ms with 0.30 / 0.30 / 0.55 / 0.78 GB of temporaries;
-# 64 MiB (4096 columns there) is the largest that stays under 5% of XLA's 6.3 GB.
+# an H200 at N=8192, D=4096, V=128256 bf16 (BENCHMARKS.md, run 10): slabs of 2048 / 4096 / 8192
+# / 16384 columns took 56.5 / 54.7 / 52.5 / 53.4 ms with 0.30 / 0.30 / 0.55 / 0.78 GB of
+# temporaries; 64 MiB (4096 columns there) is the largest that stays under 5% of XLA's 6.3 GB.
 _SLAB_BYTES = 64 << 20
 _INTERPRET_SLAB_BYTES = 4 << 20
 

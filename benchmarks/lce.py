@@ -115,44 +115,9 @@ def layouts(n=8192, d=4096, v=128256):
             guarded(S, f"layout slab={slab}", name, run)
 
 
-def _unrolled_and_hlo(x, w, y):
-    """Experiment: the slab loop unrolled in Python (static slices, XLA free to schedule) against
-    the `fori_loop`; and the optimized HLO of the default, written to $JAXFUSE_HLO_DIR."""
-    from jaxfuse.pallas import linear_cross_entropy as lce_mod
-    out_dir = os.environ.get("JAXFUSE_HLO_DIR")
-    for slab in (4096, 8192):
-        step = jax.value_and_grad(lambda x, w, y, slab=slab: jaxfuse.linear_cross_entropy(
-            x, w, y, block_sizes=LCEBlocks(slab)), argnums=(0, 1))
-        if out_dir:
-            with open(os.path.join(out_dir, f"lce_slab{slab}.hlo.txt"), "w") as fh:
-                fh.write(jax.jit(step).lower(x, w, y).compile().as_text())
-
-    def unrolled(step_fn, carry, w, slab):
-        d, v = w.shape
-        for off in range(0, v, slab):
-            carry = step_fn(off, w[:, off:off + slab], carry)
-        return carry
-
-    original = lce_mod._over_slabs
-    lce_mod._over_slabs = unrolled
-    try:
-        for slab in (4096, 8192):
-            def run(slab=slab):
-                g = jax.value_and_grad(lambda x, w, y: jaxfuse.linear_cross_entropy(
-                    x, w, y, block_sizes=LCEBlocks(slab)), argnums=(0, 1))
-                t = bench(jax.jit(g), [(x, w, y)], reps=3, repeats=3, warmup=1)
-                record(S, "N8192 D4096 V128256 fwd+bwd", f"jaxfuse[unrolled,slab={slab}]", t,
-                       temp_GB=(temp_bytes(g, x, w, y) or 0) / 1e9)
-            guarded(S, "N8192 D4096 V128256 fwd+bwd", f"jaxfuse[unrolled,slab={slab}]", run)
-    finally:
-        lce_mod._over_slabs = original
-
-
 def perf(copy_bw: float, sweep: bool = True):
     if sweep:
         layouts()
-    if os.environ.get("JAXFUSE_BENCH_EXPERIMENTS"):
-        _unrolled_and_hlo(*_inputs(jax.random.key(0), 8192, 4096, 128256))
     del copy_bw
     n, d, v = 8192, 4096, 128256
     args = _inputs(jax.random.key(0), n, d, v)

@@ -56,10 +56,9 @@ class LCEBlocks:
     rows: RowBlocks | None = None
 
     @classmethod
-    def for_shape(cls, n: int, v: int, itemsize: int, interpret: bool) -> "LCEBlocks":
+    def for_shape(cls, n: int, itemsize: int, interpret: bool) -> "LCEBlocks":
         budget = (_INTERPRET_SLAB_BYTES if interpret else _SLAB_BYTES) // itemsize
-        slab = max(128, C.prev_pow2(budget // max(n, 1)))
-        return cls(v if slab >= v else slab)
+        return cls(max(128, C.prev_pow2(budget // max(n, 1))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,12 +186,12 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
     x2 = x.reshape(-1, d)
     n = x2.shape[0]
     blocks = block_sizes or LCEBlocks()
-    if blocks.slab is None:
-        blocks = dataclasses.replace(
-            blocks, slab=LCEBlocks.for_shape(n, v, x.dtype.itemsize, interpret).slab)
-    if not (isinstance(blocks.slab, int) and blocks.slab >= 1):
-        raise ValueError(f"slab={blocks.slab!r} must be a positive number of vocabulary columns")
-    slab = min(blocks.slab, v)
+    slab = blocks.slab
+    if slab is None:
+        slab = LCEBlocks.for_shape(n, x.dtype.itemsize, interpret).slab
+    if not (isinstance(slab, int) and slab >= 1):
+        raise ValueError(f"slab={slab!r} must be a positive number of vocabulary columns")
+    slab = min(slab, v)                       # a slab wider than the vocabulary is all of it
     rows = _rows.resolve_blocks(blocks.rows, n, slab, interpret)
     st = _Static(float(label_smoothing), int(ignore_index), float(z_loss),
                  None if logits_soft_cap is None else float(logits_soft_cap), v, slab, rows,

@@ -161,3 +161,20 @@ def perf(copy_bw: float, sweep: bool = True):
         record(S, f"N{n} D{d} V{v} fwd+bwd", "jaxfuse", t,
                peak_GB=stats.get("peak_bytes_in_use", 0) / 1e9)
     guarded(S, f"N{n} D{d} V{v} fwd+bwd", "jaxfuse", run_big)
+
+
+def profile(n=8192, d=4096, v=128256):
+    """Per-kernel GPU time of one fwd+bwd step: where the time over 4 matmuls goes."""
+    from benchmarks._profile import report
+    args = _inputs(jax.random.key(0), n, d, v)
+    fns = _fns(False)
+    fns["jaxfuse[slab=8192]"] = lambda x, w, y: jaxfuse.linear_cross_entropy(
+        x, w, y, block_sizes=LCEBlocks(8192))
+    for impl in ("jaxfuse", "jaxfuse[slab=8192]", "xla_reference"):
+        step = jax.jit(jax.value_and_grad(fns[impl], argnums=(0, 1)))
+        guarded(S, "profile", impl, lambda step=step, impl=impl: report(
+            S, f"N{n} D{d} V{v} fwd+bwd {impl}", step, args))
+
+
+if __name__ == "__main__":
+    profile()

@@ -29,10 +29,13 @@ import dataclasses
 import functools
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 
 from jaxfuse.pallas import _common as C
-from jaxfuse.pallas import _rows
+from jaxfuse.pallas import _hopper, _rows
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.pallas.cross_entropy import empty_state, fold_logits
 from jaxfuse.reference import cross_entropy as ce
@@ -51,12 +54,15 @@ _INTERPRET_SLAB_BYTES = 4 << 20
 class LCEBlocks:
     """`slab`: vocabulary columns per step (one [N, slab] matmul and logits buffer); None picks
     the largest power of two whose slab fits the memory budget. `rows`: tiles of the two row
-    passes over a slab (None: `RowBlocks.for_shape`)."""
+    passes over a slab (None: `RowBlocks.for_shape`). `hopper`: compute the logits with the
+    fused Hopper GEMM (`_hopper`, Mosaic GPU) where the shapes allow; None means on a Hopper
+    GPU, True also in interpret mode (Mosaic GPU's interpreter), False never."""
     slab: int | None = None
     rows: RowBlocks | None = None
+    hopper: bool | None = None
 
     @classmethod
-    def for_shape(cls, n: int, itemsize: int, interpret: bool) -> "LCEBlocks":
+    def for_shape(cls, n: int, itemsize: int, interpret: bool) -> LCEBlocks:
         budget = (_INTERPRET_SLAB_BYTES if interpret else _SLAB_BYTES) // itemsize
         return cls(max(128, C.prev_pow2(budget // max(n, 1))))
 
@@ -68,9 +74,11 @@ class _Static:
     z_loss: float
     softcap: float | None
     v: int
+    dtype: jnp.dtype
     slab: int
     rows: RowBlocks
     interpret: bool
+    hopper: _hopper.Tiles | None     # None: cuBLAS + row passes only
 
 
 def _capped(z, softcap):
@@ -82,17 +90,18 @@ def _capped(z, softcap):
     return softcap * t, t
 
 
-def _over_slabs(step, carry, w, slab: int):
-    """`carry = step(offset, w[:, offset:offset + width], carry)` for every vocabulary slab: a
-    loop over the full slabs (one compiled body) and the narrower tail, if any, after it."""
-    d, v = w.shape
-    n_full, tail = divmod(v, slab)
+def _over_slabs(step, carry, w, slab: int, start: int = 0):
+    """`carry = step(offset, w[:, offset:offset + width], carry)` for every vocabulary slab from
+    column `start` on: a loop over the full slabs (one compiled body) and the narrower tail, if
+    any, after it."""
+    _d, v = w.shape
+    n_full, tail = divmod(v - start, slab)
     if n_full:
         carry = jax.lax.fori_loop(
-            0, n_full, lambda i, c: step(i * slab, jax.lax.dynamic_slice_in_dim(
-                w, i * slab, slab, axis=1), c), carry)
+            0, n_full, lambda i, c: step(start + i * slab, jax.lax.dynamic_slice_in_dim(
+                w, start + i * slab, slab, axis=1), c), carry)
     if tail:
-        carry = step(n_full * slab, w[:, n_full * slab:], carry)
+        carry = step(v - tail, w[:, v - tail:], carry)
     return carry
 
 
@@ -124,12 +133,73 @@ def _dz_slab(z, labels_rel, lse, g, st: _Static):
     return dz
 
 
+def _fold_hopper(x2, w, labels, state, st: _Static):
+    """Folds the columns [0, v_h) of W, v_h the largest multiple of the Hopper CTA tile, into
+    the per-token state with the fused GEMM: each warpgroup tile writes its partial (m, l, sum,
+    label's logit) per token, and the partials of a chunk of columns are merged here (the
+    Flash-Decoding merge). Chunks keep the partials near `_SLAB_BYTES / 2`; W is read in
+    place. Returns the state and v_h."""
+    t = st.hopper
+    n = x2.shape[0]
+    v_h = st.v // t.cols * t.cols
+    band = t.cols * t.band
+    chunk = max(band, (_SLAB_BYTES // 2) // (16 * n) * t.n // band * band)
+    for lo in range(0, v_h, chunk):
+        width = min(chunk, v_h - lo)
+        tiles = width // t.n
+        parts = _hopper.xw_epilogue(
+            x2, w, labels.astype(jnp.float32)[None], col_lo=lo, n_cols=width,
+            epilogue=functools.partial(_stats_epilogue, st=st, col_lo=lo),
+            out_types=jax.ShapeDtypeStruct((tiles * 4, n), jnp.float32),
+            scratch_types=_stats_smem(t), tiles=t, interpret=st.interpret,
+            name="jaxfuse_linear_cross_entropy_fwd_hopper").reshape(tiles, 4, n)
+        state = _merge(state, parts)
+    return state, v_h
+
+
+def _stats_smem(t: _hopper.Tiles):
+    return plgpu.SMEM((2, 4, t.m), jnp.float32)
+
+
+def _stats_epilogue(z, rows, ctx, st: _Static, col_lo: int):
+    """One [m, n] logits tile -> its per-token (max, sum exp(z - max), sum z, label's logit)."""
+    (label,) = rows
+    # Rounded as `x @ weight` rounds the logits, then capped in float32 (like the row pass).
+    z = _capped(z.astype(st.dtype).astype(jnp.float32), st.softcap)[0]
+    row_wise = lambda r: lax.broadcast_in_dim(r, z.shape, [0])
+    cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + ctx.col
+    m = z.max(axis=1)
+    stats = (m, jnp.exp(z - row_wise(m)).sum(axis=1), z.sum(axis=1),
+             jnp.where(cols == row_wise(label.astype(jnp.int32)), z, 0.0).sum(axis=1))
+    smem = ctx.scratch
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's stats have left
+    for i, s in enumerate(stats):
+        smem[ctx.wg, i] = s
+    plgpu.commit_smem()
+    tile = (ctx.col - col_lo) // st.hopper.n
+    plgpu.copy_smem_to_gmem(smem.at[ctx.wg],
+                            ctx.outs[0].at[pl.ds(tile * 4, 4), pl.ds(ctx.row, st.hopper.m)])
+
+
+def _merge(state, parts):
+    """state (m, l, sum, picked), each [N], merged with partials [tiles, 4, N] of disjoint
+    column tiles: the online-softmax merge m = max m_i, l = sum l_i exp(m_i - m)."""
+    m0, l0, s0, p0 = state
+    m_t, l_t, s_t, p_t = (parts[:, i] for i in range(4))
+    m = jnp.maximum(m0, m_t.max(axis=0))
+    l = l0 * jnp.exp(m0 - m) + (l_t * jnp.exp(m_t - m)).sum(axis=0)
+    return m, l, s0 + s_t.sum(axis=0), p0 + p_t.sum(axis=0)
+
+
 def _forward(x2, w, labels, st: _Static):
     def step(off, w_s, state):
         return _fold_slab(jnp.dot(x2, w_s), labels - off, state, st)
 
-    init = tuple(s[:, 0] for s in empty_state(x2.shape[0]))
-    m, l, sum_z, picked = _over_slabs(step, init, w, st.slab)
+    state = tuple(s[:, 0] for s in empty_state(x2.shape[0]))
+    start = 0
+    if st.hopper is not None:
+        state, start = _fold_hopper(x2, w, labels, state, st)
+    m, l, sum_z, picked = _over_slabs(step, state, w, st.slab, start)
     lse = m + jnp.log(l)
     loss = ce.loss_from_stats(lse, picked, sum_z, labels, st.v,
                               label_smoothing=st.label_smoothing, ignore_index=st.ignore_index,
@@ -137,10 +207,42 @@ def _forward(x2, w, labels, st: _Static):
     return loss, lse
 
 
+def _dz_hopper(x2, w_s, labels_rel, lse, g, st: _Static):
+    """dz for the slab w_s [D, width] from the fused Hopper GEMM: the logits tile never leaves
+    the registers; dz is written once, in x's dtype, for the two gradient matmuls."""
+    t = st.hopper
+    return _hopper.xw_epilogue(
+        x2, w_s, jnp.stack([labels_rel.astype(jnp.float32), lse, g]), col_lo=0, n_cols=w_s.shape[1],
+        epilogue=functools.partial(_dz_epilogue, st=st),
+        out_types=jax.ShapeDtypeStruct((x2.shape[0], w_s.shape[1]), x2.dtype),
+        scratch_types=_hopper.tile_smem(x2.dtype), tiles=dataclasses.replace(t, stages=3),
+        interpret=st.interpret, name="jaxfuse_linear_cross_entropy_bwd_hopper")
+
+
+def _dz_epilogue(z, rows, ctx, st: _Static):
+    """One [m, n] logits tile -> dz (see `_dz_slab`), stored in x's dtype."""
+    row_wise = lambda r: lax.broadcast_in_dim(r, z.shape, [0])
+    label, lse, g = (row_wise(r) for r in rows)
+    label = label.astype(jnp.int32)
+    zc, t = _capped(z.astype(st.dtype).astype(jnp.float32), st.softcap)
+    cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + ctx.col
+    dz = ce.logits_grad(zc, cols, label, lse, g, st.v, label_smoothing=st.label_smoothing,
+                        z_loss=st.z_loss)
+    if t is not None:
+        dz = dz * (1.0 - t * t)
+    _hopper.store_tile(dz.astype(st.dtype), ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row,
+                       ctx.col)
+
+
 def _backward(x2, w, labels, lse, g, st: _Static):
+    t = st.hopper
+
     def step(off, w_s, carry):
         dx, dw = carry
-        dz = _dz_slab(jnp.dot(x2, w_s), labels - off, lse, g, st)         # [N, width]
+        if t is not None and w_s.shape[1] % t.cols == 0:
+            dz = _dz_hopper(x2, w_s, labels - off, lse, g, st)
+        else:
+            dz = _dz_slab(jnp.dot(x2, w_s), labels - off, lse, g, st)     # [N, width]
         dx = dx + jnp.einsum("nv,dv->nd", dz, w_s, preferred_element_type=jnp.float32)
         # dW_slab over all N tokens in one matmul: cuBLAS (and XLA on the CPU) accumulate a
         # 16-bit GEMM in float32 and round each element once, so asking for w's dtype directly
@@ -151,6 +253,23 @@ def _backward(x2, w, labels, lse, g, st: _Static):
     init = (jnp.zeros(x2.shape, jnp.float32), jnp.zeros_like(w))
     dx, dw = _over_slabs(step, init, w, st.slab)
     return dx.astype(x2.dtype), dw
+
+
+def _hopper_tiles(hopper: bool | None, x2, w, interpret: bool) -> _hopper.Tiles | None:
+    """The fused Hopper GEMM's tiles if it is to be used, else None (see `LCEBlocks.hopper`).
+    It needs whole token tiles and 16-bit operands; other shapes take the cuBLAS path."""
+    if hopper is False or (hopper is None and (interpret or not _hopper.available())):
+        return None
+    t = _hopper.Tiles()
+    # Labels travel to the kernel as float32 (`_hopper.xw_epilogue`): exact below 2^24.
+    if not (_hopper.fits(x2, w, t) and w.shape[1] < 1 << 24):
+        if hopper:
+            raise ValueError(
+                f"LCEBlocks(hopper=True) needs bf16/f16 x and weight of one dtype, tokens a "
+                f"multiple of {t.m}, D a multiple of {t.k} and V < 2^24; got x {x2.shape} {x2.dtype}, "
+                f"weight {w.shape} {w.dtype}. Use hopper=None to fall back where it does not fit")
+        return None
+    return t
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -194,8 +313,8 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
     slab = min(slab, v)                       # a slab wider than the vocabulary is all of it
     rows = _rows.resolve_blocks(blocks.rows, n, slab, interpret)
     st = _Static(float(label_smoothing), int(ignore_index), float(z_loss),
-                 None if logits_soft_cap is None else float(logits_soft_cap), v, slab, rows,
-                 interpret)
+                 None if logits_soft_cap is None else float(logits_soft_cap), v, x.dtype, slab,
+                 rows, interpret, _hopper_tiles(blocks.hopper, x2, weight, interpret))
     labels1 = labels.reshape(-1).astype(jnp.int32)
     loss = token_loss(x2, weight, labels1, st).reshape(labels.shape)
     return ce.reduce_loss(loss, labels != ignore_index, reduction)

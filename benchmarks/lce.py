@@ -163,6 +163,109 @@ def perf(copy_bw: float, sweep: bool = True):
     guarded(S, f"N{n} D{d} V{v} fwd+bwd", "jaxfuse", run_big)
 
 
+def hopper(n=8192, d=4096, v=128256):
+    """The fused Hopper GEMM path (`LCEBlocks(hopper=...)`) against the cuBLAS slab path: small
+    checks of every option against the float32 reference, then time, memory and the per-kernel
+    profile at the benchmark shape."""
+    from benchmarks._profile import report
+    for hop in (True, False):
+        for (cn, cd, cv), kw in [((256, 128, 700), {}),
+                                 ((384, 192, 1280), dict(label_smoothing=0.1, z_loss=1e-4,
+                                                         logits_soft_cap=30.0))]:
+            name = f"check N{cn} D{cd} V{cv} {kw}"
+
+            def run(cn=cn, cd=cd, cv=cv, kw=kw, hop=hop, name=name):
+                x, w, labels = _inputs(jax.random.key(cv), cn, cd, cv)
+                blk = LCEBlocks(slab=256, hopper=hop)
+                f = lambda impl, x, w: jaxfuse.linear_cross_entropy(  # noqa: E731
+                    x, w, labels, impl=impl, **({"block_sizes": blk} if impl == "pallas" else {}),
+                    **kw)
+                vg = lambda impl: jax.jit(jax.value_and_grad(functools.partial(f, impl),  # noqa: E731
+                                                             argnums=(0, 1)))
+                loss, (dx, dw) = vg("pallas")(x, w)
+                with jax.default_matmul_precision("highest"):
+                    loss_r, (dx_r, dw_r) = vg("reference")(x.astype(jnp.float32),
+                                                           w.astype(jnp.float32))
+                errs = [rel_err(loss, loss_r), rel_err(dx, dx_r), rel_err(dw, dw_r)]
+                ok = errs[0] < 1e-3 and max(errs[1:]) < 1e-2
+                record(S, name, f"hopper={hop}", loss_err=errs[0], dx_err=errs[1],
+                       dw_err=errs[2], status="ok" if ok else "FAIL")
+            guarded(S, name, f"hopper={hop}", run)
+    args = _inputs(jax.random.key(0), n, d, v)
+    flops = 2 * n * d * v
+    kernels(args)
+    fns = {f"jaxfuse[hopper={h}]": functools.partial(
+        lambda x, w, y, blk: jaxfuse.linear_cross_entropy(x, w, y, block_sizes=blk),
+        blk=LCEBlocks(hopper=h)) for h in (True, False)}
+    fns["xla_reference"] = _fns(False)["xla_reference"]
+    for impl, f in fns.items():
+        def run(f=f, impl=impl):
+            step = jax.value_and_grad(f, argnums=(0, 1))
+            t = bench(jax.jit(step), [args], reps=3, repeats=3, warmup=1)
+            record(S, f"N{n} D{d} V{v} fwd+bwd", impl, t,
+                   temp_GB=(temp_bytes(step, *args) or 0) / 1e9, TFLOPs_4matmul=4 * flops / t / 1e12)
+        guarded(S, f"N{n} D{d} V{v} fwd+bwd", impl, run)
+    step = jax.jit(jax.value_and_grad(fns["jaxfuse[hopper=True]"], argnums=(0, 1)))
+    guarded(S, "profile", "hopper", lambda: report(S, f"N{n} D{d} V{v} fwd+bwd hopper", step,
+                                                    args, top=16))
+
+
+def kernels(args):
+    """The forward alone with the fused GEMM's tile options, the same GEMM skeleton with an
+    all-but-empty epilogue, and JAX's Hopper example matmul: what the epilogue costs."""
+    import dataclasses
+
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from jaxfuse.pallas import _hopper
+    x, w, y = args
+    n, v = x.shape[0], w.shape[1]
+    flops = 2 * n * x.shape[1] * v
+    base = _hopper.Tiles()
+    variants = {"default": base, "epi=32": dataclasses.replace(base, epi=32),
+                "epi=128": dataclasses.replace(base, epi=128),
+                "band=8": dataclasses.replace(base, band=8),
+                "band=32": dataclasses.replace(base, band=32),
+                "stages=3": dataclasses.replace(base, stages=3)}
+    for name, tiles in variants.items():
+        def run(tiles=tiles, name=name):
+            f = jax.jit(lambda x, w, y: jaxfuse.linear_cross_entropy(
+                x, w, y, block_sizes=LCEBlocks(hopper=tiles)))
+            t = bench(f, [args], reps=5, repeats=3, warmup=1)
+            record(S, "fwd hopper tiles", name, t, TFLOPs=flops / t / 1e12)
+        guarded(S, "fwd hopper tiles", name, run)
+    width = 32768
+
+    def bare(z, rows, ctx):
+        ctx.scratch[ctx.wg] = z.max(axis=1)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ctx.scratch.at[ctx.wg], ctx.outs[0].at[
+            pl.ds((ctx.col // base.n), 1), pl.ds(ctx.row, base.m)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    from jax.experimental import pallas as pl
+    f = jax.jit(lambda x, w: _hopper.xw_epilogue(
+        x, w, None, col_lo=0, n_cols=width, epilogue=bare,
+        out_types=jax.ShapeDtypeStruct((width // base.n, n), jnp.float32),
+        scratch_types=plgpu.SMEM((2, 1, base.m), jnp.float32), tiles=base, interpret=False,
+        name="bare"))
+    guarded(S, f"x @ W[:, :{width}]", "skeleton, row-max epilogue", lambda: record(
+        S, f"x @ W[:, :{width}]", "skeleton, row-max epilogue",
+        t := bench(f, [(x, w)], reps=10, repeats=3, warmup=1),
+        TFLOPs=2 * n * x.shape[1] * width / t / 1e12))
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+    ws = w[:, :width]
+    for minor in (hm.MatmulDimension.M, hm.MatmulDimension.N):
+        cfg = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                              grid_minor_dim=minor, grid_tile_width=16,
+                              wg_dimension=hm.MatmulDimension.N)
+        g = jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg))
+        guarded(S, f"x @ W[:, :{width}]", f"jax example minor={minor.name}", lambda g=g, m=minor: record(
+            S, f"x @ W[:, :{width}]", f"jax example minor={m.name}",
+            t := bench(g, [(x, ws)], reps=10, repeats=3, warmup=1),
+            TFLOPs=2 * n * x.shape[1] * width / t / 1e12))
+
+
 def profile(n=8192, d=4096, v=128256):
     """Per-kernel GPU time of one fwd+bwd step: where the time over 4 matmuls goes."""
     from benchmarks._profile import report

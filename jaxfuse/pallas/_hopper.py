@@ -40,12 +40,14 @@ from jaxfuse.pallas import _common as C
 class Tiles:
     """m: token rows per CTA tile (shared by both compute warpgroups); n: columns per
     warpgroup (a CTA tile is 2n wide); k: the contraction step; stages: TMA pipeline depth;
-    band: CTA column tiles walked together (see the module docstring)."""
+    band: CTA column tiles walked together (see the module docstring); epi: columns an
+    epilogue works on at a time (its temporaries are [m, epi]: all [m, n] at once spill)."""
     m: int = 128
     n: int = 128
     k: int = 64
     stages: int = 4
     band: int = 16
+    epi: int = 64
 
     @property
     def cols(self) -> int:
@@ -179,11 +181,11 @@ def xw_epilogue(x: jax.Array, w: jax.Array, per_row: jax.Array | None, *, col_lo
         return f(x, w, *per_row)
 
 
-def store_tile(value: jax.Array, smem, out, row, col, sub: int = 64) -> None:
+def store_tile(value: jax.Array, smem, out, row, col, sub: int = 64, k: int = 0) -> int:
     """Writes a [m, n] register tile to out[row:row + m, col:col + n] through shared memory in
-    [sub, sub] pieces, two slots in turn so that one TMA store drains while the next fills."""
+    [sub, sub] pieces, two slots in turn so that one TMA store drains while the next fills.
+    `k` counts pieces across calls for one tile (it picks the slot); returns the new count."""
     m, n = value.shape
-    k = 0
     for i in range(m // sub):
         for j in range(n // sub):
             slot = k % 2
@@ -193,6 +195,7 @@ def store_tile(value: jax.Array, smem, out, row, col, sub: int = 64) -> None:
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(smem.at[slot],
                                     out.at[pl.ds(row + i * sub, sub), pl.ds(col + j * sub, sub)])
+    return k
 
 
 def tile_smem(dtype, sub: int = 64):

@@ -56,10 +56,11 @@ class LCEBlocks:
     the largest power of two whose slab fits the memory budget. `rows`: tiles of the two row
     passes over a slab (None: `RowBlocks.for_shape`). `hopper`: compute the logits with the
     fused Hopper GEMM (`_hopper`, Mosaic GPU) where the shapes allow; None means on a Hopper
-    GPU, True also in interpret mode (Mosaic GPU's interpreter), False never."""
+    GPU, True also in interpret mode (Mosaic GPU's interpreter), False never; a
+    `jaxfuse.pallas._hopper.Tiles` means True with those tiles."""
     slab: int | None = None
     rows: RowBlocks | None = None
-    hopper: bool | None = None
+    hopper: bool | _hopper.Tiles | None = None
 
     @classmethod
     def for_shape(cls, n: int, itemsize: int, interpret: bool) -> LCEBlocks:
@@ -141,6 +142,8 @@ def _fold_hopper(x2, w, labels, state, st: _Static):
     place. Returns the state and v_h."""
     t = st.hopper
     n = x2.shape[0]
+    if st.v * x2.dtype.itemsize % 16:
+        return state, 0            # TMA reads rows of W only at 16-byte strides
     v_h = st.v // t.cols * t.cols
     band = t.cols * t.band
     chunk = max(band, (_SLAB_BYTES // 2) // (16 * n) * t.n // band * band)
@@ -161,19 +164,36 @@ def _stats_smem(t: _hopper.Tiles):
     return plgpu.SMEM((2, 4, t.m), jnp.float32)
 
 
+def _epilogue_chunks(z, st: _Static, col):
+    """The accumulator tile z [m, n] in column chunks of `epi`: (logits chunk rounded as
+    `x @ weight` rounds them and capped in float32, like the row passes; tanh(z / c) or None;
+    global column of each entry; broadcast of a per-row vector to the chunk)."""
+    t = st.hopper
+    for j in range(0, t.n, t.epi):
+        zj, th = _capped(z[:, j:j + t.epi].astype(st.dtype).astype(jnp.float32), st.softcap)
+        cols = lax.broadcasted_iota(jnp.int32, zj.shape, 1) + (col + j)
+        yield zj, th, cols, functools.partial(lax.broadcast_in_dim, shape=zj.shape,
+                                              broadcast_dimensions=[0])
+
+
 def _stats_epilogue(z, rows, ctx, st: _Static, col_lo: int):
-    """One [m, n] logits tile -> its per-token (max, sum exp(z - max), sum z, label's logit)."""
-    (label,) = rows
-    # Rounded as `x @ weight` rounds the logits, then capped in float32 (like the row pass).
-    z = _capped(z.astype(st.dtype).astype(jnp.float32), st.softcap)[0]
-    row_wise = lambda r: lax.broadcast_in_dim(r, z.shape, [0])
-    cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + ctx.col
-    m = z.max(axis=1)
-    stats = (m, jnp.exp(z - row_wise(m)).sum(axis=1), z.sum(axis=1),
-             jnp.where(cols == row_wise(label.astype(jnp.int32)), z, 0.0).sum(axis=1))
+    """One [m, n] logits tile -> its per-token (max, sum exp(z - max), sum z, label's logit),
+    folded chunk by chunk with the online (m, l) merge."""
+    label = rows[0].astype(jnp.int32)
+    state = None
+    for zj, _, cols, row_wise in _epilogue_chunks(z, st, ctx.col):
+        mj = zj.max(axis=1)
+        part = (mj, jnp.exp(zj - row_wise(mj)).sum(axis=1), zj.sum(axis=1),
+                jnp.where(cols == row_wise(label), zj, 0.0).sum(axis=1))
+        if state is None:
+            state = part
+        else:
+            m = jnp.maximum(state[0], mj)
+            state = (m, state[1] * jnp.exp(state[0] - m) + part[1] * jnp.exp(mj - m),
+                     state[2] + part[2], state[3] + part[3])
     smem = ctx.scratch
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's stats have left
-    for i, s in enumerate(stats):
+    for i, s in enumerate(state):
         smem[ctx.wg, i] = s
     plgpu.commit_smem()
     tile = (ctx.col - col_lo) // st.hopper.n
@@ -220,18 +240,17 @@ def _dz_hopper(x2, w_s, labels_rel, lse, g, st: _Static):
 
 
 def _dz_epilogue(z, rows, ctx, st: _Static):
-    """One [m, n] logits tile -> dz (see `_dz_slab`), stored in x's dtype."""
-    row_wise = lambda r: lax.broadcast_in_dim(r, z.shape, [0])
-    label, lse, g = (row_wise(r) for r in rows)
+    """One [m, n] logits tile -> dz (see `_dz_slab`), chunk by chunk, stored in x's dtype."""
+    label, lse, g = rows
     label = label.astype(jnp.int32)
-    zc, t = _capped(z.astype(st.dtype).astype(jnp.float32), st.softcap)
-    cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + ctx.col
-    dz = ce.logits_grad(zc, cols, label, lse, g, st.v, label_smoothing=st.label_smoothing,
-                        z_loss=st.z_loss)
-    if t is not None:
-        dz = dz * (1.0 - t * t)
-    _hopper.store_tile(dz.astype(st.dtype), ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row,
-                       ctx.col)
+    k = 0
+    for j, (zj, th, cols, row_wise) in enumerate(_epilogue_chunks(z, st, ctx.col)):
+        dz = ce.logits_grad(zj, cols, row_wise(label), row_wise(lse), row_wise(g), st.v,
+                            label_smoothing=st.label_smoothing, z_loss=st.z_loss)
+        if th is not None:
+            dz = dz * (1.0 - th * th)
+        k = _hopper.store_tile(dz.astype(st.dtype), ctx.scratch.at[ctx.wg], ctx.outs[0],
+                               ctx.row, ctx.col + j * st.hopper.epi, k=k)
 
 
 def _backward(x2, w, labels, lse, g, st: _Static):
@@ -255,12 +274,13 @@ def _backward(x2, w, labels, lse, g, st: _Static):
     return dx.astype(x2.dtype), dw
 
 
-def _hopper_tiles(hopper: bool | None, x2, w, interpret: bool) -> _hopper.Tiles | None:
+def _hopper_tiles(hopper: bool | _hopper.Tiles | None, x2, w,
+                  interpret: bool) -> _hopper.Tiles | None:
     """The fused Hopper GEMM's tiles if it is to be used, else None (see `LCEBlocks.hopper`).
     It needs whole token tiles and 16-bit operands; other shapes take the cuBLAS path."""
     if hopper is False or (hopper is None and (interpret or not _hopper.available())):
         return None
-    t = _hopper.Tiles()
+    t = hopper if isinstance(hopper, _hopper.Tiles) else _hopper.Tiles()
     # Labels travel to the kernel as float32 (`_hopper.xw_epilogue`): exact below 2^24.
     if not (_hopper.fits(x2, w, t) and w.shape[1] < 1 << 24):
         if hopper:

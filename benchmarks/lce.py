@@ -222,11 +222,10 @@ def kernels(args):
     n, v = x.shape[0], w.shape[1]
     flops = 2 * n * x.shape[1] * v
     base = _hopper.Tiles()
-    variants = {"default": base, "epi=32": dataclasses.replace(base, epi=32),
-                "epi=128": dataclasses.replace(base, epi=128),
-                "band=8": dataclasses.replace(base, band=8),
-                "band=32": dataclasses.replace(base, band=32),
-                "stages=3": dataclasses.replace(base, stages=3)}
+    variants = {"default": base, "band=8": dataclasses.replace(base, band=8),
+                "rows band=16": dataclasses.replace(base, order="rows"),
+                "rows band=8": dataclasses.replace(base, order="rows", band=8),
+                "rows band=16 epi=128": dataclasses.replace(base, order="rows", epi=128)}
     for name, tiles in variants.items():
         def run(tiles=tiles, name=name):
             f = jax.jit(lambda x, w, y: jaxfuse.linear_cross_entropy(
@@ -235,24 +234,39 @@ def kernels(args):
             record(S, "fwd hopper tiles", name, t, TFLOPs=flops / t / 1e12)
         guarded(S, "fwd hopper tiles", name, run)
     width = 32768
+    from jax.experimental import pallas as pl
+
+    from jaxfuse.pallas import linear_cross_entropy as lce
 
     def bare(z, rows, ctx):
-        ctx.scratch[ctx.wg] = z.max(axis=1)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        ctx.scratch[ctx.wg, 0] = z.max(axis=1)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(ctx.scratch.at[ctx.wg], ctx.outs[0].at[
             pl.ds((ctx.col // base.n), 1), pl.ds(ctx.row, base.m)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    from jax.experimental import pallas as pl
-    f = jax.jit(lambda x, w: _hopper.xw_epilogue(
-        x, w, None, col_lo=0, n_cols=width, epilogue=bare,
-        out_types=jax.ShapeDtypeStruct((width // base.n, n), jnp.float32),
-        scratch_types=plgpu.SMEM((2, 1, base.m), jnp.float32), tiles=base, interpret=False,
-        name="bare"))
-    guarded(S, f"x @ W[:, :{width}]", "skeleton, row-max epilogue", lambda: record(
-        S, f"x @ W[:, :{width}]", "skeleton, row-max epilogue",
-        t := bench(f, [(x, w)], reps=10, repeats=3, warmup=1),
-        TFLOPs=2 * n * x.shape[1] * width / t / 1e12))
+    st = lce._Static(0.0, -100, 0.0, None, v, x.dtype, 4096, None, False, base)
+    y_rows = y.astype(jnp.float32)[None]
+    cases = {
+        "skeleton, row-max epilogue": (None, bare, (width // base.n, n), (2, 1, base.m)),
+        "skeleton + labels, row-max": (y_rows, bare, (width // base.n, n), (2, 1, base.m)),
+        "stats epilogue": (y_rows, functools.partial(lce._stats_epilogue, st=st, col_lo=0),
+                           (width // base.n * 4, n), (2, 4, base.m)),
+    }
+    for order in ("cols", "rows"):
+        tiles = dataclasses.replace(base, order=order)
+        for name, (rows, ep, oshape, sshape) in cases.items():
+            f = jax.jit(lambda x, w, rows=rows, ep=ep, oshape=oshape, sshape=sshape,
+                        tiles=tiles: _hopper.xw_epilogue(
+                x, w, rows, col_lo=0, n_cols=width, epilogue=ep,
+                out_types=jax.ShapeDtypeStruct(oshape, jnp.float32),
+                scratch_types=plgpu.SMEM(sshape, jnp.float32), tiles=tiles, interpret=False,
+                name="probe"))
+            label = f"{name} order={order}"
+            guarded(S, f"x @ W[:, :{width}]", label, lambda f=f, label=label: record(
+                S, f"x @ W[:, :{width}]", label,
+                t := bench(f, [(x, w)], reps=10, repeats=3, warmup=1),
+                TFLOPs=2 * n * x.shape[1] * width / t / 1e12))
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
     ws = w[:, :width]
     for minor in (hm.MatmulDimension.M, hm.MatmulDimension.N):

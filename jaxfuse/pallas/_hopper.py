@@ -40,14 +40,16 @@ from jaxfuse.pallas import _common as C
 class Tiles:
     """m: token rows per CTA tile (shared by both compute warpgroups); n: columns per
     warpgroup (a CTA tile is 2n wide); k: the contraction step; stages: TMA pipeline depth;
-    band: CTA column tiles walked together (see the module docstring); epi: columns an
-    epilogue works on at a time (its temporaries are [m, epi]: all [m, n] at once spill)."""
+    band: CTA tiles walked together, of columns (`order="cols"`: all token tiles of a band of
+    W before the next, see the module docstring) or of token rows (`order="rows"`); epi:
+    columns an epilogue works on at a time (its temporaries are [m, epi])."""
     m: int = 128
     n: int = 128
     k: int = 64
     stages: int = 4
     band: int = 16
     epi: int = 64
+    order: str = "cols"
 
     @property
     def cols(self) -> int:
@@ -142,8 +144,8 @@ def xw_epilogue(x: jax.Array, w: jax.Array, per_row: jax.Array | None, *, col_lo
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
             def _tile(info):
                 (lin,) = info.index
-                # Column bands (minor dim 1): all token tiles of a band of W before the next.
-                m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), 1, t.band)
+                m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters),
+                                                  1 if t.order == "cols" else 0, t.band)
                 row = m_idx * t.m
                 cta_col = col_lo + n_idx * t.cols
 

@@ -193,21 +193,44 @@ def hopper(n=8192, d=4096, v=128256):
             guarded(S, name, f"hopper={hop}", run)
     args = _inputs(jax.random.key(0), n, d, v)
     flops = 2 * n * d * v
-    kernels(args)
-    fns = {f"jaxfuse[hopper={h}]": functools.partial(
+    from jaxfuse.pallas import linear_cross_entropy as lce
+
+    def with_backward(flag, f):
+        def g(*a):
+            old, lce._HOPPER_BACKWARD = lce._HOPPER_BACKWARD, flag
+            try:
+                return f(*a)
+            finally:
+                lce._HOPPER_BACKWARD = old
+        return g
+
+    ours = lambda h: functools.partial(  # noqa: E731
         lambda x, w, y, blk: jaxfuse.linear_cross_entropy(x, w, y, block_sizes=blk),
-        blk=LCEBlocks(hopper=h)) for h in (True, False)}
-    fns["xla_reference"] = _fns(False)["xla_reference"]
-    for impl, f in fns.items():
-        def run(f=f, impl=impl):
-            step = jax.value_and_grad(f, argnums=(0, 1))
+        blk=LCEBlocks(hopper=h))
+    # The flag must hold while the whole step (forward and backward) is traced.
+    fns = {"jaxfuse[hopper fwd+bwd]": (True, ours(True)),
+           "jaxfuse[hopper fwd only]": (False, ours(True)),
+           "jaxfuse[hopper=False]": (True, ours(False)),
+           "xla_reference": (True, _fns(False)["xla_reference"])}
+    for impl, (flag, f) in fns.items():
+        def run(f=f, impl=impl, flag=flag):
+            step = with_backward(flag, jax.value_and_grad(f, argnums=(0, 1)))
             t = bench(jax.jit(step), [args], reps=3, repeats=3, warmup=1)
             record(S, f"N{n} D{d} V{v} fwd+bwd", impl, t,
                    temp_GB=(temp_bytes(step, *args) or 0) / 1e9, TFLOPs_4matmul=4 * flops / t / 1e12)
         guarded(S, f"N{n} D{d} V{v} fwd+bwd", impl, run)
-    step = jax.jit(jax.value_and_grad(fns["jaxfuse[hopper=True]"], argnums=(0, 1)))
-    guarded(S, "profile", "hopper", lambda: report(S, f"N{n} D{d} V{v} fwd+bwd hopper", step,
-                                                    args, top=16))
+    for impl in ("jaxfuse[hopper fwd+bwd]", "jaxfuse[hopper fwd only]"):
+        flag, f = fns[impl]
+        step = jax.jit(with_backward(flag, jax.value_and_grad(f, argnums=(0, 1))))
+        guarded(S, "profile", impl, lambda step=step, impl=impl: report(
+            S, f"N{n} D{d} V{v} fwd+bwd {impl}", step, args, top=12))
+    fwd = {"jaxfuse[hopper]": ours(True), "jaxfuse[hopper=False]": ours(False),
+           "xla_reference": _fns(False)["xla_reference"]}
+    for impl, f in fwd.items():
+        def run_fwd(f=f, impl=impl):
+            t = bench(jax.jit(f), [args], reps=5, repeats=3, warmup=1)
+            record(S, f"N{n} D{d} V{v} fwd", impl, t, TFLOPs=flops / t / 1e12)
+        guarded(S, f"N{n} D{d} V{v} fwd", impl, run_fwd)
 
 
 def kernels(args):

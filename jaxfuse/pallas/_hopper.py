@@ -49,7 +49,7 @@ class Tiles:
     stages: int = 4
     band: int = 16
     epi: int = 64
-    order: str = "cols"
+    order: str = "rows"
 
     @property
     def cols(self) -> int:

@@ -47,6 +47,8 @@ from jaxfuse.reference import linear_cross_entropy as ref
 # / 16384 columns took 56.5 / 54.7 / 52.5 / 53.4 ms with 0.30 / 0.30 / 0.55 / 0.78 GB of
 # temporaries; 64 MiB (4096 columns there) is the largest that stays under 5% of XLA's 6.3 GB.
 _SLAB_BYTES = 64 << 20
+# Whether the backward's dz also comes from the fused Hopper GEMM (else cuBLAS + a row pass).
+_HOPPER_BACKWARD = True
 _INTERPRET_SLAB_BYTES = 4 << 20
 
 
@@ -258,7 +260,7 @@ def _backward(x2, w, labels, lse, g, st: _Static):
 
     def step(off, w_s, carry):
         dx, dw = carry
-        if t is not None and w_s.shape[1] % t.cols == 0:
+        if t is not None and _HOPPER_BACKWARD and w_s.shape[1] % t.cols == 0:
             dz = _dz_hopper(x2, w_s, labels - off, lse, g, st)
         else:
             dz = _dz_slab(jnp.dot(x2, w_s), labels - off, lse, g, st)     # [N, width]

@@ -195,33 +195,36 @@ def hopper(n=8192, d=4096, v=128256):
     flops = 2 * n * d * v
     from jaxfuse.pallas import linear_cross_entropy as lce
 
-    def with_backward(flag, f):
+    def with_backward(flag, f, unroll=False):
         def g(*a):
-            old, lce._HOPPER_BACKWARD = lce._HOPPER_BACKWARD, flag
+            old = lce._HOPPER_BACKWARD, lce._UNROLL_SLABS
+            lce._HOPPER_BACKWARD, lce._UNROLL_SLABS = flag, unroll
             try:
                 return f(*a)
             finally:
-                lce._HOPPER_BACKWARD = old
+                lce._HOPPER_BACKWARD, lce._UNROLL_SLABS = old
         return g
 
     ours = lambda h: functools.partial(  # noqa: E731
         lambda x, w, y, blk: jaxfuse.linear_cross_entropy(x, w, y, block_sizes=blk),
         blk=LCEBlocks(hopper=h))
     # The flag must hold while the whole step (forward and backward) is traced.
-    fns = {"jaxfuse[hopper fwd+bwd]": (True, ours(True)),
-           "jaxfuse[hopper fwd only]": (False, ours(True)),
-           "jaxfuse[hopper=False]": (True, ours(False)),
-           "xla_reference": (True, _fns(False)["xla_reference"])}
-    for impl, (flag, f) in fns.items():
-        def run(f=f, impl=impl, flag=flag):
-            step = with_backward(flag, jax.value_and_grad(f, argnums=(0, 1)))
+    fns = {"jaxfuse[hopper fwd+bwd]": (True, ours(True), False),
+           "jaxfuse[hopper fwd+bwd, unrolled]": (True, ours(True), True),
+           "jaxfuse[hopper fwd only]": (False, ours(True), False),
+           "jaxfuse[hopper fwd only, unrolled]": (False, ours(True), True),
+           "jaxfuse[hopper=False]": (True, ours(False), False),
+           "xla_reference": (True, _fns(False)["xla_reference"], False)}
+    for impl, (flag, f, unroll) in fns.items():
+        def run(f=f, impl=impl, flag=flag, unroll=unroll):
+            step = with_backward(flag, jax.value_and_grad(f, argnums=(0, 1)), unroll)
             t = bench(jax.jit(step), [args], reps=3, repeats=3, warmup=1)
             record(S, f"N{n} D{d} V{v} fwd+bwd", impl, t,
                    temp_GB=(temp_bytes(step, *args) or 0) / 1e9, TFLOPs_4matmul=4 * flops / t / 1e12)
         guarded(S, f"N{n} D{d} V{v} fwd+bwd", impl, run)
-    for impl in ("jaxfuse[hopper fwd+bwd]", "jaxfuse[hopper fwd only]"):
-        flag, f = fns[impl]
-        step = jax.jit(with_backward(flag, jax.value_and_grad(f, argnums=(0, 1))))
+    for impl in ("jaxfuse[hopper fwd+bwd, unrolled]",):
+        flag, f, unroll = fns[impl]
+        step = jax.jit(with_backward(flag, jax.value_and_grad(f, argnums=(0, 1)), unroll))
         guarded(S, "profile", impl, lambda step=step, impl=impl: report(
             S, f"N{n} D{d} V{v} fwd+bwd {impl}", step, args, top=12))
     fwd = {"jaxfuse[hopper]": ours(True), "jaxfuse[hopper=False]": ours(False),

@@ -95,9 +95,9 @@ def xw_epilogue(x: jax.Array, w: jax.Array, per_row: jax.Array | None, *, col_lo
                 interpret: bool, name: str):
     """Runs `epilogue(z, rows, ctx)` on every [tiles.m, tiles.n] tile z (float32) of
     x @ w[:, col_lo:col_lo + n_cols]. `rows` holds the tile's slice [m] of each row of
-    `per_row`, an [R, N] float32 array of per-token values (labels, lse, ...) or None. One
-    stacked array: Mosaic GPU's interpreter hung when the pipeline carried two. n_cols must be a multiple of
-    tiles.cols; the epilogue writes `out_types` through `ctx.outs`."""
+    `per_row`, an [R, N] float32 array of per-token values (labels, lse, ...) or None (one
+    stacked array: Mosaic GPU's interpreter hung when the pipeline carried two). n_cols must be
+    a multiple of tiles.cols; the epilogue writes `out_types` through `ctx.outs`."""
     t = tiles
     n, d = x.shape
     if n_cols % t.cols or n % t.m or d % t.k:
@@ -131,7 +131,8 @@ def xw_epilogue(x: jax.Array, w: jax.Array, per_row: jax.Array | None, *, col_lo
                           *[plgpu.BlockSpec((r.shape[0], t.m), lambda k: (k * 0, 0),
                                             memory_space=plgpu.SMEM) for r in per_row]])
 
-        ignore = lambda *_, **__: None
+        def ignore(*_, **__):   # the allocations do not depend on the bodies
+            return None
 
         @functools.partial(
             pl.run_scoped,
@@ -181,30 +182,3 @@ def xw_epilogue(x: jax.Array, w: jax.Array, per_row: jax.Array | None, *, col_lo
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup), **extra)
     with jax.named_scope(name):
         return f(x, w, *per_row)
-
-
-def store_tile(value: jax.Array, smem, out, row, col, sub: int = 64, k: int = 0) -> int:
-    """Writes a [m, n] register tile to out[row:row + m, col:col + n] through shared memory in
-    [sub, sub] pieces, two slots in turn so that one TMA store drains while the next fills.
-    `k` counts pieces across calls for one tile (it picks the slot); returns the new count."""
-    m, n = value.shape
-    for i in range(m // sub):
-        for j in range(n // sub):
-            slot = k % 2
-            k += 1
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            smem[slot] = value[i * sub:(i + 1) * sub, j * sub:(j + 1) * sub]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(smem.at[slot],
-                                    out.at[pl.ds(row + i * sub, sub), pl.ds(col + j * sub, sub)])
-    return k
-
-
-def tile_smem(dtype, sub: int = 64):
-    """The shared memory `store_tile` needs per warpgroup: [2 wg, 2 slots, sub, sub], swizzled
-    for TMA."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(sub * itemsize * 8)
-    return plgpu.SMEM((2, 2, sub, sub), dtype,
-                      transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
-                                  plgpu.SwizzleTransform(swizzle)))

@@ -77,3 +77,15 @@ def test_linear_cross_entropy_lowers(opts):
 def test_beam_top_k_lowers():
     lp = jnp.zeros((2, 4, 1000), jnp.float32)
     _lower(lambda lp, s: jaxfuse.beam_top_k(lp, s, 4, interpret=False), lp, jnp.zeros((2, 4)))
+
+
+def test_hopper_linear_cross_entropy_lowers():
+    """The fused Hopper GEMM of the LCE forward lowers through Mosaic GPU for sm90: its rules
+    (TMA tiling, layouts) are checked here, which Mosaic GPU's interpreter does not do."""
+    x = jnp.zeros((256, 128), jnp.bfloat16)
+    w = jnp.zeros((128, 1088), jnp.bfloat16)
+    labels = jnp.zeros((256,), jnp.int32)
+    f = lambda x, w: jaxfuse.linear_cross_entropy(  # noqa: E731
+        x, w, labels, label_smoothing=0.1, logits_soft_cap=30.0, interpret=False,
+        block_sizes=jaxfuse.LCEBlocks(hopper=True))
+    assert "mosaic_gpu" in _fwd_bwd(f, x, w).mlir_module()

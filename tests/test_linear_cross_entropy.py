@@ -106,5 +106,49 @@ class LinearCrossEntropyTest(chex.TestCase):
             jaxfuse.linear_cross_entropy(x, w, labels, block_sizes=LCEBlocks(0))
 
 
+def _uses_hopper_kernel(f, *args) -> bool:
+    # The fused Hopper GEMM is a Mosaic GPU kernel; in interpret mode its pallas_call carries
+    # Mosaic GPU's interpreter parameters, which no Triton-path kernel has.
+    return "InterpretGPUParams" in str(jax.make_jaxpr(f)(*args))
+
+
+class HopperForwardTest(chex.TestCase):
+    """The forward's fused Hopper GEMM (Pallas Mosaic GPU), run by Mosaic GPU's interpreter."""
+
+    # N = 256 (two token tiles), D = 128 (two k steps), V = 1088: 1024 columns (two bands of
+    # 256-column CTA tiles) through the fused kernel, the last 64 through a cuBLAS-path slab.
+    @parameterized.product(dtype=[jnp.bfloat16, jnp.float16],
+                           options=[dict(reduction="sum"),
+                                    dict(label_smoothing=0.1, z_loss=1e-3, logits_soft_cap=3.0)])
+    def test_matches_the_slab_path_and_the_reference(self, dtype, options):
+        n, d, v = 256, 128, 1088
+        x, w, labels = _inputs(n, d, v, dtype, seed=7)
+        labels = labels.at[5].set(v - 3).at[6].set(1023).at[7].set(1024)   # around the seam
+        f = lambda hopper: lambda x, w: jaxfuse.linear_cross_entropy(  # noqa: E731
+            x, w, labels, block_sizes=LCEBlocks(slab=128, hopper=hopper), **options)
+        self.assertTrue(_uses_hopper_kernel(f(True), x, w))
+        self.assertFalse(_uses_hopper_kernel(f(False), x, w))
+        y, vjp = jax.vjp(f(True), x, w)
+        y_s, vjp_s = jax.vjp(f(False), x, w)
+        # The same logits rounded the same way; only the float32 summation order differs.
+        np.testing.assert_allclose(float(y), float(y_s), rtol=1e-5)
+        ct = jnp.asarray(1.7, jnp.float32)
+        assert_close(vjp(ct), vjp_s(ct), dtype)
+        fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, impl="reference",  # noqa: E731
+                                                       **options)
+        y_r = fr(x.astype(jnp.float32), w.astype(jnp.float32))
+        self.assertLess(abs(float(y) - float(y_r)) / abs(float(y_r)), 1e-3)
+
+    def test_shape_rules(self):
+        x, w, labels = _inputs(256, 128, 1088, jnp.bfloat16)
+        auto = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels)  # noqa: E731
+        self.assertFalse(_uses_hopper_kernel(auto, x, w))     # None: only on a Hopper GPU
+        for bad, what in [((x[:100], w, labels[:100]), "x \(100, 128\)"),
+                          ((x, w[:, :1000], labels), "weight \(128, 1000\)"),
+                          ((x.astype(jnp.float32), w.astype(jnp.float32), labels), "float32")]:
+            with self.assertRaisesRegex(ValueError, "LCEBlocks\(hopper=True\) needs.*" + what):
+                jaxfuse.linear_cross_entropy(*bad, block_sizes=LCEBlocks(hopper=True))
+
+
 if __name__ == "__main__":
     pytest.main([__file__])

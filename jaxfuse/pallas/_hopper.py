@@ -77,11 +77,15 @@ def available() -> bool:
 
 
 def fits(x: jax.Array, w: jax.Array, tiles: Tiles) -> bool:
-    """Whether the kernel takes (x, w) whole in tokens and depth: 16-bit operands of the same
-    dtype, N a multiple of tiles.m and D of tiles.k. Columns are the caller's business."""
+    """Whether the kernel takes (x, w) as they are: 16-bit operands of one dtype, N a multiple
+    of tiles.m, D of tiles.k, and rows of W a whole number of TMA swizzle rows (the lowering
+    refuses a [D, V] array whose V is not a multiple of the 64-element tiling). Which columns
+    it covers is the caller's business (multiples of tiles.cols)."""
     n, d = x.shape
-    return (x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16)
-            and n % tiles.m == 0 and d % tiles.k == 0 and n > 0)
+    if not (x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16)):
+        return False
+    swizzle_elems = plgpu.find_swizzle(tiles.k * x.dtype.itemsize * 8) // x.dtype.itemsize
+    return n > 0 and n % tiles.m == 0 and d % tiles.k == 0 and w.shape[1] % swizzle_elems == 0
 
 
 def _interpret_params():

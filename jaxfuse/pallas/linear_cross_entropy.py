@@ -149,8 +149,6 @@ def _fold_hopper(x2, w, labels, state, st: _Static):
     place. Returns the state and v_h."""
     t = st.hopper
     n = x2.shape[0]
-    if st.v * x2.dtype.itemsize % 16:
-        return state, 0            # TMA reads rows of W only at 16-byte strides
     v_h = st.v // t.cols * t.cols
     band = t.cols * t.band
     chunk = max(band, (_SLAB_BYTES // 2) // (16 * n) * t.n // band * band)
@@ -254,7 +252,7 @@ def _hopper_tiles(hopper: bool | _hopper.Tiles | None, x2, w,
         if hopper:
             raise ValueError(
                 f"LCEBlocks(hopper=True) needs bf16/f16 x and weight of one dtype, tokens a "
-                f"multiple of {t.m}, D a multiple of {t.k} and V < 2^24; got x {x2.shape} "
+                f"multiple of {t.m}, D of {t.k}, V of 64 and V < 2^24; got x {x2.shape} "
                 f"{x2.dtype}, weight {w.shape} {w.dtype}. Use hopper=None to fall back where it "
                 f"does not fit")
         return None

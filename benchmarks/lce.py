@@ -31,9 +31,10 @@ def _inputs(key, n, d, v, dtype=jnp.bfloat16):
 
 def check():
     for dtype in (jnp.bfloat16, jnp.float32):
-        for n, d, v, kw in [(1000, 256, 5000, {}), (333, 128, 70001,
-                                                    dict(label_smoothing=0.1, z_loss=1e-4,
-                                                         logits_soft_cap=30.0))]:
+        opts = dict(label_smoothing=0.1, z_loss=1e-4, logits_soft_cap=30.0)
+        # The last two take the fused Hopper forward in bf16 (N % 128 = 0, V % 64 = 0).
+        for n, d, v, kw in [(1000, 256, 5000, {}), (333, 128, 70001, opts),
+                            (1024, 256, 5120, {}), (384, 192, 70016, opts)]:
             name = f"check N{n} D{d} V{v} {kw}"
 
             def run(n=n, d=d, v=v, kw=kw, name=name):
@@ -60,6 +61,8 @@ def _fns(sweep: bool):
         "xla_reference": lambda x, w, y: jaxfuse.linear_cross_entropy(x, w, y, impl="reference"),
         "unfused_logits+jaxfuse.cross_entropy": lambda x, w, y: jaxfuse.cross_entropy(
             jnp.dot(x, w), y),
+        "jaxfuse[hopper=False]": lambda x, w, y: jaxfuse.linear_cross_entropy(
+            x, w, y, block_sizes=LCEBlocks(hopper=False)),
     }
     try:
         import tokamax
@@ -134,7 +137,7 @@ def perf(copy_bw: float, sweep: bool = True):
                    TFLOPs_4matmul=flops_ours / t / 1e12)
         guarded(S, f"N{n} D{d} V{v} fwd+bwd", impl, run)
     # Forward alone (the logits-never-held kernel by itself).
-    for impl in ("jaxfuse", "xla_reference"):
+    for impl in ("jaxfuse", "jaxfuse[hopper=False]", "xla_reference"):
         f = _fns(False)[impl]
 
         def run_fwd(f=f, impl=impl, args=args):
@@ -164,9 +167,8 @@ def perf(copy_bw: float, sweep: bool = True):
 
 
 def hopper(n=8192, d=4096, v=128256):
-    """The fused Hopper GEMM path (`LCEBlocks(hopper=...)`) against the cuBLAS slab path: small
-    checks of every option against the float32 reference, then time, memory and the per-kernel
-    profile at the benchmark shape."""
+    """The fused Hopper GEMM of the forward (`LCEBlocks(hopper=...)`) against the cuBLAS slab
+    path: small checks of every option against the float32 reference, then `kernels`."""
     from benchmarks._profile import report
     for hop in (True, False):
         for (cn, cd, cv), kw in [((256, 128, 700), {}),
@@ -191,49 +193,7 @@ def hopper(n=8192, d=4096, v=128256):
                 record(S, name, f"hopper={hop}", loss_err=errs[0], dx_err=errs[1],
                        dw_err=errs[2], status="ok" if ok else "FAIL")
             guarded(S, name, f"hopper={hop}", run)
-    args = _inputs(jax.random.key(0), n, d, v)
-    flops = 2 * n * d * v
-    from jaxfuse.pallas import linear_cross_entropy as lce
-
-    def with_backward(flag, f, unroll=False):
-        def g(*a):
-            old = lce._HOPPER_BACKWARD, lce._UNROLL_SLABS
-            lce._HOPPER_BACKWARD, lce._UNROLL_SLABS = flag, unroll
-            try:
-                return f(*a)
-            finally:
-                lce._HOPPER_BACKWARD, lce._UNROLL_SLABS = old
-        return g
-
-    ours = lambda h: functools.partial(  # noqa: E731
-        lambda x, w, y, blk: jaxfuse.linear_cross_entropy(x, w, y, block_sizes=blk),
-        blk=LCEBlocks(hopper=h))
-    # The flag must hold while the whole step (forward and backward) is traced.
-    fns = {"jaxfuse[hopper fwd+bwd]": (True, ours(True), False),
-           "jaxfuse[hopper fwd+bwd, unrolled]": (True, ours(True), True),
-           "jaxfuse[hopper fwd only]": (False, ours(True), False),
-           "jaxfuse[hopper fwd only, unrolled]": (False, ours(True), True),
-           "jaxfuse[hopper=False]": (True, ours(False), False),
-           "xla_reference": (True, _fns(False)["xla_reference"], False)}
-    for impl, (flag, f, unroll) in fns.items():
-        def run(f=f, impl=impl, flag=flag, unroll=unroll):
-            step = with_backward(flag, jax.value_and_grad(f, argnums=(0, 1)), unroll)
-            t = bench(jax.jit(step), [args], reps=3, repeats=3, warmup=1)
-            record(S, f"N{n} D{d} V{v} fwd+bwd", impl, t,
-                   temp_GB=(temp_bytes(step, *args) or 0) / 1e9, TFLOPs_4matmul=4 * flops / t / 1e12)
-        guarded(S, f"N{n} D{d} V{v} fwd+bwd", impl, run)
-    for impl in ("jaxfuse[hopper fwd+bwd, unrolled]",):
-        flag, f, unroll = fns[impl]
-        step = jax.jit(with_backward(flag, jax.value_and_grad(f, argnums=(0, 1)), unroll))
-        guarded(S, "profile", impl, lambda step=step, impl=impl: report(
-            S, f"N{n} D{d} V{v} fwd+bwd {impl}", step, args, top=12))
-    fwd = {"jaxfuse[hopper]": ours(True), "jaxfuse[hopper=False]": ours(False),
-           "xla_reference": _fns(False)["xla_reference"]}
-    for impl, f in fwd.items():
-        def run_fwd(f=f, impl=impl):
-            t = bench(jax.jit(f), [args], reps=5, repeats=3, warmup=1)
-            record(S, f"N{n} D{d} V{v} fwd", impl, t, TFLOPs=flops / t / 1e12)
-        guarded(S, f"N{n} D{d} V{v} fwd", impl, run_fwd)
+    kernels(_inputs(jax.random.key(0), n, d, v))
 
 
 def kernels(args):
@@ -311,9 +271,7 @@ def profile(n=8192, d=4096, v=128256):
     from benchmarks._profile import report
     args = _inputs(jax.random.key(0), n, d, v)
     fns = _fns(False)
-    fns["jaxfuse[slab=8192]"] = lambda x, w, y: jaxfuse.linear_cross_entropy(
-        x, w, y, block_sizes=LCEBlocks(8192))
-    for impl in ("jaxfuse", "jaxfuse[slab=8192]", "xla_reference"):
+    for impl in ("jaxfuse", "jaxfuse[hopper=False]", "xla_reference"):
         step = jax.jit(jax.value_and_grad(fns[impl], argnums=(0, 1)))
         guarded(S, "profile", impl, lambda step=step, impl=impl: report(
             S, f"N{n} D{d} V{v} fwd+bwd {impl}", step, args))

@@ -155,8 +155,12 @@ def _fold_hopper(x2, w, labels, state, st: _Static):
     for lo in range(0, v_h, chunk):
         width = min(chunk, v_h - lo)
         tiles = width // t.n
+        # The chunks are independent, and XLA would run all of them before the first merge,
+        # holding every chunk's partials at once (1 GB at N=32768, V=262144): the barrier makes
+        # each chunk's kernel wait for the previous merge.
+        x_dep, state = lax.optimization_barrier((x2, state))
         parts = _hopper.xw_epilogue(
-            x2, w, labels.astype(jnp.float32)[None], col_lo=lo, n_cols=width,
+            x_dep, w, labels.astype(jnp.float32)[None], col_lo=lo, n_cols=width,
             epilogue=functools.partial(_stats_epilogue, st=st, col_lo=lo),
             out_types=jax.ShapeDtypeStruct((tiles * 4, n), jnp.float32),
             scratch_types=plgpu.SMEM((2, 4, t.m), jnp.float32), tiles=t, interpret=st.interpret,

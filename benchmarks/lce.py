@@ -169,7 +169,6 @@ def perf(copy_bw: float, sweep: bool = True):
 def hopper(n=8192, d=4096, v=128256):
     """The fused Hopper GEMM of the forward (`LCEBlocks(hopper=...)`) against the cuBLAS slab
     path: small checks of every option against the float32 reference, then `kernels`."""
-    from benchmarks._profile import report
     for hop in (True, False):
         for (cn, cd, cv), kw in [((256, 128, 700), {}),
                                  ((384, 192, 1280), dict(label_smoothing=0.1, z_loss=1e-4,
@@ -260,8 +259,9 @@ def kernels(args):
                               grid_minor_dim=minor, grid_tile_width=16,
                               wg_dimension=hm.MatmulDimension.N)
         g = jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg))
-        guarded(S, f"x @ W[:, :{width}]", f"jax example minor={minor.name}", lambda g=g, m=minor: record(
-            S, f"x @ W[:, :{width}]", f"jax example minor={m.name}",
+        name = f"jax example minor={minor.name}"
+        guarded(S, f"x @ W[:, :{width}]", name, lambda g=g, name=name: record(
+            S, f"x @ W[:, :{width}]", name,
             t := bench(g, [(x, ws)], reps=10, repeats=3, warmup=1),
             TFLOPs=2 * n * x.shape[1] * width / t / 1e12))
 

@@ -11,10 +11,11 @@ Why not Pallas-Triton (`pallas_call` on the GPU) as everywhere else in jaxfuse: 
 matmuls ran at 260-320 TFLOP/s on an H200, against 740-780 for cuBLAS and for this kind of
 kernel (benchmarks/NOTES.md, runs 5, 12, 13). The linear + cross-entropy is all matmul.
 
-Tile order: `plgpu.planar_snake` walks bands of `tiles.band` column tiles, all token tiles of a
-band before the next, so the band of W (band x 2n x D x 2 bytes, 32 MiB by default) stays in the
-50 MB L2 while every token tile passes over it: the whole-vocabulary order lost 15% to this
-slab order in run 13.
+Tile order: `plgpu.planar_snake` walks bands of `tiles.band` tiles so that what the CTAs in
+flight read stays in the 50 MB L2. Bands of token tiles (`order="rows"`: 16 x 128 tokens sweep
+the columns of one call together) ran the LCE forward in 12.9-13.2 ms on an H200, bands of
+column tiles (the slab order) in 13.4-13.8 (benchmarks/NOTES.md, run 15); callers keep each
+call's columns to a chunk (the whole 128256-column W in one sweep lost 15% in run 13).
 
 Regimes: compiled with Mosaic GPU on an sm90 GPU; on a CPU the same kernel runs in Mosaic GPU's
 interpret mode (it simulates the warpgroups, TMA and barriers), which is how the tests check it.
@@ -68,11 +69,12 @@ class Ctx:
 
 
 def available() -> bool:
-    """Mosaic GPU can run here: a Hopper (sm90) or newer GPU."""
+    """The kernel can run here: a Hopper (sm90) GPU. wgmma is sm90-only (Blackwell has
+    tcgen05 instead), so newer GPUs take the other path."""
     try:
         dev = jax.devices()[0]
-        return dev.platform == "gpu" and float(getattr(dev, "compute_capability", "0")) >= 9.0
-    except Exception:  # noqa: BLE001 - no GPU backend at all
+        return dev.platform == "gpu" and int(float(dev.compute_capability)) == 9  # "9.0"
+    except Exception:  # noqa: BLE001 - no GPU backend, or no compute capability to read
         return False
 
 

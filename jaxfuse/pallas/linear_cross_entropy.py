@@ -23,8 +23,8 @@ accumulated over all tokens in float32 and cast once). No atomics: gradients are
 Why cuBLAS matmuls around Pallas row passes in the backward rather than the matmul inside the
 kernel: the Pallas (Triton) tile matmul ran at 260-320 TFLOP/s on an H200 against 680-790 for
 cuBLAS, and this op is all matmul (4 x 2NDV FLOPs: the logits are computed twice, the price of
-not storing them, against XLA's 3). The row passes move 2 bytes per bf16 logit forward and 4 backward: ~0.5 and
-~1 ms at N=8192, V=128256. The same Hopper GEMM with a dz epilogue (dz written for the two
+not storing them, against XLA's 3). The row passes move 2 bytes per bf16 logit forward and 4
+backward: ~0.5 and ~1 ms at N=8192, V=128256. The same Hopper GEMM with a dz epilogue (dz written for the two
 gradient matmuls) was measured no faster than recompute + row pass (55.30 against 55.24 ms for
 the whole step) and is not used. Temporary memory: one slab (`_SLAB_BYTES`) + the float32 dx + a
 weight slab, whatever V is.

@@ -54,6 +54,18 @@ def check():
                        deterministic=same, status="ok" if ok else "FAIL")
             guarded(S, name, jnp.dtype(dtype).name, run)
 
+    def run_vmap():
+        # vmap over examples with a shared weight: the Hopper forward under pallas_call batching.
+        x, w, labels = _inputs(jax.random.key(5), 2 * 256, 128, 1088)
+        x, labels = x.reshape(2, 256, 128), labels.reshape(2, 256)
+        f = lambda x, y: jaxfuse.linear_cross_entropy(x, w, y)  # noqa: E731
+        batched = jax.jit(jax.vmap(f))(x, labels)
+        one_by_one = jnp.stack([jax.jit(f)(x[i], labels[i]) for i in range(2)])
+        err = rel_err(batched, one_by_one)
+        record(S, "check vmap N2x256 D128 V1088", "bfloat16", rel_err=err,
+               status="ok" if err < 1e-6 else "FAIL")
+    guarded(S, "check vmap N2x256 D128 V1088", "bfloat16", run_vmap)
+
 
 def _fns(sweep: bool):
     fns = {

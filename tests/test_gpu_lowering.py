@@ -79,13 +79,21 @@ def test_beam_top_k_lowers():
     _lower(lambda lp, s: jaxfuse.beam_top_k(lp, s, 4, interpret=False), lp, jnp.zeros((2, 4)))
 
 
-def test_hopper_linear_cross_entropy_lowers():
-    """The fused Hopper GEMM of the LCE forward lowers through Mosaic GPU for sm90: its rules
-    (TMA tiling, layouts) are checked here, which Mosaic GPU's interpreter does not do."""
-    x = jnp.zeros((256, 128), jnp.bfloat16)
+@pytest.mark.parametrize("vmapped", [False, True])
+def test_hopper_linear_cross_entropy_lowers(vmapped):
+    """The fused Hopper GEMM of the LCE forward lowers through Mosaic GPU for sm90, also under
+    vmap: its rules (TMA tiling, layouts) are checked here, which Mosaic GPU's interpreter does
+    not do."""
+    x = jnp.zeros((2, 256, 128), jnp.bfloat16)
     w = jnp.zeros((128, 1088), jnp.bfloat16)
-    labels = jnp.zeros((256,), jnp.int32)
-    f = lambda x, w: jaxfuse.linear_cross_entropy(  # noqa: E731
-        x, w, labels, label_smoothing=0.1, logits_soft_cap=30.0, interpret=False,
-        block_sizes=jaxfuse.LCEBlocks(hopper=True))
-    assert "mosaic_gpu" in _fwd_bwd(f, x, w).mlir_module()
+    labels = jnp.zeros((2, 256), jnp.int32)
+
+    def f(x, w, labels):
+        return jaxfuse.linear_cross_entropy(
+            x, w, labels, label_smoothing=0.1, logits_soft_cap=30.0, interpret=False,
+            block_sizes=jaxfuse.LCEBlocks(hopper=True))
+    if vmapped:
+        f = jax.vmap(f, in_axes=(0, None, 0))
+    else:
+        x, labels = x[0], labels[0]
+    assert "mosaic_gpu" in _fwd_bwd(lambda x, w: f(x, w, labels), x, w).mlir_module()

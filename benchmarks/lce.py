@@ -219,12 +219,14 @@ def kernels(args=None):
         plgpu.copy_smem_to_gmem(ctx.scratch.at[ctx.wg], ctx.outs[0].at[
             pl.ds((ctx.col // base.n), 1), pl.ds(ctx.row, base.m)])
 
-    st = lce._Static(0.0, -100, 0.0, None, v, x.dtype, 4096, None, False, base)
+    st = lce._Static(label_smoothing=0.0, ignore_index=-100, z_loss=0.0, softcap=None, v=v,
+                     slab=4096, rows=None, interpret=False, hopper=base)
     y_rows = y.astype(jnp.float32)[None]
     cases = {
         "skeleton, row-max epilogue": (None, bare, (width // base.n, n), (2, 1, base.m)),
         "skeleton + labels, row-max": (y_rows, bare, (width // base.n, n), (2, 1, base.m)),
-        "stats epilogue": (y_rows, functools.partial(lce._stats_epilogue, st=st, col_lo=0),
+        "stats epilogue": (y_rows, functools.partial(lce._stats_epilogue, st=st, col_lo=0,
+                                                     dtype=x.dtype),
                            (width // base.n * 4, n), (2, 4, base.m)),
     }
     for order in ("cols", "rows"):

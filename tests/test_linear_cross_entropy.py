@@ -7,6 +7,7 @@ from absl.testing import parameterized
 
 import jaxfuse
 from jaxfuse import LCEBlocks, RowBlocks
+from jaxfuse.pallas._hopper import Tiles
 from tests._util import assert_close, keys, randn
 
 # (N, D, V, blocks): one whole-vocabulary slab by default; slabs with a narrower tail (301 =
@@ -94,7 +95,8 @@ class LinearCrossEntropyTest(chex.TestCase):
 
     def test_bad_input(self):
         x, w, labels = _inputs(4, 8, 11)
-        with self.assertRaisesRegex(ValueError, "x.shape\\[-1\\]=8 must equal weight.shape\\[0\\]=7"):
+        with self.assertRaisesRegex(ValueError,
+                                    r"x.shape\[-1\]=8 must equal weight.shape\[0\]=7"):
             jaxfuse.linear_cross_entropy(x, w[:7], labels)
         with self.assertRaisesRegex(ValueError, "labels.shape=\\(3,\\)"):
             jaxfuse.linear_cross_entropy(x, w, labels[:3])
@@ -143,11 +145,14 @@ class HopperForwardTest(chex.TestCase):
         x, w, labels = _inputs(256, 128, 1088, jnp.bfloat16)
         auto = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels)  # noqa: E731
         self.assertFalse(_uses_hopper_kernel(auto, x, w))     # None: only on a Hopper GPU
-        for bad, what in [((x[:100], w, labels[:100]), "x \(100, 128\)"),
-                          ((x, w[:, :1000], labels), "weight \(128, 1000\)"),
+        for bad, what in [((x[:100], w, labels[:100]), r"x \(100, 128\)"),
+                          ((x, w[:, :1000], labels), r"weight \(128, 1000\)"),
                           ((x.astype(jnp.float32), w.astype(jnp.float32), labels), "float32")]:
-            with self.assertRaisesRegex(ValueError, "LCEBlocks\(hopper=True\) needs.*" + what):
+            with self.assertRaisesRegex(ValueError, r"LCEBlocks\(hopper=True\) needs.*" + what):
                 jaxfuse.linear_cross_entropy(*bad, block_sizes=LCEBlocks(hopper=True))
+        with self.assertRaisesRegex(ValueError, "Tiles\\(order='diagonal'\\) must be"):
+            jaxfuse.linear_cross_entropy(x, w, labels,
+                                         block_sizes=LCEBlocks(hopper=Tiles(order="diagonal")))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
 * `keep_mask`: the causal / sliding-window / tail mask shared by softmax and attention.
 * `load_tile` / `store_tile` / `load_vec` / `store_vec`: masked loads and stores of a
   `[rows, cols]` tile or a per-row vector at any offset, over any leading axes. Triton does no
-  bounds checks of its own, so every tile at an edge must be masked; in interpret mode the same masked primitives pad instead of clamping, so a
-  tile that hangs over the edge reads the right elements there too.
+  bounds checks of its own, so every tile at an edge must be masked; in interpret mode the same
+  masked primitives pad instead of clamping, so a tile that hangs over the edge reads the right
+  elements there too.
 * `pallas_call`: `pl.pallas_call` with the compiler parameters for the current regime.
 
 The two regimes (house style, "one kernel body, two regimes"): on the GPU a program sees one

@@ -108,6 +108,8 @@ def xw_epilogue(x: jax.Array, w: jax.Array, per_row: jax.Array | None, *, col_lo
     n, d = x.shape
     if n_cols % t.cols or n % t.m or d % t.k:
         raise ValueError(f"{x.shape=} and {n_cols=} must be multiples of {t}")
+    if t.order not in ("rows", "cols"):
+        raise ValueError(f"Tiles(order={t.order!r}) must be 'rows' or 'cols'")
     m_iters, n_iters, k_iters = n // t.m, n_cols // t.cols, d // t.k
     itemsize = jnp.dtype(x.dtype).itemsize
     swizzle = plgpu.find_swizzle(t.k * itemsize * 8)

@@ -24,10 +24,10 @@ Why cuBLAS matmuls around Pallas row passes in the backward rather than the matm
 kernel: the Pallas (Triton) tile matmul ran at 260-320 TFLOP/s on an H200 against 680-790 for
 cuBLAS, and this op is all matmul (4 x 2NDV FLOPs: the logits are computed twice, the price of
 not storing them, against XLA's 3). The row passes move 2 bytes per bf16 logit forward and 4
-backward: ~0.5 and ~1 ms at N=8192, V=128256. The same Hopper GEMM with a dz epilogue (dz written for the two
-gradient matmuls) was measured no faster than recompute + row pass (55.30 against 55.24 ms for
-the whole step) and is not used. Temporary memory: one slab (`_SLAB_BYTES`) + the float32 dx + a
-weight slab, whatever V is.
+backward: ~0.5 and ~1 ms at N=8192, V=128256. The same Hopper GEMM with a dz epilogue (dz
+written for the two gradient matmuls) was measured no faster than recompute + row pass (55.30
+against 55.24 ms for the whole step) and is not used. Temporary memory: one slab
+(`_SLAB_BYTES`) + the float32 dx + a weight slab, whatever V is.
 """
 from __future__ import annotations
 
@@ -82,7 +82,6 @@ class _Static:
     z_loss: float
     softcap: float | None
     v: int
-    dtype: jnp.dtype
     slab: int
     rows: RowBlocks
     interpret: bool
@@ -102,7 +101,7 @@ def _over_slabs(step, carry, w, slab: int, start: int = 0):
     """`carry = step(offset, w[:, offset:offset + width], carry)` for every vocabulary slab from
     column `start` on: a loop over the full slabs (one compiled body) and the narrower tail, if
     any, after it."""
-    _d, v = w.shape
+    v = w.shape[1]
     n_full, tail = divmod(v - start, slab)
     if n_full:
         carry = jax.lax.fori_loop(
@@ -151,7 +150,9 @@ def _fold_hopper(x2, w, labels, state, st: _Static):
     n = x2.shape[0]
     v_h = st.v // t.cols * t.cols
     band = t.cols * t.band
+    # 4 float32 partials per token per t.n columns: 16 n / t.n bytes per column.
     chunk = max(band, (_SLAB_BYTES // 2) // (16 * n) * t.n // band * band)
+    labels_row = labels.astype(jnp.float32)[None]
     for lo in range(0, v_h, chunk):
         width = min(chunk, v_h - lo)
         tiles = width // t.n
@@ -160,8 +161,8 @@ def _fold_hopper(x2, w, labels, state, st: _Static):
         # each chunk's kernel wait for the previous merge.
         x_dep, state = lax.optimization_barrier((x2, state))
         parts = _hopper.xw_epilogue(
-            x_dep, w, labels.astype(jnp.float32)[None], col_lo=lo, n_cols=width,
-            epilogue=functools.partial(_stats_epilogue, st=st, col_lo=lo),
+            x_dep, w, labels_row, col_lo=lo, n_cols=width,
+            epilogue=functools.partial(_stats_epilogue, st=st, col_lo=lo, dtype=x2.dtype),
             out_types=jax.ShapeDtypeStruct((tiles * 4, n), jnp.float32),
             scratch_types=plgpu.SMEM((2, 4, t.m), jnp.float32), tiles=t, interpret=st.interpret,
             name="jaxfuse_linear_cross_entropy_fwd_hopper").reshape(tiles, 4, n)
@@ -169,17 +170,19 @@ def _fold_hopper(x2, w, labels, state, st: _Static):
     return state, v_h
 
 
-def _stats_epilogue(z, rows, ctx, st: _Static, col_lo: int):
+def _stats_epilogue(z, rows, ctx, st: _Static, col_lo: int, dtype):
     """One [m, n] logits tile -> its per-token (max, sum exp(z - max), sum z, label's logit),
     written to the tile's 4 rows of the partials. Worked in column chunks of `epi` (the
     temporaries of a whole [m, n] tile at once would not fit the registers), folded with the
-    online (m, l) merge."""
+    online (m, l) merge. The row pass's `fold_logits` cannot serve here: its [m, 1] keepdims
+    states fail Mosaic GPU's layout inference (jax 0.10.2, checked by the lowering test), so
+    the states are [m] vectors broadcast explicitly."""
     t = st.hopper
     label = rows[0].astype(jnp.int32)
     state = None
     for j in range(0, t.n, t.epi):
         # Rounded as `x @ weight` rounds the logits, then capped in float32 (as in the row pass).
-        zj = _capped(z[:, j:j + t.epi].astype(st.dtype).astype(jnp.float32), st.softcap)[0]
+        zj = _capped(z[:, j:j + t.epi].astype(dtype).astype(jnp.float32), st.softcap)[0]
         row_wise = functools.partial(lax.broadcast_in_dim, shape=zj.shape,
                                      broadcast_dimensions=[0])
         cols = lax.broadcasted_iota(jnp.int32, zj.shape, 1) + (ctx.col + j)
@@ -304,8 +307,8 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
     slab = min(slab, v)                       # a slab wider than the vocabulary is all of it
     rows = _rows.resolve_blocks(blocks.rows, n, slab, interpret)
     st = _Static(float(label_smoothing), int(ignore_index), float(z_loss),
-                 None if logits_soft_cap is None else float(logits_soft_cap), v, x.dtype, slab,
-                 rows, interpret, _hopper_tiles(blocks.hopper, x2, weight, interpret))
+                 None if logits_soft_cap is None else float(logits_soft_cap), v, slab, rows,
+                 interpret, _hopper_tiles(blocks.hopper, x2, weight, interpret))
     labels1 = labels.reshape(-1).astype(jnp.int32)
     loss = token_loss(x2, weight, labels1, st).reshape(labels.shape)
     return ce.reduce_loss(loss, labels != ignore_index, reduction)

@@ -55,16 +55,19 @@ def check():
             guarded(S, name, jnp.dtype(dtype).name, run)
 
     def run_vmap():
-        # vmap over examples with a shared weight: the Hopper forward under pallas_call batching.
-        x, w, labels = _inputs(jax.random.key(5), 2 * 256, 128, 1088)
-        x, labels = x.reshape(2, 256, 128), labels.reshape(2, 256)
-        f = lambda x, y: jaxfuse.linear_cross_entropy(x, w, y)  # noqa: E731
-        batched = jax.jit(jax.vmap(f))(x, labels)
-        one_by_one = jnp.stack([jax.jit(f)(x[i], labels[i]) for i in range(2)])
-        err = rel_err(batched, one_by_one)
-        record(S, "check vmap N2x256 D128 V1088", "bfloat16", rel_err=err,
+        # vmap over examples with a shared weight: the Hopper forward under pallas_call batching,
+        # its backward (D = 256) one example after another (custom_vmap).
+        x, w, labels = _inputs(jax.random.key(5), 2 * 256, 256, 1088)
+        x, labels = x.reshape(2, 256, 256), labels.reshape(2, 256)
+        f = jax.value_and_grad(lambda x, w, y: jaxfuse.linear_cross_entropy(x, w, y),
+                               argnums=(0, 1))
+        batched = jax.jit(jax.vmap(f, in_axes=(0, None, 0)))(x, w, labels)
+        one_by_one = [jax.jit(f)(x[i], w, labels[i]) for i in range(2)]
+        err = max(rel_err(a, jnp.stack(b)) for a, b in zip(
+            jax.tree.leaves(batched), zip(*[jax.tree.leaves(o) for o in one_by_one])))
+        record(S, "check vmap N2x256 D256 V1088 value+grad", "bfloat16", rel_err=err,
                status="ok" if err < 1e-6 else "FAIL")
-    guarded(S, "check vmap N2x256 D128 V1088", "bfloat16", run_vmap)
+    guarded(S, "check vmap N2x256 D256 V1088 value+grad", "bfloat16", run_vmap)
 
 
 def _fns(sweep: bool):
@@ -178,83 +181,95 @@ def perf(copy_bw: float, sweep: bool = True):
     guarded(S, f"N{n} D{d} V{v} fwd+bwd", "jaxfuse", run_big)
 
 
-def kernels(args=None):
-    """The forward alone with the fused Hopper GEMM's tile options, the same GEMM skeleton with
-    an all-but-empty epilogue, and JAX's Hopper example matmul: what the epilogue costs.
-    (`check` covers the Hopper path's correctness: its last two shapes take it in bf16.)
+def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
+    """The Hopper GEMMs one by one against cuBLAS on the shapes the LCE runs them at: the forward
+    with each tile option; per slab of `slab` columns the dz GEMM (W read in place, a bf16 tile
+    stored), dW = x^T dz (x transposed in the kernel, stored in place into a [D, V] buffer at
+    the slab's offset) and dx += dz W_slab^T (W transposed in the kernel, float32 added in
+    place), each checked against XLA's result.
 
         PYTHONPATH=. python -c "from benchmarks.lce import kernels; kernels()"
     """
-    if args is None:
-        args = _inputs(jax.random.key(0), 8192, 4096, 128256)
     import dataclasses
 
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    from jaxfuse.pallas import _hopper
-    x, w, y = args
-    n, v = x.shape[0], w.shape[1]
-    flops = 2 * n * x.shape[1] * v
-    base = _hopper.Tiles()
-    variants = {"default": base, "band=8": dataclasses.replace(base, band=8),
-                "rows band=16": dataclasses.replace(base, order="rows"),
-                "rows band=8": dataclasses.replace(base, order="rows", band=8),
-                "rows band=16 epi=128": dataclasses.replace(base, order="rows", epi=128)}
-    for name, tiles in variants.items():
+    from jaxfuse.pallas import _hopper as H
+    x, w, y = _inputs(jax.random.key(0), n, d, v)
+    base = H.Tiles()
+    for name, tiles in {"default": base, "delay=1": dataclasses.replace(base, delay=1),
+                        "band=8": dataclasses.replace(base, band=8)}.items():
         def run(tiles=tiles, name=name):
             f = jax.jit(lambda x, w, y: jaxfuse.linear_cross_entropy(
                 x, w, y, block_sizes=LCEBlocks(hopper=tiles)))
-            t = bench(f, [args], reps=5, repeats=3, warmup=1)
-            record(S, "fwd hopper tiles", name, t, TFLOPs=flops / t / 1e12)
+            t = bench(f, [(x, w, y)], reps=5, repeats=3, warmup=1)
+            record(S, "fwd hopper tiles", name, t, TFLOPs=2 * n * d * v / t / 1e12)
         guarded(S, "fwd hopper tiles", name, run)
-    width = 32768
-    from jax.experimental import pallas as pl
 
-    from jaxfuse.pallas import linear_cross_entropy as lce
+    off = 3 * slab
+    flops = 2 * n * d * slab
+    dz = jax.random.normal(jax.random.key(1), (n, slab), x.dtype)
+    w_s = w[:, off:off + slab]
+    f32 = jnp.float32
+    ref = {"z": lambda: jnp.dot(x, w_s, preferred_element_type=f32),
+           "dW": lambda: jnp.einsum("nd,nv->dv", x, dz, preferred_element_type=f32),
+           "dx": lambda: 1.0 + jnp.einsum("nv,dv->nd", dz, w_s, preferred_element_type=f32)}
+    cublas = {"z": (lambda x, w_s: jnp.dot(x, w_s), (x, w_s)),
+              "dW": (lambda x, dz: jnp.einsum("nd,nv->dv", x, dz), (x, dz)),
+              "dx": (lambda acc, dz, w_s: acc + jnp.einsum("nv,dv->nd", dz, w_s,
+                                                          preferred_element_type=f32),
+                     (jnp.ones((n, d), f32), dz, w_s))}
 
-    def bare(z, rows, ctx):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        ctx.scratch[ctx.wg, 0] = z.max(axis=1)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(ctx.scratch.at[ctx.wg], ctx.outs[0].at[
-            pl.ds((ctx.col // base.n), 1), pl.ds(ctx.row, base.m)])
+    def store(z, rows, ctx, col0):
+        H.store_tile(z.astype(x.dtype), ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row,
+                     col0(ctx) + ctx.col)
 
-    st = lce._Static(label_smoothing=0.0, ignore_index=-100, z_loss=0.0, softcap=None, v=v,
-                     slab=4096, rows=None, interpret=False, hopper=base)
-    y_rows = y.astype(jnp.float32)[None]
-    cases = {
-        "skeleton, row-max epilogue": (None, bare, (width // base.n, n), (2, 1, base.m)),
-        "skeleton + labels, row-max": (y_rows, bare, (width // base.n, n), (2, 1, base.m)),
-        "stats epilogue": (y_rows, functools.partial(lce._stats_epilogue, st=st, col_lo=0,
-                                                     dtype=x.dtype),
-                           (width // base.n * 4, n), (2, 4, base.m)),
-    }
-    for order in ("cols", "rows"):
-        tiles = dataclasses.replace(base, order=order)
-        for name, (rows, ep, oshape, sshape) in cases.items():
-            f = jax.jit(lambda x, w, rows=rows, ep=ep, oshape=oshape, sshape=sshape,
-                        tiles=tiles: _hopper.xw_epilogue(
-                x, w, rows, col_lo=0, n_cols=width, epilogue=ep,
-                out_types=jax.ShapeDtypeStruct(oshape, jnp.float32),
-                scratch_types=plgpu.SMEM(sshape, jnp.float32), tiles=tiles, interpret=False,
-                name="probe"))
-            label = f"{name} order={order}"
-            guarded(S, f"x @ W[:, :{width}]", label, lambda f=f, label=label: record(
-                S, f"x @ W[:, :{width}]", label,
-                t := bench(f, [(x, w)], reps=10, repeats=3, warmup=1),
-                TFLOPs=2 * n * x.shape[1] * width / t / 1e12))
-    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
-    ws = w[:, :width]
-    for minor in (hm.MatmulDimension.M, hm.MatmulDimension.N):
-        cfg = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
-                              grid_minor_dim=minor, grid_tile_width=16,
-                              wg_dimension=hm.MatmulDimension.N)
-        g = jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg))
-        name = f"jax example minor={minor.name}"
-        guarded(S, f"x @ W[:, :{width}]", name, lambda g=g, name=name: record(
-            S, f"x @ W[:, :{width}]", name,
-            t := bench(g, [(x, ws)], reps=10, repeats=3, warmup=1),
-            TFLOPs=2 * n * x.shape[1] * width / t / 1e12))
+    def add(z, rows, ctx):
+        H.add_tile(z, ctx.outs[0], ctx.row, ctx.col, interpret)
+
+    def mosaic(kind, t):
+        kw = dict(tiles=t, interpret=interpret, name=f"probe_{kind}")
+        if kind == "z":
+            return jax.jit(lambda x, w: H.matmul_epilogue(
+                x, w, off, b_window=slab, epilogue=functools.partial(store, col0=lambda c: 0),
+                out_types=jax.ShapeDtypeStruct((n, slab), x.dtype),
+                scratch_types=H.tile_smem(x.dtype), **kw)), (x, w)
+
+        def in_place(init, call):
+            def f(*args):
+                r = jax.new_ref(init(), memory_space=plgpu.GMEM)
+                call(r, *args)
+                return r[...]
+            return jax.jit(f)
+        if kind == "dW":
+            return in_place(lambda: H.uninitialized((d, off + slab), x.dtype, interpret),
+                            lambda r, x, dz: H.matmul_epilogue(
+                x, dz, off, a_t=True, refs=(r,), scratch_types=H.tile_smem(x.dtype),
+                epilogue=functools.partial(store, col0=lambda c: c.off), **kw)), (x, dz)
+        return in_place(lambda: jnp.ones((n, d), f32), lambda r, dz, w: H.matmul_epilogue(
+            dz, w, off, b_t=True, b_window=slab, refs=(r,), epilogue=add, **kw)), (dz, w)
+
+    for kind in ("z", "dW", "dx"):
+        label = f"{kind} N{n} D{d} slab {slab}"
+        f, args = cublas[kind]
+        guarded(S, label, "cuBLAS", lambda f=f, args=args, label=label: record(
+            S, label, "cuBLAS", t := bench(jax.jit(f), [args], reps=10, repeats=3, warmup=1),
+            TFLOPs=flops / t / 1e12))
+        tiles = {"stages=3": dataclasses.replace(base, stages=3),
+                 "stages=3 delay=1": dataclasses.replace(base, stages=3, delay=1)}
+        if kind == "dx":    # no shared memory for its epilogue: 4 stages fit
+            tiles.update({"stages=4": base, "stages=4 delay=1": dataclasses.replace(base, delay=1)})
+        for tname, t in tiles.items():
+            def run(kind=kind, t=t, tname=tname, label=label):
+                g, args = mosaic(kind, t)
+                out = g(*args)
+                if kind == "dW":
+                    out = out[:, off:off + slab]
+                err = rel_err(out, ref[kind]())
+                tm = bench(g, [args], reps=10, repeats=3, warmup=1)
+                record(S, label, f"mosaic {tname}", tm, TFLOPs=flops / tm / 1e12, rel_err=err,
+                       status="ok" if err < 1e-2 else "FAIL")
+            guarded(S, label, f"mosaic {tname}", run)
 
 
 def profile(n=8192, d=4096, v=128256):

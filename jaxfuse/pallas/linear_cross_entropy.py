@@ -54,7 +54,7 @@ from jaxfuse.reference import linear_cross_entropy as ref
 # temporaries; 64 MiB (4096 columns there) is the largest that stays under 5% of XLA's 6.3 GB.
 _SLAB_BYTES = 64 << 20
 
-_INTERPRET_SLAB_BYTES = 4 << 20
+_interpretRET_SLAB_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,7 @@ class LCEBlocks:
 
     @classmethod
     def for_shape(cls, n: int, itemsize: int, interpret: bool) -> LCEBlocks:
-        budget = (_INTERPRET_SLAB_BYTES if interpret else _SLAB_BYTES) // itemsize
+        budget = (_interpretRET_SLAB_BYTES if interpret else _SLAB_BYTES) // itemsize
         return cls(max(128, C.prev_pow2(budget // max(n, 1))))
 
 
@@ -160,9 +160,9 @@ def _fold_hopper(x2, w, labels, state, st: _Static):
         # holding every chunk's partials at once (1 GB at N=32768, V=262144): the barrier makes
         # each chunk's kernel wait for the previous merge.
         x_dep, state = lax.optimization_barrier((x2, state))
-        parts = _hopper.xw_epilogue(
-            x_dep, w, labels_row, col_lo=lo, n_cols=width,
-            epilogue=functools.partial(_stats_epilogue, st=st, col_lo=lo, dtype=x2.dtype),
+        parts = _hopper.matmul_epilogue(
+            x_dep, w, lo, labels_row, b_window=width,
+            epilogue=functools.partial(_stats_epilogue, st=st, dtype=x2.dtype),
             out_types=jax.ShapeDtypeStruct((tiles * 4, n), jnp.float32),
             scratch_types=plgpu.SMEM((2, 4, t.m), jnp.float32), tiles=t, interpret=st.interpret,
             name="jaxfuse_linear_cross_entropy_fwd_hopper").reshape(tiles, 4, n)
@@ -170,22 +170,29 @@ def _fold_hopper(x2, w, labels, state, st: _Static):
     return state, v_h
 
 
-def _stats_epilogue(z, rows, ctx, st: _Static, col_lo: int, dtype):
+def _epilogue_chunks(z, st: _Static, ctx, dtype):
+    """The accumulator tile z [m, n] of the logits in column chunks of `epi` (the temporaries of
+    a whole tile at once would not fit the registers): (chunk offset, logits rounded as
+    `x @ weight` rounds them and capped in float32 as in the row passes, tanh(z / c) or None,
+    vocabulary column of each entry, broadcast of a per-row [m] vector to the chunk). The row
+    passes' [m, 1] keepdims form fails Mosaic GPU's layout inference (jax 0.10.2, checked by
+    the lowering test), hence [m] vectors broadcast explicitly."""
+    t = st.hopper
+    for j in range(0, t.n, t.epi):
+        zj, th = _capped(z[:, j:j + t.epi].astype(dtype).astype(jnp.float32), st.softcap)
+        cols = lax.broadcasted_iota(jnp.int32, zj.shape, 1) + (ctx.off + ctx.col + j)
+        yield j, zj, th, cols, functools.partial(lax.broadcast_in_dim, shape=zj.shape,
+                                                 broadcast_dimensions=[0])
+
+
+def _stats_epilogue(z, rows, ctx, st: _Static, dtype):
     """One [m, n] logits tile -> its per-token (max, sum exp(z - max), sum z, label's logit),
-    written to the tile's 4 rows of the partials. Worked in column chunks of `epi` (the
-    temporaries of a whole [m, n] tile at once would not fit the registers), folded with the
-    online (m, l) merge. The row pass's `fold_logits` cannot serve here: its [m, 1] keepdims
-    states fail Mosaic GPU's layout inference (jax 0.10.2, checked by the lowering test), so
-    the states are [m] vectors broadcast explicitly."""
+    written to the tile's 4 rows of the partials, folded chunk by chunk with the online (m, l)
+    merge."""
     t = st.hopper
     label = rows[0].astype(jnp.int32)
     state = None
-    for j in range(0, t.n, t.epi):
-        # Rounded as `x @ weight` rounds the logits, then capped in float32 (as in the row pass).
-        zj = _capped(z[:, j:j + t.epi].astype(dtype).astype(jnp.float32), st.softcap)[0]
-        row_wise = functools.partial(lax.broadcast_in_dim, shape=zj.shape,
-                                     broadcast_dimensions=[0])
-        cols = lax.broadcasted_iota(jnp.int32, zj.shape, 1) + (ctx.col + j)
+    for _, zj, _, cols, row_wise in _epilogue_chunks(z, st, ctx, dtype):
         mj = zj.max(axis=1)
         part = (mj, jnp.exp(zj - row_wise(mj)).sum(axis=1), zj.sum(axis=1),
                 jnp.where(cols == row_wise(label), zj, 0.0).sum(axis=1))
@@ -200,9 +207,36 @@ def _stats_epilogue(z, rows, ctx, st: _Static, col_lo: int, dtype):
     for i, s in enumerate(state):
         smem[ctx.wg, i] = s
     plgpu.commit_smem()
-    tile = (ctx.col - col_lo) // t.n
+    tile = ctx.col // t.n
     plgpu.copy_smem_to_gmem(smem.at[ctx.wg],
                             ctx.outs[0].at[pl.ds(tile * 4, 4), pl.ds(ctx.row, t.m)])
+
+
+def _dz_epilogue(z, rows, ctx, st: _Static, dtype):
+    """One [m, n] logits tile -> dz (as `_dz_slab`), stored in x's dtype at the tile's place in
+    the slab's dz."""
+    label, lse, g = rows
+    label = label.astype(jnp.int32)
+    k = 0
+    for j, zj, th, cols, row_wise in _epilogue_chunks(z, st, ctx, dtype):
+        dz = ce.logits_grad(zj, cols, row_wise(label), row_wise(lse), row_wise(g), st.v,
+                            label_smoothing=st.label_smoothing, z_loss=st.z_loss)
+        if th is not None:
+            dz = dz * (1.0 - th * th)
+        k = _hopper.store_tile(dz.astype(dtype), ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row,
+                               ctx.col + j, k=k)
+
+
+def _dx_epilogue(z, rows, ctx, interpret: bool):
+    """dx[tile] += the tile of dz @ W_slab^T (float32, in place)."""
+    _hopper.add_tile(z, ctx.outs[0], ctx.row, ctx.col, interpret)
+
+
+def _dw_epilogue(z, rows, ctx, dtype):
+    """dW[:, off + tile] = the tile of x^T dz, accumulated over all tokens in float32 and
+    rounded once, stored in place."""
+    _hopper.store_tile(z.astype(dtype), ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row,
+                       ctx.off + ctx.col)
 
 
 def _merge(state, parts):
@@ -232,6 +266,9 @@ def _forward(x2, w, labels, st: _Static):
 
 
 def _backward(x2, w, labels, lse, g, st: _Static):
+    if st.hopper is not None and x2.shape[1] % st.hopper.cols == 0:
+        return _backward_hopper(x2, w, labels, lse, g, st)
+
     def step(off, w_s, carry):
         dx, dw = carry
         dz = _dz_slab(jnp.dot(x2, w_s), labels - off, lse, g, st)         # [N, width]
@@ -245,6 +282,64 @@ def _backward(x2, w, labels, lse, g, st: _Static):
     init = (jnp.zeros(x2.shape, jnp.float32), jnp.zeros_like(w))
     dx, dw = _over_slabs(step, init, w, st.slab)
     return dx.astype(x2.dtype), dw
+
+
+def _backward_hopper(x2, w, labels, lse, g, st: _Static):
+    """The backward with the Hopper GEMM: per slab of columns, dz from the logits tile in
+    registers (no row pass), then dx += dz W_slab^T and dW[:, slab] = x^T dz, each a GEMM that
+    reads W, x and dz in place and updates dx (float32) and dW in place: no slab of W copied,
+    no dW slab placed, no dW zero-filled."""
+    run = jax.custom_batching.custom_vmap(
+        _hopper.discharged(functools.partial(_backward_fused, st=st)))
+
+    @run.def_vmap
+    def _one_by_one(axis_size, in_batched, *args):
+        # The kernels update dx and dW through refs, which pallas kernels do not batch: the
+        # examples run one after another (memory stays that of one example).
+        def one(batched):
+            it = iter(batched)
+            return run(*[next(it) if b else a for a, b in zip(args, in_batched)])
+        return lax.map(one, [a for a, b in zip(args, in_batched) if b]), (True, True)
+
+    return run(x2, w, labels, lse, g)
+
+
+def _backward_fused(x2, w, labels, lse, g, st: _Static):
+    t = dataclasses.replace(st.hopper, stages=3)   # 3 x 48 KiB of operands + epilogue slots
+    n, d = x2.shape
+    v_h = st.v // t.cols * t.cols
+    slab = min(v_h, max(t.cols, st.slab // t.cols * t.cols))
+    per_row = jnp.stack([labels.astype(jnp.float32), lse, g])
+    kw = dict(tiles=t, interpret=st.interpret)
+    dx = jax.new_ref(jnp.zeros((n, d), jnp.float32), memory_space=plgpu.GMEM)
+    dw = jax.new_ref(_hopper.uninitialized(w.shape, w.dtype, st.interpret),
+                     memory_space=plgpu.GMEM)
+
+    def columns(off, width):
+        dz = _hopper.matmul_epilogue(
+            x2, w, off, per_row, b_window=width,
+            epilogue=functools.partial(_dz_epilogue, st=st, dtype=x2.dtype),
+            out_types=jax.ShapeDtypeStruct((n, width), x2.dtype),
+            scratch_types=_hopper.tile_smem(x2.dtype), name="jaxfuse_lce_bwd_dz", batchable=False,
+            **kw)
+        _hopper.matmul_epilogue(
+            dz, w, off, b_t=True, b_window=width, epilogue=functools.partial(_dx_epilogue, interpret=st.interpret), refs=(dx,),
+            name="jaxfuse_lce_bwd_dx", **kw)
+        _hopper.matmul_epilogue(
+            x2, dz, off, a_t=True, refs=(dw,),
+            epilogue=functools.partial(_dw_epilogue, dtype=w.dtype),
+            scratch_types=_hopper.tile_smem(w.dtype), name="jaxfuse_lce_bwd_dw", **kw)
+
+    n_full, rest = divmod(v_h, slab)
+    jax.lax.fori_loop(0, n_full, lambda i, c: (columns(i * slab, slab), c)[1], 0)
+    if rest:
+        columns(n_full * slab, rest)
+    if v_h < st.v:                       # the last < 2 n columns: cuBLAS and the row pass
+        w_t = w[:, v_h:]
+        dz = _dz_slab(jnp.dot(x2, w_t), labels - v_h, lse, g, st)
+        dx[...] = dx[...] + jnp.einsum("nv,dv->nd", dz, w_t, preferred_element_type=jnp.float32)
+        dw[:, v_h:] = jnp.einsum("nd,nv->dv", x2, dz)
+    return dx[...].astype(x2.dtype), dw[...]
 
 
 def _hopper_tiles(hopper: bool | _hopper.Tiles | None, x2, w,

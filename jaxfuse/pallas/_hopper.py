@@ -49,9 +49,7 @@ class Tiles:
     warpgroup (a CTA tile is 2n wide); k: the contraction step; stages: TMA pipeline depth;
     band: CTA tiles walked together, of columns (`order="cols"`: all row tiles of a band of
     columns before the next, see the module docstring) or of rows (`order="rows"`); epi:
-    columns an epilogue works on at a time (its temporaries are [m, epi]); delay: wgmma groups
-    left in flight when a step ends (1 lets the tensor cores run step k while step k + 1's
-    operands are checked in; its shared-memory slot is then released one step later)."""
+    columns an epilogue works on at a time (its temporaries are [m, epi])."""
     m: int = 128
     n: int = 128
     k: int = 64
@@ -59,7 +57,6 @@ class Tiles:
     band: int = 16
     epi: int = 64
     order: str = "rows"
-    delay: int = 0
 
     @property
     def cols(self) -> int:
@@ -153,7 +150,7 @@ def matmul_epilogue(a: jax.Array, b: jax.Array, off=0, per_row: jax.Array | None
     # One layout serves every operand tile: its minor dimension (k, m or 2n) is a multiple of
     # the 64-element swizzle row.
     spec = functools.partial(
-        plgpu.BlockSpec, memory_space=plgpu.SMEM, delay_release=t.delay,
+        plgpu.BlockSpec, memory_space=plgpu.SMEM,
         transforms=(plgpu.TilingTransform((8, swizzle)),
                     plgpu.SwizzleTransform(swizzle * itemsize)))
     a_spec = spec((t.k, t.m), lambda k: (k, 0)) if a_t else spec((t.m, t.k), lambda k: (0, k))
@@ -212,8 +209,6 @@ def matmul_epilogue(a: jax.Array, b: jax.Array, off=0, per_row: jax.Array | None
                         zeros = [jnp.zeros((t.m,), r.dtype) for r in per_row
                                  for _ in range(r.shape[0])]
                         _, vals = eval_pipeline((acc, zeros))
-                        if t.delay:
-                            plgpu.wgmma_wait(0)
                         epilogue(acc[...], vals,
                                  Ctx(wg, row, cta_col + wg * t.n, off_, outs, scratch))
 
@@ -226,7 +221,7 @@ def matmul_epilogue(a: jax.Array, b: jax.Array, off=0, per_row: jax.Array | None
                         b_op = b_smem.at[:, pl.ds(wg * t.n, t.n)]
                     plgpu.wgmma(acc, a_op, b_op)
                     vals = [r[j] for r in rows_smem for j in range(r.shape[0])]
-                    plgpu.wgmma_wait(t.delay)
+                    plgpu.wgmma_wait(0)
                     return acc, vals
 
                 pipeline(mma, context)(
@@ -283,16 +278,20 @@ def tile_smem(dtype, sub: int = 64):
                                   plgpu.SwizzleTransform(swizzle * jnp.dtype(dtype).itemsize)))
 
 
-def add_tile(value: jax.Array, out, row, col, interpret: bool):
-    """out[row:row + m, col:col + n] += value ([m, n] float32 registers), read and written
-    straight from and to GPU memory by the warpgroup: no shared memory, no barrier (Mosaic
-    GPU's interpreter hung on a TMA load + barrier wait in an epilogue)."""
+def add_tile(value: jax.Array, out, row, col, interpret: bool, smem=None):
+    """out[row:row + m, col:col + n] += value ([m, n] float32 registers). The current values
+    are read straight from GPU memory by the warpgroup (no barrier: Mosaic GPU's interpreter
+    hung on a TMA load + barrier wait in an epilogue); the sums go back directly, or with
+    `smem` (compiled only) through shared memory by TMA like `store_tile`."""
     m, n = value.shape
     piece = (pl.ds(row, m), pl.ds(col, n))
     # The compiled load of a wgmma-layout tile from GPU memory must be asked for unoptimized
     # (the optimized one is for shared memory); the interpreter's refs take only plain indexing.
     cur = out[piece] if interpret else plgpu.load(out, piece, optimized=False)
-    out[piece] = cur + value
+    if smem is None or interpret:
+        out[piece] = cur + value
+    else:
+        store_tile(cur + value, smem, out, row, col)
 
 
 def uninitialized(shape, dtype, interpret: bool) -> jax.Array:

@@ -311,9 +311,11 @@ def _backward_fused(x2, w, labels, lse, g, st: _Static):
     slab = min(v_h, max(t.cols, st.slab // t.cols * t.cols))
     per_row = jnp.stack([labels.astype(jnp.float32), lse, g])
     kw = dict(tiles=t, interpret=st.interpret)
-    dx = jax.new_ref(jnp.zeros((n, d), jnp.float32), memory_space=plgpu.GMEM)
-    dw = jax.new_ref(_hopper.uninitialized(w.shape, w.dtype, st.interpret),
-                     memory_space=plgpu.GMEM)
+    # Mosaic GPU's interpreter (jax 0.10.2) needs the refs' memory space spelled out; compiled,
+    # a spelled-out space made jax 0.11.2's discharge of the loop below see unequal carry types.
+    space = {"memory_space": plgpu.GMEM} if st.interpret else {}
+    dx = jax.new_ref(jnp.zeros((n, d), jnp.float32), **space)
+    dw = jax.new_ref(_hopper.uninitialized(w.shape, w.dtype, st.interpret), **space)
 
     def columns(off, width):
         dz = _hopper.matmul_epilogue(

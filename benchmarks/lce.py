@@ -223,11 +223,10 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
         H.store_tile(z.astype(x.dtype), ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row,
                      col0(ctx) + ctx.col)
 
-    def add(z, rows, ctx, tma):
-        H.add_tile(z, ctx.outs[0], ctx.row, ctx.col, interpret,
-                   smem=ctx.scratch.at[ctx.wg] if tma else None)
+    def add(z, rows, ctx):
+        H.add_tile(z, ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row, ctx.col, interpret)
 
-    def mosaic(kind, t, tma=False):
+    def mosaic(kind, t):
         kw = dict(tiles=t, interpret=interpret, name=f"probe_{kind}")
         if kind == "z":
             return jax.jit(lambda x, w: H.matmul_epilogue(
@@ -247,9 +246,8 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
                 x, dz, off, a_t=True, refs=(r,), scratch_types=H.tile_smem(x.dtype),
                 epilogue=functools.partial(store, col0=lambda c: c.off), **kw)), (x, dz)
         return in_place(lambda: jnp.ones((n, d), f32), lambda r, dz, w: H.matmul_epilogue(
-            dz, w, off, b_t=True, b_window=slab, refs=(r,),
-            epilogue=functools.partial(add, tma=tma),
-            scratch_types=H.tile_smem(f32) if tma else (), **kw)), (dz, w)
+            dz, w, off, b_t=True, b_window=slab, refs=(r,), epilogue=add,
+            scratch_types=H.tile_smem(f32), **kw)), (dz, w)
 
     for kind in ("z", "dW", "dx"):
         label = f"{kind} N{n} D{d} slab {slab}"
@@ -257,13 +255,9 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
         guarded(S, label, "cuBLAS", lambda f=f, args=args, label=label: record(
             S, label, "cuBLAS", t := bench(jax.jit(f), [args], reps=10, repeats=3, warmup=1),
             TFLOPs=flops / t / 1e12))
-        tiles = {"stages=3": (dataclasses.replace(base, stages=3), False)}
-        if kind == "dx":    # stores straight from registers (4 stages fit) or through smem
-            tiles.update({"stages=4": (base, False),
-                          "stages=3 TMA store": (dataclasses.replace(base, stages=3), True)})
-        for tname, (t, tma) in tiles.items():
-            def run(kind=kind, t=t, tma=tma, tname=tname, label=label):
-                g, args = mosaic(kind, t, tma)
+        for tname, t in {"stages=3": dataclasses.replace(base, stages=3)}.items():
+            def run(kind=kind, t=t, tname=tname, label=label):
+                g, args = mosaic(kind, t)
                 out = g(*args)
                 if kind == "dW":
                     out = out[:, off:off + slab]

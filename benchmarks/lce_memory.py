@@ -21,13 +21,14 @@ def _step(**kw):
 
 if __name__ == "__main__":
     d = 4096
-    variants = {"jaxfuse": {}, "jaxfuse[slab=8192]": dict(block_sizes=jaxfuse.LCEBlocks(8192)),
+    variants = {"jaxfuse": {}, "jaxfuse[slab=4096]": dict(block_sizes=jaxfuse.LCEBlocks(4096)),
+                "jaxfuse[slab=10240]": dict(block_sizes=jaxfuse.LCEBlocks(10240)),
                 "jaxfuse[hopper=False]": dict(block_sizes=jaxfuse.LCEBlocks(hopper=False)),
                 "xla_reference": dict(impl="reference")}
     for n, v in ((8192, 128256), (32768, 262144)):
         big = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16),
                jax.ShapeDtypeStruct((d, v), jnp.bfloat16), jax.ShapeDtypeStruct((n,), jnp.int32)]
-        for name in ("jaxfuse", "jaxfuse[slab=8192]"):
+        for name in ("jaxfuse", "jaxfuse[slab=10240]"):
             guarded("lce", f"N{n} D{d} V{v} fwd+bwd temp", name, lambda name=name: record(
                 "lce", f"N{n} D{d} V{v} fwd+bwd temp", name,
                 temp_GB=temp_bytes(_step(**variants[name]), *big) / 1e9))

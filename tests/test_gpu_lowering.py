@@ -81,19 +81,24 @@ def test_beam_top_k_lowers():
 
 @pytest.mark.parametrize("vmapped", [False, True])
 def test_hopper_linear_cross_entropy_lowers(vmapped):
-    """The fused Hopper GEMM of the LCE forward lowers through Mosaic GPU for sm90, also under
-    vmap: its rules (TMA tiling, layouts) are checked here, which Mosaic GPU's interpreter does
+    """The Hopper GEMMs of the LCE (the forward's, and with D = 256 the backward's dz, dx and
+    dW, whose operands are transposed in the kernel and whose slab offset is read by it) lower
+    through Mosaic GPU for sm90, also under vmap: their rules (TMA tiling, layouts, transposed
+    wgmma operands, reducing TMA stores) are checked here, which Mosaic GPU's interpreter does
     not do."""
-    x = jnp.zeros((2, 256, 128), jnp.bfloat16)
-    w = jnp.zeros((128, 1088), jnp.bfloat16)
+    x = jnp.zeros((2, 256, 256), jnp.bfloat16)
+    w = jnp.zeros((256, 1088), jnp.bfloat16)
     labels = jnp.zeros((2, 256), jnp.int32)
 
     def f(x, w, labels):
         return jaxfuse.linear_cross_entropy(
             x, w, labels, label_smoothing=0.1, logits_soft_cap=30.0, interpret=False,
-            block_sizes=jaxfuse.LCEBlocks(hopper=True))
+            block_sizes=jaxfuse.LCEBlocks(slab=256, hopper=True))
     if vmapped:
         f = jax.vmap(f, in_axes=(0, None, 0))
     else:
         x, labels = x[0], labels[0]
-    assert "mosaic_gpu" in _fwd_bwd(lambda x, w: f(x, w, labels), x, w).mlir_module()
+    module = _fwd_bwd(lambda x, w: f(x, w, labels), x, w).mlir_module()
+    for name in ("jaxfuse_linear_cross_entropy_fwd_hopper", "jaxfuse_lce_bwd_dz",
+                 "jaxfuse_lce_bwd_dx", "jaxfuse_lce_bwd_dw"):
+        assert name in module

@@ -8,7 +8,7 @@ from absl.testing import parameterized
 import jaxfuse
 from jaxfuse import LCEBlocks, RowBlocks
 from jaxfuse.pallas._hopper import Tiles
-from tests._util import assert_close, keys, randn
+from tests._util import assert_close, keys, randn, vjp_both
 
 # (N, D, V, blocks): one whole-vocabulary slab by default; slabs with a narrower tail (301 =
 # 4 x 64 + 45) walked by row tiles that split both axes; a slab of one column.
@@ -114,8 +114,17 @@ def _uses_hopper_kernel(f, *args) -> bool:
     return "InterpretGPUParams" in str(jax.make_jaxpr(f)(*args))
 
 
-class HopperForwardTest(chex.TestCase):
-    """The forward's fused Hopper GEMM (Pallas Mosaic GPU), run by Mosaic GPU's interpreter."""
+_BACKWARD_KERNELS = ("jaxfuse_lce_bwd_dz", "jaxfuse_lce_bwd_dx", "jaxfuse_lce_bwd_dw")
+
+
+def _rel_err(a, b) -> float:
+    a, b = (np.asarray(t, np.float64) for t in (a, b))
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+class HopperTest(chex.TestCase):
+    """The Hopper GEMMs (Pallas Mosaic GPU) of the forward and the backward, run by Mosaic GPU's
+    interpreter."""
 
     # N = 256 (two token tiles), D = 128 (two k steps), V = 1088: 1024 columns (two bands of
     # 256-column CTA tiles) through the fused kernel, the last 64 through a cuBLAS-path slab.
@@ -140,6 +149,44 @@ class HopperForwardTest(chex.TestCase):
                                                        **options)
         y_r = fr(x.astype(jnp.float32), w.astype(jnp.float32))
         self.assertLess(abs(float(y) - float(y_r)) / abs(float(y_r)), 1e-3)
+
+    # D = 256 (whole [128, 256] dx tiles): the backward runs its dz, dx and dW GEMMs as well.
+    # Slabs of 256 columns (four trips of the loop, the offset read by the kernel) or of 768
+    # (one trip, then 256 columns in a call of their own); the last 64 of V = 1088 take the
+    # cuBLAS path in both directions.
+    @parameterized.parameters(
+        (256, jnp.bfloat16, dict(reduction="sum")),
+        (768, jnp.float16, dict(label_smoothing=0.1, z_loss=1e-3, logits_soft_cap=3.0)))
+    def test_backward_matches_the_slab_path_and_the_reference(self, slab, dtype, options):
+        n, d, v = 256, 256, 1088
+        x, w, labels = _inputs(n, d, v, dtype, seed=slab)
+        labels = labels.at[5].set(v - 3).at[6].set(1023).at[7].set(1024).at[8].set(slab)
+        f = lambda hopper: lambda x, w: jaxfuse.linear_cross_entropy(  # noqa: E731
+            x, w, labels, block_sizes=LCEBlocks(slab=slab, hopper=hopper), **options)
+        program = str(jax.make_jaxpr(jax.grad(f(True), argnums=(0, 1)))(x, w))
+        for name in _BACKWARD_KERNELS:
+            self.assertIn(name, program)
+        ct = jax.random.uniform(keys(slab, 1)[0], (), jnp.float32, 0.5, 2.0)
+        (y, g), (y_s, g_s) = vjp_both(f(True), f(False), (x, w), ct)
+        np.testing.assert_allclose(float(y), float(y_s), rtol=1e-5)
+        # The same dz rounded the same way; the float32 sums of dx and dW in another order.
+        assert_close(g, g_s, dtype)
+        fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, impl="reference",  # noqa: E731
+                                                       **options)
+        f32 = [a.astype(jnp.float32) for a in (x, w)]
+        _, g_r = vjp_both(fr, fr, f32, ct)[0]
+        for a, b in zip(g, g_r):
+            self.assertLess(_rel_err(a, b), 1e-2)
+
+    def test_backward_under_vmap_runs_example_by_example(self):
+        # The backward's refs do not batch: under vmap its custom_vmap rule maps over the batch.
+        x, w, labels = _inputs(2 * 128, 256, 576, jnp.bfloat16, seed=3)
+        x, labels = x.reshape(2, 128, 256), labels.reshape(2, 128)
+        f = jax.value_and_grad(lambda x, w, y: jaxfuse.linear_cross_entropy(
+            x, w, y, block_sizes=LCEBlocks(slab=256, hopper=True)), argnums=(0, 1))
+        batched = jax.jit(jax.vmap(f, in_axes=(0, None, 0)))(x, w, labels)
+        one_by_one = [jax.jit(f)(x[i], w, labels[i]) for i in range(2)]
+        chex.assert_trees_all_equal(batched, jax.tree.map(lambda *a: jnp.stack(a), *one_by_one))
 
     def test_shape_rules(self):
         x, w, labels = _inputs(256, 128, 1088, jnp.bfloat16)

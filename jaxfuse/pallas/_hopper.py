@@ -233,23 +233,24 @@ def matmul_epilogue(a: jax.Array, b: jax.Array, off=0, per_row: jax.Array | None
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     f = kernel(body, out_types, grid=(2 if interpret else C.num_multiprocessors(),),
-               num_threads=3, interpret=interpret, batchable=batchable and not refs)
-    with jax.named_scope(name):
-        return f(off_arr, a, b, *per_row, *refs)
+               num_threads=3, interpret=interpret, batchable=batchable and not refs, name=name)
+    return f(off_arr, a, b, *per_row, *refs)
 
 
-def kernel(body, out_types, *, grid, num_threads, interpret: bool, batchable: bool):
-    """A Mosaic GPU kernel over a grid named "sm" (threads "wg"), compiled or interpreted.
+def kernel(body, out_types, *, grid, num_threads, interpret: bool, batchable: bool,
+           name: str = "jaxfuse_hopper"):
+    """A Mosaic GPU kernel `name` over a grid "sm" (threads "wg"), compiled or interpreted.
     `batchable`: plgpu.kernel, which batches under vmap; else pl.kernel, which takes JAX refs
     (aliased in and out) and may sit in a function with refs (plgpu.kernel's vmap wrapper has
     no rule for those)."""
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-    mesh = dict(grid=grid, grid_names=("sm",), num_threads=num_threads, thread_name="wg")
+    mesh = dict(grid=grid, grid_names=("sm",), num_threads=num_threads, thread_name="wg",
+                kernel_name=name)
     if batchable:
         return plgpu.kernel(body, out_type=out_types, compiler_params=params, **mesh,
                             **({"interpret": _interpret_params()} if interpret else {}))
     return pl.kernel(body, out_type=out_types, compiler_params=params, mesh=plgpu.Mesh(**mesh),
-                     interpret=_interpret_params() if interpret else False)
+                     interpret=_interpret_params() if interpret else False, name=name)
 
 
 def store_tile(value: jax.Array, smem, out, row, col, sub: int = 64, k: int = 0,
@@ -300,7 +301,7 @@ def uninitialized(shape, dtype, interpret: bool) -> jax.Array:
     output every element of which later kernels write, where zero-filling would cost a pass over
     it (0.6 ms for a 1 GB dW on an H200). For functions with refs (not batchable)."""
     return kernel(lambda out: None, jax.ShapeDtypeStruct(shape, dtype), grid=(1,),
-                  num_threads=1, interpret=interpret, batchable=False)()
+                  num_threads=1, interpret=interpret, batchable=False, name="uninitialized")()
 
 
 def discharged(f: Callable) -> Callable:

@@ -25,7 +25,11 @@ call's columns to a chunk (the whole 128256-column W in one sweep lost 15% in ru
 
 Regimes: compiled with Mosaic GPU on an sm90 GPU; on a CPU the same kernel runs in Mosaic GPU's
 interpret mode (it simulates the warpgroups, TMA and barriers), which is how the tests check it.
-The kernel wants whole tiles: callers send it the part of a problem that is a multiple of the
+Two gaps of that interpreter (jax 0.10.2) are bridged outside the kernel's MMA loop: it cannot
+read transposed wgmma operands (`matmul_epilogue` transposes them before the kernel there) nor
+do a reducing TMA store (`add_tile` reads, adds and writes there); the compiled forms are
+checked by lowering for sm90 on the CPU (tests/test_gpu_lowering.py) and on the GPU
+(benchmarks/lce.py `check`). The kernel wants whole tiles: callers send it the part of a problem that is a multiple of the
 tiles and do the rest another way (`fits`).
 """
 from __future__ import annotations

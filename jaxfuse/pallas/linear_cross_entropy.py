@@ -19,15 +19,24 @@ Backward (`custom_vjp`, saves x, weight, labels, lse), per slab: recompute z, on
 turns it in place into dz = (q (1 + 2 z_loss lse) - p) * g (times 1 - tanh^2 under a soft cap),
 then two matmuls add dz @ W_slab^T into a float32 dx and give dW_slab = x^T dz whole (each element
 accumulated over all tokens in float32 and cast once). No atomics: gradients are deterministic.
+On a Hopper GPU (and D a multiple of 256) the three are Hopper GEMMs instead (`_backward_fused`):
+dz straight from the logits tile in registers (no row pass), dx added by reducing TMA stores and
+dW stored at its columns, both updated in place through JAX refs; W, x and dz are read in place
+(the transposed operands by wgmma), so no weight slab is copied, no dW slab placed and no dW
+zero-filled. With those temporaries gone the slabs are twice as wide for the same memory.
+Measured at N=8192, D=4096, V=128256 bf16 on an H200 (benchmarks/NOTES.md, runs 19-21): the
+whole step 56.5 ms with cuBLAS around row passes, 54.8 with the Hopper forward, 52.9 with the
+Hopper backward too (0.27 GB of temporaries); per 4096-column slab the dW GEMM beat cuBLAS
+(0.374 against 0.381-0.408 ms), the dz GEMM matched it and dx lost (0.464 against 0.42: its
+float32 tile stores).
 
-Why cuBLAS matmuls around Pallas row passes in the backward rather than the matmul inside the
+Why cuBLAS matmuls around Pallas row passes elsewhere rather than the matmul inside a Triton
 kernel: the Pallas (Triton) tile matmul ran at 260-320 TFLOP/s on an H200 against 680-790 for
 cuBLAS, and this op is all matmul (4 x 2NDV FLOPs: the logits are computed twice, the price of
 not storing them, against XLA's 3). The row passes move 2 bytes per bf16 logit forward and 4
-backward: ~0.5 and ~1 ms at N=8192, V=128256. The same Hopper GEMM with a dz epilogue (dz
-written for the two gradient matmuls) was measured no faster than recompute + row pass (55.30
-against 55.24 ms for the whole step) and is not used. Temporary memory: one slab
-(`_SLAB_BYTES`) + the float32 dx + a weight slab, whatever V is.
+backward: ~0.5 and ~1 ms at N=8192, V=128256. Temporary memory: one slab (`_SLAB_BYTES`) + the
+float32 dx + a weight slab (Hopper backward: one `_HOPPER_SLAB_BYTES` dz slab + the float32 dx),
+whatever V is.
 """
 from __future__ import annotations
 
@@ -65,9 +74,10 @@ _INTERPRET_SLAB_BYTES = 4 << 20
 class LCEBlocks:
     """`slab`: vocabulary columns per step (one [N, slab] matmul and logits buffer); None picks
     the largest power of two whose slab fits the memory budget. `rows`: tiles of the two row
-    passes over a slab (None: `RowBlocks.for_shape`). `hopper`: compute the logits with the
-    fused Hopper GEMM (`_hopper`, Mosaic GPU) where the shapes allow; None means on a Hopper
-    GPU, True also in interpret mode (Mosaic GPU's interpreter), False never; a
+    passes over a slab (None: `RowBlocks.for_shape`). `hopper`: run the matmuls as Hopper GEMMs
+    (`_hopper`, Mosaic GPU) where the shapes allow -- the forward's with N % 128 = 0, D % 64 =
+    0, V % 64 = 0 and 16-bit inputs, the backward's when also D % 256 = 0; None means on a
+    Hopper GPU, True also in interpret mode (Mosaic GPU's interpreter), False never; a
     `jaxfuse.pallas._hopper.Tiles` means True with those tiles."""
     slab: int | None = None
     rows: RowBlocks | None = None

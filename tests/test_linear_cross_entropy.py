@@ -178,6 +178,16 @@ class HopperTest(chex.TestCase):
         for a, b in zip(g, g_r):
             self.assertLess(_rel_err(a, b), 1e-2)
 
+    @parameterized.parameters(192, 320)
+    def test_backward_with_fewer_columns_than_a_tile(self, v):
+        # V = 192: no whole 256-column CTA tile, everything on the cuBLAS path; V = 320: one
+        # tile through the kernels (in one call: the default slab is wider), 64 columns after.
+        x, w, labels = _inputs(128, 256, v, jnp.bfloat16, seed=v)
+        g = [jax.grad(lambda x, w, h=h: jaxfuse.linear_cross_entropy(
+            x, w, labels, block_sizes=LCEBlocks(hopper=h)), argnums=(0, 1))(x, w)
+            for h in (True, False)]
+        assert_close(g[0], g[1], jnp.bfloat16)
+
     def test_backward_under_vmap_runs_example_by_example(self):
         # The backward's refs do not batch: under vmap its custom_vmap rule maps over the batch.
         x, w, labels = _inputs(2 * 128, 256, 576, jnp.bfloat16, seed=3)

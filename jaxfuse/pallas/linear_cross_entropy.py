@@ -326,10 +326,11 @@ def _backward_hopper(x2, w, labels, lse, g, st: _Static):
 
 
 def _backward_fused(x2, w, labels, lse, g, st: _Static):
+    """(dx, dW) of `_backward_hopper`, with dx and dW as refs (see `_hopper.discharged`)."""
     t = dataclasses.replace(st.hopper, stages=3)   # 3 x 48 KiB of operands + epilogue slots
     n, d = x2.shape
-    v_h = st.v // t.cols * t.cols
-    slab = min(v_h, max(t.cols, st.slab // t.cols * t.cols))
+    v_h = st.v // t.cols * t.cols                  # the columns in whole CTA tiles
+    slab = max(t.cols, st.slab // t.cols * t.cols)
     per_row = jnp.stack([labels.astype(jnp.float32), lse, g])
     kw = dict(tiles=t, interpret=st.interpret)
     # Mosaic GPU's interpreter (jax 0.10.2) needs the refs' memory space spelled out; compiled,
@@ -355,7 +356,8 @@ def _backward_fused(x2, w, labels, lse, g, st: _Static):
             scratch_types=_hopper.tile_smem(w.dtype), name="jaxfuse_lce_bwd_dw", **kw)
 
     n_full, rest = divmod(v_h, slab)
-    jax.lax.fori_loop(0, n_full, lambda i, c: (columns(i * slab, slab), c)[1], 0)
+    if n_full:
+        jax.lax.fori_loop(0, n_full, lambda i, c: (columns(i * slab, slab), c)[1], 0)
     if rest:
         columns(n_full * slab, rest)
     if v_h < st.v:                       # the last < 2 n columns: cuBLAS and the row pass

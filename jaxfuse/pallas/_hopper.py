@@ -317,8 +317,8 @@ def discharged(f: Callable) -> Callable:
     from jax._src.state.discharge import discharge_state   # no public API in jax 0.10 / 0.11
 
     def pure(*args):
-        closed = jax.make_jaxpr(f)(*args)
+        closed, shapes = jax.make_jaxpr(f, return_shape=True)(*args)
         pure_ = discharge_state(closed)
         out = core.eval_jaxpr(pure_.jaxpr, pure_.consts, *jax.tree.leaves(args))
-        return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(f, *args)), out)
+        return jax.tree.unflatten(jax.tree.structure(shapes), out)
     return pure

@@ -113,19 +113,26 @@ def _capped(z, softcap):
     return softcap * t, t
 
 
-def _over_slabs(step, carry, w, slab: int, start: int = 0):
-    """`carry = step(offset, w[:, offset:offset + width], carry)` for every vocabulary slab from
-    column `start` on: a loop over the full slabs (one compiled body) and the narrower tail, if
-    any, after it."""
-    v = w.shape[1]
-    n_full, tail = divmod(v - start, slab)
+def _over_columns(step, carry, lo: int, hi: int, slab: int):
+    """`carry = step(offset, width, carry)` for the vocabulary columns [lo, hi) in slabs of
+    `slab`: a loop over the full slabs (one compiled body, the offset traced) and the narrower
+    tail, if any, after it."""
+    n_full, tail = divmod(hi - lo, slab)
     if n_full:
-        carry = jax.lax.fori_loop(
-            0, n_full, lambda i, c: step(start + i * slab, jax.lax.dynamic_slice_in_dim(
-                w, start + i * slab, slab, axis=1), c), carry)
+        carry = jax.lax.fori_loop(0, n_full, lambda i, c: step(lo + i * slab, slab, c), carry)
     if tail:
-        carry = step(v - tail, w[:, v - tail:], carry)
+        carry = step(hi - tail, tail, carry)
     return carry
+
+
+def _w_slab(w, off, width: int):
+    """W[:, off:off + width] (a copy: cuBLAS wants its operands whole)."""
+    return jax.lax.dynamic_slice_in_dim(w, off, width, axis=1)
+
+
+def _tile_columns(st: _Static) -> int:
+    """The columns [0, v_h) the Hopper GEMMs take: whole CTA tiles of W."""
+    return st.v // st.hopper.cols * st.hopper.cols
 
 
 def _fold_slab(z, labels_rel, state, st: _Static):
@@ -164,7 +171,7 @@ def _fold_hopper(x2, w, labels, state, st: _Static):
     place. Returns the state and v_h."""
     t = st.hopper
     n = x2.shape[0]
-    v_h = st.v // t.cols * t.cols
+    v_h = _tile_columns(st)
     band = t.cols * t.band
     # 4 float32 partials per token per t.n columns: 16 n / t.n bytes per column.
     chunk = max(band, (_SLAB_BYTES // 2) // (16 * n) * t.n // band * band)
@@ -266,14 +273,14 @@ def _merge(state, parts):
 
 
 def _forward(x2, w, labels, st: _Static):
-    def step(off, w_s, state):
-        return _fold_slab(jnp.dot(x2, w_s), labels - off, state, st)
+    def step(off, width, state):
+        return _fold_slab(jnp.dot(x2, _w_slab(w, off, width)), labels - off, state, st)
 
     state = tuple(s[:, 0] for s in empty_state(x2.shape[0]))
     start = 0
     if st.hopper is not None:
         state, start = _fold_hopper(x2, w, labels, state, st)
-    m, l, sum_z, picked = _over_slabs(step, state, w, st.slab, start)
+    m, l, sum_z, picked = _over_columns(step, state, start, st.v, st.slab)
     lse = m + jnp.log(l)
     loss = ce.loss_from_stats(lse, picked, sum_z, labels, st.v,
                               label_smoothing=st.label_smoothing, ignore_index=st.ignore_index,
@@ -290,8 +297,9 @@ def _backward(x2, w, labels, lse, g, st: _Static):
     if _hopper_backward(st.hopper, x2.shape[1]):
         return _backward_hopper(x2, w, labels, lse, g, st)
 
-    def step(off, w_s, carry):
+    def step(off, width, carry):
         dx, dw = carry
+        w_s = _w_slab(w, off, width)
         dz = _dz_slab(jnp.dot(x2, w_s), labels - off, lse, g, st)         # [N, width]
         dx = dx + jnp.einsum("nv,dv->nd", dz, w_s, preferred_element_type=jnp.float32)
         # dW_slab over all N tokens in one matmul: cuBLAS (and XLA on the CPU) accumulate a
@@ -301,7 +309,7 @@ def _backward(x2, w, labels, lse, g, st: _Static):
         return dx, jax.lax.dynamic_update_slice_in_dim(dw, dw_s, off, axis=1)
 
     init = (jnp.zeros(x2.shape, jnp.float32), jnp.zeros_like(w))
-    dx, dw = _over_slabs(step, init, w, st.slab)
+    dx, dw = _over_columns(step, init, 0, st.v, st.slab)
     return dx.astype(x2.dtype), dw
 
 
@@ -329,7 +337,7 @@ def _backward_fused(x2, w, labels, lse, g, st: _Static):
     """(dx, dW) of `_backward_hopper`, with dx and dW as refs (see `_hopper.discharged`)."""
     t = dataclasses.replace(st.hopper, stages=3)   # 3 x 48 KiB of operands + epilogue slots
     n, d = x2.shape
-    v_h = st.v // t.cols * t.cols                  # the columns in whole CTA tiles
+    v_h = _tile_columns(st)
     slab = max(t.cols, st.slab // t.cols * t.cols)
     per_row = jnp.stack([labels.astype(jnp.float32), lse, g])
     kw = dict(tiles=t, interpret=st.interpret)
@@ -339,7 +347,7 @@ def _backward_fused(x2, w, labels, lse, g, st: _Static):
     dx = jax.new_ref(jnp.zeros((n, d), jnp.float32), **space)
     dw = jax.new_ref(_hopper.uninitialized(w.shape, w.dtype, st.interpret), **space)
 
-    def columns(off, width):
+    def columns(off, width, carry):          # dx and dW are refs: nothing to carry
         dz = _hopper.matmul_epilogue(
             x2, w, off, per_row, b_window=width,
             epilogue=functools.partial(_dz_epilogue, st=st, dtype=x2.dtype),
@@ -355,11 +363,7 @@ def _backward_fused(x2, w, labels, lse, g, st: _Static):
             epilogue=functools.partial(_dw_epilogue, dtype=w.dtype),
             scratch_types=_hopper.tile_smem(w.dtype), name="jaxfuse_lce_bwd_dw", **kw)
 
-    n_full, rest = divmod(v_h, slab)
-    if n_full:
-        jax.lax.fori_loop(0, n_full, lambda i, c: (columns(i * slab, slab), c)[1], 0)
-    if rest:
-        columns(n_full * slab, rest)
+    _over_columns(columns, None, 0, v_h, slab)
     if v_h < st.v:                       # the last < 2 n columns: cuBLAS and the row pass
         w_t = w[:, v_h:]
         dz = _dz_slab(jnp.dot(x2, w_t), labels - v_h, lse, g, st)

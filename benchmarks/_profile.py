@@ -44,3 +44,37 @@ def report(section: str, workload: str, fn, args, top: int = 14, reps: int = 3) 
     print(f"{section:10s} {workload}: {busy:.3f} ms of kernels per call, {len(rows)} kinds")
     for name, n, ms in rows[:top]:
         print(f"{'':12s}{ms:8.3f} ms  x{n:<5d} {name}")
+
+
+def gaps(fn, args, reps: int = 3, top: int = 12) -> None:
+    """Where the GPU idles inside one call: the device timeline of `reps` back-to-back calls,
+    kernels merged across streams, idle stretches summed per (kernel before, kernel after).
+    A call's time minus its kernels' time is these gaps (launch latency, host syncs of loops)."""
+    jax.block_until_ready(fn(*args))
+    out_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(out_dir):
+        for _ in range(reps):
+            jax.block_until_ready(fn(*args))
+    (path,) = glob.glob(f"{out_dir}/**/*.xplane.pb", recursive=True)
+    events = []
+    for plane in ProfileData.from_file(path).planes:
+        if plane.name.startswith("/device:GPU"):
+            events += [(ev.start_ns, ev.end_ns, re.sub(r"\s+", " ", ev.name)[:40])
+                       for line in plane.lines if line.name.startswith("Stream")
+                       for ev in line.events]
+    events.sort()
+    idle = collections.defaultdict(float)
+    count = collections.Counter()
+    end, prev = events[0][1], events[0][2]
+    for start, stop, name in events[1:]:
+        if start > end:
+            # Gaps longer than 5 ms are between calls (host waits), not inside one.
+            if start - end < 5e6:
+                idle[(prev, name)] += start - end
+                count[(prev, name)] += 1
+        if stop > end:
+            end, prev = stop, name
+    total = sum(idle.values()) / reps / 1e6
+    print(f"gaps: {total:.3f} ms idle per call inside the calls")
+    for key, ns in sorted(idle.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"{'':4s}{ns / reps / 1e6:8.3f} ms  x{count[key] // reps:<4d} {key[0]} -> {key[1]}")

@@ -169,7 +169,8 @@ def perf(copy_bw: float, sweep: bool = True):
         f = _fns(False)[impl]
         step = jax.value_and_grad(f, argnums=(0, 1))
         guarded(S, f"N{n} D{d} V{v} fwd+bwd temp", impl, lambda step=step, impl=impl: record(
-            S, f"N{n} D{d} V{v} fwd+bwd temp", impl, temp_GB=(temp_bytes(step, *big) or -1e9) / 1e9))
+            S, f"N{n} D{d} V{v} fwd+bwd temp", impl,
+            temp_GB=(temp_bytes(step, *big) or -1e9) / 1e9))
 
     def run_big():
         x, w, y = _inputs(jax.random.key(1), n, d, v)
@@ -197,7 +198,9 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
     from jaxfuse.pallas import _hopper as H
     x, w, y = _inputs(jax.random.key(0), n, d, v)
     base = H.Tiles()
-    for name, tiles in {"default": base, "band=8": dataclasses.replace(base, band=8)}.items():
+    variants = {"cooperative": base, "pingpong": dataclasses.replace(base, schedule="pingpong",
+                                                                     stages=4)}
+    for name, tiles in variants.items():
         def run(tiles=tiles, name=name):
             f = jax.jit(lambda x, w, y: jaxfuse.linear_cross_entropy(
                 x, w, y, block_sizes=LCEBlocks(hopper=tiles)))
@@ -255,7 +258,7 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
         guarded(S, label, "cuBLAS", lambda f=f, args=args, label=label: record(
             S, label, "cuBLAS", t := bench(jax.jit(f), [args], reps=10, repeats=3, warmup=1),
             TFLOPs=flops / t / 1e12))
-        for tname, t in {"stages=3": dataclasses.replace(base, stages=3)}.items():
+        for tname, t in variants.items():
             def run(kind=kind, t=t, tname=tname, label=label):
                 g, args = mosaic(kind, t)
                 out = g(*args)
@@ -266,6 +269,40 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
                 record(S, label, f"mosaic {tname}", tm, TFLOPs=flops / tm / 1e12, rel_err=err,
                        status="ok" if err < 1e-2 else "FAIL")
             guarded(S, label, f"mosaic {tname}", run)
+
+
+def schedules(n=8192, d=4096, v=128256):
+    """One fwd+bwd step and the forward alone per choice of GEMM schedules (`Tiles.schedule`,
+    per GEMM through `HopperTiles`), XLA beside them; results checked against the first
+    variant's (the same tiles computed in the same order: equal up to float32 sum order)."""
+    from jaxfuse.pallas import _hopper as H
+    from jaxfuse.pallas.linear_cross_entropy import HopperTiles
+    pp4 = H.Tiles(schedule="pingpong", stages=4)
+    args = _inputs(jax.random.key(0), n, d, v)
+    xla = jax.jit(jax.value_and_grad(_fns(False)["xla_reference"], argnums=(0, 1)))
+    record(S, f"N{n} D{d} V{v} fwd+bwd", "xla_reference",
+           bench(xla, [args], reps=3, repeats=3, warmup=1))
+    variants = {"default": HopperTiles(),
+                "all cooperative": H.Tiles(),
+                "dx pingpong": HopperTiles(dx=pp4),
+                "all pingpong": pp4,
+                "fwd pingpong stages<=8": HopperTiles(fwd=H.Tiles(schedule="pingpong"))}
+    ref = None
+    for name, t in variants.items():
+        f = functools.partial(lambda x, w, y, t: jaxfuse.linear_cross_entropy(
+            x, w, y, block_sizes=LCEBlocks(hopper=t)), t=t)
+
+        def run(f=f, name=name):
+            nonlocal ref
+            step = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+            out = step(*args)
+            ref = out if ref is None else ref
+            err = max(rel_err(a, b) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+            t_step = bench(step, [args], reps=3, repeats=3, warmup=1)
+            t_fwd = bench(jax.jit(f), [args], reps=5, repeats=3, warmup=1)
+            record(S, f"N{n} D{d} V{v} fwd+bwd schedule", name, t_step, fwd_ms=t_fwd * 1e3,
+                   rel_err_vs_first=err, status="ok" if err < 1e-3 else "FAIL")
+        guarded(S, f"N{n} D{d} V{v} fwd+bwd schedule", name, run)
 
 
 def profile(n=8192, d=4096, v=128256):

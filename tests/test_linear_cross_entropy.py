@@ -1,5 +1,6 @@
 import chex
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -7,7 +8,9 @@ from absl.testing import parameterized
 
 import jaxfuse
 from jaxfuse import LCEBlocks, RowBlocks
+from jaxfuse.pallas import _hopper
 from jaxfuse.pallas._hopper import Tiles
+from jaxfuse.pallas.linear_cross_entropy import HopperTiles
 from tests._util import assert_close, keys, randn, vjp_both
 
 # (N, D, V, blocks): one whole-vocabulary slab by default; slabs with a narrower tail (301 =
@@ -128,18 +131,23 @@ class HopperTest(chex.TestCase):
 
     # N = 256 (two token tiles), D = 128 (two k steps), V = 1088: 1024 columns (two bands of
     # 256-column CTA tiles) through the fused kernel, the last 64 through a cuBLAS-path slab.
-    @parameterized.product(dtype=[jnp.bfloat16, jnp.float16],
-                           options=[dict(reduction="sum"),
-                                    dict(label_smoothing=0.1, z_loss=1e-3, logits_soft_cap=3.0)])
-    def test_matches_the_slab_path_and_the_reference(self, dtype, options):
+    # The forward's default schedule is ping-pong; one case runs it cooperative.
+    @parameterized.parameters(
+        (jnp.bfloat16, dict(reduction="sum"), True),
+        (jnp.float16, dict(reduction="sum"), True),
+        (jnp.bfloat16, dict(label_smoothing=0.1, z_loss=1e-3, logits_soft_cap=3.0), True),
+        (jnp.float16, dict(label_smoothing=0.1, z_loss=1e-3, logits_soft_cap=3.0),
+         Tiles(schedule="cooperative")))
+    def test_matches_the_slab_path_and_the_reference(self, dtype, options, hopper):
         n, d, v = 256, 128, 1088
         x, w, labels = _inputs(n, d, v, dtype, seed=7)
         labels = labels.at[5].set(v - 3).at[6].set(1023).at[7].set(1024)   # around the seam
         f = lambda hopper: lambda x, w: jaxfuse.linear_cross_entropy(  # noqa: E731
             x, w, labels, block_sizes=LCEBlocks(slab=128, hopper=hopper), **options)
-        self.assertTrue(_uses_hopper_kernel(f(True), x, w))
+        f_hopper = f(hopper)
+        self.assertTrue(_uses_hopper_kernel(f_hopper, x, w))
         self.assertFalse(_uses_hopper_kernel(f(False), x, w))
-        y, vjp = jax.vjp(f(True), x, w)
+        y, vjp = jax.vjp(f_hopper, x, w)
         y_s, vjp_s = jax.vjp(f(False), x, w)
         # The same logits rounded the same way; only the float32 summation order differs.
         np.testing.assert_allclose(float(y), float(y_s), rtol=1e-5)
@@ -153,21 +161,25 @@ class HopperTest(chex.TestCase):
     # D = 256 (whole [128, 256] dx tiles): the backward runs its dz, dx and dW GEMMs as well.
     # Slabs of 256 columns (four trips of the loop, the offset read by the kernel) or of 768
     # (one trip, then 256 columns in a call of their own); the last 64 of V = 1088 take the
-    # cuBLAS path in both directions.
+    # cuBLAS path in both directions. The backward's default schedule is cooperative; one case
+    # runs every GEMM ping-pong.
     @parameterized.parameters(
-        (256, jnp.bfloat16, dict(reduction="sum")),
-        (768, jnp.float16, dict(label_smoothing=0.1, z_loss=1e-3, logits_soft_cap=3.0)))
-    def test_backward_matches_the_slab_path_and_the_reference(self, slab, dtype, options):
+        (256, jnp.bfloat16, dict(reduction="sum"), True),
+        (768, jnp.float16, dict(label_smoothing=0.1, z_loss=1e-3, logits_soft_cap=3.0), True),
+        (512, jnp.bfloat16, dict(label_smoothing=0.1, z_loss=1e-3),
+         Tiles(schedule="pingpong")))
+    def test_backward_matches_the_slab_path_and_the_reference(self, slab, dtype, options,
+                                                             hopper):
         n, d, v = 256, 256, 1088
         x, w, labels = _inputs(n, d, v, dtype, seed=slab)
         labels = labels.at[5].set(v - 3).at[6].set(1023).at[7].set(1024).at[8].set(slab)
         f = lambda hopper: lambda x, w: jaxfuse.linear_cross_entropy(  # noqa: E731
             x, w, labels, block_sizes=LCEBlocks(slab=slab, hopper=hopper), **options)
-        program = str(jax.make_jaxpr(jax.grad(f(True), argnums=(0, 1)))(x, w))
+        program = str(jax.make_jaxpr(jax.grad(f(hopper), argnums=(0, 1)))(x, w))
         for name in _BACKWARD_KERNELS:
             self.assertIn(name, program)
         ct = jax.random.uniform(keys(slab, 1)[0], (), jnp.float32, 0.5, 2.0)
-        (y, g), (y_s, g_s) = vjp_both(f(True), f(False), (x, w), ct)
+        (y, g), (y_s, g_s) = vjp_both(f(hopper), f(False), (x, w), ct)
         np.testing.assert_allclose(float(y), float(y_s), rtol=1e-5)
         # The same dz rounded the same way; the float32 sums of dx and dW in another order.
         assert_close(g, g_s, dtype)
@@ -210,6 +222,31 @@ class HopperTest(chex.TestCase):
         with self.assertRaisesRegex(ValueError, "Tiles\\(order='diagonal'\\) must be"):
             jaxfuse.linear_cross_entropy(x, w, labels,
                                          block_sizes=LCEBlocks(hopper=Tiles(order="diagonal")))
+        with self.assertRaisesRegex(ValueError, "must give every GEMM the same m and n"):
+            jaxfuse.linear_cross_entropy(
+                x, w, labels, block_sizes=LCEBlocks(hopper=HopperTiles(dx=Tiles(n=64))))
+        with self.assertRaisesRegex(ValueError, "Tiles\\(schedule='serial'\\) must be"):
+            jaxfuse.linear_cross_entropy(x, w, labels,
+                                         block_sizes=LCEBlocks(hopper=Tiles(schedule="serial")))
+
+    @parameterized.product(schedule=["cooperative", "pingpong"],
+                           scratch=[((2, 4, 128), jnp.float32), ((2, 2, 64, 64), jnp.bfloat16),
+                                    ((2, 2, 64, 64), jnp.float32)],
+                           n_rows=[0, 3])
+    def test_stages_fill_shared_memory(self, schedule, scratch, n_rows):
+        # As many pipeline stages as the 227 KiB of shared memory hold beside the epilogue's
+        # slots and the per-row values, and no more (checked against bytes counted here).
+        t = Tiles(schedule=schedule, stages=16)
+        rows = n_rows * t.m * 4
+        if schedule == "pingpong":
+            per_stage, fixed = (t.m + t.n) * t.k * 2, 2 * max(rows, t.m * 4)
+        else:
+            per_stage, fixed = (t.m + 2 * t.n) * t.k * 2 + rows, 0
+        fixed += int(np.prod(scratch[0])) * jnp.dtype(scratch[1]).itemsize
+        s = _hopper._stages(t, 2, plgpu.SMEM(*scratch), n_rows)
+        self.assertLessEqual(fixed + s * per_stage, 227 * 1024 - 1024)
+        self.assertGreater(fixed + (s + 1) * per_stage, 227 * 1024 - 1024)
+        self.assertGreaterEqual(s, 3)
 
 
 if __name__ == "__main__":

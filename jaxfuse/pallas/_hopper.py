@@ -1,11 +1,16 @@
 """A @ B on a Hopper GPU with each output tile handed to an epilogue (Pallas Mosaic GPU).
 
-A persistent, warp-specialized GEMM: one CTA per multiprocessor walks [tiles.m, 2 * tiles.n]
-output tiles; a memory warpgroup streams A and B tiles into shared memory with TMA
-(`tiles.stages` deep), two compute warpgroups each multiply into a [tiles.m, tiles.n] float32
-accumulator with wgmma, then call `epilogue` on it: the linear + cross-entropy reduces a logits
-tile to per-token statistics (never stored), or turns it into dz, or stores it, possibly into
-a buffer updated in place.
+A persistent, warp-specialized GEMM: one CTA per multiprocessor walks the output tiles; a
+memory warpgroup streams A and B tiles into shared memory with TMA (up to `tiles.stages` deep),
+two compute warpgroups each multiply into a [tiles.m, tiles.n] float32 accumulator with wgmma,
+then call `epilogue` on it: the linear + cross-entropy reduces a logits tile to per-token
+statistics (never stored), or turns it into dz, or stores it, possibly into a buffer updated
+in place. Two schedules (`Tiles.schedule`): "cooperative", both warpgroups on the halves of one
+[m, 2n] tile (one A tile feeds both; their epilogues run together while the tensor cores
+wait), and "pingpong", each warpgroup on a tile of its own, one multiplying while the other
+runs its epilogue (it reads a third more operand bytes per FLOP: on an H200 it won where the
+epilogue is heavy and stores little, the LCE forward, and lost where whole tiles are stored;
+benchmarks/NOTES.md run 24).
 
 Operands are read in place, never copied: either may be transposed (wgmma reads a transposed
 16-bit tile from shared memory as cheaply as a plain one: x^T for dW = x^T dz, W^T for
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -50,17 +56,22 @@ from jaxfuse.pallas import _common as C
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """m: output rows per CTA tile (shared by both compute warpgroups); n: columns per
-    warpgroup (a CTA tile is 2n wide); k: the contraction step; stages: TMA pipeline depth;
+    warpgroup (a CTA tile is 2n wide); k: the contraction step; stages: the most TMA
+    pipeline stages (fewer where shared memory does not hold them beside the epilogue's);
     band: CTA tiles walked together, of columns (`order="cols"`: all row tiles of a band of
     columns before the next, see the module docstring) or of rows (`order="rows"`); epi:
-    columns an epilogue works on at a time (its temporaries are [m, epi])."""
+    columns an epilogue works on at a time (its temporaries are [m, epi]); schedule: how the
+    two compute warpgroups share the tensor cores (see `matmul_epilogue`): "cooperative" (both
+    on halves of one [m, 2n] tile, epilogues together) or "pingpong" (each on its own [m, n]
+    tile, one multiplying while the other runs its epilogue)."""
     m: int = 128
     n: int = 128
     k: int = 64
-    stages: int = 4
+    stages: int = 8
     band: int = 16
     epi: int = 64
     order: str = "rows"
+    schedule: str = "cooperative"
 
     @property
     def cols(self) -> int:
@@ -148,97 +159,286 @@ def matmul_epilogue(a: jax.Array, b: jax.Array, off=0, per_row: jax.Array | None
                          f"of {t.m}, {t.cols}, {t.k}")
     if t.order not in ("rows", "cols"):
         raise ValueError(f"Tiles(order={t.order!r}) must be 'rows' or 'cols'")
-    m_iters, n_iters, k_iters = m_dim // t.m, n_dim // t.cols, k_dim // t.k
+    if t.schedule not in ("cooperative", "pingpong"):
+        raise ValueError(f"Tiles(schedule={t.schedule!r}) must be 'cooperative' or 'pingpong'")
     swizzle = _swizzle_elems(a.dtype, t.k)
     itemsize = jnp.dtype(a.dtype).itemsize
-    # One layout serves every operand tile: its minor dimension (k, m or 2n) is a multiple of
+    # One layout serves every operand tile: its minor dimension (k, m, n or 2n) is a multiple of
     # the 64-element swizzle row.
-    spec = functools.partial(
-        plgpu.BlockSpec, memory_space=plgpu.SMEM,
-        transforms=(plgpu.TilingTransform((8, swizzle)),
-                    plgpu.SwizzleTransform(swizzle * itemsize)))
-    a_spec = spec((t.k, t.m), lambda k: (k, 0)) if a_t else spec((t.m, t.k), lambda k: (0, k))
-    b_spec = (spec((t.cols, t.k), lambda k: (0, k)) if b_t
-              else spec((t.k, t.cols), lambda k: (k, 0)))
+    transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle * itemsize))
     per_row = [] if per_row is None else [per_row.astype(jnp.float32).reshape(-1, m_dim)]
-    n_rows, n_out = len(per_row), len(jax.tree.leaves(out_types))
-    off_arr = jnp.asarray(off, jnp.int32).reshape(1)
+    n_rows = len(per_row[0]) if per_row else 0
+    t = dataclasses.replace(t, stages=_stages(t, itemsize, scratch_types, n_rows))
+    g = _Gemm(t=t, a_t=a_t, b_t=b_t, b_window=b_window, static_off=isinstance(off, int),
+              m_iters=m_dim // t.m, n_dim=n_dim, k_iters=k_dim // t.k,
+              n_rows=n_rows, n_out=len(jax.tree.leaves(out_types)),
+              transforms=transforms, epilogue=epilogue, scratch_types=scratch_types,
+              n_sms=2 if interpret else C.num_multiprocessors())
+    body = _pingpong if t.schedule == "pingpong" else _cooperative
+    f = kernel(functools.partial(body, g, off if g.static_off else None), out_types,
+               grid=(g.n_sms,), num_threads=3, interpret=interpret,
+               batchable=batchable and not refs, name=name)
+    return f(jnp.asarray(off, jnp.int32).reshape(1), a, b, *per_row, *refs)
 
-    def body(off_gmem, a_gmem, b_gmem, *refs_):
-        rows_gmem, outs = refs_[:n_rows], refs_[n_rows:]
-        # The refs (inputs) come before the outputs in the kernel's arguments; the epilogue
-        # wants the outputs first.
-        outs = (*outs[len(outs) - n_out:], *outs[:len(outs) - n_out])
 
-        def pipeline(body, context):
-            return plgpu.emit_pipeline_warp_specialized(
-                body, grid=(k_iters,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-                # More stages than steps would wait for steps that never come.
-                max_concurrent_steps=min(t.stages, k_iters), compute_context=context,
-                in_specs=[a_spec, b_spec,
-                          # The tile's per-row values ride along with every step (a few
-                          # hundred bytes next to 48 KiB of operands); the last step's copy
-                          # reaches the epilogue through the carry. (Mosaic GPU's interpreter
-                          # hung on a separate TMA copy + barrier per tile; the pipeline only
-                          # takes blocks whose index mentions the step, hence `k * 0`.)
-                          *[plgpu.BlockSpec((r.shape[0], t.m), lambda k: (k * 0, 0),
-                                            memory_space=plgpu.SMEM) for r in per_row]])
+# Shared memory a CTA may use on an H100/H200 (227 KiB), less a little for the barriers.
+_SMEM_BYTES = 227 * 1024 - 1024
 
-        def ignore(*_, **__):   # the allocations do not depend on the bodies
-            return None
 
-        @functools.partial(
-            pl.run_scoped,
-            allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, *rows_gmem),
-            scratch=scratch_types,
-            collective_axes="wg")
-        def _scope(allocs, scratch):
-            wg = lax.axis_index("wg")
+def _stages(t: Tiles, itemsize: int, scratch_types, n_rows: int) -> int:
+    """The pipeline depth: t.stages, or as many stages as shared memory holds beside the
+    epilogue's scratch and the per-row values (a dx epilogue's float32 slots leave room for
+    fewer than a forward's statistics)."""
+    scratch = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize
+                  for s in jax.tree.leaves(scratch_types))
+    rows = n_rows * t.m * 4                  # float32 per-row values of one tile
+    if t.schedule == "pingpong":             # [m, n] tiles; rows in one buffer per warpgroup
+        stage, rows = (t.m + t.n) * t.k * itemsize, 2 * max(rows, t.m * 4)
+    else:                                    # [m, 2n] tiles; rows ride every stage
+        stage, rows = (t.m + t.cols) * t.k * itemsize + rows, 0
+    return max(1, min(t.stages, (_SMEM_BYTES - scratch - rows) // stage))
 
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-            def _tile(info):
-                (lin,) = info.index
-                m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters),
-                                                  1 if t.order == "cols" else 0, t.band)
-                row = m_idx * t.m
-                cta_col = n_idx * t.cols
-                # TMA boxes want offsets known to be whole tiles.
-                off_ = off if isinstance(off, int) else pl.multiple_of(off_gmem[0], t.cols)
-                b_view = b_gmem if b_window is None else b_gmem.at[:, pl.ds(off_, b_window)]
 
-                def context(eval_pipeline):
-                    @functools.partial(pl.run_scoped,
-                                       acc=plgpu.ACC((t.m, t.n), jnp.float32))
-                    def _acc(acc):
-                        zeros = [jnp.zeros((t.m,), r.dtype) for r in per_row
-                                 for _ in range(r.shape[0])]
-                        _, vals = eval_pipeline((acc, zeros))
-                        epilogue(acc[...], vals,
-                                 Ctx(wg, row, cta_col + wg * t.n, off_, outs, scratch))
+@dataclasses.dataclass(frozen=True)
+class _Gemm:
+    """What the kernel bodies need to know of one `matmul_epilogue` call."""
+    t: Tiles
+    a_t: bool
+    b_t: bool
+    b_window: int | None
+    static_off: bool
+    m_iters: int
+    n_dim: int
+    k_iters: int
+    n_rows: int          # rows of the per-row array (0: none)
+    n_out: int
+    transforms: tuple
+    epilogue: Callable
+    scratch_types: object
+    n_sms: int
 
-                def mma(_, a_smem, b_smem, *rest):
-                    *rows_smem, (acc, _) = rest
-                    a_op = plgpu.transpose_ref(a_smem, (1, 0)) if a_t else a_smem
-                    if b_t:
-                        b_op = plgpu.transpose_ref(b_smem.at[pl.ds(wg * t.n, t.n), :], (1, 0))
-                    else:
-                        b_op = b_smem.at[:, pl.ds(wg * t.n, t.n)]
-                    plgpu.wgmma(acc, a_op, b_op)
-                    vals = [r[j] for r in rows_smem for j in range(r.shape[0])]
+    def split(self, refs_):
+        """(per-row input or None, outputs first then the in-place refs): the refs (inputs)
+        come before the outputs in the kernel's arguments; the epilogue wants outputs first."""
+        rows = refs_[0] if self.n_rows else None
+        outs = refs_[1:] if self.n_rows else refs_
+        return rows, (*outs[len(outs) - self.n_out:], *outs[:len(outs) - self.n_out])
+
+    def views(self, off, off_gmem, a_gmem, b_gmem):
+        """(off, A rows(row, m) -> [m or transposed, K], B cols(col, n) -> [K, n] or
+        transposed): the operand windows of a tile."""
+        # TMA boxes want offsets known to be whole tiles.
+        off_ = off if self.static_off else pl.multiple_of(off_gmem[0], self.t.cols)
+        b_view = b_gmem if self.b_window is None else b_gmem.at[:, pl.ds(off_, self.b_window)]
+        a_rows = ((lambda r, m: a_gmem.at[:, pl.ds(r, m)]) if self.a_t
+                  else (lambda r, m: a_gmem.at[pl.ds(r, m), :]))
+        b_cols = ((lambda c, n: b_view.at[pl.ds(c, n), :]) if self.b_t
+                  else (lambda c, n: b_view.at[:, pl.ds(c, n)]))
+        return off_, a_rows, b_cols
+
+    def operands(self, a_smem, b_smem):
+        """The wgmma operands of one stage's tiles (transposed in place where stored so)."""
+        return (plgpu.transpose_ref(a_smem, (1, 0)) if self.a_t else a_smem,
+                plgpu.transpose_ref(b_smem, (1, 0)) if self.b_t else b_smem)
+
+    def tile(self, lin, n_iters):
+        """The first row and column tile of the `lin`-th tile in the walk (see the module
+        docstring, "Tile order")."""
+        return plgpu.planar_snake(lin, (self.m_iters, n_iters),
+                                  1 if self.t.order == "cols" else 0, self.t.band)
+
+
+def _cooperative(g: _Gemm, off, off_gmem, a_gmem, b_gmem, *refs_):
+    """Both compute warpgroups on one [m, 2n] CTA tile (n columns each), sharing its A tile;
+    the memory warpgroup streams stages with `emit_pipeline_warp_specialized`. Epilogues of
+    the two warpgroups run together, so the tensor cores idle through them."""
+    t = g.t
+    rows_gmem, outs = g.split(refs_)
+    rows_gmem = [] if rows_gmem is None else [rows_gmem]
+    n_iters = g.n_dim // t.cols
+    spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM, transforms=g.transforms)
+    a_spec = spec((t.k, t.m), lambda k: (k, 0)) if g.a_t else spec((t.m, t.k), lambda k: (0, k))
+    b_spec = (spec((t.cols, t.k), lambda k: (0, k)) if g.b_t
+              else spec((t.k, t.cols), lambda k: (k, 0)))
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(g.k_iters,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            # More stages than steps would wait for steps that never come.
+            max_concurrent_steps=min(t.stages, g.k_iters), compute_context=context,
+            in_specs=[a_spec, b_spec,
+                      # The tile's per-row values ride along with every step (a few hundred
+                      # bytes next to 48 KiB of operands); the last step's copy reaches the
+                      # epilogue through the carry. (Mosaic GPU's interpreter hung on a
+                      # separate TMA copy + barrier per tile; the pipeline only takes blocks
+                      # whose index mentions the step, hence `k * 0`.)
+                      *[plgpu.BlockSpec((g.n_rows, t.m), lambda k: (k * 0, 0),
+                                        memory_space=plgpu.SMEM) for _ in rows_gmem]])
+
+    def ignore(*_, **__):   # the allocations do not depend on the bodies
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, *rows_gmem),
+        scratch=g.scratch_types,
+        collective_axes="wg")
+    def _scope(allocs, scratch):
+        wg = lax.axis_index("wg")
+        off_, a_rows, b_cols = g.views(off, off_gmem, a_gmem, b_gmem)
+
+        @plgpu.nd_loop((g.m_iters * n_iters,), collective_axes="sm")
+        def _tile(info):
+            (lin,) = info.index
+            m_idx, n_idx = g.tile(lin, n_iters)
+            row, cta_col = m_idx * t.m, n_idx * t.cols
+
+            def context(eval_pipeline):
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((t.m, t.n), jnp.float32))
+                def _acc(acc):
+                    zeros = [jnp.zeros((t.m,), jnp.float32) for _ in range(g.n_rows)]
+                    _, vals = eval_pipeline((acc, zeros))
+                    g.epilogue(acc[...], vals,
+                               Ctx(wg, row, cta_col + wg * t.n, off_, outs, scratch))
+
+            def mma(_, a_smem, b_smem, *rest):
+                *rows_smem, (acc, _) = rest
+                half = pl.ds(wg * t.n, t.n)
+                a_op, b_op = g.operands(a_smem, b_smem.at[half, :] if g.b_t
+                                        else b_smem.at[:, half])
+                plgpu.wgmma(acc, a_op, b_op)
+                vals = [r[j] for r in rows_smem for j in range(g.n_rows)]
+                plgpu.wgmma_wait(0)
+                return acc, vals
+
+            pipeline(mma, context)(a_rows(row, t.m), b_cols(cta_col, t.cols),
+                                   *[r.at[:, pl.ds(row, t.m)] for r in rows_gmem],
+                                   allocations=allocs)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _pingpong(g: _Gemm, off, off_gmem, a_gmem, b_gmem, *refs_):
+    """Each compute warpgroup on its own [m, n] tile, the CTA's tiles dealt to them in turn:
+    while one multiplies, the other runs the epilogue of its last tile (FlashAttention-3's
+    ping-pong), so the epilogue hides under MMAs instead of idling the tensor cores. One ring
+    of `stages` shared-memory slots serves both, filled in tile order by the memory
+    warpgroup, which is what alternates them: a warpgroup's next tile arrives after the other's
+    current one. Each slot has a "full" barrier per warpgroup (a barrier's phase is tracked
+    by the threads that wait on it, and a warpgroup waits only for its own tiles) and one
+    "empty" barrier. The per-row values of a tile go to a per-warpgroup buffer with its own
+    full/empty pair."""
+    t = g.t
+    rows_gmem, outs = g.split(refs_)
+    n_iters = g.n_dim // t.n
+    n_tiles, stages = g.m_iters * n_iters, t.stages
+    a_shape = (t.k, t.m) if g.a_t else (t.m, t.k)
+    b_shape = (t.n, t.k) if g.b_t else (t.k, t.n)
+    f32 = jnp.float32
+
+    def scope(a_smem, b_smem, rows_smem, full, empty, rows_full, rows_empty, scratch):
+        wg, sm = lax.axis_index("wg"), lax.axis_index("sm")
+        local = (n_tiles - sm + g.n_sms - 1) // g.n_sms      # this CTA's tiles
+        off_, a_rows, b_cols = g.views(off, off_gmem, a_gmem, b_gmem)
+
+        def coords(j):
+            m_idx, n_idx = g.tile(sm + j * g.n_sms, n_iters)
+            return m_idx * t.m, n_idx * t.n
+
+        def ks(k):
+            return pl.ds(k * t.k, t.k)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, local)
+            def _tile(j):
+                row, col = coords(j)
+                w = lax.rem(j, 2)
+                if rows_gmem is not None:
+                    @pl.when(j >= 2)
+                    def _():
+                        plgpu.barrier_wait(rows_empty.at[w])
+                    plgpu.copy_gmem_to_smem(rows_gmem.at[:, pl.ds(row, t.m)], rows_smem.at[w],
+                                            rows_full.at[w])
+                a_tile, b_tile = a_rows(row, t.m), b_cols(col, t.n)
+
+                @pl.loop(0, g.k_iters)
+                def _step(k):
+                    step = j * g.k_iters + k
+                    slot = lax.rem(step, stages)
+
+                    @pl.when(step >= stages)
+                    def _():
+                        plgpu.barrier_wait(empty.at[slot])
+                    plgpu.copy_gmem_to_smem(a_tile.at[ks(k), :] if g.a_t else a_tile.at[:, ks(k)],
+                                            a_smem.at[slot], full.at[w * stages + slot])
+                    plgpu.copy_gmem_to_smem(b_tile.at[:, ks(k)] if g.b_t else b_tile.at[ks(k), :],
+                                            b_smem.at[slot], full.at[w * stages + slot])
+
+            # Wait for the releases not yet waited for (of the last `stages` steps and the last
+            # two tiles' per-row values): every completion of a barrier is observed before the
+            # kernel ends (Mosaic GPU's interpreter checks that; on the GPU it costs nothing).
+            total = local * g.k_iters
+
+            @pl.loop(total, total + stages)
+            def _drain(step):
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(empty.at[lax.rem(step, stages)])
+            if rows_gmem is not None:
+                @pl.loop(local, local + 2)
+                def _drain_rows(j):
+                    @pl.when(j >= 2)
+                    def _():
+                        plgpu.barrier_wait(rows_empty.at[lax.rem(j, 2)])
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+
+            @pl.loop(wg, local, step=2)
+            def _tile(j):
+                row, col = coords(j)
+                first = j * g.k_iters
+
+                def mma(acc):
+                    @pl.loop(0, g.k_iters)
+                    def _step(k):
+                        slot = lax.rem(first + k, stages)
+                        plgpu.barrier_wait(full.at[wg * stages + slot])
+                        plgpu.wgmma(acc, *g.operands(a_smem.at[slot], b_smem.at[slot]))
+                        # One group in flight: the tensor cores have the next step queued
+                        # while this warpgroup waits for the last, whose slot it then frees.
+                        plgpu.wgmma_wait(1)
+
+                        @pl.when(k > 0)
+                        def _():
+                            plgpu.barrier_arrive(empty.at[lax.rem(first + k - 1, stages)])
                     plgpu.wgmma_wait(0)
-                    return acc, vals
+                    plgpu.barrier_arrive(empty.at[lax.rem(first + g.k_iters - 1, stages)])
+                    return acc[...]
+                z = pl.run_scoped(mma, plgpu.ACC((t.m, t.n), f32))
+                vals = []
+                if rows_gmem is not None:
+                    plgpu.barrier_wait(rows_full.at[wg])
+                    vals = [rows_smem[wg, i] for i in range(g.n_rows)]
+                    plgpu.barrier_arrive(rows_empty.at[wg])
+                g.epilogue(z, vals, Ctx(wg, row, col, off_, outs, scratch))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-                pipeline(mma, context)(
-                    a_gmem.at[:, pl.ds(row, t.m)] if a_t else a_gmem.at[pl.ds(row, t.m), :],
-                    b_view.at[pl.ds(cta_col, t.cols), :] if b_t
-                    else b_view.at[:, pl.ds(cta_col, t.cols)],
-                    *[r.at[:, pl.ds(row, t.m)] for r in rows_gmem],
-                    allocations=allocs)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    f = kernel(body, out_types, grid=(2 if interpret else C.num_multiprocessors(),),
-               num_threads=3, interpret=interpret, batchable=batchable and not refs, name=name)
-    return f(off_arr, a, b, *per_row, *refs)
+    dtype = a_gmem.dtype
+    pl.run_scoped(
+        scope,
+        plgpu.SMEM((stages, *a_shape), dtype, transforms=g.transforms),
+        plgpu.SMEM((stages, *b_shape), dtype, transforms=g.transforms),
+        plgpu.SMEM((2, max(g.n_rows, 1), t.m), f32),
+        plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),    # A and B copies
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        g.scratch_types,
+        collective_axes="wg")
 
 
 def kernel(body, out_types, *, grid, num_threads, interpret: bool, batchable: bool,

@@ -70,6 +70,40 @@ _HOPPER_SLAB_BYTES = 128 << 20
 _INTERPRET_SLAB_BYTES = 4 << 20
 
 
+
+@dataclasses.dataclass(frozen=True)
+class HopperTiles:
+    """The tiles of each Hopper GEMM of the LCE: the forward's (logits -> per-token statistics)
+    and the backward's dz (logits -> dz, stored), dx (dz W^T, added into dx) and dW (x^T dz,
+    stored). All four need the same m and n (their tiles partition the same columns).
+
+    Defaults, from an H200 (benchmarks/NOTES.md, runs 24-25): the forward's warpgroups
+    ping-pong (see `_hopper.Tiles.schedule`): its epilogue -- an exp and four row sums per
+    logit, next to which its stores are nothing -- hides under the other warpgroup's MMAs
+    (forward 12.8 against 13.5 ms), with at most 4 stages (with 6: 13.0 ms; likely a fuller
+    shared memory leaving less L1). The backward's warpgroups cooperate on wider [m, 2n] tiles (a third
+    fewer operand bytes per FLOP): ping-ponged, the dz GEMM cost 0.45 ms more per step, dx 1.3
+    ms more, and dW lost 7% in isolation -- GEMMs that store whole tiles gain less from hiding
+    their epilogue than the narrower tiles cost them."""
+    fwd: _hopper.Tiles = _hopper.Tiles(schedule="pingpong", stages=4)
+    dz: _hopper.Tiles = _hopper.Tiles()
+    dx: _hopper.Tiles = _hopper.Tiles()
+    dw: _hopper.Tiles = _hopper.Tiles()
+
+    @classmethod
+    def of(cls, hopper: _hopper.Tiles | HopperTiles | bool | None) -> HopperTiles:
+        """A `Tiles` means those tiles for every GEMM; True or None the defaults."""
+        if isinstance(hopper, _hopper.Tiles):
+            return cls(hopper, hopper, hopper, hopper)
+        return hopper if isinstance(hopper, HopperTiles) else cls()
+
+    @property
+    def cols(self) -> int:
+        if len({(t.m, t.n) for t in (self.fwd, self.dz, self.dx, self.dw)}) != 1:
+            raise ValueError(f"{self} must give every GEMM the same m and n")
+        return self.fwd.cols
+
+
 @dataclasses.dataclass(frozen=True)
 class LCEBlocks:
     """`slab`: vocabulary columns per step (one [N, slab] matmul and logits buffer); None picks
@@ -78,10 +112,11 @@ class LCEBlocks:
     (`_hopper`, Mosaic GPU) where the shapes allow -- the forward's with N % 128 = 0, D % 64 =
     0, V % 64 = 0 and 16-bit inputs, the backward's when also D % 256 = 0; None means on a
     Hopper GPU, True also in interpret mode (Mosaic GPU's interpreter), False never; a
-    `jaxfuse.pallas._hopper.Tiles` means True with those tiles."""
+    `jaxfuse.pallas._hopper.Tiles` means True with those tiles for every GEMM, a `HopperTiles`
+    True with tiles per GEMM (True and None take `HopperTiles()`)."""
     slab: int | None = None
     rows: RowBlocks | None = None
-    hopper: bool | _hopper.Tiles | None = None
+    hopper: bool | _hopper.Tiles | HopperTiles | None = None
 
     @classmethod
     def for_shape(cls, n: int, itemsize: int, interpret: bool,
@@ -101,7 +136,7 @@ class _Static:
     slab: int
     rows: RowBlocks
     interpret: bool
-    hopper: _hopper.Tiles | None     # None: cuBLAS + row passes only
+    hopper: HopperTiles | None     # None: cuBLAS + row passes only
 
 
 def _capped(z, softcap):
@@ -169,7 +204,7 @@ def _fold_hopper(x2, w, labels, state, st: _Static):
     label's logit) per token, and the partials of a chunk of columns are merged here (the
     Flash-Decoding merge). Chunks keep the partials near `_SLAB_BYTES / 2`; W is read in
     place. Returns the state and v_h."""
-    t = st.hopper
+    t = st.hopper.fwd
     n = x2.shape[0]
     v_h = _tile_columns(st)
     band = t.cols * t.band
@@ -200,9 +235,9 @@ def _epilogue_chunks(z, st: _Static, ctx, dtype):
     vocabulary column of each entry, broadcast of a per-row [m] vector to the chunk). The row
     passes' [m, 1] keepdims form fails Mosaic GPU's layout inference (jax 0.10.2, checked by
     the lowering test), hence [m] vectors broadcast explicitly."""
-    t = st.hopper
-    for j in range(0, t.n, t.epi):
-        zj, th = _capped(z[:, j:j + t.epi].astype(dtype).astype(jnp.float32), st.softcap)
+    epi = st.hopper.fwd.epi
+    for j in range(0, z.shape[1], epi):
+        zj, th = _capped(z[:, j:j + epi].astype(dtype).astype(jnp.float32), st.softcap)
         cols = lax.broadcasted_iota(jnp.int32, zj.shape, 1) + (ctx.off + ctx.col + j)
         yield j, zj, th, cols, functools.partial(lax.broadcast_in_dim, shape=zj.shape,
                                                  broadcast_dimensions=[0])
@@ -212,7 +247,7 @@ def _stats_epilogue(z, rows, ctx, st: _Static, dtype):
     """One [m, n] logits tile -> its per-token (max, sum exp(z - max), sum z, label's logit),
     written to the tile's 4 rows of the partials, folded chunk by chunk with the online (m, l)
     merge."""
-    t = st.hopper
+    rows_t, cols_t = z.shape
     label = rows[0].astype(jnp.int32)
     state = None
     for _, zj, _, cols, row_wise in _epilogue_chunks(z, st, ctx, dtype):
@@ -230,9 +265,9 @@ def _stats_epilogue(z, rows, ctx, st: _Static, dtype):
     for i, s in enumerate(state):
         smem[ctx.wg, i] = s
     plgpu.commit_smem()
-    tile = ctx.col // t.n
+    tile = ctx.col // cols_t
     plgpu.copy_smem_to_gmem(smem.at[ctx.wg],
-                            ctx.outs[0].at[pl.ds(tile * 4, 4), pl.ds(ctx.row, t.m)])
+                            ctx.outs[0].at[pl.ds(tile * 4, 4), pl.ds(ctx.row, rows_t)])
 
 
 def _dz_epilogue(z, rows, ctx, st: _Static, dtype):
@@ -288,7 +323,7 @@ def _forward(x2, w, labels, st: _Static):
     return loss, lse
 
 
-def _hopper_backward(tiles: _hopper.Tiles | None, d: int) -> bool:
+def _hopper_backward(tiles: HopperTiles | None, d: int) -> bool:
     """Whether the backward runs on the Hopper GEMMs too: their dx tiles are [m, 2n] of D."""
     return tiles is not None and d % tiles.cols == 0
 
@@ -335,12 +370,12 @@ def _backward_hopper(x2, w, labels, lse, g, st: _Static):
 
 def _backward_fused(x2, w, labels, lse, g, st: _Static):
     """(dx, dW) of `_backward_hopper`, with dx and dW as refs (see `_hopper.discharged`)."""
-    t = dataclasses.replace(st.hopper, stages=3)   # 3 x 48 KiB of operands + epilogue slots
+    t = st.hopper
     n, d = x2.shape
     v_h = _tile_columns(st)
     slab = max(t.cols, st.slab // t.cols * t.cols)
     per_row = jnp.stack([labels.astype(jnp.float32), lse, g])
-    kw = dict(tiles=t, interpret=st.interpret)
+    kw = dict(interpret=st.interpret)
     # Mosaic GPU's interpreter (jax 0.10.2) needs the refs' memory space spelled out; compiled,
     # a spelled-out space made jax 0.11.2's discharge of the loop below see unequal carry types.
     space = {"memory_space": plgpu.GMEM} if st.interpret else {}
@@ -353,15 +388,17 @@ def _backward_fused(x2, w, labels, lse, g, st: _Static):
             epilogue=functools.partial(_dz_epilogue, st=st, dtype=x2.dtype),
             out_types=jax.ShapeDtypeStruct((n, width), x2.dtype),
             scratch_types=_hopper.tile_smem(x2.dtype), name="jaxfuse_lce_bwd_dz",
-            batchable=False, **kw)
+            batchable=False, tiles=t.dz, **kw)
         _hopper.matmul_epilogue(
             dz, w, off, b_t=True, b_window=width, refs=(dx,),
             epilogue=functools.partial(_dx_epilogue, interpret=st.interpret),
-            scratch_types=_hopper.tile_smem(jnp.float32), name="jaxfuse_lce_bwd_dx", **kw)
+            scratch_types=_hopper.tile_smem(jnp.float32), name="jaxfuse_lce_bwd_dx", tiles=t.dx,
+            **kw)
         _hopper.matmul_epilogue(
             x2, dz, off, a_t=True, refs=(dw,),
             epilogue=functools.partial(_dw_epilogue, dtype=w.dtype),
-            scratch_types=_hopper.tile_smem(w.dtype), name="jaxfuse_lce_bwd_dw", **kw)
+            scratch_types=_hopper.tile_smem(w.dtype), name="jaxfuse_lce_bwd_dw", tiles=t.dw,
+            **kw)
 
     _over_columns(columns, None, 0, v_h, slab)
     if v_h < st.v:                       # the last < 2 n columns: cuBLAS and the row pass
@@ -372,15 +409,19 @@ def _backward_fused(x2, w, labels, lse, g, st: _Static):
     return dx[...].astype(x2.dtype), dw[...]
 
 
-def _hopper_tiles(hopper: bool | _hopper.Tiles | None, x2, w,
-                  interpret: bool) -> _hopper.Tiles | None:
-    """The fused Hopper GEMM's tiles if it is to be used, else None (see `LCEBlocks.hopper`).
-    It needs whole token tiles and 16-bit operands; other shapes take the cuBLAS path."""
+def _hopper_tiles(hopper: bool | _hopper.Tiles | HopperTiles | None, x2, w,
+                  interpret: bool) -> HopperTiles | None:
+    """The fused Hopper GEMMs' tiles if they are to be used, else None (see
+    `LCEBlocks.hopper`). They need whole token tiles and 16-bit operands; other shapes take the
+    cuBLAS path."""
     if hopper is False or (hopper is None and (interpret or not _hopper.available())):
         return None
-    t = hopper if isinstance(hopper, _hopper.Tiles) else _hopper.Tiles()
-    # Labels travel to the kernel as float32 (`_hopper.xw_epilogue`): exact below 2^24.
-    if not (_hopper.fits(x2, w, t) and w.shape[1] < 1 << 24):
+    tiles = HopperTiles.of(hopper)
+    t = tiles.fwd
+    tiles.cols                                   # noqa: B018 - raises unless m, n agree
+    # Labels travel to the kernel as float32 (per-row values): exact below 2^24.
+    if not (all(_hopper.fits(x2, w, u) for u in (t, tiles.dz, tiles.dx, tiles.dw))
+            and w.shape[1] < 1 << 24):
         if hopper:
             raise ValueError(
                 f"LCEBlocks(hopper=True) needs bf16/f16 x and weight of one dtype, tokens a "
@@ -388,7 +429,7 @@ def _hopper_tiles(hopper: bool | _hopper.Tiles | None, x2, w,
                 f"{x2.dtype}, weight {w.shape} {w.dtype}. Use hopper=None to fall back where it "
                 f"does not fit")
         return None
-    return t
+    return tiles
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

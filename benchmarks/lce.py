@@ -271,7 +271,7 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
             guarded(S, label, f"mosaic {tname}", run)
 
 
-def schedules(n=8192, d=4096, v=128256):
+def schedules(n=8192, d=4096, v=128256, variants=None):
     """One fwd+bwd step and the forward alone per choice of GEMM schedules (`Tiles.schedule`,
     per GEMM through `HopperTiles`), XLA beside them; results checked against the first
     variant's (the same tiles computed in the same order: equal up to float32 sum order)."""
@@ -282,7 +282,7 @@ def schedules(n=8192, d=4096, v=128256):
     xla = jax.jit(jax.value_and_grad(_fns(False)["xla_reference"], argnums=(0, 1)))
     record(S, f"N{n} D{d} V{v} fwd+bwd", "xla_reference",
            bench(xla, [args], reps=3, repeats=3, warmup=1))
-    variants = {"default": HopperTiles(),
+    variants = variants or {"default": HopperTiles(),
                 "all cooperative": H.Tiles(),
                 "dx pingpong": HopperTiles(dx=pp4),
                 "all pingpong": pp4,

@@ -225,6 +225,14 @@ class HopperTest(chex.TestCase):
         with self.assertRaisesRegex(ValueError, "must give every GEMM the same m and n"):
             jaxfuse.linear_cross_entropy(
                 x, w, labels, block_sizes=LCEBlocks(hopper=HopperTiles(dx=Tiles(n=64))))
+        with self.assertRaisesRegex(ValueError, "Tiles\\(epi=48\\) must divide n=128"):
+            Tiles(epi=48)
+        # dz tiles go out in [64, 64] pieces: narrower epilogue chunks would leave dz unwritten.
+        # (Raised while tracing the backward, which needs D % 256 = 0.)
+        x2, w2, labels2 = _inputs(128, 256, 320, jnp.bfloat16)
+        with self.assertRaisesRegex(ValueError, "not whole \\[64, 64\\] pieces"):
+            jax.make_jaxpr(jax.grad(lambda w: jaxfuse.linear_cross_entropy(
+                x2, w, labels2, block_sizes=LCEBlocks(hopper=HopperTiles(dz=Tiles(epi=32))))))(w2)
         with self.assertRaisesRegex(ValueError, "Tiles\\(schedule='serial'\\) must be"):
             jaxfuse.linear_cross_entropy(x, w, labels,
                                          block_sizes=LCEBlocks(hopper=Tiles(schedule="serial")))

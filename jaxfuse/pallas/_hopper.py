@@ -73,6 +73,11 @@ class Tiles:
     order: str = "rows"
     schedule: str = "cooperative"
 
+    def __post_init__(self):
+        if self.epi < 1 or self.n % self.epi:
+            raise ValueError(f"Tiles(epi={self.epi}) must divide n={self.n}: an epilogue works "
+                             f"on the tile in whole chunks")
+
     @property
     def cols(self) -> int:
         return 2 * self.n
@@ -464,6 +469,10 @@ def store_tile(value: jax.Array, smem, out, row, col, sub: int = 64, k: int = 0,
     (`reduction_op="add"`: TMA adds the pieces to what `out` holds instead). `k` counts pieces
     across calls for one tile (it picks the slot); returns the new count."""
     m, n = value.shape
+    if m % sub or n % sub:
+        # Whole pieces only: a remainder would be silently left unwritten.
+        raise ValueError(f"store_tile: a [{m}, {n}] tile is not whole [{sub}, {sub}] pieces; "
+                         f"store tiles (and epilogue chunks, Tiles.epi) of multiples of {sub}")
     for i in range(m // sub):
         for j in range(n // sub):
             slot = k % 2

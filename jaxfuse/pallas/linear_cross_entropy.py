@@ -81,10 +81,10 @@ class HopperTiles:
     ping-pong (see `_hopper.Tiles.schedule`): its epilogue -- an exp and four row sums per
     logit, next to which its stores are nothing -- hides under the other warpgroup's MMAs
     (forward 12.8 against 13.5 ms), with at most 4 stages (with 6: 13.0 ms; likely a fuller
-    shared memory leaving less L1). The backward's warpgroups cooperate on wider [m, 2n] tiles (a third
-    fewer operand bytes per FLOP): ping-ponged, the dz GEMM cost 0.45 ms more per step, dx 1.3
-    ms more, and dW lost 7% in isolation -- GEMMs that store whole tiles gain less from hiding
-    their epilogue than the narrower tiles cost them."""
+    shared memory leaving less L1). The backward's warpgroups cooperate on wider [m, 2n] tiles
+    (a third fewer operand bytes per FLOP): ping-ponged, the dz GEMM cost 0.45 ms more per
+    step, dx 1.3 ms more, and dW lost 7% in isolation -- GEMMs that store whole tiles gain less
+    from hiding their epilogue than the narrower tiles cost them."""
     fwd: _hopper.Tiles = _hopper.Tiles(schedule="pingpong", stages=4)
     dz: _hopper.Tiles = _hopper.Tiles()
     dx: _hopper.Tiles = _hopper.Tiles()
@@ -228,14 +228,13 @@ def _fold_hopper(x2, w, labels, state, st: _Static):
     return state, v_h
 
 
-def _epilogue_chunks(z, st: _Static, ctx, dtype):
+def _epilogue_chunks(z, st: _Static, ctx, dtype, epi: int):
     """The accumulator tile z [m, n] of the logits in column chunks of `epi` (the temporaries of
     a whole tile at once would not fit the registers): (chunk offset, logits rounded as
     `x @ weight` rounds them and capped in float32 as in the row passes, tanh(z / c) or None,
     vocabulary column of each entry, broadcast of a per-row [m] vector to the chunk). The row
     passes' [m, 1] keepdims form fails Mosaic GPU's layout inference (jax 0.10.2, checked by
     the lowering test), hence [m] vectors broadcast explicitly."""
-    epi = st.hopper.fwd.epi
     for j in range(0, z.shape[1], epi):
         zj, th = _capped(z[:, j:j + epi].astype(dtype).astype(jnp.float32), st.softcap)
         cols = lax.broadcasted_iota(jnp.int32, zj.shape, 1) + (ctx.off + ctx.col + j)
@@ -250,7 +249,7 @@ def _stats_epilogue(z, rows, ctx, st: _Static, dtype):
     rows_t, cols_t = z.shape
     label = rows[0].astype(jnp.int32)
     state = None
-    for _, zj, _, cols, row_wise in _epilogue_chunks(z, st, ctx, dtype):
+    for _, zj, _, cols, row_wise in _epilogue_chunks(z, st, ctx, dtype, st.hopper.fwd.epi):
         mj = zj.max(axis=1)
         part = (mj, jnp.exp(zj - row_wise(mj)).sum(axis=1), zj.sum(axis=1),
                 jnp.where(cols == row_wise(label), zj, 0.0).sum(axis=1))
@@ -276,7 +275,7 @@ def _dz_epilogue(z, rows, ctx, st: _Static, dtype):
     label, lse, g = rows
     label = label.astype(jnp.int32)
     k = 0
-    for j, zj, th, cols, row_wise in _epilogue_chunks(z, st, ctx, dtype):
+    for j, zj, th, cols, row_wise in _epilogue_chunks(z, st, ctx, dtype, st.hopper.dz.epi):
         dz = ce.logits_grad(zj, cols, row_wise(label), row_wise(lse), row_wise(g), st.v,
                             label_smoothing=st.label_smoothing, z_loss=st.z_loss)
         if th is not None:

@@ -12,19 +12,22 @@ import jax
 from jax.profiler import ProfileData
 
 
-def kernel_times(fn, args, reps: int = 3) -> list[tuple[str, int, float]]:
-    """[(kernel name, launches per call, ms per call)], largest first, over `reps` calls."""
+def _gpu_planes(fn, args, reps: int):
+    """The GPU planes of a `jax.profiler` trace of `reps` calls (after one untraced call)."""
     jax.block_until_ready(fn(*args))
     out_dir = tempfile.mkdtemp()
     with jax.profiler.trace(out_dir):
         for _ in range(reps):
             jax.block_until_ready(fn(*args))
     (path,) = glob.glob(f"{out_dir}/**/*.xplane.pb", recursive=True)
+    return [p for p in ProfileData.from_file(path).planes if p.name.startswith("/device:GPU")]
+
+
+def kernel_times(fn, args, reps: int = 3) -> list[tuple[str, int, float]]:
+    """[(kernel name, launches per call, ms per call)], largest first, over `reps` calls."""
     total = collections.defaultdict(float)
     count = collections.Counter()
-    for plane in ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
+    for plane in _gpu_planes(fn, args, reps):
         for line in plane.lines:
             # Kernel launches live on the stream lines; the "XLA Ops"/"XLA Modules" lines repeat
             # the same time grouped differently.
@@ -50,18 +53,12 @@ def gaps(fn, args, reps: int = 3, top: int = 12) -> None:
     """Where the GPU idles inside one call: the device timeline of `reps` back-to-back calls,
     kernels merged across streams, idle stretches summed per (kernel before, kernel after).
     A call's time minus its kernels' time is these gaps (launch latency, host syncs of loops)."""
-    jax.block_until_ready(fn(*args))
-    out_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(out_dir):
-        for _ in range(reps):
-            jax.block_until_ready(fn(*args))
-    (path,) = glob.glob(f"{out_dir}/**/*.xplane.pb", recursive=True)
-    events = []
-    for plane in ProfileData.from_file(path).planes:
-        if plane.name.startswith("/device:GPU"):
-            events += [(ev.start_ns, ev.end_ns, re.sub(r"\s+", " ", ev.name)[:40])
-                       for line in plane.lines if line.name.startswith("Stream")
-                       for ev in line.events]
+    events = [(ev.start_ns, ev.end_ns, re.sub(r"\s+", " ", ev.name)[:40])
+              for plane in _gpu_planes(fn, args, reps)
+              for line in plane.lines if line.name.startswith("Stream") for ev in line.events]
+    if not events:
+        print("gaps: no GPU kernels in the trace")
+        return
     events.sort()
     idle = collections.defaultdict(float)
     count = collections.Counter()

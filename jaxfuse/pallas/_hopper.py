@@ -55,15 +55,15 @@ from jaxfuse.pallas import _common as C
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """m: output rows per CTA tile (shared by both compute warpgroups); n: columns per
-    warpgroup (a CTA tile is 2n wide); k: the contraction step; stages: the most TMA
-    pipeline stages (fewer where shared memory does not hold them beside the epilogue's);
-    band: CTA tiles walked together, of columns (`order="cols"`: all row tiles of a band of
-    columns before the next, see the module docstring) or of rows (`order="rows"`); epi:
-    columns an epilogue works on at a time (its temporaries are [m, epi]); schedule: how the
-    two compute warpgroups share the tensor cores (see `matmul_epilogue`): "cooperative" (both
-    on halves of one [m, 2n] tile, epilogues together) or "pingpong" (each on its own [m, n]
-    tile, one multiplying while the other runs its epilogue)."""
+    """m: output rows per tile; n: columns per warpgroup tile (a cooperative CTA tile is
+    [m, 2n]; callers' column counts are multiples of 2n either way); k: the contraction step;
+    stages: the most TMA pipeline stages (fewer where shared memory does not hold them beside
+    the epilogue's); band: tiles walked together, of columns (`order="cols"`: all row tiles of
+    a band of columns before the next, see the module docstring) or of rows (`order="rows"`);
+    epi: columns an epilogue works on at a time (its temporaries are [m, epi]); schedule: how
+    the two compute warpgroups share the tensor cores (see the module docstring):
+    "cooperative" (both on halves of one [m, 2n] tile, epilogues together) or "pingpong" (each
+    on its own [m, n] tile, one multiplying while the other runs its epilogue)."""
     m: int = 128
     n: int = 128
     k: int = 64

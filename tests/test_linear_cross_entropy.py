@@ -10,7 +10,7 @@ import jaxfuse
 from jaxfuse import LCEBlocks, RowBlocks
 from jaxfuse.pallas import _hopper
 from jaxfuse.pallas._hopper import Tiles
-from jaxfuse.pallas.linear_cross_entropy import HopperTiles
+from jaxfuse.pallas.linear_cross_entropy import HopperTiles, whole_waves
 from tests._util import assert_close, keys, randn, vjp_both
 
 # (N, D, V, blocks): one whole-vocabulary slab by default; slabs with a narrower tail (301 =
@@ -236,6 +236,23 @@ class HopperTest(chex.TestCase):
         with self.assertRaisesRegex(ValueError, "Tiles\\(schedule='serial'\\) must be"):
             jaxfuse.linear_cross_entropy(x, w, labels,
                                          block_sizes=LCEBlocks(hopper=Tiles(schedule="serial")))
+
+    # (budget slab, N, D, SMs, expected): 132 SMs = 4 x 33, so 33 column tiles of 256 make
+    # N/128 x 33 dz tiles and D/128 x 33 dW tiles, whole waves; where 33 tiles would exceed the
+    # budget by more than 1/8 (N = 32768) or the waves are whole already (128 SMs), it stays.
+    @parameterized.parameters((8192, 8192, 4096, 132, 8448), (16384, 4096, 4096, 132, 16896),
+                              (2048, 32768, 4096, 132, 2048), (8192, 8192, 4096, 128, 8192))
+    def test_backward_slab_fills_whole_waves(self, budget, n, d, sms, expected):
+        t = HopperTiles()
+        slab = whole_waves(budget, n, d, t, sms)
+        self.assertEqual(slab, expected)
+        self.assertLessEqual(slab, budget * 9 // 8)
+        if slab != budget:
+            for rows in (n, d):                      # dz and dW tiles per slab
+                self.assertEqual(rows // 128 * (slab // 256) % sms, 0)
+        # A ping-ponged dz deals [m, n] tiles: twice as many per slab column tile.
+        pp = HopperTiles(dz=Tiles(schedule="pingpong"))
+        self.assertEqual(whole_waves(8192, 8192, 4096, pp, 132) % (33 * 256), 0)
 
     @parameterized.product(schedule=["cooperative", "pingpong"],
                            scratch=[((2, 4, 128), jnp.float32), ((2, 2, 64, 64), jnp.bfloat16),

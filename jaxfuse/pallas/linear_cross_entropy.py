@@ -12,8 +12,9 @@ running state (m, l, sum of logits, label's logit) with the online (m, l) merge,
 soft cap in float32 on the way. After the last slab, lse = m + log l gives the per-token loss.
 On a Hopper GPU the forward instead runs one fused GEMM (`_hopper`, Pallas Mosaic GPU) over
 all whole 256-column tiles of W, read in place: each [128, 128] logits tile is reduced to its
-per-token partial state in registers and never written; the partials are merged here. It took
-the forward from 14.5 to 12.6-13.3 ms at N=8192, D=4096, V=128256 (XLA's 13.8-14.2).
+per-token partial state in registers and never written; the partials are merged here. Its two
+compute warpgroups ping-pong (`HopperTiles`): one reduces its tile while the other multiplies.
+It took the forward from 14.5 to 12.5-12.8 ms at N=8192, D=4096, V=128256 (XLA's 13.6-14.2).
 
 Backward (`custom_vjp`, saves x, weight, labels, lse), per slab: recompute z, one Pallas pass
 turns it in place into dz = (q (1 + 2 z_loss lse) - p) * g (times 1 - tanh^2 under a soft cap),
@@ -23,10 +24,12 @@ On a Hopper GPU (and D a multiple of 256) the three are Hopper GEMMs instead (`_
 dz straight from the logits tile in registers (no row pass), dx added by reducing TMA stores and
 dW stored at its columns, both updated in place through JAX refs; W, x and dz are read in place
 (the transposed operands by wgmma), so no weight slab is copied, no dW slab placed and no dW
-zero-filled. With those temporaries gone the slabs are twice as wide for the same memory.
-Measured at N=8192, D=4096, V=128256 bf16 on an H200 (benchmarks/NOTES.md, runs 19-21): the
+zero-filled. With those temporaries gone the slabs are twice as wide for the same memory, and
+their width is nudged so that the dz and dW GEMMs fill whole waves of the GPU (`whole_waves`).
+Measured at N=8192, D=4096, V=128256 bf16 on an H200 (benchmarks/NOTES.md, runs 19-28): the
 whole step 56.5 ms with cuBLAS around row passes, 54.8 with the Hopper forward, 52.9 with the
-Hopper backward too (0.27 GB of temporaries); per 4096-column slab the dW GEMM beat cuBLAS
+Hopper backward too, 51.5 with the forward ping-ponged (0.27 GB of temporaries), and whole
+waves took another 0.9 ms of kernel time off; per 4096-column slab the dW GEMM beat cuBLAS
 (0.374 against 0.381-0.408 ms), the dz GEMM matched it and dx lost (0.464 against 0.42: its
 float32 tile stores).
 
@@ -71,7 +74,6 @@ _HOPPER_SLAB_BYTES = 128 << 20
 _INTERPRET_SLAB_BYTES = 4 << 20
 
 
-
 @dataclasses.dataclass(frozen=True)
 class HopperTiles:
     """The tiles of each Hopper GEMM of the LCE: the forward's (logits -> per-token statistics)
@@ -98,10 +100,12 @@ class HopperTiles:
             return cls(hopper, hopper, hopper, hopper)
         return hopper if isinstance(hopper, HopperTiles) else cls()
 
-    @property
-    def cols(self) -> int:
+    def __post_init__(self):
         if len({(t.m, t.n) for t in (self.fwd, self.dz, self.dx, self.dw)}) != 1:
             raise ValueError(f"{self} must give every GEMM the same m and n")
+
+    @property
+    def cols(self) -> int:
         return self.fwd.cols
 
 
@@ -438,7 +442,6 @@ def _hopper_tiles(hopper: bool | _hopper.Tiles | HopperTiles | None, x2, w,
         return None
     tiles = HopperTiles.of(hopper)
     t = tiles.fwd
-    tiles.cols                                   # noqa: B018 - raises unless m, n agree
     # Labels travel to the kernel as float32 (per-row values): exact below 2^24.
     if not (all(_hopper.fits(x2, w, u) for u in (t, tiles.dz, tiles.dx, tiles.dw))
             and w.shape[1] < 1 << 24):

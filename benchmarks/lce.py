@@ -70,6 +70,12 @@ def check():
     guarded(S, "check vmap N2x256 D256 V1088 value+grad", "bfloat16", run_vmap)
 
 
+def _with_tiles(tiles):
+    """The LCE with the Hopper GEMMs on `tiles` (a `Tiles` or `HopperTiles`)."""
+    return lambda x, w, y: jaxfuse.linear_cross_entropy(
+        x, w, y, block_sizes=LCEBlocks(hopper=tiles))
+
+
 def _fns(sweep: bool):
     fns = {
         "jaxfuse": lambda x, w, y: jaxfuse.linear_cross_entropy(x, w, y),
@@ -202,8 +208,7 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
                                                                      stages=4)}
     for name, tiles in variants.items():
         def run(tiles=tiles, name=name):
-            f = jax.jit(lambda x, w, y: jaxfuse.linear_cross_entropy(
-                x, w, y, block_sizes=LCEBlocks(hopper=tiles)))
+            f = jax.jit(_with_tiles(tiles))
             t = bench(f, [(x, w, y)], reps=5, repeats=3, warmup=1)
             record(S, "fwd hopper tiles", name, t, TFLOPs=2 * n * d * v / t / 1e12)
         guarded(S, "fwd hopper tiles", name, run)
@@ -289,8 +294,7 @@ def schedules(n=8192, d=4096, v=128256, variants=None):
                 "fwd pingpong stages<=8": HopperTiles(fwd=H.Tiles(schedule="pingpong"))}
     ref = None
     for name, t in variants.items():
-        f = functools.partial(lambda x, w, y, t: jaxfuse.linear_cross_entropy(
-            x, w, y, block_sizes=LCEBlocks(hopper=t)), t=t)
+        f = _with_tiles(t)
 
         def run(f=f, name=name):
             nonlocal ref

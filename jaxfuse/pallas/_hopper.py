@@ -74,6 +74,11 @@ class Tiles:
     schedule: str = "cooperative"
 
     def __post_init__(self):
+        if self.order not in ("rows", "cols"):
+            raise ValueError(f"Tiles(order={self.order!r}) must be 'rows' or 'cols'")
+        if self.schedule not in ("cooperative", "pingpong"):
+            raise ValueError(f"Tiles(schedule={self.schedule!r}) must be 'cooperative' or "
+                             f"'pingpong'")
         if self.epi < 1 or self.n % self.epi:
             raise ValueError(f"Tiles(epi={self.epi}) must divide n={self.n}: an epilogue works "
                              f"on the tile in whole chunks")
@@ -162,10 +167,6 @@ def matmul_epilogue(a: jax.Array, b: jax.Array, off=0, per_row: jax.Array | None
         raise ValueError(f"A {a.shape} (transposed: {a_t}) and B {b.shape} (transposed: {b_t}, "
                          f"window {b_window}) must be [M, K] @ [K, N] with M, N, K multiples "
                          f"of {t.m}, {t.cols}, {t.k}")
-    if t.order not in ("rows", "cols"):
-        raise ValueError(f"Tiles(order={t.order!r}) must be 'rows' or 'cols'")
-    if t.schedule not in ("cooperative", "pingpong"):
-        raise ValueError(f"Tiles(schedule={t.schedule!r}) must be 'cooperative' or 'pingpong'")
     swizzle = _swizzle_elems(a.dtype, t.k)
     itemsize = jnp.dtype(a.dtype).itemsize
     # One layout serves every operand tile: its minor dimension (k, m, n or 2n) is a multiple of

@@ -125,11 +125,18 @@ class LCEBlocks:
     hopper: bool | _hopper.Tiles | HopperTiles | None = None
 
     @classmethod
-    def for_shape(cls, n: int, itemsize: int, interpret: bool,
-                  hopper: bool = False) -> LCEBlocks:
+    def for_shape(cls, n: int, d: int, itemsize: int, interpret: bool,
+                  hopper: HopperTiles | None = None) -> LCEBlocks:
+        """The default slab: the largest power of two of columns within the memory budget,
+        for the Hopper backward (`hopper` tiles and D a multiple of their width) then nudged
+        to whole waves of the GPU."""
+        fused = _hopper_backward(hopper, d)
         budget = (_INTERPRET_SLAB_BYTES if interpret else
-                  _HOPPER_SLAB_BYTES if hopper else _SLAB_BYTES) // itemsize
-        return cls(max(128, C.prev_pow2(budget // max(n, 1))))
+                  _HOPPER_SLAB_BYTES if fused else _SLAB_BYTES) // itemsize
+        slab = max(128, C.prev_pow2(budget // max(n, 1)))
+        if fused and not interpret:
+            slab = whole_waves(slab, n, d, hopper, C.num_multiprocessors())
+        return cls(slab)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,10 +498,7 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
     tiles = _hopper_tiles(blocks.hopper, x2, weight, interpret)
     slab = blocks.slab
     if slab is None:
-        slab = LCEBlocks.for_shape(n, x.dtype.itemsize, interpret,
-                                   hopper=_hopper_backward(tiles, d)).slab
-        if _hopper_backward(tiles, d) and not interpret:
-            slab = whole_waves(slab, n, d, tiles, C.num_multiprocessors())
+        slab = LCEBlocks.for_shape(n, d, x.dtype.itemsize, interpret, tiles).slab
     if not (isinstance(slab, int) and slab >= 1):
         raise ValueError(f"slab={slab!r} must be a positive number of vocabulary columns")
     slab = min(slab, v)                       # a slab wider than the vocabulary is all of it

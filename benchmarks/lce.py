@@ -188,7 +188,7 @@ def perf(copy_bw: float, sweep: bool = True):
     guarded(S, f"N{n} D{d} V{v} fwd+bwd", "jaxfuse", run_big)
 
 
-def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
+def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False, variants=None):
     """The Hopper GEMMs one by one against cuBLAS on the shapes the LCE runs them at: the forward
     with each tile option; per slab of `slab` columns the dz GEMM (W read in place, a bf16 tile
     stored), dW = x^T dz (x transposed in the kernel, stored in place into a [D, V] buffer at
@@ -204,8 +204,8 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
     from jaxfuse.pallas import _hopper as H
     x, w, y = _inputs(jax.random.key(0), n, d, v)
     base = H.Tiles()
-    variants = {"cooperative": base, "pingpong": dataclasses.replace(base, schedule="pingpong",
-                                                                     stages=4)}
+    variants = variants or {"cooperative": base,
+                            "pingpong": dataclasses.replace(base, schedule="pingpong", stages=4)}
     for name, tiles in variants.items():
         def run(tiles=tiles, name=name):
             f = jax.jit(_with_tiles(tiles))
@@ -240,7 +240,7 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
             return jax.jit(lambda x, w: H.matmul_epilogue(
                 x, w, off, b_window=slab, epilogue=functools.partial(store, col0=lambda c: 0),
                 out_types=jax.ShapeDtypeStruct((n, slab), x.dtype),
-                scratch_types=H.tile_smem(x.dtype), **kw)), (x, w)
+                scratch_types=H.tile_smem(x.dtype, t.piece), **kw)), (x, w)
 
         def in_place(init, call):
             def f(*args):
@@ -251,11 +251,11 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
         if kind == "dW":
             return in_place(lambda: H.uninitialized((d, off + slab), x.dtype, interpret),
                             lambda r, x, dz: H.matmul_epilogue(
-                x, dz, off, a_t=True, refs=(r,), scratch_types=H.tile_smem(x.dtype),
+                x, dz, off, a_t=True, refs=(r,), scratch_types=H.tile_smem(x.dtype, t.piece),
                 epilogue=functools.partial(store, col0=lambda c: c.off), **kw)), (x, dz)
         return in_place(lambda: jnp.ones((n, d), f32), lambda r, dz, w: H.matmul_epilogue(
             dz, w, off, b_t=True, b_window=slab, refs=(r,), epilogue=add,
-            scratch_types=H.tile_smem(f32), **kw)), (dz, w)
+            scratch_types=H.tile_smem(f32, t.piece), **kw)), (dz, w)
 
     for kind in ("z", "dW", "dx"):
         label = f"{kind} N{n} D{d} slab {slab}"
@@ -276,37 +276,60 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False):
             guarded(S, label, f"mosaic {tname}", run)
 
 
-def schedules(n=8192, d=4096, v=128256, variants=None):
-    """One fwd+bwd step and the forward alone per choice of GEMM schedules (`Tiles.schedule`,
-    per GEMM through `HopperTiles`), XLA beside them; results checked against the first
-    variant's (the same tiles computed in the same order: equal up to float32 sum order)."""
+def schedules(n=8192, d=4096, v=128256, variants=None, rounds=4):
+    """One fwd+bwd step per choice of Hopper tiles (`Tiles`, or per GEMM through
+    `HopperTiles`), XLA beside them, all in one process: each variant's results checked against
+    the first variant's (the same tiles in the same order: equal up to float32 sum order), its
+    temporaries, its GPU kernel time per step from the profiler, largest kernels by name (what
+    sub-millisecond choices are decided on), then step times in `rounds` interleaved rounds
+    (single rounds on the lent GPU stray by up to 3 ms, benchmarks/NOTES.md run 27) and the
+    forward alone."""
+    import collections
+    import statistics
+
+    from benchmarks._profile import kernel_times
     from jaxfuse.pallas import _hopper as H
     from jaxfuse.pallas.linear_cross_entropy import HopperTiles
     pp4 = H.Tiles(schedule="pingpong", stages=4)
     args = _inputs(jax.random.key(0), n, d, v)
-    xla = jax.jit(jax.value_and_grad(_fns(False)["xla_reference"], argnums=(0, 1)))
-    record(S, f"N{n} D{d} V{v} fwd+bwd", "xla_reference",
-           bench(xla, [args], reps=3, repeats=3, warmup=1))
     variants = variants or {"default": HopperTiles(),
-                "all cooperative": H.Tiles(),
-                "dx pingpong": HopperTiles(dx=pp4),
-                "all pingpong": pp4,
-                "fwd pingpong stages<=8": HopperTiles(fwd=H.Tiles(schedule="pingpong"))}
-    ref = None
-    for name, t in variants.items():
-        f = _with_tiles(t)
-
+                            "all cooperative": H.Tiles(),
+                            "dx pingpong": HopperTiles(dx=pp4),
+                            "all pingpong": pp4}
+    fns = {"xla_reference": _fns(False)["xla_reference"]}
+    fns.update({name: _with_tiles(t) for name, t in variants.items()})
+    label = f"N{n} D{d} V{v} fwd+bwd variant"
+    steps, ref = {}, None
+    for name, f in fns.items():
         def run(f=f, name=name):
             nonlocal ref
-            step = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+            vg = jax.value_and_grad(f, argnums=(0, 1))
+            step = jax.jit(vg)
             out = step(*args)
-            ref = out if ref is None else ref
-            err = max(rel_err(a, b) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
-            t_step = bench(step, [args], reps=3, repeats=3, warmup=1)
-            t_fwd = bench(jax.jit(f), [args], reps=5, repeats=3, warmup=1)
-            record(S, f"N{n} D{d} V{v} fwd+bwd schedule", name, t_step, fwd_ms=t_fwd * 1e3,
-                   rel_err_vs_first=err, status="ok" if err < 1e-3 else "FAIL")
-        guarded(S, f"N{n} D{d} V{v} fwd+bwd schedule", name, run)
+            err = 0.0
+            if name != "xla_reference":
+                ref = out if ref is None else ref
+                err = max(rel_err(a, b) for a, b in zip(jax.tree.leaves(out),
+                                                        jax.tree.leaves(ref)))
+            by_kernel = collections.defaultdict(float)
+            for kname, _, ms in kernel_times(step, args):
+                by_kernel[kname[:26]] += ms
+            top = dict(sorted(((k, round(ms, 3)) for k, ms in by_kernel.items()),
+                              key=lambda kv: -kv[1])[:5])
+            record(S, label, name, kernels_ms=round(sum(by_kernel.values()), 3),
+                   temp_GB=(temp_bytes(vg, *args) or 0) / 1e9, rel_err_vs_first=err,
+                   top=top, status="ok" if err < 1e-3 else "FAIL")
+            steps[name] = step
+        guarded(S, label, name, run)
+    times = collections.defaultdict(list)
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times[name].append(bench(step, [args], reps=5, repeats=1, warmup=1))
+    for name, ts in times.items():
+        fwd = None if name == "xla_reference" else bench(jax.jit(fns[name]), [args], reps=5,
+                                                         repeats=3, warmup=1) * 1e3
+        record(S, f"N{n} D{d} V{v} fwd+bwd step", name, statistics.median(ts),
+               rounds_ms=[round(t * 1e3, 2) for t in ts], fwd_ms=fwd)
 
 
 def profile(n=8192, d=4096, v=128256):

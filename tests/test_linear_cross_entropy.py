@@ -227,12 +227,17 @@ class HopperTest(chex.TestCase):
                 x, w, labels, block_sizes=LCEBlocks(hopper=HopperTiles(dx=Tiles(n=64))))
         with self.assertRaisesRegex(ValueError, "Tiles\\(epi=48\\) must divide n=128"):
             Tiles(epi=48)
-        # dz tiles go out in [64, 64] pieces: narrower epilogue chunks would leave dz unwritten.
-        # (Raised while tracing the backward, which needs D % 256 = 0.)
-        x2, w2, labels2 = _inputs(128, 256, 320, jnp.bfloat16)
-        with self.assertRaisesRegex(ValueError, "not whole \\[64, 64\\] pieces"):
-            jax.make_jaxpr(jax.grad(lambda w: jaxfuse.linear_cross_entropy(
-                x2, w, labels2, block_sizes=LCEBlocks(hopper=HopperTiles(dz=Tiles(epi=32))))))(w2)
+        # An epilogue stores its chunks in whole [64, piece] pieces: a chunk narrower than a
+        # piece would leave part of dz unwritten, so the tiles refuse it up front.
+        with self.assertRaisesRegex(ValueError, "Tiles\\(piece=64\\) must be a multiple of 16 "
+                                                "that divides epi=32"):
+            Tiles(epi=32, piece=64)
+        with self.assertRaisesRegex(ValueError, "Tiles\\(piece=48\\) must be a multiple of 16"):
+            Tiles(piece=48)
+        # store_tile itself (for direct callers) refuses a tile that is not whole pieces.
+        with self.assertRaisesRegex(ValueError, "a \\[64, 48\\] tile is not whole \\[64, 32\\]"):
+            _hopper.store_tile(jnp.zeros((64, 48)),
+                               jax.ShapeDtypeStruct((2, 64, 32), jnp.bfloat16), None, 0, 0)
         with self.assertRaisesRegex(ValueError, "Tiles\\(schedule='serial'\\) must be"):
             jaxfuse.linear_cross_entropy(x, w, labels,
                                          block_sizes=LCEBlocks(hopper=Tiles(schedule="serial")))
@@ -256,7 +261,7 @@ class HopperTest(chex.TestCase):
 
     @parameterized.product(schedule=["cooperative", "pingpong"],
                            scratch=[((2, 4, 128), jnp.float32), ((2, 2, 64, 64), jnp.bfloat16),
-                                    ((2, 2, 64, 64), jnp.float32)],
+                                    ((2, 2, 64, 64), jnp.float32), ((2, 2, 64, 32), jnp.float32)],
                            n_rows=[0, 3])
     def test_stages_fill_shared_memory(self, schedule, scratch, n_rows):
         # As many pipeline stages as the 227 KiB of shared memory hold beside the epilogue's

@@ -63,7 +63,13 @@ class Tiles:
     epi: columns an epilogue works on at a time (its temporaries are [m, epi]); schedule: how
     the two compute warpgroups share the tensor cores (see the module docstring):
     "cooperative" (both on halves of one [m, 2n] tile, epilogues together) or "pingpong" (each
-    on its own [m, n] tile, one multiplying while the other runs its epilogue)."""
+    on its own [m, n] tile, one multiplying while the other runs its epilogue); piece: columns
+    of the [64, piece] pieces in which an epilogue stores a tile through shared memory
+    (`store_tile`, two slots per warpgroup) -- 32 leaves a cooperative GEMM 4 pipeline stages
+    beside a dz epilogue's per-row values or a float32 dx tile, where [64, 64] pieces left it
+    3 (benchmarks/NOTES.md run 30). Pieces are whole 64-row stripes because a wgmma
+    accumulator's rows are spread over the warpgroup's four warps 16 at a time: Mosaic GPU
+    cannot slice a register tile to fewer rows than that layout repeats over."""
     m: int = 128
     n: int = 128
     k: int = 64
@@ -72,6 +78,7 @@ class Tiles:
     epi: int = 64
     order: str = "rows"
     schedule: str = "cooperative"
+    piece: int = 32
 
     def __post_init__(self):
         if self.order not in ("rows", "cols"):
@@ -82,6 +89,9 @@ class Tiles:
         if self.epi < 1 or self.n % self.epi:
             raise ValueError(f"Tiles(epi={self.epi}) must divide n={self.n}: an epilogue works "
                              f"on the tile in whole chunks")
+        if self.piece < 16 or self.piece % 16 or self.epi % self.piece:
+            raise ValueError(f"Tiles(piece={self.piece}) must be a multiple of 16 that divides "
+                             f"epi={self.epi}: an epilogue stores its chunks in whole pieces")
 
     @property
     def cols(self) -> int:
@@ -463,35 +473,37 @@ def kernel(body, out_types, *, grid, num_threads, interpret: bool, batchable: bo
                      interpret=_interpret_params() if interpret else False, name=name)
 
 
-def store_tile(value: jax.Array, smem, out, row, col, sub: int = 64, k: int = 0,
-               reduction_op=None) -> int:
+def store_tile(value: jax.Array, smem, out, row, col, k: int = 0, reduction_op=None) -> int:
     """Writes a [m, n] register tile to out[row:row + m, col:col + n] through shared memory in
-    [sub, sub] pieces, two slots in turn so that one TMA store drains while the next fills
-    (`reduction_op="add"`: TMA adds the pieces to what `out` holds instead). `k` counts pieces
-    across calls for one tile (it picks the slot); returns the new count."""
+    pieces of smem's shape ([2 slots, rows, cols], see `tile_smem`), the two slots in turn so
+    that one TMA store drains while the next fills (`reduction_op="add"`: TMA adds the pieces
+    to what `out` holds instead). `k` counts pieces across calls for one tile (it picks the
+    slot); returns the new count."""
     m, n = value.shape
-    if m % sub or n % sub:
+    pm, pn = smem.shape[-2:]
+    if m % pm or n % pn:
         # Whole pieces only: a remainder would be silently left unwritten.
-        raise ValueError(f"store_tile: a [{m}, {n}] tile is not whole [{sub}, {sub}] pieces; "
-                         f"store tiles (and epilogue chunks, Tiles.epi) of multiples of {sub}")
-    for i in range(m // sub):
-        for j in range(n // sub):
+        raise ValueError(f"store_tile: a [{m}, {n}] tile is not whole [{pm}, {pn}] pieces; "
+                         f"store tiles (and epilogue chunks, Tiles.epi) of multiples of "
+                         f"Tiles.piece columns and {pm} rows")
+    for i in range(m // pm):
+        for j in range(n // pn):
             slot = k % 2
             k += 1
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            smem[slot] = value[i * sub:(i + 1) * sub, j * sub:(j + 1) * sub]
+            smem[slot] = value[i * pm:(i + 1) * pm, j * pn:(j + 1) * pn]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(smem.at[slot],
-                                    out.at[pl.ds(row + i * sub, sub), pl.ds(col + j * sub, sub)],
+                                    out.at[pl.ds(row + i * pm, pm), pl.ds(col + j * pn, pn)],
                                     reduction_op=reduction_op)
     return k
 
 
-def tile_smem(dtype, sub: int = 64):
-    """The shared memory `store_tile` needs: [2 warpgroups, 2 slots, sub, sub], swizzled for
-    TMA."""
-    swizzle = _swizzle_elems(dtype, sub)
-    return plgpu.SMEM((2, 2, sub, sub), dtype,
+def tile_smem(dtype, cols: int, rows: int = 64):
+    """The shared memory `store_tile` needs: [2 warpgroups, 2 slots, rows, cols] (cols:
+    `Tiles.piece`), swizzled for TMA."""
+    swizzle = _swizzle_elems(dtype, cols)
+    return plgpu.SMEM((2, 2, rows, cols), dtype,
                       transforms=(plgpu.TilingTransform((8, swizzle)),
                                   plgpu.SwizzleTransform(swizzle * jnp.dtype(dtype).itemsize)))
 

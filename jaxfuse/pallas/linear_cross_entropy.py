@@ -418,18 +418,18 @@ def _backward_fused(x2, w, labels, lse, g, st: _Static):
             x2, w, off, per_row, b_window=width,
             epilogue=functools.partial(_dz_epilogue, st=st, dtype=x2.dtype),
             out_types=jax.ShapeDtypeStruct((n, width), x2.dtype),
-            scratch_types=_hopper.tile_smem(x2.dtype), name="jaxfuse_lce_bwd_dz",
+            scratch_types=_hopper.tile_smem(x2.dtype, t.dz.piece), name="jaxfuse_lce_bwd_dz",
             batchable=False, tiles=t.dz, **kw)
         _hopper.matmul_epilogue(
             dz, w, off, b_t=True, b_window=width, refs=(dx,),
             epilogue=functools.partial(_dx_epilogue, interpret=st.interpret),
-            scratch_types=_hopper.tile_smem(jnp.float32), name="jaxfuse_lce_bwd_dx", tiles=t.dx,
-            **kw)
+            scratch_types=_hopper.tile_smem(jnp.float32, t.dx.piece), name="jaxfuse_lce_bwd_dx",
+            tiles=t.dx, **kw)
         _hopper.matmul_epilogue(
             x2, dz, off, a_t=True, refs=(dw,),
             epilogue=functools.partial(_dw_epilogue, dtype=w.dtype),
-            scratch_types=_hopper.tile_smem(w.dtype), name="jaxfuse_lce_bwd_dw", tiles=t.dw,
-            **kw)
+            scratch_types=_hopper.tile_smem(w.dtype, t.dw.piece), name="jaxfuse_lce_bwd_dw",
+            tiles=t.dw, **kw)
 
     _over_columns(columns, None, 0, v_h, slab)
     if v_h < st.v:                       # the last < 2 n columns: cuBLAS and the row pass

@@ -278,6 +278,17 @@ class HopperTest(chex.TestCase):
         self.assertGreater(fixed + (s + 1) * per_stage, 227 * 1024 - 1024)
         self.assertGreaterEqual(s, 3)
 
+    def test_default_backward_gemms_keep_four_stages(self):
+        # The default [64, 32] store pieces leave every cooperative backward GEMM 4 pipeline
+        # stages beside its epilogue slots (dz also carries 3 per-row values per stage);
+        # [64, 64] pieces left dz (bf16 slots) and dx (float32 slots) 3.
+        t = HopperTiles()
+        for tiles, dtype, n_rows in ((t.dz, jnp.bfloat16, 3), (t.dx, jnp.float32, 0),
+                                     (t.dw, jnp.bfloat16, 0)):
+            slots = _hopper.tile_smem(dtype, tiles.piece)
+            self.assertEqual(_hopper._stages(tiles, 2, slots, n_rows), 4)
+        self.assertEqual(_hopper._stages(t.dz, 2, _hopper.tile_smem(jnp.bfloat16, 64), 3), 3)
+
 
 if __name__ == "__main__":
     pytest.main([__file__])

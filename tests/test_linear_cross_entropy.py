@@ -161,10 +161,10 @@ class HopperTest(chex.TestCase):
     # D = 256 (whole [128, 256] dx tiles): the backward runs its dz, dx and dW GEMMs as well.
     # Slabs of 256 columns (four trips of the loop, the offset read by the kernel) or of 768
     # (one trip, then 256 columns in a call of their own); the last 64 of V = 1088 take the
-    # cuBLAS path in both directions. The backward's default schedule is cooperative; one case
-    # runs every GEMM ping-pong.
+    # cuBLAS path in both directions. The backward's default ping-pongs dz and runs dx and dW
+    # cooperative; one case runs every GEMM cooperative, one every GEMM ping-pong.
     @parameterized.parameters(
-        (256, jnp.bfloat16, dict(reduction="sum"), True),
+        (256, jnp.bfloat16, dict(reduction="sum"), Tiles(schedule="cooperative")),
         (768, jnp.float16, dict(label_smoothing=0.1, z_loss=1e-3, logits_soft_cap=3.0), True),
         (512, jnp.bfloat16, dict(label_smoothing=0.1, z_loss=1e-3),
          Tiles(schedule="pingpong")))
@@ -243,8 +243,9 @@ class HopperTest(chex.TestCase):
                                          block_sizes=LCEBlocks(hopper=Tiles(schedule="serial")))
 
     # (budget slab, N, D, SMs, expected): 132 SMs = 4 x 33, so 33 column tiles of 256 make
-    # N/128 x 33 dz tiles and D/128 x 33 dW tiles, whole waves; where 33 tiles would exceed the
-    # budget by more than 1/8 (N = 32768) or the waves are whole already (128 SMs), it stays.
+    # N/128 x 33 dz tiles (twice as many ping-ponged) and D/128 x 33 dW tiles, whole waves;
+    # where 33 tiles would exceed the budget by more than 1/8 (N = 32768) or the waves are
+    # whole already (128 SMs), it stays.
     @parameterized.parameters((8192, 8192, 4096, 132, 8448), (16384, 4096, 4096, 132, 16896),
                               (2048, 32768, 4096, 132, 2048), (8192, 8192, 4096, 128, 8192))
     def test_backward_slab_fills_whole_waves(self, budget, n, d, sms, expected):
@@ -279,15 +280,17 @@ class HopperTest(chex.TestCase):
         self.assertGreaterEqual(s, 3)
 
     def test_default_backward_gemms_keep_four_stages(self):
-        # The default [64, 32] store pieces leave every cooperative backward GEMM 4 pipeline
-        # stages beside its epilogue slots (dz also carries 3 per-row values per stage);
-        # [64, 64] pieces left dz (bf16 slots) and dx (float32 slots) 3.
+        # The default [64, 32] store pieces leave every backward GEMM 4 pipeline stages beside
+        # its epilogue slots (dz also carries 3 per-row values); with [64, 64] pieces a
+        # cooperative dz (bf16 slots and per-row values on every stage) or dx (float32 slots)
+        # had 3.
         t = HopperTiles()
         for tiles, dtype, n_rows in ((t.dz, jnp.bfloat16, 3), (t.dx, jnp.float32, 0),
                                      (t.dw, jnp.bfloat16, 0)):
             slots = _hopper.tile_smem(dtype, tiles.piece)
             self.assertEqual(_hopper._stages(tiles, 2, slots, n_rows), 4)
-        self.assertEqual(_hopper._stages(t.dz, 2, _hopper.tile_smem(jnp.bfloat16, 64), 3), 3)
+        for dtype, n_rows in ((jnp.bfloat16, 3), (jnp.float32, 0)):
+            self.assertEqual(_hopper._stages(Tiles(), 2, _hopper.tile_smem(dtype, 64), n_rows), 3)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ in place. Two schedules (`Tiles.schedule`): "cooperative", both warpgroups on th
 [m, 2n] tile (one A tile feeds both; their epilogues run together while the tensor cores
 wait), and "pingpong", each warpgroup on a tile of its own, one multiplying while the other
 runs its epilogue (it reads a third more operand bytes per FLOP: on an H200 it won where the
-epilogue is heavy and stores little, the LCE forward, and lost where whole tiles are stored;
-benchmarks/NOTES.md run 24).
+epilogue is heavy -- the LCE forward's statistics and its dz -- and lost where the epilogue
+only stores a tile, dx and dW; benchmarks/NOTES.md runs 24-25, 34-36).
 
 Operands are read in place, never copied: either may be transposed (wgmma reads a transposed
 16-bit tile from shared memory as cheaply as a plain one: x^T for dW = x^T dz, W^T for

@@ -28,10 +28,10 @@ zero-filled. With those temporaries gone the slabs are twice as wide for the sam
 their width is nudged so that the dz and dW GEMMs fill whole waves of the GPU (`whole_waves`).
 Measured at N=8192, D=4096, V=128256 bf16 on an H200 (benchmarks/NOTES.md, runs 19-28): the
 whole step 56.5 ms with cuBLAS around row passes, 54.8 with the Hopper forward, 52.9 with the
-Hopper backward too, 51.5 with the forward ping-ponged (0.27 GB of temporaries), and whole
-waves took another 0.9 ms of kernel time off; per 4096-column slab the dW GEMM beat cuBLAS
-(0.374 against 0.381-0.408 ms), the dz GEMM matched it and dx lost (0.464 against 0.42: its
-float32 tile stores).
+Hopper backward too, 51.5 with the forward ping-ponged (0.27 GB of temporaries), whole waves
+took another 0.9 ms of kernel time off and a ping-ponged dz GEMM 0.3-0.6 ms of the step (runs
+34-36); per 4096-column slab the dW GEMM beat cuBLAS (0.374 against 0.381-0.408 ms), the dz
+GEMM matched it and dx lost (0.464 against 0.42: its float32 tile stores).
 
 Why cuBLAS matmuls around Pallas row passes elsewhere rather than the matmul inside a Triton
 kernel: the Pallas (Triton) tile matmul ran at 260-320 TFLOP/s on an H200 against 680-790 for
@@ -80,16 +80,16 @@ class HopperTiles:
     and the backward's dz (logits -> dz, stored), dx (dz W^T, added into dx) and dW (x^T dz,
     stored). All four need the same m and n (their tiles partition the same columns).
 
-    Defaults, from an H200 (benchmarks/NOTES.md, runs 24-25): the forward's warpgroups
-    ping-pong (see `_hopper.Tiles.schedule`): its epilogue -- an exp and four row sums per
-    logit, next to which its stores are nothing -- hides under the other warpgroup's MMAs
-    (forward 12.8 against 13.5 ms), with at most 4 stages (with 6: 13.0 ms; likely a fuller
-    shared memory leaving less L1). The backward's warpgroups cooperate on wider [m, 2n] tiles
-    (a third fewer operand bytes per FLOP): ping-ponged, the dz GEMM cost 0.45 ms more per
-    step, dx 1.3 ms more, and dW lost 7% in isolation -- GEMMs that store whole tiles gain less
-    from hiding their epilogue than the narrower tiles cost them."""
+    Defaults, from an H200 (benchmarks/NOTES.md, runs 24-25 and 33-36): the GEMMs with a heavy
+    epilogue ping-pong (see `_hopper.Tiles.schedule`), each warpgroup's epilogue hidden under
+    the other's MMAs: the forward's (an exp and four row sums per logit; forward 12.8 against
+    13.5 ms) and dz's (an exp per logit and a bf16 tile stored; step 0.33-0.61 ms faster over
+    12-16 interleaved rounds, runs 34-36), with at most 4 stages (with 6 the main loop lost 10%;
+    likely a fuller shared memory leaving less L1). dx and dW, whose epilogues only store,
+    cooperate on wider [m, 2n] tiles (a third fewer operand bytes per FLOP): ping-ponged, dx
+    cost 1.3 ms more per step and dW lost 7% in isolation."""
     fwd: _hopper.Tiles = _hopper.Tiles(schedule="pingpong", stages=4)
-    dz: _hopper.Tiles = _hopper.Tiles()
+    dz: _hopper.Tiles = _hopper.Tiles(schedule="pingpong", stages=4)
     dx: _hopper.Tiles = _hopper.Tiles()
     dw: _hopper.Tiles = _hopper.Tiles()
 

@@ -280,15 +280,12 @@ def schedules(n=8192, d=4096, v=128256, variants=None, rounds=4):
     """One fwd+bwd step per choice of Hopper tiles (`Tiles`, or per GEMM through
     `HopperTiles`), XLA beside them, all in one process: each variant's results checked against
     the first variant's (the same tiles in the same order: equal up to float32 sum order) and
-    its temporaries; then `rounds` interleaved rounds, each timing every variant's step (5
-    calls) and reading its GPU kernel times from the profiler (3 calls) -- the lent GPU's clock
-    drifts by several % between one variant's measurement and the next (benchmarks/NOTES.md
-    runs 27, 30, 34-36), so only medians over interleaved, rotated rounds compare; then the
-    forward alone."""
-    import collections
+    its temporaries; then step and kernel times in `rounds` interleaved rounds (`_interleaved`:
+    the lent GPU's clock drifts by several % between one variant's measurement and the next,
+    benchmarks/NOTES.md runs 27, 30, 34-36, so only medians over interleaved rounds compare);
+    then the forward alone."""
     import statistics
 
-    from benchmarks._profile import kernel_times
     from jaxfuse.pallas import _hopper as H
     from jaxfuse.pallas.linear_cross_entropy import HopperTiles
     pp4 = H.Tiles(schedule="pingpong", stages=4)
@@ -316,42 +313,56 @@ def schedules(n=8192, d=4096, v=128256, variants=None, rounds=4):
                    rel_err_vs_first=err, status="ok" if err < 1e-3 else "FAIL")
             steps[name] = step
         guarded(S, label, name, run)
-    times = collections.defaultdict(list)
-    kernels = collections.defaultdict(lambda: collections.defaultdict(list))
-    order = list(steps)
-    for r in range(rounds):
-        # Rotated, and reversed every other round, so that no variant always follows the same
-        # one: the variant measured right after XLA's step showed 3-4% more time in every
-        # kernel, unchanged ones included (runs 34-36).
-        turn = order[r % len(order):] + order[:r % len(order)]
-        for name in (turn if r % 2 == 0 else turn[::-1]):
-            step = steps[name]
-            times[name].append(bench(step, [args], reps=5, repeats=1, warmup=1))
-            by_kernel = collections.defaultdict(float)
-            for kname, _, ms in kernel_times(step, args):
-                by_kernel[kname[:26]] += ms
-            kernels[name]["total"].append(sum(by_kernel.values()))
-            for kname, ms in by_kernel.items():
-                kernels[name][kname].append(ms)
+    times, kernels = _interleaved({name: (step, args) for name, step in steps.items()}, rounds)
     for name, ts in times.items():
         fwd = None if name == "xla_reference" else bench(jax.jit(fns[name]), [args], reps=5,
                                                          repeats=3, warmup=1) * 1e3
-        med = {k: round(statistics.median(v), 3) for k, v in kernels[name].items()}
-        top = dict(sorted(med.items(), key=lambda kv: -kv[1])[:6])
         record(S, f"N{n} D{d} V{v} fwd+bwd step", name, statistics.median(ts),
-               rounds_ms=[round(t * 1e3, 2) for t in ts], fwd_ms=fwd,
-               kernels_total_ms=[round(t, 2) for t in kernels[name]["total"]], kernel_medians=top)
+               rounds_ms=[round(t * 1e3, 2) for t in ts], fwd_ms=fwd, **kernels[name])
 
 
-def floor(n=8192, d=4096, v=128256, rounds=4):
-    """The time floor of any design that recomputes the logits, measured: a step made of
-    nothing but the four cuBLAS matmuls such a design runs (the logits twice, dx = dz W^T,
-    dW = x^T dz; dz a random input, no softmax, no epilogue, nothing else), beside three of
-    them (XLA's count) and XLA's whole step, in interleaved rounds."""
+def _interleaved(fns, rounds: int):
+    """Times every `fns[name] = (f, args)` in `rounds` interleaved rounds (5 calls each) and
+    reads its GPU kernel times from the profiler in the same turn (3 calls). Rounds rotate and
+    reverse every other time, so that no function always follows the same one: the one
+    measured right after XLA's step showed 3-4% more time in every kernel, unchanged ones
+    included (benchmarks/NOTES.md runs 34-36). Returns ({name: [seconds per round]}, {name:
+    record fields: kernel totals per round and the median per kernel, largest first})."""
     import collections
     import statistics
 
     from benchmarks._profile import kernel_times
+    times = collections.defaultdict(list)
+    kernels = collections.defaultdict(lambda: collections.defaultdict(list))
+    order = list(fns)
+    for r in range(rounds):
+        turn = order[r % len(order):] + order[:r % len(order)]
+        for name in (turn if r % 2 == 0 else turn[::-1]):
+            f, args = fns[name]
+            times[name].append(bench(f, [args], reps=5, repeats=1, warmup=1))
+            by_kernel = collections.defaultdict(float)
+            for kname, _, ms in kernel_times(f, args):
+                by_kernel[kname[:26]] += ms
+            kernels[name]["total"].append(sum(by_kernel.values()))
+            for kname, ms in by_kernel.items():
+                kernels[name][kname].append(ms)
+    fields = {}
+    for name, ks in kernels.items():
+        med = {k: round(statistics.median(v), 3) for k, v in ks.items()}
+        fields[name] = dict(kernels_total_ms=[round(t, 2) for t in ks["total"]],
+                            kernel_medians=dict(sorted(med.items(), key=lambda kv: -kv[1])[:6]))
+    return times, fields
+
+
+def floor(n=8192, d=4096, v=128256, rounds=4):
+    """The time floor of any design that recomputes the logits, measured: a function made of
+    nothing but the four cuBLAS matmuls such a design runs (the logits twice, dx = dz W^T,
+    dW = x^T dz; dz a random input, no softmax, no epilogue, nothing else), beside three of
+    them (XLA's count), XLA's whole step and ours, step and kernel times in interleaved rounds
+    (`_interleaved`). The bare matmuls return their 5.3 GB of outputs, which adds call overhead
+    that the steps do not have: their kernel time is the fair floor."""
+    import statistics
+
     x, w, y = _inputs(jax.random.key(0), n, d, v)
     dz = jax.random.normal(jax.random.key(1), (n, v), x.dtype)
 
@@ -365,19 +376,20 @@ def floor(n=8192, d=4096, v=128256, rounds=4):
             return outs
         return jax.jit(f)
 
-    xla = jax.jit(jax.value_and_grad(_fns(False)["xla_reference"], argnums=(0, 1)))
-    fns = {"xla_reference step": (xla, (x, w, y)), "3 cuBLAS matmuls": (gemms(3), (x, w, dz)),
-           "4 cuBLAS matmuls": (gemms(4), (x, w, dz))}
-    times = collections.defaultdict(list)
-    for _ in range(rounds):
-        for name, (f, args) in fns.items():
-            times[name].append(bench(f, [args], reps=5, repeats=1, warmup=1))
+    step = {impl: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+            for impl, f in _fns(False).items() if impl in ("xla_reference", "jaxfuse")}
+    fns = {"xla_reference step": (step["xla_reference"], (x, w, y)),
+           "jaxfuse step": (step["jaxfuse"], (x, w, y)),
+           "3 cuBLAS matmuls": (gemms(3), (x, w, dz)), "4 cuBLAS matmuls": (gemms(4), (x, w, dz))}
+    times, kernels = _interleaved(fns, rounds)
     base = statistics.median(times["xla_reference step"])
+    base_k = statistics.median(kernels["xla_reference step"]["kernels_total_ms"])
     for name, ts in times.items():
-        f, args = fns[name]
+        k = statistics.median(kernels[name]["kernels_total_ms"])
         record(S, f"N{n} D{d} V{v} floor", name, statistics.median(ts),
                rounds_ms=[round(t * 1e3, 2) for t in ts], vs_xla_step=statistics.median(ts) / base,
-               kernels_ms=round(sum(ms for _, _, ms in kernel_times(f, args)), 3))
+               kernels_ms=round(k, 3), kernels_vs_xla=k / base_k if base_k else None,
+               **kernels[name])
 
 
 def profile(n=8192, d=4096, v=128256):

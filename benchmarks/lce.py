@@ -359,8 +359,7 @@ def floor(n=8192, d=4096, v=128256, rounds=4):
     nothing but the four cuBLAS matmuls such a design runs (the logits twice, dx = dz W^T,
     dW = x^T dz; dz a random input, no softmax, no epilogue, nothing else), beside three of
     them (XLA's count), XLA's whole step and ours, step and kernel times in interleaved rounds
-    (`_interleaved`). The bare matmuls return their 5.3 GB of outputs, which adds call overhead
-    that the steps do not have: their kernel time is the fair floor."""
+    (`_interleaved`; run 38: four bare matmuls 1.22x XLA's step, ours 1.27x)."""
     import statistics
 
     x, w, y = _inputs(jax.random.key(0), n, d, v)

@@ -240,7 +240,7 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False, variants=None)
             return jax.jit(lambda x, w: H.matmul_epilogue(
                 x, w, off, b_window=slab, epilogue=functools.partial(store, col0=lambda c: 0),
                 out_types=jax.ShapeDtypeStruct((n, slab), x.dtype),
-                scratch_types=H.tile_smem(x.dtype, t.piece), **kw)), (x, w)
+                scratch_types=H.tile_smem(x.dtype, t), **kw)), (x, w)
 
         def in_place(init, call):
             def f(*args):
@@ -251,11 +251,11 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False, variants=None)
         if kind == "dW":
             return in_place(lambda: H.uninitialized((d, off + slab), x.dtype, interpret),
                             lambda r, x, dz: H.matmul_epilogue(
-                x, dz, off, a_t=True, refs=(r,), scratch_types=H.tile_smem(x.dtype, t.piece),
+                x, dz, off, a_t=True, refs=(r,), scratch_types=H.tile_smem(x.dtype, t),
                 epilogue=functools.partial(store, col0=lambda c: c.off), **kw)), (x, dz)
         return in_place(lambda: jnp.ones((n, d), f32), lambda r, dz, w: H.matmul_epilogue(
             dz, w, off, b_t=True, b_window=slab, refs=(r,), epilogue=add,
-            scratch_types=H.tile_smem(f32, t.piece), **kw)), (dz, w)
+            scratch_types=H.tile_smem(f32, t), **kw)), (dz, w)
 
     for kind in ("z", "dW", "dx"):
         label = f"{kind} N{n} D{d} slab {slab}"

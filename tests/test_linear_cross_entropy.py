@@ -287,10 +287,11 @@ class HopperTest(chex.TestCase):
         t = HopperTiles()
         for tiles, dtype, n_rows in ((t.dz, jnp.bfloat16, 3), (t.dx, jnp.float32, 0),
                                      (t.dw, jnp.bfloat16, 0)):
-            slots = _hopper.tile_smem(dtype, tiles.piece)
+            slots = _hopper.tile_smem(dtype, tiles)
             self.assertEqual(_hopper._stages(tiles, 2, slots, n_rows), 4)
+        wide = Tiles(piece=64)
         for dtype, n_rows in ((jnp.bfloat16, 3), (jnp.float32, 0)):
-            self.assertEqual(_hopper._stages(Tiles(), 2, _hopper.tile_smem(dtype, 64), n_rows), 3)
+            self.assertEqual(_hopper._stages(wide, 2, _hopper.tile_smem(dtype, wide), n_rows), 3)
 
 
 if __name__ == "__main__":

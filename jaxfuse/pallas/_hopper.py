@@ -126,6 +126,14 @@ def _swizzle_elems(dtype, k: int) -> int:
     return plgpu.find_swizzle(k * itemsize * 8) // itemsize
 
 
+def _tma_transforms(dtype, minor: int) -> tuple:
+    """The shared-memory layout TMA and wgmma want for tiles whose rows hold `minor` elements:
+    8-row tiles of one swizzle row, swizzled."""
+    swizzle = _swizzle_elems(dtype, minor)
+    return (plgpu.TilingTransform((8, swizzle)),
+            plgpu.SwizzleTransform(swizzle * jnp.dtype(dtype).itemsize))
+
+
 def fits(x: jax.Array, w: jax.Array, tiles: Tiles) -> bool:
     """Whether x @ w[:, cols] takes (x [N, D], w [D, V]) as they are: 16-bit operands of one
     dtype, N a multiple of tiles.m, D of tiles.k, and rows of W a whole number of TMA swizzle
@@ -177,11 +185,10 @@ def matmul_epilogue(a: jax.Array, b: jax.Array, off=0, per_row: jax.Array | None
         raise ValueError(f"A {a.shape} (transposed: {a_t}) and B {b.shape} (transposed: {b_t}, "
                          f"window {b_window}) must be [M, K] @ [K, N] with M, N, K multiples "
                          f"of {t.m}, {t.cols}, {t.k}")
-    swizzle = _swizzle_elems(a.dtype, t.k)
     itemsize = jnp.dtype(a.dtype).itemsize
     # One layout serves every operand tile: its minor dimension (k, m, n or 2n) is a multiple of
     # the 64-element swizzle row.
-    transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle * itemsize))
+    transforms = _tma_transforms(a.dtype, t.k)
     per_row = [] if per_row is None else [per_row.astype(jnp.float32).reshape(-1, m_dim)]
     n_rows = len(per_row[0]) if per_row else 0
     t = dataclasses.replace(t, stages=_stages(t, itemsize, scratch_types, n_rows))
@@ -499,13 +506,11 @@ def store_tile(value: jax.Array, smem, out, row, col, k: int = 0, reduction_op=N
     return k
 
 
-def tile_smem(dtype, cols: int, rows: int = 64):
-    """The shared memory `store_tile` needs: [2 warpgroups, 2 slots, rows, cols] (cols:
-    `Tiles.piece`), swizzled for TMA."""
-    swizzle = _swizzle_elems(dtype, cols)
-    return plgpu.SMEM((2, 2, rows, cols), dtype,
-                      transforms=(plgpu.TilingTransform((8, swizzle)),
-                                  plgpu.SwizzleTransform(swizzle * jnp.dtype(dtype).itemsize)))
+def tile_smem(dtype, tiles: Tiles):
+    """The shared memory `store_tile` needs for a GEMM on `tiles`: [2 warpgroups, 2 slots, 64,
+    tiles.piece], swizzled for TMA."""
+    return plgpu.SMEM((2, 2, 64, tiles.piece), dtype,
+                      transforms=_tma_transforms(dtype, tiles.piece))
 
 
 def add_tile(value: jax.Array, smem, out, row, col, interpret: bool):

@@ -196,14 +196,21 @@ def _fold_slab(z, labels_rel, state, st: _Static):
                              name="jaxfuse_linear_cross_entropy_fwd", interpret=st.interpret)
 
 
+def _logits_grad(zc, th, cols, label, lse, g, st: _Static):
+    """dz at the capped logits zc (columns `cols`), for the row pass and the Hopper epilogue
+    alike: `ce.logits_grad` times the soft cap's derivative 1 - tanh(z / c)^2 (th: tanh(z / c),
+    None without a cap)."""
+    dz = ce.logits_grad(zc, cols, label, lse, g, st.v, label_smoothing=st.label_smoothing,
+                        z_loss=st.z_loss)
+    return dz if th is None else dz * (1.0 - th * th)
+
+
 def _dz_slab(z, labels_rel, lse, g, st: _Static):
     """dz for the logits slab z [N, width], written over z."""
     def emit(tile):
         label, lse_, g_ = tile.per_row
-        zc, t = _capped(tile.x[0], st.softcap)
-        dz = ce.logits_grad(zc, tile.cols, label, lse_, g_, st.v,
-                            label_smoothing=st.label_smoothing, z_loss=st.z_loss)
-        return (dz if t is None else dz * (1.0 - t * t),), (), ()
+        return (_logits_grad(*_capped(tile.x[0], st.softcap), tile.cols, label, lse_, g_, st),
+                ), (), ()
 
     (dz,) = _rows.map_pass(emit, tiled=[z], fills=[0.0], per_row=[labels_rel, lse, g],
                            out_dtypes=(z.dtype,), blocks=st.rows, in_place=True,
@@ -289,10 +296,7 @@ def _dz_epilogue(z, rows, ctx, st: _Static, dtype):
     label = label.astype(jnp.int32)
     k = 0
     for j, zj, th, cols, row_wise in _epilogue_chunks(z, st, ctx, dtype, st.hopper.dz.epi):
-        dz = ce.logits_grad(zj, cols, row_wise(label), row_wise(lse), row_wise(g), st.v,
-                            label_smoothing=st.label_smoothing, z_loss=st.z_loss)
-        if th is not None:
-            dz = dz * (1.0 - th * th)
+        dz = _logits_grad(zj, th, cols, row_wise(label), row_wise(lse), row_wise(g), st)
         k = _hopper.store_tile(dz.astype(dtype), ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row,
                                ctx.col + j, k=k)
 
@@ -418,17 +422,17 @@ def _backward_fused(x2, w, labels, lse, g, st: _Static):
             x2, w, off, per_row, b_window=width,
             epilogue=functools.partial(_dz_epilogue, st=st, dtype=x2.dtype),
             out_types=jax.ShapeDtypeStruct((n, width), x2.dtype),
-            scratch_types=_hopper.tile_smem(x2.dtype, t.dz.piece), name="jaxfuse_lce_bwd_dz",
+            scratch_types=_hopper.tile_smem(x2.dtype, t.dz), name="jaxfuse_lce_bwd_dz",
             batchable=False, tiles=t.dz, **kw)
         _hopper.matmul_epilogue(
             dz, w, off, b_t=True, b_window=width, refs=(dx,),
             epilogue=functools.partial(_dx_epilogue, interpret=st.interpret),
-            scratch_types=_hopper.tile_smem(jnp.float32, t.dx.piece), name="jaxfuse_lce_bwd_dx",
+            scratch_types=_hopper.tile_smem(jnp.float32, t.dx), name="jaxfuse_lce_bwd_dx",
             tiles=t.dx, **kw)
         _hopper.matmul_epilogue(
             x2, dz, off, a_t=True, refs=(dw,),
             epilogue=functools.partial(_dw_epilogue, dtype=w.dtype),
-            scratch_types=_hopper.tile_smem(w.dtype, t.dw.piece), name="jaxfuse_lce_bwd_dw",
+            scratch_types=_hopper.tile_smem(w.dtype, t.dw), name="jaxfuse_lce_bwd_dw",
             tiles=t.dw, **kw)
 
     _over_columns(columns, None, 0, v_h, slab)

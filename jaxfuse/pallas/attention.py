@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _common as C
-from jaxfuse.pallas import attention_bwd
+from jaxfuse.pallas import attention_bwd, attention_hopper
 from jaxfuse.pallas._attn import AttnBlocks, AttnSpec
 from jaxfuse.reference import attention as ref
 
@@ -86,17 +86,24 @@ def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks):
                          out_specs=[q_spec, lse_spec])(q, k, v, *segs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, qs, ks, spec, blocks):
-    return tuple(_forward(q, k, v, qs, ks, spec, blocks))
+def _forward_any(q, k, v, qs, ks, spec, blocks, hopper):
+    if hopper is not None:
+        return attention_hopper.forward(q, k, v, spec, hopper)
+    return _forward(q, k, v, qs, ks, spec, blocks)
 
 
-def _flash_fwd(q, k, v, qs, ks, spec, blocks):
-    o, lse = _forward(q, k, v, qs, ks, spec, blocks)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q, k, v, qs, ks, spec, blocks, hopper):
+    return tuple(_forward_any(q, k, v, qs, ks, spec, blocks, hopper))
+
+
+def _flash_fwd(q, k, v, qs, ks, spec, blocks, hopper):
+    o, lse = _forward_any(q, k, v, qs, ks, spec, blocks, hopper)
     return (o, lse), (q, k, v, qs, ks, o, lse)
 
 
-def _flash_bwd(spec, blocks, res, cts):
+def _flash_bwd(spec, blocks, hopper, res, cts):
+    del hopper   # the backward is the portable kernel pair on every path
     q, k, v, qs, ks, o, lse = res
     do, dlse = cts
     dq, dk, dv = attention_bwd.backward(q, k, v, qs, ks, o, lse, do, dlse, spec, blocks)
@@ -122,11 +129,16 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     ref.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap, scale)
     check_head_dim(q.shape[-1])
     interpret = C.resolve_interpret(interpret)
-    spec = AttnSpec.make(n_q=q.shape[1], n_k=k.shape[1], head_dim=q.shape[-1],
-                         groups=q.shape[2] // k.shape[2], dtype=q.dtype, scale=scale,
-                         interpret=interpret, folded=None if block_sizes is None else block_sizes.folded,
-                         causal=causal, window=sliding_window, softcap=logits_soft_cap,
-                         segments=q_segment_ids is not None)
+    make = functools.partial(
+        AttnSpec.make, n_q=q.shape[1], n_k=k.shape[1], head_dim=q.shape[-1],
+        groups=q.shape[2] // k.shape[2], dtype=q.dtype, scale=scale, interpret=interpret,
+        causal=causal, window=sliding_window, softcap=logits_soft_cap,
+        segments=q_segment_ids is not None)
+    spec = make(folded=None if block_sizes is None else block_sizes.folded)
+    hopper = attention_hopper.tiles_for(None if block_sizes is None else block_sizes.hopper, q, k,
+                                        make(folded=False))
+    if hopper is not None:
+        spec = make(folded=False)     # the Hopper forward writes the GPU layout
     folded = spec.folded
     blocks = AttnBlocks.for_shape(spec) if block_sizes is None else block_sizes
     blocks.validate(folded)
@@ -144,9 +156,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
         if spec.segments:
             qs = jnp.broadcast_to(qs[:, None, None, :], (b, hkv, g, tq)).reshape(b * hkv, g * tq)
             ks = jnp.broadcast_to(ks[:, None, :], (b, hkv, tk)).reshape(b * hkv, tk)
-        o, lse = _flash(fold_q(q), fold_kv(k), fold_kv(v), qs, ks, spec, blocks)
+        o, lse = _flash(fold_q(q), fold_kv(k), fold_kv(v), qs, ks, spec, blocks, None)
         o = o.reshape(b, hkv, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
         lse = lse.reshape(b, hq, tq)
     else:
-        o, lse = _flash(q, k, v, qs, ks, spec, blocks)
+        o, lse = _flash(q, k, v, qs, ks, spec, blocks, hopper)
     return (o, lse) if return_lse else o

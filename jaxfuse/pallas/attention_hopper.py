@@ -80,6 +80,26 @@ def fits(q, k, spec: AttnSpec, tiles: HopperAttnTiles) -> bool:
             and spec.n_q > 0 and spec.n_k > 0)
 
 
+def tiles_for(hopper, q, k, spec: AttnSpec) -> HopperAttnTiles | None:
+    """The Hopper forward's tiles if it is to run, else None (see `AttnBlocks.hopper`); `spec`
+    must be the squeezed (GPU-layout) spec. None runs it on an sm90 GPU, compiled, where the
+    problem fits; True or tiles force it (also in the interpreter) and raise where it does not."""
+    if hopper is False or (hopper is None and (spec.interpret or not H.available())):
+        return None
+    tiles = hopper if isinstance(hopper, HopperAttnTiles) else HopperAttnTiles.for_head_dim(
+        spec.head_dim)
+    if fits(q, k, spec, tiles):
+        return tiles
+    if hopper is not None:
+        raise ValueError(
+            f"AttnBlocks(hopper={hopper}) needs bf16/f16 q, k, v of one dtype, head_dim in (64, "
+            f"128, 256), no segment ids, Tq a multiple of {2 * _ROWS} and Tk of "
+            f"{tiles.block_k}; got q {q.shape} {q.dtype}, k {k.shape} {k.dtype}, segment ids "
+            f"{spec.segments}. Use hopper=None to fall back to the portable kernel where it "
+            f"does not fit")
+    return None
+
+
 class _Mma:
     """The two matrix products of a step: wgmma on the GPU, plain dots in the interpreter."""
 

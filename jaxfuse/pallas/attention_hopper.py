@@ -114,14 +114,14 @@ class _Mma:
     def __init__(self, interpret: bool):
         self.interpret = interpret
 
-    def run(self, body, o_scratch):
+    def run(self, body, o_scratch, shape):
         """Runs body(o_ref) with O's accumulator zeroed: a wgmma accumulator on the GPU, the
         float32 shared-memory `o_scratch` in the interpreter (which has no `run_state`)."""
         if self.interpret:
             o_scratch[...] = jnp.zeros(o_scratch.shape, jnp.float32)
             body(o_scratch)
         else:
-            pl.run_state(body)(plgpu.ACC.init(_zeros(o_scratch.shape, False)))
+            pl.run_state(body)(plgpu.ACC.init(_zeros(shape, False)))
 
     def issue(self, q_smem, k_smem, o_ref, pv, after_issue):
         """S = Q K^T as float32 [64, bk], with O += P V issued behind it when `pv` = (P [64, bk]
@@ -291,7 +291,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
 
             if tiles.pingpong:
                 pl.when(wg == 1)(rendezvous)         # the second consumer one phase behind
-            mma.run(consume, o_scratch.at[wg])
+            mma.run(consume, o_scratch.at[wg], (_ROWS, d))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem.at[wg], o_gmem.at[b, pl.ds(r0, _ROWS), h])
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[b, h, pl.ds(r0, _ROWS)])

@@ -22,7 +22,7 @@ first (the last query tiles, which see the most keys, get the first multiprocess
 short tiles fill in at the end of the wave.
 
 What it takes (`fits`): bf16/f16, D in {64, 128, 256}, Tq a multiple of 2 * block_q and Tk of
-block_k; no segment ids; not causal with Tq > Tk. Anything else runs the portable Triton kernels (`attention.py`),
+block_k; no segment ids. Anything else runs the portable Triton kernels (`attention.py`),
 which also serve the backward.
 
 Regimes: compiled by Mosaic GPU on an sm90 GPU. On a CPU the same body runs in Mosaic GPU's
@@ -77,10 +77,7 @@ def fits(q, k, spec: AttnSpec, tiles: HopperAttnTiles) -> bool:
     return (q.dtype == k.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
             and spec.head_dim in (64, 128, 256) and not spec.segments
             and spec.n_q % (2 * _ROWS) == 0 and spec.n_k % tiles.block_k == 0
-            and spec.n_q > 0 and spec.n_k > 0
-            # Every CTA must see at least one key tile (the key loop is peeled at tile 0):
-            # bottom-right causal with Tq > Tk leaves the first rows without keys.
-            and not (spec.causal and spec.n_q > spec.n_k))
+            and spec.n_q > 0 and spec.n_k > 0)
 
 
 def tiles_for(hopper, q, k, spec: AttnSpec) -> HopperAttnTiles | None:
@@ -104,53 +101,34 @@ def tiles_for(hopper, q, k, spec: AttnSpec) -> HopperAttnTiles | None:
 
 
 class _Mma:
-    """The matrix products of a step: async wgmma on the GPU, plain dots in the interpreter.
-
-    O lives in a wgmma accumulator (`o_ref`) for the whole key loop. A step issues S_j = Q K_j^T
-    and O += P_{j-1} V_{j-1} back to back and waits only for S_j, so the softmax of tile j runs
-    while P_{j-1} V_{j-1} is still on the tensor cores (FlashAttention-3 sec. 3.2, intra-warpgroup
-    overlap); `wait_pv` then waits for the PV product before O is rescaled."""
+    """The two matrix products of a step: wgmma on the GPU, plain dots in the interpreter."""
 
     def __init__(self, interpret: bool):
         self.interpret = interpret
 
-    def run(self, body, o_scratch, shape):
-        """Runs body(o_ref) with O's accumulator zeroed: a wgmma accumulator on the GPU, the
-        float32 shared-memory `o_scratch` in the interpreter (which has no `run_state`)."""
-        if self.interpret:
-            o_scratch[...] = jnp.zeros(o_scratch.shape, jnp.float32)
-            body(o_scratch)
-        else:
-            pl.run_state(body)(plgpu.ACC.init(_zeros(shape, False)))
-
-    def issue(self, q_smem, k_smem, o_ref, pv, after_issue):
-        """S = Q K^T as float32 [64, bk], with O += P V issued behind it when `pv` = (P [64, bk]
-        in registers, V tile) is given; `after_issue` runs while the products are in flight."""
+    def qk(self, q_smem, k_smem, after_issue):
+        """S = Q K^T as float32 [64, bk]; `after_issue` runs while the wgmma is in flight."""
         if self.interpret:
             after_issue()
-            if pv is not None:
-                o_ref[...] += A.dot(pv[0], pv[1][...], "qk,kd->qd")
             return A.dot(q_smem[...], k_smem[...], "qd,kd->qk")
 
-        def body(s_acc):
-            plgpu.wgmma(s_acc, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
-            if pv is not None:
-                plgpu.wgmma(o_ref, pv[0], pv[1])
+        def body(acc):
+            plgpu.wgmma(acc, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
             after_issue()
-            return plgpu.wgmma_accumulator_load(s_acc, wait_n=0 if pv is None else 1)
+            return acc[...]
         return pl.run_scoped(body, plgpu.ACC((_ROWS, k_smem.shape[0]), jnp.float32))
 
-    def pv(self, o_ref, p, v_smem):
-        """O += P V, waited for."""
+    def pv(self, acc, p, v_smem, after_issue):
+        """acc + P V with P [64, bk] in registers (the input dtype); `after_issue` runs while
+        the wgmma is in flight."""
         if self.interpret:
-            o_ref[...] += A.dot(p, v_smem[...], "qk,kd->qd")
-            return
-        plgpu.wgmma(o_ref, p, v_smem)
-        plgpu.wgmma_wait(0)
+            after_issue()
+            return acc + A.dot(p, v_smem[...], "qk,kd->qd")
 
-    def wait_pv(self):
-        if not self.interpret:
-            plgpu.wgmma_wait(0)
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, p, v_smem)
+            after_issue()
+        return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
 def _row_vec(x, n: int):
@@ -166,7 +144,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
     transforms = H._tma_transforms(dtype, d)
 
     def scoped(q_smem, k_smem, v_smem, lse_smem, k_full, v_full, q_full, k_empty, v_empty,
-               turn, o_scratch):
+               turn):
         bh = lax.axis_index("bh")
         b, h = bh // q_gmem.shape[2], bh % q_gmem.shape[2]
         tile = lax.axis_index("q")
@@ -215,83 +193,54 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
             plgpu.barrier_wait(q_full.at[wg])
             q_pos = r0 + _iota((_ROWS, bk), 0, spec.interpret)
 
-            def turn_arrive():
+            def rendezvous():
                 if tiles.pingpong:
                     plgpu.barrier_arrive(turn)
-
-            def turn_wait():
-                if tiles.pingpong:
                     plgpu.barrier_wait(turn)
 
-            def rendezvous():
-                turn_arrive()
-                turn_wait()
-
-            def softmax(j, s, m, l, masked):
-                """Online softmax of tile j: (p, new max, new sum, rescale of the old state)."""
+            def step(j, carry, masked):
+                acc, m, l = carry
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_full.at[slot])
+                s = mma.qk(q_smem.at[wg], k_smem.at[slot], rendezvous)
+                plgpu.barrier_arrive(k_empty.at[slot])
                 k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
                 s2, _ = A.transform(spec, s, q_pos, k_pos, None, None, masked)
                 m_new = jnp.maximum(m, jnp.max(s2, axis=1))
                 shift = C.safe_max(m_new)
                 alpha = jnp.exp2(m - shift)
                 p = jnp.exp2(s2 - _row_vec(shift, bk))
-                return p.astype(dtype), m_new, l * alpha + jnp.sum(p, axis=1), alpha
-
-            # Turns on the tensor cores (pingpong): each warpgroup issues its products, meets the
-            # other (rendezvous), runs its softmax while the other issues, and arrives when done.
-            def consume(o_ref):
-                m = jnp.full((_ROWS,), C.NEG_INF, jnp.float32)
-                l = jnp.zeros((_ROWS,), jnp.float32)
-                if not spec.interpret:
-                    m = plgpu.layout_cast(m, plgpu.Layout.WGMMA.reduce(1))
-                    l = plgpu.layout_cast(l, plgpu.Layout.WGMMA.reduce(1))
-                # Tile 0 (always through the mask: one tile, and it spares a branch).
-                plgpu.barrier_wait(k_full.at[0])
-                s = mma.issue(q_smem.at[wg], k_smem.at[0], o_ref, None, rendezvous)
-                plgpu.barrier_arrive(k_empty.at[0])
-                p, m, l, _ = softmax(0, s, m, l, True)
-                turn_arrive()
-
-                def step(j, carry, masked):
-                    p_prev, m, l = carry
-                    slot, prev = lax.rem(j, stages), lax.rem(j - 1, stages)
-                    plgpu.barrier_wait(k_full.at[slot])
-                    plgpu.barrier_wait(v_full.at[prev])
-                    turn_wait()
-                    s = mma.issue(q_smem.at[wg], k_smem.at[slot], o_ref,
-                                  (p_prev, v_smem.at[prev]), rendezvous)
-                    plgpu.barrier_arrive(k_empty.at[slot])
-                    p, m, l, alpha = softmax(j, s, m, l, masked)     # under P_{j-1} V_{j-1}
-                    mma.wait_pv()
-                    plgpu.barrier_arrive(v_empty.at[prev])
-                    o_ref[...] = o_ref[...] * _row_vec(alpha, d)
-                    turn_arrive()
-                    return p, m, l
-
-                one = jnp.int32(1)
-                b1, b2 = jnp.maximum(f_lo - lo, one), jnp.maximum(f_hi - lo, one)
-                carry = (p, m, l)
-                carry = lax.fori_loop(one, b1, lambda j, c: step(j, c, True), carry)
-                carry = lax.fori_loop(b1, b2, lambda j, c: step(j, c, False), carry)
-                p, m, l = lax.fori_loop(b2, n, lambda j, c: step(j, c, True), carry)
-                last = lax.rem(n - 1, stages)
-                plgpu.barrier_wait(v_full.at[last])
-                turn_wait()
-                mma.pv(o_ref, p, v_smem.at[last])
-                plgpu.barrier_arrive(v_empty.at[last])
+                l = l * alpha + jnp.sum(p, axis=1)
+                acc = acc * _row_vec(alpha, d)
                 if tiles.pingpong:
-                    pl.when(wg == 0)(rendezvous)
+                    plgpu.barrier_arrive(turn)        # my softmax is done
+                plgpu.barrier_wait(v_full.at[slot])
+                if tiles.pingpong:
+                    plgpu.barrier_wait(turn)          # the other's GEMMs have been issued
+                acc = mma.pv(acc, p.astype(dtype), v_smem.at[slot], lambda: None)
+                plgpu.barrier_arrive(v_empty.at[slot])
+                return acc, m_new, l
 
-                seen = l > 0
-                inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-                lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * A.LN2,
-                                C.NEG_INF)
-                q_smem[wg] = (o_ref[...] * _row_vec(inv, d)).astype(dtype)   # O replaces Q
-                lse_smem[wg] = lse
-
+            acc = _zeros((_ROWS, d), spec.interpret)
+            m = jnp.full((_ROWS,), C.NEG_INF, jnp.float32)
+            l = jnp.zeros((_ROWS,), jnp.float32)
+            if not spec.interpret:
+                m = plgpu.layout_cast(m, plgpu.Layout.WGMMA.reduce(1))
+                l = plgpu.layout_cast(l, plgpu.Layout.WGMMA.reduce(1))
             if tiles.pingpong:
                 pl.when(wg == 1)(rendezvous)         # the second consumer one phase behind
-            mma.run(consume, o_scratch.at[wg], (_ROWS, d))
+            carry = (acc, m, l)
+            carry = lax.fori_loop(0, f_lo - lo, lambda j, c: step(j, c, True), carry)
+            carry = lax.fori_loop(f_lo - lo, f_hi - lo, lambda j, c: step(j, c, False), carry)
+            acc, m, l = lax.fori_loop(f_hi - lo, n, lambda j, c: step(j, c, True), carry)
+            if tiles.pingpong:
+                pl.when(wg == 0)(rendezvous)
+
+            seen = l > 0
+            inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+            lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * A.LN2, C.NEG_INF)
+            q_smem[wg] = (acc * _row_vec(inv, d)).astype(dtype)      # Q is done with: O goes here
+            lse_smem[wg] = lse
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem.at[wg], o_gmem.at[b, pl.ds(r0, _ROWS), h])
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[b, h, pl.ds(r0, _ROWS)])
@@ -309,8 +258,6 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
-        # O's accumulator in the interpreter only (registers on the GPU: a [2, 1, 1] dummy).
-        plgpu.SMEM((2, _ROWS, d) if spec.interpret else (2, 1, 1), jnp.float32),
         collective_axes="wg")
 
 

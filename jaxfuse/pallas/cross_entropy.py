@@ -111,10 +111,11 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: floa
                   ignore_index: int = -100, reduction: str = "mean",
                   interpret: bool | None = None, block_sizes: RowBlocks | None = None) -> jax.Array:
     """Pallas cross-entropy; see `jaxfuse.reference.cross_entropy` for the exact semantics."""
-    ref.validate(logits, labels, label_smoothing, reduction)
+    ref.validate(logits, labels, label_smoothing, reduction, ignore_index)
     interpret = C.resolve_interpret(interpret)
     logits2 = _rows.as_rows(logits)
-    labels1 = labels.reshape(-1).astype(jnp.int32)
+    labels = ref.canonical_labels(labels, logits.shape[-1], ignore_index)
+    labels1 = labels.reshape(-1)
     blocks = _rows.resolve_blocks(block_sizes, *logits2.shape, interpret)
     st = _Static(float(label_smoothing), int(ignore_index), blocks, interpret)
     loss = token_loss(logits2, labels1, st).reshape(labels.shape)

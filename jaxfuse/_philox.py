@@ -37,7 +37,8 @@ def philox4x32(ctr, key, *, rounds: int = ROUNDS, mulhi=lax.mulhi):
     `mulhi(a, b)`: the high 32 bits of the 64-bit product; `lax.mulhi` in jax.numpy and in
     interpret mode, a one-instruction `mul.hi.u32` in a compiled Triton kernel (`pallas._rng`).
     """
-    c0, c1, c2, c3 = (jnp.asarray(c, jnp.uint32) for c in ctr)
+    # One shape for all four words: a constant word (the stream) must still be a tile in a kernel.
+    c0, c1, c2, c3 = jnp.broadcast_arrays(*(jnp.asarray(c, jnp.uint32) for c in ctr))
     k0, k1 = (jnp.asarray(k, jnp.uint32) for k in key)
     for r in range(rounds):
         if r:

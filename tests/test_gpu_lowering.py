@@ -102,3 +102,15 @@ def test_hopper_linear_cross_entropy_lowers(vmapped):
     for name in ("jaxfuse_linear_cross_entropy_fwd_hopper", "jaxfuse_lce_bwd_dz",
                  "jaxfuse_lce_bwd_dx", "jaxfuse_lce_bwd_dw"):
         assert name in module
+
+
+@pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
+def test_dropout_kernels_lower(shape):
+    x = jnp.zeros(shape, jnp.bfloat16)
+    b = jnp.zeros(shape[-1:], jnp.bfloat16)
+    key = jax.random.key(0)
+    kw = dict(interpret=False, rate=0.1, key=key)
+    _fwd_bwd(lambda x: jaxfuse.dropout(x, 0.1, key, interpret=False), x)
+    _fwd_bwd(lambda x, b, r: jaxfuse.bias_dropout_add(x, b, r, **kw), x, b, x)
+    for act in ("gelu", "gelu_tanh", "relu", "silu"):
+        _fwd_bwd(lambda x, b: jaxfuse.bias_act_dropout(x, b, activation=act, **kw), x, b)

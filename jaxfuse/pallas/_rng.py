@@ -16,10 +16,14 @@ from jaxfuse import _philox
 
 
 def _mulhi_ptx(a, b):
-    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.uint32), jnp.asarray(b, jnp.uint32))
-    return pltriton.elementwise_inline_asm(
+    # Through int32 (the same 32-bit registers): Pallas's Triton lowering types uint32 values
+    # as signless i32 but an inline-asm result declared uint32 as ui32, which then mismatch.
+    a, b = (lax.bitcast_convert_type(v, jnp.int32) for v in jnp.broadcast_arrays(
+        jnp.asarray(a, jnp.uint32), jnp.asarray(b, jnp.uint32)))
+    hi = pltriton.elementwise_inline_asm(
         "mul.hi.u32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.uint32)])[0]
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])[0]
+    return lax.bitcast_convert_type(hi, jnp.uint32)
 
 
 def mulhi(interpret: bool):

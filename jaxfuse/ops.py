@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 
 from jaxfuse._dispatch import route
+from jaxfuse.pallas import add_norm as _p_an
 from jaxfuse.pallas import attention as _p_attn
 from jaxfuse.pallas import beam_top_k as _p_topk
 from jaxfuse.pallas import bias_act_dropout as _p_bad
@@ -19,6 +20,7 @@ from jaxfuse.pallas import layer_norm as _p_ln
 from jaxfuse.pallas import linear_cross_entropy as _p_lce
 from jaxfuse.pallas import rms_norm as _p_rms
 from jaxfuse.pallas import softmax as _p_softmax
+from jaxfuse.reference import add_norm as _r_an
 from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import beam_top_k as _r_topk
 from jaxfuse.reference import bias_act_dropout as _r_bad
@@ -189,3 +191,18 @@ def bias_act_dropout(x: jax.Array, bias: jax.Array | None, *, activation: str = 
     return route(impl, _p_bad.bias_act_dropout, _r_bad.bias_act_dropout, x, bias,
                  activation=activation, rate=rate, key=key, interpret=interpret,
                  block_sizes=block_sizes)
+
+
+def add_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | None,
+             bias: jax.Array | None = None, *, norm: str = "rms", eps: float | None = None,
+             rate: float = 0.0, key=None, impl: str = "pallas", interpret: bool | None = None,
+             block_sizes=None):
+    """`(h, norm(h))` with `h = residual + dropout(x)`: a pre-norm block's "add, then normalize"
+    in one read of x and residual. `norm`: "rms" (eps 1e-6, no bias) or "layer" (eps 1e-5).
+    h is returned in x's dtype and y normalizes h as rounded. Differentiable in x, residual,
+    weight and bias, with cotangents for both h and y.
+
+    >>> h, y = jaxfuse.add_norm(attn_out, h, w_norm, rate=0.1, key=k)   # then mlp(y)
+    """
+    return route(impl, _p_an.add_norm, _r_an.add_norm, x, residual, weight, bias, norm=norm,
+                 eps=eps, rate=rate, key=key, interpret=interpret, block_sizes=block_sizes)

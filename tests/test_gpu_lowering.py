@@ -114,3 +114,13 @@ def test_dropout_kernels_lower(shape):
     _fwd_bwd(lambda x, b, r: jaxfuse.bias_dropout_add(x, b, r, **kw), x, b, x)
     for act in ("gelu", "gelu_tanh", "relu", "silu"):
         _fwd_bwd(lambda x, b: jaxfuse.bias_act_dropout(x, b, activation=act, **kw), x, b)
+
+
+@pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
+def test_add_norm_lowers(shape):
+    x = jnp.zeros(shape, jnp.bfloat16)
+    w = jnp.zeros(shape[-1:], jnp.bfloat16)
+    key = jax.random.key(0)
+    _fwd_bwd(lambda x, r, w: jaxfuse.add_norm(x, r, w, rate=0.1, key=key, interpret=False),
+             x, x, w)
+    _fwd_bwd(lambda x, r, w: jaxfuse.add_norm(x, r, w, w, norm="layer", interpret=False), x, x, w)

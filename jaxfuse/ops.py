@@ -19,7 +19,9 @@ from jaxfuse.pallas import decode_attention as _p_dec
 from jaxfuse.pallas import layer_norm as _p_ln
 from jaxfuse.pallas import linear_cross_entropy as _p_lce
 from jaxfuse.pallas import rms_norm as _p_rms
+from jaxfuse.pallas import rope as _p_rope
 from jaxfuse.pallas import softmax as _p_softmax
+from jaxfuse.pallas import swiglu as _p_swiglu
 from jaxfuse.reference import add_norm as _r_an
 from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import beam_top_k as _r_topk
@@ -31,7 +33,9 @@ from jaxfuse.reference import decode_attention as _r_dec
 from jaxfuse.reference import layer_norm as _r_ln
 from jaxfuse.reference import linear_cross_entropy as _r_lce
 from jaxfuse.reference import rms_norm as _r_rms
+from jaxfuse.reference import rope as _r_rope
 from jaxfuse.reference import softmax as _r_softmax
+from jaxfuse.reference import swiglu as _r_swiglu
 
 
 def softmax(x: jax.Array, *, scale: float = 1.0, mask: jax.Array | None = None,
@@ -206,3 +210,27 @@ def add_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | None,
     """
     return route(impl, _p_an.add_norm, _r_an.add_norm, x, residual, weight, bias, norm=norm,
                  eps=eps, rate=rate, key=key, interpret=interpret, block_sizes=block_sizes)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, *, impl: str = "pallas",
+           interpret: bool | None = None, block_sizes=None) -> jax.Array:
+    """`silu(gate) * up` (SwiGLU's gate) in one pass; the backward recomputes silu from gate,
+    so nothing but the inputs is saved.
+
+    >>> a = jaxfuse.swiglu(x @ w_gate, x @ w_up)
+    """
+    return route(impl, _p_swiglu.swiglu, _r_swiglu.swiglu, gate, up, interpret=interpret,
+                 block_sizes=block_sizes)
+
+
+def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleaved: bool = True,
+         impl: str = "pallas", interpret: bool | None = None, block_sizes=None) -> jax.Array:
+    """Rotary embedding of x [..., T, H, D] at integer positions [..., T]: pair i turns by
+    positions * base^(-2i/D). `interleaved=True` pairs (x[2i], x[2i+1]) (RoFormer,
+    `jaxfuse.model`); `False` pairs (x[i], x[i + D/2]) (GPT-NeoX / Llama halves). Angles are
+    computed in the kernel; the backward is the inverse rotation.
+
+    >>> q = jaxfuse.rope(q, positions)
+    """
+    return route(impl, _p_rope.rope, _r_rope.rope, x, positions, base=base,
+                 interleaved=interleaved, interpret=interpret, block_sizes=block_sizes)

@@ -124,3 +124,12 @@ def test_add_norm_lowers(shape):
     _fwd_bwd(lambda x, r, w: jaxfuse.add_norm(x, r, w, rate=0.1, key=key, interpret=False),
              x, x, w)
     _fwd_bwd(lambda x, r, w: jaxfuse.add_norm(x, r, w, w, norm="layer", interpret=False), x, x, w)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_swiglu_and_rope_lower(interleaved):
+    x = jnp.zeros((33, 1000), jnp.bfloat16)
+    _fwd_bwd(lambda g, u: jaxfuse.swiglu(g, u, interpret=False), x, x)
+    q = jnp.zeros((2, 100, 4, 128), jnp.bfloat16)
+    pos = jnp.zeros((2, 100), jnp.int32)
+    _fwd_bwd(lambda q: jaxfuse.rope(q, pos, interleaved=interleaved, interpret=False), q)

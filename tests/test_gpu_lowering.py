@@ -119,3 +119,34 @@ def test_hopper_flash_attention_lowers(d, opts):
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=True), **opts),
         q, k, k).mlir_module()
     assert "jaxfuse_flash_fwd_hopper" in module
+
+
+@pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
+def test_dropout_kernels_lower(shape):
+    x = jnp.zeros(shape, jnp.bfloat16)
+    b = jnp.zeros(shape[-1:], jnp.bfloat16)
+    key = jax.random.key(0)
+    kw = dict(interpret=False, rate=0.1, key=key)
+    _fwd_bwd(lambda x: jaxfuse.dropout(x, 0.1, key, interpret=False), x)
+    _fwd_bwd(lambda x, b, r: jaxfuse.bias_dropout_add(x, b, r, **kw), x, b, x)
+    for act in ("gelu", "gelu_tanh", "relu", "silu"):
+        _fwd_bwd(lambda x, b: jaxfuse.bias_act_dropout(x, b, activation=act, **kw), x, b)
+
+
+@pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
+def test_add_norm_lowers(shape):
+    x = jnp.zeros(shape, jnp.bfloat16)
+    w = jnp.zeros(shape[-1:], jnp.bfloat16)
+    key = jax.random.key(0)
+    _fwd_bwd(lambda x, r, w: jaxfuse.add_norm(x, r, w, rate=0.1, key=key, interpret=False),
+             x, x, w)
+    _fwd_bwd(lambda x, r, w: jaxfuse.add_norm(x, r, w, w, norm="layer", interpret=False), x, x, w)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_swiglu_and_rope_lower(interleaved):
+    x = jnp.zeros((33, 1000), jnp.bfloat16)
+    _fwd_bwd(lambda g, u: jaxfuse.swiglu(g, u, interpret=False), x, x)
+    q = jnp.zeros((2, 100, 4, 128), jnp.bfloat16)
+    pos = jnp.zeros((2, 100), jnp.int32)
+    _fwd_bwd(lambda q: jaxfuse.rope(q, pos, interleaved=interleaved, interpret=False), q)

@@ -96,15 +96,16 @@ class Tile(NamedTuple):
     rows: jax.Array  # int32 [br, bc] absolute row index
     cols: jax.Array  # int32 [br, bc] absolute column index
     valid: jax.Array  # bool [br, bc] inside the array
+    key: tuple = ()  # the two uint32 Philox key words (scalars) when the pass was given a key
 
 
-def _load(refs, fills, per_row, per_col, row0, col0, b: RowBlocks, n_rows, n_cols):
+def _load(refs, fills, per_row, per_col, row0, col0, b: RowBlocks, n_rows, n_cols, key=()):
     """The tile of every tiled input at (row0, col0), with the per-row and per-column values the
     caller loaded once for it (they do not change from tile to tile)."""
     tiles = [C.load_tile(ref, row0, col0, b.block_rows, b.block_cols, n_rows, n_cols,
                          other=fill)[0].astype(jnp.float32) for ref, fill in zip(refs, fills)]
     rows, cols, valid = C.tile_index(row0, col0, b.block_rows, b.block_cols, n_rows, n_cols)
-    return Tile(tuple(tiles), per_row, per_col, rows, cols, valid)
+    return Tile(tuple(tiles), per_row, per_col, rows, cols, valid, key)
 
 
 def _per_row(refs, row0, b: RowBlocks, n_rows):
@@ -156,7 +157,7 @@ def reduce_pass(init: Callable, step: Callable, finalize: Callable, *, tiled: Se
 def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Sequence = (),
              per_col: Sequence = (), out_dtypes: Sequence, row_out_dtypes: Sequence = (),
              n_col_sums: int = 0, blocks: RowBlocks, name: str, interpret: bool,
-             in_place: bool = False):
+             in_place: bool = False, key: jax.Array | None = None):
     """Tiles written from tiles: `emit(tile) -> (out_tiles, row_outs, col_sums)`.
 
     `in_place=True` writes the first output over the first tiled input (same shape and dtype;
@@ -165,6 +166,8 @@ def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Seque
     `out_tiles`: [br, bc] values for outputs shaped like the input (dtypes `out_dtypes`).
     `row_outs`: [br, 1] per-row values (only when a row is one tile), dtypes `row_out_dtypes`.
     `col_sums`: [1, bc] float32 values summed over the program's rows into `[groups, n_cols]`.
+    `key`: a uint32 [2] array (Philox key words, `jaxfuse._philox`) handed to `emit` as
+    `tile.key`, read once per program, so that dropout masks are generated in the kernel.
     """
     n_rows, n_cols = tiled[0].shape
     b = blocks
@@ -177,8 +180,11 @@ def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Seque
     n_chunks = rpp // b.block_rows
     n_in = (len(tiled), len(per_row), len(per_col))
     n_out = (len(out_dtypes), len(row_out_dtypes))
+    has_key = key is not None
 
     def kernel(*refs):
+        key_w = (refs[0][0], refs[0][1]) if has_key else ()
+        refs = refs[1:] if has_key else refs
         t_refs, r_refs = refs[:n_in[0]], refs[n_in[0]:n_in[0] + n_in[1]]
         c_refs = refs[n_in[0] + n_in[1]:sum(n_in)]
         outs = refs[sum(n_in):]
@@ -191,7 +197,7 @@ def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Seque
         def chunk(c, sums):
             row0 = group * rpp + c * b.block_rows
             tile = _load(t_refs, fills, _per_row(r_refs, row0, b, n_rows), cols_in, row0, col0,
-                         b, n_rows, n_cols)
+                         b, n_rows, n_cols, key_w)
             out_tiles, row_outs, col_sums = emit(tile)
             for ref, val in zip(o_refs, out_tiles):
                 C.store_tile(ref, val, row0, col0, n_rows, n_cols)
@@ -211,8 +217,8 @@ def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Seque
                  + [jax.ShapeDtypeStruct((n_groups, n_cols), jnp.float32)] * n_col_sums)
     return C.pallas_call(kernel, out_shape=out_shape, grid=(n_groups, n_tiles), name=name,
                          interpret=interpret, num_warps=b.num_warps,
-                         input_output_aliases={0: 0} if in_place else None)(
-        *tiled, *per_row, *per_col)
+                         input_output_aliases={int(has_key): 0} if in_place else None)(
+        *([key] if has_key else []), *tiled, *per_row, *per_col)
 
 
 def as_rows(x: jax.Array) -> jax.Array:

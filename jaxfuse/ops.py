@@ -10,12 +10,8 @@ import jax
 from jaxfuse._dispatch import route
 from jaxfuse.pallas import attention as _p_attn
 from jaxfuse.pallas import beam_top_k as _p_topk
-from jaxfuse.pallas import cross_entropy as _p_ce
 from jaxfuse.pallas import decode_attention as _p_dec
-from jaxfuse.pallas import layer_norm as _p_ln
 from jaxfuse.pallas import linear_cross_entropy as _p_lce
-from jaxfuse.pallas import rms_norm as _p_rms
-from jaxfuse.pallas import softmax as _p_softmax
 from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import beam_top_k as _r_topk
 from jaxfuse.reference import cross_entropy as _r_ce
@@ -24,6 +20,7 @@ from jaxfuse.reference import layer_norm as _r_ln
 from jaxfuse.reference import linear_cross_entropy as _r_lce
 from jaxfuse.reference import rms_norm as _r_rms
 from jaxfuse.reference import softmax as _r_softmax
+from jaxfuse.sharding import rows as _s_rows
 
 
 def softmax(x: jax.Array, *, scale: float = 1.0, mask: jax.Array | None = None,
@@ -37,7 +34,7 @@ def softmax(x: jax.Array, *, scale: float = 1.0, mask: jax.Array | None = None,
 
     >>> y = jaxfuse.softmax(scores, scale=0.125, causal=True)
     """
-    return route(impl, _p_softmax.softmax, _r_softmax.softmax, x, scale=scale, mask=mask,
+    return route(impl, _s_rows.softmax, _r_softmax.softmax, x, scale=scale, mask=mask,
                  causal=causal, interpret=interpret, block_sizes=block_sizes)
 
 
@@ -48,7 +45,7 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
 
     >>> y = jaxfuse.layer_norm(x, w, b)          # x [..., D], w and b [D]
     """
-    return route(impl, _p_ln.layer_norm, _r_ln.layer_norm, x, weight, bias, eps=eps,
+    return route(impl, _s_rows.layer_norm, _r_ln.layer_norm, x, weight, bias, eps=eps,
                  interpret=interpret, block_sizes=block_sizes)
 
 
@@ -58,7 +55,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, *, eps: float = 1e-6
 
     >>> y = jaxfuse.rms_norm(x, w)
     """
-    return route(impl, _p_rms.rms_norm, _r_rms.rms_norm, x, weight, eps=eps,
+    return route(impl, _s_rows.rms_norm, _r_rms.rms_norm, x, weight, eps=eps,
                  interpret=interpret, block_sizes=block_sizes)
 
 
@@ -73,7 +70,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: floa
 
     >>> loss = jaxfuse.cross_entropy(logits, targets, label_smoothing=0.1)
     """
-    return route(impl, _p_ce.cross_entropy, _r_ce.cross_entropy, logits, labels,
+    return route(impl, _s_rows.cross_entropy, _r_ce.cross_entropy, logits, labels,
                  label_smoothing=label_smoothing, ignore_index=ignore_index,
                  reduction=reduction, interpret=interpret, block_sizes=block_sizes)
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 import jax
 
 from jaxfuse._dispatch import route
-from jaxfuse.pallas import attention as _p_attn
 from jaxfuse.pallas import beam_top_k as _p_topk
-from jaxfuse.pallas import decode_attention as _p_dec
 from jaxfuse.pallas import linear_cross_entropy as _p_lce
 from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import beam_top_k as _r_topk
@@ -20,6 +18,7 @@ from jaxfuse.reference import layer_norm as _r_ln
 from jaxfuse.reference import linear_cross_entropy as _r_lce
 from jaxfuse.reference import rms_norm as _r_rms
 from jaxfuse.reference import softmax as _r_softmax
+from jaxfuse.sharding import attention as _s_attn
 from jaxfuse.sharding import rows as _s_rows
 
 
@@ -91,7 +90,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 
     >>> o = jaxfuse.flash_attention(q, k, v, causal=True)
     """
-    return route(impl, _p_attn.flash_attention, _r_attn.attention, q, k, v, causal=causal,
+    return route(impl, _s_attn.flash_attention, _r_attn.attention, q, k, v, causal=causal,
                  scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                  return_lse=return_lse, interpret=interpret, block_sizes=block_sizes)
@@ -109,7 +108,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
     >>> o = jaxfuse.decode_attention(q, k_cache, v_cache, lengths)
     """
-    return route(impl, _p_dec.decode_attention, _r_dec.decode_attention, q, k_cache, v_cache,
+    return route(impl, _s_attn.decode_attention, _r_dec.decode_attention, q, k_cache, v_cache,
                  kv_lengths, scale=scale, num_splits=num_splits,
                  logits_soft_cap=logits_soft_cap, return_lse=return_lse, interpret=interpret,
                  block_sizes=block_sizes)

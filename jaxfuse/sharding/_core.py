@@ -49,11 +49,11 @@ class Layout:
     def sdy_rule(self) -> SdyShardingRule:
         def mapping(dims):
             return ArrayMapping(*[d if isinstance(d, str) else CompoundFactor(*d) for d in dims])
-        factors = {f for dims in self.operands + self.results for d in dims
-                   for f in ((d,) if isinstance(d, str) else d)}
-        return SdyShardingRule(
+        factors = dict.fromkeys(f for dims in self.operands + self.results for d in dims
+                                for f in ((d,) if isinstance(d, str) else d))
+        return SdyShardingRule(       # Shardy wants the special factors in order of appearance
             tuple(mapping(d) for d in self.operands), tuple(mapping(d) for d in self.results),
-            need_replication_factors=tuple(sorted(factors - set(self.splittable))),
+            need_replication_factors=tuple(f for f in factors if f not in self.splittable),
             **dict(self.sizes))
 
 

@@ -72,15 +72,16 @@ class HopperAttnTiles:
         return min(fit, 4) if self.stages is None else self.stages
 
 
-def fits(q, k, spec: AttnSpec, tiles: HopperAttnTiles) -> bool:
-    """Whether the Hopper forward takes this problem as it is (see the module docstring)."""
-    return (q.dtype == k.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
+def fits(dtype, spec: AttnSpec, tiles: HopperAttnTiles) -> bool:
+    """Whether the Hopper forward takes this problem (q, k, v of `dtype`) as it is (see the
+    module docstring)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and spec.head_dim in (64, 128, 256) and not spec.segments
             and spec.n_q % (2 * _ROWS) == 0 and spec.n_k % tiles.block_k == 0
             and spec.n_q > 0 and spec.n_k > 0)
 
 
-def tiles_for(hopper, q, k, spec: AttnSpec) -> HopperAttnTiles | None:
+def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
     """The Hopper forward's tiles if it is to run, else None (see `AttnBlocks.hopper`); `spec`
     must be the squeezed (GPU-layout) spec. None runs it on an sm90 GPU, compiled, where the
     problem fits; True or tiles force it (also in the interpreter) and raise where it does not."""
@@ -88,15 +89,15 @@ def tiles_for(hopper, q, k, spec: AttnSpec) -> HopperAttnTiles | None:
         return None
     tiles = hopper if isinstance(hopper, HopperAttnTiles) else HopperAttnTiles.for_head_dim(
         spec.head_dim)
-    if fits(q, k, spec, tiles):
+    if fits(dtype, spec, tiles):
         return tiles
     if hopper is not None:
         raise ValueError(
             f"AttnBlocks(hopper={hopper}) needs bf16/f16 q, k, v of one dtype, head_dim in (64, "
             f"128, 256), no segment ids, Tq a multiple of {2 * _ROWS} and Tk of "
-            f"{tiles.block_k}; got q {q.shape} {q.dtype}, k {k.shape} {k.dtype}, segment ids "
-            f"{spec.segments}. Use hopper=None to fall back to the portable kernel where it "
-            f"does not fit")
+            f"{tiles.block_k}; got q {tuple(q_shape)} {jnp.dtype(dtype).name}, Tk={spec.n_k}, "
+            f"segment ids {spec.segments}. Use hopper=None to fall back to the portable kernel "
+            f"where it does not fit")
     return None
 
 

@@ -11,7 +11,8 @@ Grouped-query attention: query head h reads KV head h // G straight from k and v
 repeated in memory. In interpret mode the G query heads of a group are stacked into one block,
 so each K/V tile is read once per group.
 
-Backward: `attention_bwd.py` (saves only q, k, v, o, lse).
+Backward: `attention_bwd.py` (saves only q, k, v, o and lse_u, the log-sum-exp in the
+kernels' score units, see `_attn`; the public lse is the natural-log one).
 """
 from __future__ import annotations
 
@@ -42,16 +43,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
         v = A.load_rows(v_ref, k0, bk, spec.n_k, spec)
         k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         k_seg = C.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
-        s2, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
-                            k_seg, masked)                                    # [..., bq, bk]
-        return A.online_update(carry, s2,
-                               lambda p: A.dot(p.astype(v.dtype), v, "...qk,...kd->...qd"))
+        u, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
+                           k_seg, masked)                                     # [..., bq, bk]
+        return A.online_update(carry, u,
+                               lambda p: A.dot(p.astype(v.dtype), v, "...qk,...kd->...qd"),
+                               spec.c2)
 
     carry = A.split_loop(A.key_blocks(spec, r0, bq, bk), step,
                          A.online_init(q.shape[:-2], bq, spec))
-    o, lse = A.online_finish(carry)
+    o, lse_u = A.online_finish(carry, spec.c2)
     A.store_rows(o_ref, o, 0, spec.rows, spec, global_r0=r0)
-    C.store_vec(lse_ref, lse, 0, spec.rows, global_row0=r0)
+    C.store_vec(lse_ref, lse_u, 0, spec.rows, global_row0=r0)
 
 
 def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks):
@@ -88,18 +90,22 @@ def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _flash(q, k, v, qs, ks, spec, blocks):
-    return tuple(_forward(q, k, v, qs, ks, spec, blocks))
+    """(o, natural-log lse) in the kernels' layout."""
+    o, lse_u = _forward(q, k, v, qs, ks, spec, blocks)
+    return o, A.lse_natural(lse_u, spec)
 
 
 def _flash_fwd(q, k, v, qs, ks, spec, blocks):
-    o, lse = _forward(q, k, v, qs, ks, spec, blocks)
-    return (o, lse), (q, k, v, qs, ks, o, lse)
+    # The backward's residual is lse_u (the kernel's own units, `_attn`), not the natural lse:
+    # converting back from the natural lse would cost P its exactness at large logits.
+    o, lse_u = _forward(q, k, v, qs, ks, spec, blocks)
+    return (o, A.lse_natural(lse_u, spec)), (q, k, v, qs, ks, o, lse_u)
 
 
 def _flash_bwd(spec, blocks, res, cts):
-    q, k, v, qs, ks, o, lse = res
+    q, k, v, qs, ks, o, lse_u = res
     do, dlse = cts
-    dq, dk, dv = attention_bwd.backward(q, k, v, qs, ks, o, lse, do, dlse, spec, blocks)
+    dq, dk, dv = attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks)
     seg_ct = lambda s: None if s is None else jnp.zeros(s.shape, jax.dtypes.float0)
     return dq, dk, dv, seg_ct(qs), seg_ct(ks)
 

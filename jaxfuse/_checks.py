@@ -5,6 +5,9 @@ kernel is traced, so that bad input never turns into a silent wrong answer or a 
 """
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,8 +59,23 @@ def check_mask(mask, shape) -> None:
 def check_positive(name: str, value, *, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
-    if not (isinstance(value, (int, float, np.integer, np.floating)) and value > 0):
-        raise ValueError(f"{name}={value!r} must be a positive number")
+    if not (isinstance(value, (int, float, np.integer, np.floating)) and value > 0
+            and math.isfinite(value)):
+        raise ValueError(f"{name}={value!r} must be a positive finite number")
+
+
+def check_finite(name: str, value, *, minimum: float | None = None) -> None:
+    """A real number (not NaN or +-inf; >= minimum if given). A traced value is left to the
+    caller: only the reference accepts one, and what it computes with it is its own."""
+    if isinstance(value, jax.core.Tracer):
+        return
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} must be a real number") from None
+    if not math.isfinite(v) or (minimum is not None and v < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{name}={value!r} must be a finite number{bound}")
 
 
 def check_impl(impl: str) -> None:
@@ -71,6 +89,7 @@ def check_reduction(reduction: str) -> None:
 
 
 def check_smoothing(label_smoothing: float) -> None:
+    check_finite("label_smoothing", label_smoothing)
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing!r} must lie in [0, 1]")
 

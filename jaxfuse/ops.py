@@ -2,6 +2,7 @@
 
 `interpret=None` interprets the kernel on a CPU backend and compiles it (Triton) on a GPU;
 `JAXFUSE_INTERPRET=1|0` overrides. `block_sizes` overrides the tile rule (for tests and tuning).
+Zero-size inputs (an empty batch, zero keys) take the reference and return what jnp would.
 """
 from __future__ import annotations
 
@@ -83,7 +84,10 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: floa
 
     Target p = (1 - label_smoothing) onehot + label_smoothing / V. `reduction`: "mean" (over
     tokens whose label is not `ignore_index`), "sum" or "none". A label outside [0, V) that is
-    not `ignore_index` gives NaN for that token.
+    not `ignore_index` gives NaN for that token. Labels of any integer dtype are compared as
+    integers (a uint8 label never equals ignore_index=-100); `ignore_index` must be an int.
+    A logit of -inf (a masked entry) is fine without smoothing; with label_smoothing > 0 it
+    makes that token's loss +inf, as the formula says (the smoothing term sums every logit).
 
     >>> loss = jaxfuse.cross_entropy(logits, targets, label_smoothing=0.1)
     """
@@ -104,7 +108,14 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     Segment ids (int [B, Tq] and [B, Tk]): a query sees only keys with the same id.
     `logits_soft_cap=c`: logits become c * tanh(s / c). Returns o [B, Tq, Hq, D] (and, with
     `return_lse`, the float32 log-sum-exp [B, Hq, Tq]); a query that sees no key gets zeros
-    and lse = -inf. Memory O(T); gradients recompute P and are deterministic.
+    and lse = -inf. Memory O(T); gradients recompute P and are deterministic. A NaN in q, k
+    or v gives NaN in the rows that see it; `scale` and the soft cap must be finite.
+
+    Not a bug: dq and dk that are exactly zero in theory (one visible key, one-hot attention,
+    v equal for every key) come out as rounding noise, about 1e-6 in float32 and 4e-3
+    in bfloat16 relative to the inputs, because delta = rowsum(dO * O) is computed apart from
+    P (FlashAttention-2, sec. 3.1), so dP - delta cancels only up to rounding. With one visible
+    key P itself is exact (o = v, dv = do), at any logit size.
 
     >>> o = jaxfuse.flash_attention(q, k, v, causal=True)
     """
@@ -121,8 +132,9 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      interpret: bool | None = None, block_sizes=None):
     """One new query per sequence, q [B, Hq, D], over KV caches [B, S, Hkv, D] that hold
     `kv_lengths[b]` valid positions (int [B], clipped to [0, S]; whatever lies beyond is never
-    read). Returns o [B, Hq, D] (and float32 lse [B, Hq] with `return_lse`); a sequence of
-    length 0 gives zeros. `num_splits=None` picks the split-KV count to fill the GPU.
+    read; lengths of any integer dtype are clipped in that dtype, so uint32 2^31 means S).
+    Returns o [B, Hq, D] (and float32 lse [B, Hq] with `return_lse`); a sequence of length 0
+    (or a cache of S = 0) gives zeros and lse = -inf. `num_splits=None` picks the split-KV count to fill the GPU.
 
     >>> o = jaxfuse.decode_attention(q, k_cache, v_cache, lengths)
     """
@@ -155,7 +167,8 @@ def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *, impl: st
     """Best k of the beam_size x V continuations scored beam_scores[b, i] + log_probs[b, i, j]:
     (scores [B, k] float32, beam_index [B, k], token_index [B, k]), best first, ties broken by
     the lower flat index i * V + j. "pallas" is the hierarchical HARS selection (exact);
-    "reference" is `lax.top_k` over the flattened scores. Both give identical results.
+    "reference" is `lax.top_k` over the flattened scores. Both give identical results, NaN
+    included: +NaN ranks above +inf and -NaN below -inf, as in `lax.top_k`.
 
     >>> scores, parent, token = jaxfuse.beam_top_k(log_probs, beam_scores, beam_size)
     """

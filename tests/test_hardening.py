@@ -110,3 +110,293 @@ class TestLabelDtypes:
         np.testing.assert_allclose(  # numpy integers are ints
             jaxfuse.cross_entropy(x, lab, ignore_index=np.int64(1), reduction="sum", impl=impl),
             np.log(5.0), rtol=1e-6)
+
+
+class TestDecodeBlocksAndLengths:
+    """Class 7: `DecodeBlocks` validates like the other `*Blocks`; lengths of any integer dtype
+    are clipped to [0, S] in their own dtype (uint32 2^31 + 5 means S, not a negative length)."""
+
+    def _inputs(self, b=3, s=11, hq=4, hkv=2, d=8):
+        k = keys(14, 3)
+        return randn(k[0], (b, hq, d)), randn(k[1], (b, s, hkv, d)), randn(k[2], (b, s, hkv, d))
+
+    @pytest.mark.parametrize("blocks", [jaxfuse.DecodeBlocks(block_k=0),
+                                        jaxfuse.DecodeBlocks(block_k=-4),
+                                        jaxfuse.DecodeBlocks(block_k=24, folded=False),
+                                        jaxfuse.DecodeBlocks(num_warps=0)])
+    def test_bad_blocks_raise(self, blocks):
+        q, kc, vc = self._inputs()
+        with pytest.raises(ValueError, match="block_k|num_warps"):
+            jaxfuse.decode_attention(q, kc, vc, jnp.array([1, 2, 3]), block_sizes=blocks)
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    @pytest.mark.parametrize("dtype", [jnp.uint32, jnp.uint8, jnp.int8, jnp.uint16])
+    def test_lengths_clip_in_their_own_dtype(self, impl, dtype):
+        q, kc, vc = self._inputs()
+        big = {jnp.uint32: 2 ** 31 + 5, jnp.uint8: 200, jnp.int8: 100, jnp.uint16: 40000}[dtype]
+        lengths = jnp.array([big, 4, 0], dtype)
+        got = jaxfuse.decode_attention(q, kc, vc, lengths, return_lse=True, impl=impl)
+        want = jaxfuse.decode_attention(q, kc, vc, jnp.array([11, 4, 0]), return_lse=True,
+                                        impl="reference")
+        np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
+
+
+class TestNonFinite:
+    """Class 8: non-finite parameters raise `ValueError`; a NaN in the data gives NaN in its
+    row (and only there) in both implementations."""
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+    def test_non_finite_parameters_raise(self, impl, bad):
+        x = jnp.ones((2, 8))
+        q = jnp.ones((1, 2, 1, 8))
+        cases = [
+            ("scale", lambda: jaxfuse.softmax(x, scale=bad, impl=impl)),
+            ("scale", lambda: jaxfuse.flash_attention(q, q, q, scale=bad, impl=impl)),
+            ("logits_soft_cap", lambda: jaxfuse.flash_attention(q, q, q, logits_soft_cap=bad,
+                                                                impl=impl)),
+            ("scale", lambda: jaxfuse.decode_attention(q[:, 0], q, q, jnp.array([2]),
+                                                       scale=bad, impl=impl)),
+            ("eps", lambda: jaxfuse.layer_norm(x, eps=bad, impl=impl)),
+            ("eps", lambda: jaxfuse.rms_norm(x, eps=bad, impl=impl)),
+            ("z_loss", lambda: jaxfuse.linear_cross_entropy(x, x.T, jnp.array([0, 1]),
+                                                            z_loss=bad, impl=impl)),
+            ("label_smoothing", lambda: jaxfuse.cross_entropy(x, jnp.array([0, 1]),
+                                                              label_smoothing=bad, impl=impl)),
+        ]
+        for name, call in cases:
+            with pytest.raises(ValueError, match=name):
+                call()
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    def test_nan_in_a_softmax_row(self, impl):
+        x = randn(keys(15, 1)[0], (3, 5)).at[1, 2].set(jnp.nan)
+        y = jaxfuse.softmax(x, impl=impl)
+        assert np.all(np.isnan(y[1]))
+        rows = jnp.array([0, 2])
+        np.testing.assert_allclose(y[rows], jax.nn.softmax(x[rows], axis=-1), rtol=1e-6)
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    def test_nan_in_a_query(self, impl):
+        k = keys(16, 3)
+        q, kk, v = randn(k[0], (1, 4, 2, 8)), randn(k[1], (1, 6, 1, 8)), randn(k[2], (1, 6, 1, 8))
+        q = q.at[0, 1, 0, 3].set(jnp.nan)
+        o, lse = jaxfuse.flash_attention(q, kk, v, return_lse=True, impl=impl)
+        nan_o = np.isnan(np.asarray(o)).any(-1)[0]            # [Tq, Hq]
+        expected = np.zeros((4, 2), bool)
+        expected[1, 0] = True
+        np.testing.assert_array_equal(nan_o, expected)
+        np.testing.assert_array_equal(np.isnan(np.asarray(lse))[0].T, expected)
+        od, lsed = jaxfuse.decode_attention(q[:, 1], kk, v, jnp.array([6]), return_lse=True,
+                                            impl=impl)
+        np.testing.assert_array_equal(np.isnan(np.asarray(od)).any(-1)[0], [True, False])
+        np.testing.assert_array_equal(np.isnan(np.asarray(lsed))[0], [True, False])
+
+
+LAYOUTS = {"folded": None, "gpu_layout": jaxfuse.AttnBlocks(16, 8, 8, 16, 8, 16, folded=False)}
+
+
+class TestLargeLogits:
+    """Class 3: large finite logits keep o and lse finite (the running max and the exponent
+    are formed from the same rounded score, so a fused multiply-add cannot make s - m large).
+    Class 4: the backward recomputes P from a statistic in its own units, so one visible key
+    gives P = 1 exactly (o = v, dv = do), and P stays bounded where the reference is finite."""
+
+    @pytest.mark.parametrize("layout", list(LAYOUTS))
+    def test_forward_with_logits_near_4e9(self, layout):
+        k = keys(17, 3)
+        q = randn(k[0], (1, 5, 1, 256), scale=1e4)
+        kk = randn(k[1], (1, 7, 1, 256), scale=1e4)
+        v = randn(k[2], (1, 7, 1, 256))
+        o, lse = jaxfuse.flash_attention(q, kk, v, scale=1.0, return_lse=True,
+                                         block_sizes=LAYOUTS[layout])
+        o_r, lse_r = jaxfuse.flash_attention(q, kk, v, scale=1.0, return_lse=True,
+                                             impl="reference")
+        assert np.all(np.isfinite(lse_r)) and np.all(np.isfinite(lse))
+        np.testing.assert_allclose(lse, lse_r, rtol=1e-6)
+        np.testing.assert_allclose(o, o_r, atol=1e-5)
+        o_d, lse_d = jaxfuse.decode_attention(q[:, 0], kk, v, jnp.array([7]), scale=1.0,
+                                              return_lse=True)
+        np.testing.assert_allclose(lse_d, lse_r[:, :, 0], rtol=1e-6)
+        np.testing.assert_allclose(o_d, o_r[:, 0], atol=1e-5)
+
+    @pytest.mark.parametrize("layout", list(LAYOUTS))
+    @pytest.mark.parametrize("logit", [1e5, 1e7, 3e8, 3e9])
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    def test_one_visible_key_is_exact(self, layout, logit, dtype):
+        # Each query sees one key (Tk = 1) whose logit is about `logit`: P = 1 exactly.
+        k = keys(18, 4)
+        d = 16
+        q = randn(k[0], (2, 3, 4, d), dtype, scale=float(np.sqrt(logit)))
+        kk = randn(k[1], (2, 1, 2, d), dtype, scale=float(np.sqrt(logit)))
+        v = randn(k[2], (2, 1, 2, d), dtype)
+        do = randn(k[3], (2, 3, 4, d), dtype)
+        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=LAYOUTS[layout])
+        o, vjp = jax.vjp(f, q, kk, v)
+        dq, dk, dv = vjp(do)
+        np.testing.assert_array_equal(o, jnp.broadcast_to(jnp.repeat(v, 2, axis=2), o.shape))
+        want_dv = jnp.sum(do.astype(jnp.float32).reshape(2, 3, 2, 2, d), axis=(1, 3))
+        t = 2e-2 if dtype == jnp.bfloat16 else 1e-6   # a sum of 6 terms in another order
+        np.testing.assert_allclose(np.asarray(dv, np.float32)[:, 0], want_dv, rtol=t, atol=t)
+        # dS = P (dP - delta) = 0 in exact arithmetic; delta is computed apart (rounding noise).
+        for g in (dq, dk):
+            assert np.all(np.isfinite(np.asarray(g, np.float32)))
+
+    def test_one_visible_key_dv_equals_do_exactly(self):
+        k = keys(19, 4)
+        for logit in (1e5, 1e7, 3e8):
+            q = randn(k[0], (1, 1, 1, 16), scale=float(np.sqrt(logit)))
+            kk = randn(k[1], (1, 1, 1, 16), scale=float(np.sqrt(logit)))
+            v, do = randn(k[2], (1, 1, 1, 16)), randn(k[3], (1, 1, 1, 16))
+            for layout in LAYOUTS.values():
+                o, vjp = jax.vjp(lambda v: jaxfuse.flash_attention(q, kk, v, block_sizes=layout), v)
+                np.testing.assert_array_equal(o, v)
+                np.testing.assert_array_equal(vjp(do)[0], do)
+
+    @pytest.mark.parametrize("layout", list(LAYOUTS))
+    def test_gradients_bounded_with_large_inputs(self, layout):
+        k = keys(20, 4)
+        q = randn(k[0], (1, 9, 2, 32), scale=1e4)
+        kk = randn(k[1], (1, 9, 1, 32), scale=1e4)
+        v = randn(k[2], (1, 9, 1, 32))
+        do = randn(k[3], (1, 9, 2, 32))
+        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True,
+                                                    block_sizes=LAYOUTS[layout])
+        fr = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, impl="reference")
+        o, vjp = jax.vjp(f, q, kk, v)
+        o_r, vjp_r = jax.vjp(fr, q, kk, v)
+        np.testing.assert_allclose(o, o_r, atol=1e-5)
+        for g, g_r in zip(vjp(do), vjp_r(do)):
+            assert np.all(np.isfinite(g))
+            # |P| <= 1: each gradient is bounded by the reference's scale of the problem.
+            bound = 10 * (float(jnp.max(jnp.abs(g_r))) + 1.0)
+            assert float(jnp.max(jnp.abs(g))) <= bound
+        np.testing.assert_allclose(vjp(do)[2], vjp_r(do)[2], atol=1e-4)
+
+
+class TestBeamTopKNaN:
+    """Class 5: NaN candidates follow `lax.top_k`'s order in both implementations (+NaN above
+    +inf, -NaN below -inf), so one NaN no longer poisons the HARS threshold of its row."""
+
+    @pytest.mark.parametrize("where", [[(0, 1, 3)], [(0, 0, 0), (1, 2, 9)], [(1, 1, 5), (1, 1, 6)]])
+    @pytest.mark.parametrize("neg", [False, True])
+    def test_nan_matches_lax_top_k(self, where, neg):
+        k = keys(21, 2)
+        lp = jax.nn.log_softmax(randn(k[0], (2, 3, 11), scale=2.0), axis=-1)
+        for b, i, j in where:
+            lp = lp.at[b, i, j].set(-jnp.nan if neg else jnp.nan)
+        scores = randn(k[1], (2, 3))
+        for kk in (1, 3, 5):
+            got = jaxfuse.beam_top_k(lp, scores, kk)
+            want = jaxfuse.beam_top_k(lp, scores, kk, impl="reference")
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a, b)
+
+    def test_nan_rows_stay_apart(self):
+        lp = jnp.zeros((3, 2, 7)).at[1].set(jnp.nan)
+        got = jaxfuse.beam_top_k(lp, jnp.zeros((3, 2)), 4)
+        want = jaxfuse.beam_top_k(lp, jnp.zeros((3, 2)), 4, impl="reference")
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+        s = np.asarray(got[0])
+        assert np.all(np.isnan(s[1])) and np.all(s[[0, 2]] == 0.0)
+
+
+def _grad_shapes(f, *args):
+    """Gradients of sum(f) in float32, for every float argument."""
+    idx = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]
+    def total(*fa):
+        full = list(args)
+        for i, a in zip(idx, fa):
+            full[i] = a
+        return sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(f(*full)))
+    return jax.grad(total, argnums=tuple(range(len(idx))))(*[args[i] for i in idx])
+
+
+class TestZeroSize:
+    """Class 2: an empty batch returns an empty result, as jnp does, with empty gradients; a
+    query over zero keys sees nothing (zeros, lse = -inf); what cannot be empty raises a
+    ValueError that names the input. Both implementations, handled once in the public op."""
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (2, 0, 4), (0,)])
+    def test_row_ops(self, impl, shape):
+        x = jnp.zeros(shape, jnp.bfloat16)
+        w = jnp.ones(shape[-1:], jnp.bfloat16)
+        for f in (lambda x: jaxfuse.softmax(x, impl=impl),
+                  lambda x: jaxfuse.softmax(x, causal=x.ndim > 1, mask=x > 0, impl=impl),
+                  lambda x: jaxfuse.layer_norm(x, w, w, impl=impl),
+                  lambda x: jaxfuse.rms_norm(x, w, impl=impl)):
+            y = f(x)
+            assert y.shape == x.shape and y.dtype == x.dtype
+            (g,) = _grad_shapes(f, x)
+            assert g.shape == x.shape
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    def test_losses(self, impl):
+        x, lab = jnp.zeros((0, 5)), jnp.zeros((0,), jnp.int32)
+        for red, shape in (("mean", ()), ("sum", ()), ("none", (0,))):
+            loss = jaxfuse.cross_entropy(x, lab, reduction=red, impl=impl)
+            assert loss.shape == shape and loss.dtype == jnp.float32
+            assert shape or float(loss) == 0.0
+            loss = jaxfuse.linear_cross_entropy(jnp.zeros((2, 0, 8)), jnp.ones((8, 5)),
+                                                jnp.zeros((2, 0), jnp.int32), reduction=red,
+                                                impl=impl)
+            assert loss.shape == ((2, 0) if red == "none" else ())
+        (g,) = _grad_shapes(lambda x: jaxfuse.cross_entropy(x, lab, impl=impl), x)
+        assert g.shape == (0, 5)
+        with pytest.raises(ValueError, match="logits.shape"):
+            jaxfuse.cross_entropy(jnp.zeros((3, 0)), jnp.zeros((3,), jnp.int32), impl=impl)
+        with pytest.raises(ValueError, match="weight.shape"):
+            jaxfuse.linear_cross_entropy(jnp.zeros((3, 4)), jnp.zeros((4, 0)),
+                                         jnp.zeros((3,), jnp.int32), impl=impl)
+        with pytest.raises(ValueError, match="x.shape"):
+            jaxfuse.linear_cross_entropy(jnp.zeros((3, 0)), jnp.zeros((0, 5)),
+                                         jnp.zeros((3,), jnp.int32), impl=impl)
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    @pytest.mark.parametrize("dims", [(0, 5, 7, 4, 2), (2, 0, 7, 4, 2), (2, 5, 0, 4, 2),
+                                      (2, 0, 0, 2, 1)])
+    def test_flash_attention(self, impl, dims):
+        b, tq, tk, hq, hkv = dims
+        k = keys(22, 3)
+        q, kk, v = (randn(k[0], (b, tq, hq, 8)), randn(k[1], (b, tk, hkv, 8)),
+                    randn(k[2], (b, tk, hkv, 8)))
+        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, return_lse=True,
+                                                    impl=impl)
+        o, lse = f(q, kk, v)
+        assert o.shape == q.shape and lse.shape == (b, hq, tq) and lse.dtype == jnp.float32
+        np.testing.assert_array_equal(o, 0.0)
+        assert np.all(np.isneginf(lse))
+        f0 = lambda q, k, v: f(q, k, v)[0]
+        for g, a in zip(_grad_shapes(f0, q, kk, v), (q, kk, v)):
+            assert g.shape == a.shape
+            np.testing.assert_array_equal(g, 0.0)
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    def test_decode_attention(self, impl):
+        q = randn(keys(23, 1)[0], (2, 4, 8))
+        o, lse = jaxfuse.decode_attention(q, jnp.zeros((2, 0, 2, 8)), jnp.zeros((2, 0, 2, 8)),
+                                          jnp.array([3, 0]), return_lse=True, impl=impl)
+        np.testing.assert_array_equal(o, 0.0)
+        assert o.shape == q.shape and np.all(np.isneginf(lse))
+        o = jaxfuse.decode_attention(q[:0], jnp.ones((0, 5, 2, 8)), jnp.ones((0, 5, 2, 8)),
+                                     jnp.zeros((0,), jnp.int32), impl=impl)
+        assert o.shape == (0, 4, 8)
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    def test_cannot_be_empty(self, impl):
+        q = jnp.zeros((1, 3, 2, 8))
+        with pytest.raises(ValueError, match="k.shape"):
+            jaxfuse.flash_attention(q, jnp.zeros((1, 3, 0, 8)), jnp.zeros((1, 3, 0, 8)),
+                                    impl=impl)
+        with pytest.raises(ValueError, match="head_dim|q.shape"):
+            jaxfuse.flash_attention(q[..., :0], q[..., :0], q[..., :0], impl=impl)
+        with pytest.raises(ValueError, match="k_cache.shape"):
+            jaxfuse.decode_attention(q[:, 0], jnp.zeros((1, 3, 0, 8)), jnp.zeros((1, 3, 0, 8)),
+                                     jnp.array([1]), impl=impl)
+        with pytest.raises(ValueError, match="log_probs.shape"):
+            jaxfuse.beam_top_k(jnp.zeros((2, 3, 0)), jnp.zeros((2, 3)), 1, impl=impl)
+        out = jaxfuse.beam_top_k(jnp.zeros((0, 3, 5)), jnp.zeros((0, 3)), 2, impl=impl)
+        assert [a.shape for a in out] == [(0, 2)] * 3

@@ -2,9 +2,20 @@
 static description, the block-size rule, the score transform with its masks, and the loop bounds
 that skip key (or query) blocks that are wholly masked.
 
-Scores are kept in the log2 domain, s2 = log2(e) * s, so the kernels use exp2 and fold log2(e)
-into the scale (one multiply per score instead of two; FlashAttention-2's Triton kernel does the
-same). The log-sum-exp they write is natural-log: lse = ln(2) * (m2 + log2(l)).
+Score units. The kernels keep each score in the units the matmul gives it, u = q.k (or
+u = tanh(scale q.k / c) under a soft cap c), and exponentiate with exp2((u - m) * c2), c2 =
+unit * log2(e) where the natural logit is s = unit * u (unit = scale, or c under the cap): the
+scale and log2(e) are one multiply per score, applied after the subtraction. The running max m
+and the u in the exponent are then the same rounded number, so the maximal key gets exactly
+exp2(0) = 1. Forming s2 = c2 * u first and subtracting a max of the s2 breaks at large logits:
+the compiler contracts c2 * u - m into a fused multiply-add (XLA on the CPU does, and the GPU
+may), which subtracts the rounded max from the unrounded product, and at |s| ~ 1e9 their
+difference is hundreds of units: exp2 of it is 0 or 2^100, so l = 0 (lse = -inf) or o = NaN.
+
+The forward writes lse_u = m + log2(l) / c2, the log-sum-exp in the same units (`lse_u`), as
+the residual of the backward, which recomputes P = exp2((u - lse_u) * c2) from it (one visible
+key: exactly 1). The public lse is natural-log: lse = unit * lse_u (`lse_natural`);
+`residual_from_lse` is the inverse for a forward that produces a natural lse.
 
 Layouts (house style, "one kernel body, two regimes"):
 * GPU: q, o [B, Tq, Hq, D] and k, v [B, Tk, Hkv, D] as given; a program sees one query block
@@ -68,6 +79,28 @@ class AttnSpec:
     @property
     def shift(self) -> int:
         return self.n_k - self.n_q
+
+    @property
+    def unit(self) -> float:
+        """The natural logit of one unit of the kernels' scores u: s = unit * u."""
+        return self.scale if self.softcap is None else self.softcap
+
+    @property
+    def c2(self) -> float:
+        """exp(s - s') = exp2((u - u') * c2)."""
+        return self.unit * LOG2E
+
+
+def lse_natural(lse_u, spec: AttnSpec):
+    """The public natural-log lse from the kernels' lse_u (-inf stays -inf, NaN stays NaN)."""
+    return lse_u * spec.unit
+
+
+def residual_from_lse(lse, spec: AttnSpec):
+    """The backward's residual lse_u from a natural-log lse (for a forward that produces the
+    natural lse). Exact up to one rounding, which at large logits moves P by ~|s| * 6e-8 in the
+    exponent: a forward that can write lse_u directly should."""
+    return lse * (1.0 / spec.unit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,21 +168,21 @@ def row_positions(spec: AttnSpec, r0, n: int):
 
 
 def transform(spec: AttnSpec, s, q_pos, k_pos, q_seg, k_seg, masked: bool):
-    """Raw scores q.k -> log2-domain logits (scale, soft cap, masks). Also returns tanh of the
-    capped logits (for the backward) or None."""
+    """Raw scores q.k -> the kernels' scores u (see the module docstring: q.k itself, or
+    tanh(scale q.k / c) under a soft cap), -inf where masked. Also returns tanh of the capped
+    logits (for the backward) or None."""
     t = None
-    if spec.softcap is None:
-        s2 = s * (spec.scale * LOG2E)
-    else:
+    u = s
+    if spec.softcap is not None:
         t = jnp.tanh(s * (spec.scale / spec.softcap))
-        s2 = t * (spec.softcap * LOG2E)
+        u = t
     if masked:
         keep = C.keep_mask(q_pos, k_pos, n_q=spec.n_q, n_k=spec.n_k, causal=spec.causal,
                            window=spec.window)
         if spec.segments:
             keep = keep & (q_seg[..., :, None] == k_seg[..., None, :])
-        s2 = jnp.where(keep, s2, C.NEG_INF)
-    return s2, t
+        u = jnp.where(keep, u, C.NEG_INF)
+    return u, t
 
 
 def _pos_range(spec: AttnSpec, r0, n: int):
@@ -239,26 +272,28 @@ def online_init(lead: tuple, rows: int, spec: AttnSpec):
             jnp.zeros(lead + (rows, 1), jnp.float32))
 
 
-def online_update(carry, s2, pv_of):
-    """Folds a tile of log2-domain scores s2 [..., rows, keys] into (acc, m, l): the row max grows,
-    old sums are rescaled by exp2(m_old - m_new) (FlashAttention-2, Algorithm 1). `pv_of(p)`
-    returns p @ V for the tile's values."""
+def online_update(carry, u, pv_of, c2: float):
+    """Folds a tile of scores u [..., rows, keys] into (acc, m, l): the row max grows, old sums
+    are rescaled by exp2((m_old - m_new) c2) (FlashAttention-2, Algorithm 1). The max is taken
+    over u itself and c2 applied after the subtraction (module docstring). `pv_of(p)` returns
+    p @ V for the tile's values."""
     acc, m, l = carry
-    m_new = jnp.maximum(m, jnp.max(s2, axis=-1, keepdims=True))
+    m_new = jnp.maximum(m, jnp.max(u, axis=-1, keepdims=True))
     shift = C.safe_max(m_new)
-    alpha = jnp.exp2(m - shift)
-    p = jnp.exp2(s2 - shift)
+    alpha = jnp.exp2((m - shift) * c2)
+    p = jnp.exp2((u - shift) * c2)
     return acc * alpha + pv_of(p), m_new, l * alpha + jnp.sum(p, axis=-1, keepdims=True)
 
 
-def online_finish(carry):
-    """(o [..., rows, Dp], natural-log lse [..., rows]); a row that saw no key gets o = 0 and
-    lse = -inf rather than 0/0."""
+def online_finish(carry, c2: float):
+    """(o [..., rows, Dp], lse_u [..., rows] in the scores' units, see `lse_natural`). A row
+    that saw no key (l = 0) gets o = 0 and lse_u = -inf rather than 0/0; a NaN in the row's
+    scores or values (l or acc NaN) stays NaN."""
     acc, m, l = carry
-    seen = l > 0
-    o = acc * jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, C.NEG_INF)
-    return o, lse[..., 0]
+    empty = l == 0
+    o = acc * jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+    lse_u = jnp.where(empty, C.NEG_INF, m + jnp.log2(jnp.where(empty, 1.0, l)) * (1.0 / c2))
+    return o, lse_u[..., 0]
 
 
 def dot(a, b, contract: str):

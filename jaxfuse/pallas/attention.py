@@ -11,7 +11,8 @@ Grouped-query attention: query head h reads KV head h // G straight from k and v
 repeated in memory. In interpret mode the G query heads of a group are stacked into one block,
 so each K/V tile is read once per group.
 
-Backward: `attention_bwd.py` (saves only q, k, v, o, lse).
+Backward: `attention_bwd.py` (saves only q, k, v, o and lse_u, the log-sum-exp in the
+kernels' score units, see `_attn`; the public lse is the natural-log one).
 """
 from __future__ import annotations
 
@@ -43,16 +44,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
         v = A.load_rows(v_ref, k0, bk, spec.n_k, spec)
         k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         k_seg = C.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
-        s2, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
-                            k_seg, masked)                                    # [..., bq, bk]
-        return A.online_update(carry, s2,
-                               lambda p: A.dot(p.astype(v.dtype), v, "...qk,...kd->...qd"))
+        u, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
+                           k_seg, masked)                                     # [..., bq, bk]
+        return A.online_update(carry, u,
+                               lambda p: A.dot(p.astype(v.dtype), v, "...qk,...kd->...qd"),
+                               spec.c2)
 
     carry = A.split_loop(A.key_blocks(spec, r0, bq, bk), step,
                          A.online_init(q.shape[:-2], bq, spec))
-    o, lse = A.online_finish(carry)
+    o, lse_u = A.online_finish(carry, spec.c2)
     A.store_rows(o_ref, o, 0, spec.rows, spec, global_r0=r0)
-    C.store_vec(lse_ref, lse, 0, spec.rows, global_row0=r0)
+    C.store_vec(lse_ref, lse_u, 0, spec.rows, global_row0=r0)
 
 
 def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks):
@@ -91,18 +93,22 @@ def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _flash(q, k, v, qs, ks, spec, blocks):
-    return tuple(_forward(q, k, v, qs, ks, spec, blocks))
+    """(o, natural-log lse) in the kernels' layout."""
+    o, lse_u = _forward(q, k, v, qs, ks, spec, blocks)
+    return o, A.lse_natural(lse_u, spec)
 
 
 def _flash_fwd(q, k, v, qs, ks, spec, blocks):
-    o, lse = _forward(q, k, v, qs, ks, spec, blocks)
-    return (o, lse), (q, k, v, qs, ks, o, lse)
+    # The backward's residual is lse_u (the kernel's own units, `_attn`), not the natural lse:
+    # converting back from the natural lse would cost P its exactness at large logits.
+    o, lse_u = _forward(q, k, v, qs, ks, spec, blocks)
+    return (o, A.lse_natural(lse_u, spec)), (q, k, v, qs, ks, o, lse_u)
 
 
 def _flash_bwd(spec, blocks, res, cts):
-    q, k, v, qs, ks, o, lse = res
+    q, k, v, qs, ks, o, lse_u = res
     do, dlse = cts
-    dq, dk, dv = attention_bwd.backward(q, k, v, qs, ks, o, lse, do, dlse, spec, blocks)
+    dq, dk, dv = attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks)
     seg_ct = lambda s: None if s is None else jnp.zeros(s.shape, jax.dtypes.float0)
     return dq, dk, dv, seg_ct(qs), seg_ct(ks)
 
@@ -211,19 +217,23 @@ class _Layout:
 
 
 def forward(q, k, v, q_segment_ids, kv_segment_ids, spec: AttnSpec, blocks: AttnBlocks):
-    """(o, lse) in the user layout, no custom_vjp: the forward half for `sharding`."""
+    """(o, natural lse, lse_u) in the user layout, no custom_vjp: the forward half for
+    `sharding`; lse_u (the kernels' units, `_attn`) is the residual `backward` takes."""
     lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
     qs, ks = _segs(q_segment_ids, kv_segment_ids)
-    o, lse = _forward(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs), lay.kv_seg(ks), spec, blocks)
-    return lay.o_back(o), lay.lse_back(lse)
+    o, lse_u = _forward(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs), lay.kv_seg(ks), spec,
+                        blocks)
+    lse_u = lay.lse_back(lse_u)
+    return lay.o_back(o), A.lse_natural(lse_u, spec), lse_u
 
 
-def backward(q, k, v, q_segment_ids, kv_segment_ids, o, lse, do, dlse, spec: AttnSpec,
+def backward(q, k, v, q_segment_ids, kv_segment_ids, o, lse_u, do, dlse, spec: AttnSpec,
              blocks: AttnBlocks):
-    """(dq, dk, dv) in the user layout: the backward half of `forward`."""
+    """(dq, dk, dv) in the user layout: the backward half of `forward`, from its lse_u and the
+    cotangent dlse of its natural lse."""
     lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
     qs, ks = _segs(q_segment_ids, kv_segment_ids)
     dq, dk, dv = attention_bwd.backward(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs),
-                                        lay.kv_seg(ks), lay.q(o), lay.lse(lse), lay.q(do),
+                                        lay.kv_seg(ks), lay.q(o), lay.lse(lse_u), lay.q(do),
                                         lay.lse(dlse), spec, blocks)
     return lay.o_back(dq), lay.kv_back(dk), lay.kv_back(dv)

@@ -1,7 +1,8 @@
 """FlashAttention-2 backward: recompute P from q, k and the saved lse; never store it.
 
 With P = exp(s - lse), delta = rowsum(dO * O) - dlse (lecture 5, sec. 7.3; the dlse term lets
-gradients flow through a returned lse):
+gradients flow through a returned lse; P is recomputed from the forward's lse_u in the kernels'
+score units, `_attn`, so that it is exact for a single visible key at any logit size):
 
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta)   (times 1 - tanh^2 under a soft cap),
     dQ = scale * dS K,   dK = scale * dS^T Q.
@@ -25,9 +26,16 @@ from jaxfuse.pallas import _common as C
 from jaxfuse.pallas._attn import AttnBlocks, AttnSpec
 
 
-def _safe_lse2(lse):
-    """lse in log2 units; a row that saw no key (lse = -inf) gets +inf so exp2(s2 - lse2) = 0."""
-    return jnp.where(lse == C.NEG_INF, jnp.inf, lse * A.LOG2E)
+def _safe_lse(lse_u):
+    """A row that saw no key (lse_u = -inf) gets +inf, so that P = 0 there."""
+    return jnp.where(lse_u == C.NEG_INF, jnp.inf, lse_u)
+
+
+def _probs(spec: AttnSpec, u, lse_u):
+    """P = exp2((u - lse_u) c2), recomputed in the forward's units: exactly 1 for a query's only
+    visible key, at any logit size. u <= lse_u in exact arithmetic; the clamp keeps rounding
+    from pushing P above 1 where logits are large (a bounded P bounds every gradient)."""
+    return jnp.exp2(jnp.minimum(u - lse_u[..., None], 0.0) * spec.c2)
 
 
 def _ds(spec: AttnSpec, p, dp, delta, t):
@@ -43,7 +51,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Att
     r0 = pl.program_id(0) * bq
     q = A.load_rows(q_ref, 0, bq, spec.rows, spec, global_r0=r0)             # [..., bq, Dp]
     do = A.load_rows(do_ref, 0, bq, spec.rows, spec, global_r0=r0)
-    lse2 = _safe_lse2(C.load_vec(lse_ref, 0, bq, spec.rows, global_row0=r0))   # [..., bq]
+    lse_u = _safe_lse(C.load_vec(lse_ref, 0, bq, spec.rows, global_row0=r0))   # [..., bq]
     delta = C.load_vec(delta_ref, 0, bq, spec.rows, global_row0=r0)
     q_pos, _ = A.row_positions(spec, r0, bq)
     q_seg = C.load_vec(qs_ref, 0, bq, spec.rows, global_row0=r0) if spec.segments else None
@@ -54,9 +62,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Att
         v = A.load_rows(v_ref, k0, bk, spec.n_k, spec)
         k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         k_seg = C.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
-        s2, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
-                            k_seg, masked)
-        p = jnp.exp2(s2 - lse2[..., None])                                    # [..., bq, bk]
+        u, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
+                           k_seg, masked)
+        p = _probs(spec, u, lse_u)                                            # [..., bq, bk]
         ds = _ds(spec, p, A.dot(do, v, "...qd,...kd->...qk"), delta, t)
         return dq + A.dot(ds.astype(k.dtype), k, "...qk,...kd->...qd")
 
@@ -90,13 +98,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
             q0 = i * bq
             q = rows_of_head(q_ref, g, q0)                                     # [..., bq, Dp]
             do = rows_of_head(do_ref, g, q0)
-            lse2 = _safe_lse2(vec_of_head(lse_ref, g, q0))
+            lse_u = _safe_lse(vec_of_head(lse_ref, g, q0))
             delta = vec_of_head(delta_ref, g, q0)
             q_pos, _ = A.row_positions(spec, q0, bq)
             q_seg = C.load_vec(qs_ref, q0, bq, spec.rows) if spec.segments else None
-            s2, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
-                                k_seg, masked)
-            p = jnp.exp2(s2 - lse2[..., None])                                # [..., bq, bk]
+            u, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
+                               k_seg, masked)
+            p = _probs(spec, u, lse_u)                                        # [..., bq, bk]
             dv = dv + A.dot(p.astype(do.dtype), do, "...qk,...qd->...kd")
             ds = _ds(spec, p, A.dot(do, v, "...qd,...kd->...qk"), delta, t)
             dk = dk + A.dot(ds.astype(q.dtype), q, "...qk,...qd->...kd")
@@ -110,8 +118,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
     A.store_rows(dv_ref, dv, 0, spec.n_k, spec, global_r0=k0)
 
 
-def backward(q, k, v, qs, ks, o, lse, do, dlse, spec: AttnSpec, blocks: AttnBlocks):
-    """dq, dk, dv in the kernels' layout (see `_attn`)."""
+def backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnBlocks):
+    """dq, dk, dv in the kernels' layout (see `_attn`).
+
+    `lse_u`: the forward's log-sum-exp in the kernels' score units (`_attn` docstring), float32
+    in lse's layout ([B*Hkv, G*Tq] folded, [B, Hq, Tq] otherwise), -inf where a row saw no key.
+    A forward that has only the natural lse passes `_attn.residual_from_lse(lse, spec)`.
+    `dlse`: the cotangent of the natural-log lse (or None)."""
     dp, g = spec.head_dim_pad, spec.groups
     # delta = rowsum(dO * O) - dlse, in lse's layout: a cheap XLA reduction, read once per kernel.
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
@@ -150,7 +163,7 @@ def backward(q, k, v, qs, ks, o, lse, do, dlse, spec: AttnSpec, blocks: AttnBloc
         dkv_seg = [pl.BlockSpec((None, spec.n_q), lambda j, b_, h: (b_, 0)),
                    pl.BlockSpec((None, bk2), lambda j, b_, h: (b_, j))]
         dq_grid, dkv_grid = (C.cdiv(spec.n_q, bq), b, hq), (C.cdiv(spec.n_k, bk2), b, hkv)
-    args = (q, k, v, do, lse, delta, *segs)
+    args = (q, k, v, do, lse_u, delta, *segs)
     call = functools.partial(C.pallas_call, interpret=spec.interpret,
                              num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd)
     dq = call(functools.partial(_dq_kernel, spec=spec, bq=bq, bk=bk),

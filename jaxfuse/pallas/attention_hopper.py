@@ -206,11 +206,11 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                 s = mma.qk(q_smem.at[wg], k_smem.at[slot], rendezvous)
                 plgpu.barrier_arrive(k_empty.at[slot])
                 k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
-                s2, _ = A.transform(spec, s, q_pos, k_pos, None, None, masked)
-                m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+                u, _ = A.transform(spec, s, q_pos, k_pos, None, None, masked)
+                m_new = jnp.maximum(m, jnp.max(u, axis=1))
                 shift = C.safe_max(m_new)
-                alpha = jnp.exp2(m - shift)
-                p = jnp.exp2(s2 - _row_vec(shift, bk))
+                alpha = jnp.exp2((m - shift) * spec.c2)
+                p = jnp.exp2((u - _row_vec(shift, bk)) * spec.c2)
                 l = l * alpha + jnp.sum(p, axis=1)
                 acc = acc * _row_vec(alpha, d)
                 if tiles.pingpong:
@@ -237,9 +237,11 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
             if tiles.pingpong:
                 pl.when(wg == 0)(rendezvous)
 
-            seen = l > 0
-            inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-            lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * A.LN2, C.NEG_INF)
+            # As `_attn.online_finish`: lse_u in the scores' units, only l == 0 is an empty row.
+            empty = l == 0
+            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+            lse = jnp.where(empty, C.NEG_INF,
+                            m + jnp.log2(jnp.where(empty, 1.0, l)) * (1.0 / spec.c2))
             q_smem[wg] = (acc * _row_vec(inv, d)).astype(dtype)      # Q is done with: O goes here
             lse_smem[wg] = lse
             plgpu.commit_smem()
@@ -274,7 +276,8 @@ def _zeros(shape, interpret):
 
 
 def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
-    """(o [B, Tq, Hq, D], natural-log lse [B, Hq, Tq] float32) of q [B, Tq, Hq, D] over k, v
+    """(o [B, Tq, Hq, D], lse_u [B, Hq, Tq] float32 in the scores' units, see `_attn`) of
+    q [B, Tq, Hq, D] over k, v
     [B, Tk, Hkv, D]; the problem must `fit`."""
     b, tq, hq, d = q.shape
     stages = tiles.stages_for(d, q.dtype.itemsize)

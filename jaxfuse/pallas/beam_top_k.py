@@ -54,11 +54,16 @@ def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *,
     interpret = C.resolve_interpret(interpret)
     b, n_beams, v = log_probs.shape
     flat = ref.candidates(log_probs, beam_scores)                           # [B, K * V]
+    # lax.top_k orders NaN too: +NaN above +inf, -NaN below -inf. The retrieval ranks by a key
+    # that maps them to +-inf (monotone in that order, so the threshold argument holds), and
+    # the exact sort below sees the candidates themselves: NaN comes out where lax.top_k puts
+    # it instead of poisoning the group maxima and the threshold of its row.
+    key = jnp.where(jnp.isnan(flat), jnp.where(jnp.signbit(flat), -jnp.inf, jnp.inf), flat)
     # 1. Retrieve: rough threshold per batch row.
-    m = group_maxima(flat.reshape(b, n_beams, v), k, interpret=interpret,
+    m = group_maxima(key.reshape(b, n_beams, v), k, interpret=interpret,
                      block_sizes=block_sizes)
     threshold = jnp.max(jnp.min(m, axis=-1), axis=-1)                      # [B]
-    keep = flat >= threshold[:, None]
+    keep = key >= threshold[:, None]
     cap = min(n_beams * v, capacity or max(4 * k, 2 * n_beams))
 
     # 2. Re-rank the few: compact in flat-index order, then an exact (stable) sort of `cap`.

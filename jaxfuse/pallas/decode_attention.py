@@ -37,6 +37,15 @@ class DecodeBlocks:
     num_stages: int = 3
     folded: bool | None = None
 
+    def validate(self, folded: bool) -> None:
+        for name in ("block_k", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"DecodeBlocks({name}={v!r}): {name} must be a positive int")
+        if not folded and self.block_k != C.next_pow2(self.block_k):
+            raise ValueError(f"DecodeBlocks(block_k={self.block_k}) must be a power of two on "
+                             "the GPU (e.g. 64)")
+
 
 def choose_splits(units: int, seq_len: int, sms: int, min_keys: int = 512) -> int:
     """Split count that fills `sms` multiprocessors in whole waves of `units * splits` programs,
@@ -76,15 +85,15 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, *, spec: A.AttnSpec, b
         else:
             s = A.dot(q, k, "...hd,...kd->...hk")                             # [..., bh, bk]
             pv_of = lambda p: A.dot(p.astype(v.dtype), v, "...hk,...kd->...hd")
-        s2, _ = A.transform(spec, s, None, None, None, None, masked=False)
+        u, _ = A.transform(spec, s, None, None, None, None, masked=False)
         k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        return A.online_update(carry, jnp.where(k_pos < n, s2, C.NEG_INF), pv_of)
+        return A.online_update(carry, jnp.where(k_pos < n, u, C.NEG_INF), pv_of, spec.c2)
 
     carry = jax.lax.fori_loop(s0 // bk, (end + bk - 1) // bk, step,
                               A.online_init(q.shape[:-2], bh, spec))
-    o, lse = A.online_finish(carry)
+    o, lse_u = A.online_finish(carry, spec.c2)
     A.store_rows(o_ref, o, 0, g, spec)
-    C.store_vec(lse_ref, lse, 0, g)
+    C.store_vec(lse_ref, A.lse_natural(lse_u, spec), 0, g)   # the splits merge natural lse
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -97,11 +106,13 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     Inference only: it has no gradient (train with `flash_attention`)."""
     ref.validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale)
     check_head_dim(q.shape[-1])
+    interpret = C.resolve_interpret(interpret)
+    blocks = block_sizes or DecodeBlocks()
+    blocks.validate(interpret if blocks.folded is None else blocks.folded)
     run = functools.partial(_decode, scale=scale, num_splits=num_splits,
-                            logits_soft_cap=logits_soft_cap,
-                            interpret=C.resolve_interpret(interpret),
-                            blocks=block_sizes or DecodeBlocks())
-    o, lse = _inference_op(run)(q, k_cache, v_cache, kv_lengths.astype(jnp.int32))
+                            logits_soft_cap=logits_soft_cap, interpret=interpret, blocks=blocks)
+    lengths = ref.clip_lengths(kv_lengths, k_cache.shape[1])
+    o, lse = _inference_op(run)(q, k_cache, v_cache, lengths)
     return (o, lse) if return_lse else o
 
 

@@ -12,6 +12,6 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
                eps: float = 1e-5, interpret: bool | None = None,
                block_sizes: RowBlocks | None = None) -> jax.Array:
     """Pallas LayerNorm over the last axis; see `jaxfuse.reference.layer_norm`."""
-    ref.validate(x, weight, bias)
+    ref.validate(x, weight, bias, eps)
     return _norm.apply(x, weight, bias, center=True, eps=eps, interpret=interpret,
                        block_sizes=block_sizes)

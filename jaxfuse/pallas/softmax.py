@@ -71,7 +71,8 @@ def _forward(x2, mask2, st: _Static):
         else:   # the whole row is this tile: its statistics come from the same exponentials
             e = jnp.exp(s - C.safe_max(jnp.max(s, axis=-1, keepdims=True)))
             l = jnp.sum(e, axis=-1, keepdims=True)
-        return (e * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0),), (), ()
+        # Only an empty row (l == 0) gives zeros; a NaN anywhere in the row stays NaN.
+        return (e * jnp.where(l == 0, 0.0, 1.0 / jnp.where(l == 0, 1.0, l)),), (), ()
 
     (y2,) = _rows.map_pass(emit, tiled=tiled, fills=fills, per_row=per_row,
                            out_dtypes=(x2.dtype,), blocks=b, name="jaxfuse_softmax_fwd",
@@ -129,7 +130,7 @@ def softmax(x: jax.Array, *, scale: float = 1.0, mask: jax.Array | None = None,
             causal: bool = False, interpret: bool | None = None,
             block_sizes: RowBlocks | None = None) -> jax.Array:
     """Pallas softmax over the last axis of `scale * x`; see `jaxfuse.reference.softmax`."""
-    ref.validate(x, mask, causal)
+    ref.validate(x, mask, causal, scale)
     x2 = _rows.as_rows(x)
     mask2 = None
     if mask is not None:

@@ -40,6 +40,9 @@ def validate(q, k, v, q_segment_ids=None, kv_segment_ids=None, sliding_window=No
     if k.shape[3] != d:
         raise ValueError(f"head dims differ: q.shape[-1]={d}, k.shape[-1]={k.shape[3]}")
     hkv = k.shape[2]
+    if hkv == 0 or d == 0:
+        raise ValueError(f"k.shape={k.shape}, q.shape={q.shape}: the KV heads (k.shape[2]) and "
+                         "the head dim (last axis) must not be empty")
     if hq % hkv:
         raise ValueError(f"the number of query heads {hq} (q.shape[2]) must be a multiple of "
                          f"the number of KV heads {hkv} (k.shape[2])")
@@ -78,15 +81,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
         keep = keep & (q_segment_ids[:, None, None, :, None]
                        == kv_segment_ids[:, None, None, None, :])
     s = jnp.where(keep, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)   # initial: Tk may be 0
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     p = jnp.where(keep, jnp.exp(s - m), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(l > 0, l, 1.0), v.astype(jnp.float32))
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(l == 0, 1.0, l), v.astype(jnp.float32))
     o = o.reshape(b, tq, hq, d).astype(q.dtype)
     if not return_lse:
         return o
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[..., 0]
+    lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))[..., 0]
     return o, lse.reshape(b, hq, tq)
 
 
@@ -118,7 +121,7 @@ def merge_many(o_parts: jax.Array, lse_parts: jax.Array, axis: int):
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse_parts - m)
     total = jnp.sum(w, axis=axis, keepdims=True)
-    lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-    w = w * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    lse = jnp.where(total == 0, -jnp.inf, m + jnp.log(jnp.where(total == 0, 1.0, total)))
+    w = w * jnp.where(total == 0, 0.0, 1.0 / jnp.where(total == 0, 1.0, total))
     o = jnp.sum(w[..., None] * o_parts.astype(jnp.float32), axis=axis)
     return o, jnp.squeeze(lse, axis)

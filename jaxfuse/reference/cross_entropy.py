@@ -28,6 +28,9 @@ from jaxfuse import _checks
 def validate(logits, labels, label_smoothing, reduction, ignore_index=-100) -> None:
     _checks.check_float("logits", logits)
     _checks.check_ndim("logits", logits, min_ndim=1)
+    if logits.shape[-1] == 0:
+        raise ValueError(f"logits.shape={tuple(logits.shape)}: the class axis (last) is empty; "
+                         "there must be at least one class")
     _checks.check_labels(labels, logits.shape[:-1], "logits", label_smoothing, reduction,
                          ignore_index)
 

@@ -36,6 +36,9 @@ def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=N
         raise ValueError(f"k_cache.shape={k_cache.shape} must be [B={b}, S, Hkv, D={d}] for "
                          f"q.shape={q.shape}")
     hkv = k_cache.shape[2]
+    if hkv == 0 or d == 0:
+        raise ValueError(f"k_cache.shape={k_cache.shape}, q.shape={q.shape}: the KV heads "
+                         "(k_cache.shape[2]) and the head dim (last axis) must not be empty")
     if hq % hkv:
         raise ValueError(f"the number of query heads {hq} (q.shape[1]) must be a multiple of "
                          f"the number of KV heads {hkv} (k_cache.shape[2])")
@@ -52,6 +55,13 @@ def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=N
     _checks.check_positive("scale", scale)
 
 
+def clip_lengths(kv_lengths: jax.Array, s_len: int) -> jax.Array:
+    """kv_lengths of any integer dtype clipped to [0, S] in their own dtype, then int32: a
+    cast first would wrap uint32 lengths >= 2^31 to negative ones (zeros instead of S)."""
+    info = jnp.iinfo(kv_lengths.dtype)
+    return jnp.clip(kv_lengths, 0, min(s_len, info.max)).astype(jnp.int32)
+
+
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      kv_lengths: jax.Array, *, scale: float | None = None,
                      num_splits: int | None = None, logits_soft_cap: float | None = None,
@@ -64,7 +74,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     s_len, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    keep = jnp.arange(s_len)[None, :] < jnp.clip(kv_lengths, 0, s_len)[:, None]   # [B, S]
+    keep = jnp.arange(s_len)[None, :] < clip_lengths(kv_lengths, s_len)[:, None]   # [B, S]
     # Zero the cache beyond each length so NaN/inf there cannot leak through 0 * NaN.
     kf = jnp.where(keep[:, :, None, None], k_cache.astype(jnp.float32), 0.0)
     vf = jnp.where(keep[:, :, None, None], v_cache.astype(jnp.float32), 0.0)
@@ -73,13 +83,13 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     keep = keep[:, None, None, :]
     s = jnp.where(keep, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)   # initial: S may be 0
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     p = jnp.where(keep, jnp.exp(s - m), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgs,bshd->bhgd", p / jnp.where(l > 0, l, 1.0), vf)
+    o = jnp.einsum("bhgs,bshd->bhgd", p / jnp.where(l == 0, 1.0, l), vf)
     o = o.reshape(b, hq, d).astype(q.dtype)
     if not return_lse:
         return o
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
     return o, lse.reshape(b, hq)

@@ -31,7 +31,8 @@ def welford_merge(a, b):
     return n, mean, m2
 
 
-def validate(x, weight, bias) -> None:
+def validate(x, weight, bias, eps=1e-5) -> None:
+    _checks.check_finite("eps", eps, minimum=0.0)
     _checks.check_float("x", x)
     _checks.check_ndim("x", x, min_ndim=1)
     _checks.check_vector("weight", weight, x.shape[-1])
@@ -41,7 +42,7 @@ def validate(x, weight, bias) -> None:
 def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | None = None, *,
                eps: float = 1e-5) -> jax.Array:
     """LayerNorm over the last axis, computed in float32, returned in x.dtype."""
-    validate(x, weight, bias)
+    validate(x, weight, bias, eps)
     xf = x.astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)

@@ -29,9 +29,13 @@ def validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"x.shape[-1]={x.shape[-1]} must equal weight.shape[0]="
                          f"{weight.shape[0]} (weight is [D, V])")
+    if weight.shape[1] == 0:
+        raise ValueError(f"weight.shape={tuple(weight.shape)}: the vocabulary (weight.shape[1]) "
+                         "is empty; there must be at least one class")
+    if x.shape[-1] == 0:
+        raise ValueError(f"x.shape={tuple(x.shape)}: the feature axis (last) is empty")
     _checks.check_labels(labels, x.shape[:-1], "x", label_smoothing, reduction, ignore_index)
-    if not float(z_loss) >= 0.0:
-        raise ValueError(f"z_loss={z_loss!r} must be >= 0")
+    _checks.check_finite("z_loss", z_loss, minimum=0.0)
     _checks.check_positive("logits_soft_cap", logits_soft_cap)
 
 

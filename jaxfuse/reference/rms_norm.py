@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jaxfuse import _checks
 
 
-def validate(x, weight) -> None:
+def validate(x, weight, eps=1e-6) -> None:
+    _checks.check_finite("eps", eps, minimum=0.0)
     _checks.check_float("x", x)
     _checks.check_ndim("x", x, min_ndim=1)
     _checks.check_vector("weight", weight, x.shape[-1])
@@ -18,7 +19,7 @@ def validate(x, weight) -> None:
 
 def rms_norm(x: jax.Array, weight: jax.Array | None = None, *, eps: float = 1e-6) -> jax.Array:
     """RMSNorm over the last axis, computed in float32, returned in x.dtype."""
-    validate(x, weight)
+    validate(x, weight, eps)
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
     if weight is not None:

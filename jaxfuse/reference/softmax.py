@@ -3,7 +3,8 @@
     y_j = exp(s_j - m) / sum_k exp(s_k - m),   s = scale * x  (masked entries: s = -inf),
 
 with m the row maximum. A row whose every entry is masked has no softmax; it returns zeros (and
-zero gradient) rather than the 0/0 = NaN of the formula.
+zero gradient) rather than the 0/0 = NaN of the formula. A NaN in a row makes that row NaN.
+`scale` must be finite.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def causal_keep(shape) -> jax.Array:
                      causal=True)
 
 
-def validate(x, mask, causal) -> None:
+def validate(x, mask, causal, scale=1.0) -> None:
+    _checks.check_finite("scale", scale)
     _checks.check_float("x", x)
     _checks.check_ndim("x", x, min_ndim=1)
     _checks.check_mask(mask, x.shape)
@@ -32,7 +34,7 @@ def validate(x, mask, causal) -> None:
 def softmax(x: jax.Array, *, scale: float = 1.0, mask: jax.Array | None = None,
             causal: bool = False) -> jax.Array:
     """Softmax over the last axis of `scale * x`, keeping entries where `mask` is True."""
-    validate(x, mask, causal)
+    validate(x, mask, causal, scale)
     s = x.astype(jnp.float32) * scale
     keep = jnp.ones(x.shape, bool)
     if mask is not None:
@@ -40,8 +42,9 @@ def softmax(x: jax.Array, *, scale: float = 1.0, mask: jax.Array | None = None,
     if causal:
         keep = keep & causal_keep(x.shape)
     s = jnp.where(keep, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)   # initial: rows may be empty
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     e = jnp.where(keep, jnp.exp(s - m), 0.0)
     l = jnp.sum(e, axis=-1, keepdims=True)
-    return (e / jnp.where(l > 0, l, 1.0)).astype(x.dtype)
+    # Only an empty row (l == 0) is special: a NaN in the row makes l NaN and the row NaN.
+    return (e / jnp.where(l == 0, 1.0, l)).astype(x.dtype)

@@ -41,9 +41,9 @@ def _flash_fwd(cfg, plan, q, k, v, *segs):
 
 
 def _flash_bwd(cfg, plan, q, k, v, *rest):
-    segs, (o, lse, do, dlse) = rest[:-4], rest[-4:]
+    segs, (o, _, lse_u, do, dlse) = rest[:-5], rest[-5:]
     qs, ks = segs if segs else (None, None)
-    dq, dk, dv = _p_attn.backward(q, k, v, qs, ks, o, lse, do, dlse, *_flash_plan(cfg, q, k))
+    dq, dk, dv = _p_attn.backward(q, k, v, qs, ks, o, lse_u, do, dlse, *_flash_plan(cfg, q, k))
     if plan.get("t"):        # queries split, keys whole: dK and dV sum over every query
         dk, dv = (jax.lax.psum(x, plan["t"]) for x in (dk, dv))
     return dq, dk, dv
@@ -60,8 +60,10 @@ def _flash_op(groups: int, segments: bool, causal: bool, scale, sliding_window, 
     splittable = ("b", "n") + (("t",) if not causal and sliding_window is None else ())
     segs = (("b", "t"), ("b", "s")) if segments else ()
     sizes = (("g", groups),)
-    fwd = Layout((_Q, _KV, _KV, *segs), (_Q, _LSE), splittable, sizes)
-    bwd = Layout((_Q, _KV, _KV, *segs, _Q, _LSE, _Q, _LSE), (_Q, _KV, _KV), splittable, sizes)
+    # Outputs o and the natural lse, then lse_u: the backward's residual (`pallas.attention`).
+    fwd = Layout((_Q, _KV, _KV, *segs), (_Q, _LSE, _LSE), splittable, sizes)
+    bwd = Layout((_Q, _KV, _KV, *segs, _Q, _LSE, _LSE, _Q, _LSE), (_Q, _KV, _KV), splittable,
+                 sizes)
     return vjp_op(functools.partial(_flash_fwd, cfg), functools.partial(_flash_bwd, cfg), fwd,
                   bwd, n_out=2, diff=(True, True, True) + (False, False)[:len(segs)])
 
@@ -99,13 +101,16 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=
     """`jaxfuse.pallas.decode_attention` partitioned over batch, KV heads and cache length."""
     _r_dec.validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale)
     _p_attn.check_head_dim(q.shape[-1])
+    interpret = C.resolve_interpret(interpret)
+    blocks = block_sizes or DecodeBlocks()
+    blocks.validate(interpret if blocks.folded is None else blocks.folded)
     kw = dict(scale=scale, num_splits=num_splits, logits_soft_cap=logits_soft_cap,
-              interpret=C.resolve_interpret(interpret),
-              blocks=block_sizes or DecodeBlocks())
+              interpret=interpret, blocks=blocks)
     q_dims, kv_dims, lse_dims = ("b", ("n", "g"), "d"), ("b", "s", "n", "d"), ("b", ("n", "g"))
     layout = Layout((q_dims, kv_dims, kv_dims, ("b",)), (q_dims, lse_dims), ("b", "n", "s"),
                     (("g", q.shape[1] // k_cache.shape[2]),))
     run = lambda *a: partitioned(functools.partial(_decode_local, kw), layout, a)
     o, lse = _p_dec._inference_op(run)(*present(q, k_cache, v_cache,
-                                                kv_lengths.astype(jnp.int32)))
+                                                _r_dec.clip_lengths(kv_lengths,
+                                                                    k_cache.shape[1])))
     return (o, lse) if return_lse else o

@@ -70,7 +70,7 @@ def _norm_op(ndim: int, has_weight: bool, has_bias: bool, center: bool, eps: flo
 
 def layer_norm(x, weight=None, bias=None, *, eps=1e-5, interpret=None, block_sizes=None):
     """`jaxfuse.pallas.layer_norm` partitioned over the leading axes of x."""
-    _r_ln.validate(x, weight, bias)
+    _r_ln.validate(x, weight, bias, eps)
     op = _norm_op(x.ndim, weight is not None, bias is not None, True, float(eps), interpret,
                   block_sizes)
     return op(*present(x, weight, bias))[0]
@@ -78,7 +78,7 @@ def layer_norm(x, weight=None, bias=None, *, eps=1e-5, interpret=None, block_siz
 
 def rms_norm(x, weight=None, *, eps=1e-6, interpret=None, block_sizes=None):
     """`jaxfuse.pallas.rms_norm` partitioned over the leading axes of x."""
-    _r_rms.validate(x, weight)
+    _r_rms.validate(x, weight, eps)
     op = _norm_op(x.ndim, weight is not None, False, False, float(eps), interpret, block_sizes)
     return op(*present(x, weight))[0]
 
@@ -115,7 +115,7 @@ def _softmax_op(ndim: int, has_mask: bool, scale: float, causal: bool, interpret
 
 def softmax(x, *, scale=1.0, mask=None, causal=False, interpret=None, block_sizes=None):
     """`jaxfuse.pallas.softmax` partitioned over the leading axes of x."""
-    _r_sm.validate(x, mask, causal)
+    _r_sm.validate(x, mask, causal, scale)
     if mask is not None:
         mask = jnp.broadcast_to(mask, x.shape)
     op = _softmax_op(x.ndim, mask is not None, float(scale), bool(causal), interpret,

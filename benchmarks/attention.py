@@ -86,7 +86,31 @@ def _check_case(i, c, dtype, blocks=None, tag=""):
     guarded(S, name, jnp.dtype(dtype).name, run)
 
 
+def check_garbage(dtype=jnp.bfloat16):
+    """Masked keys holding NaN/inf (packed-sequence padding) reach no output or gradient of the
+    rows that do not see them, compiled (the portable path: segment ids)."""
+    name = "check masked garbage (segments, NaN/inf padding)"
+
+    def run():
+        q, k, v, do = _inputs(jax.random.key(7), 2, 1000, 1000, 8, 2, 128, dtype)
+        seg = jnp.where(jnp.arange(1000) < 900, 0, 1)[None].repeat(2, 0)
+
+        @jax.jit
+        def fb(q, k, v, do):
+            f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, q_segment_ids=seg,
+                                                        kv_segment_ids=seg)
+            o, vjp = jax.vjp(f, q, k, v)
+            return o, vjp(do)
+        o0, g0 = fb(q, k, v, do)
+        o, g = fb(q, k.at[:, 900:].set(jnp.nan), v.at[:, 900:].set(jnp.inf), do)
+        same = bool(jnp.array_equal(o[:, :900], o0[:, :900])) and all(
+            bool(jnp.array_equal(a[:, :900], b[:, :900])) for a, b in zip(g, g0))
+        record(S, name, jnp.dtype(dtype).name, status="ok" if same else "FAIL")
+    guarded(S, name, jnp.dtype(dtype).name, run)
+
+
 def check():
+    check_garbage()
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
         for i, c in enumerate(CASES):
             _check_case(i, c, dtype)
@@ -117,7 +141,15 @@ def _peers(causal: bool, only=None):
             lambda q, k, v, impl: tokamax.dot_product_attention(
                 q, k, v, is_causal=causal, implementation=impl), impl=impl)
             for impl in ("triton", "mosaic")}
-    peers.update(_timing.peers(S, jax_pallas=jax_pallas, tokamax=tokamax_peers))
+    def jax_mgpu():
+        # JAX's own Mosaic GPU (Hopper) attention; its backward takes no causal mask.
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+        cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
+                              block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
+                              compute_wgs_bwd=2)
+        return {"jax_mgpu": lambda q, k, v: am.attention(q, k, v, cfg)}
+    peers.update(_timing.peers(S, jax_pallas=jax_pallas, tokamax=tokamax_peers,
+                               jax_mgpu=jax_mgpu))
     return peers if only is None else {k: v for k, v in peers.items() if k in only}
 
 
@@ -142,7 +174,7 @@ def _time_row(label, fns, shape, causal, *, backward: bool, reps: int = 10):
         guarded(S, f"{label} {'fwd+bwd' if backward else 'fwd'}", impl, run)
 
 
-MAIN = ("jaxfuse", "jaxfuse_triton", "cudnn", "tokamax_mosaic")
+MAIN = ("jaxfuse", "jaxfuse_triton", "cudnn", "tokamax_mosaic", "jax_mgpu")
 
 
 def perf(copy_bw: float, sweep: bool = True):

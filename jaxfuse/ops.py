@@ -109,7 +109,18 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     `logits_soft_cap=c`: logits become c * tanh(s / c). Returns o [B, Tq, Hq, D] (and, with
     `return_lse`, the float32 log-sum-exp [B, Hq, Tq]); a query that sees no key gets zeros
     and lse = -inf. Memory O(T); gradients recompute P and are deterministic. A NaN in q, k
-    or v gives NaN in the rows that see it; `scale` and the soft cap must be finite.
+    or v gives NaN in the rows that see it; `scale` and the soft cap must be finite. Keys and
+    values that the masks hide may hold anything (NaN, inf: the padding of packed sequences):
+    it reaches no output or gradient of a query that does not see it.
+
+    On a Hopper GPU (sm90) with bf16/f16 inputs, head_dim 64/128/256, Tq a multiple of 128,
+    Tk of 128 (64 for head_dim 256) and no segment ids, the forward runs a FlashAttention-3
+    style Mosaic GPU kernel (TMA ring, wgmma, ping-ponging warpgroups); everything else, and
+    the backward, runs the portable Triton kernels. `block_sizes=AttnBlocks(hopper=False)`
+    turns it off, `hopper=True` forces it (also in Mosaic GPU's interpreter on a CPU) and
+    raises where it does not fit. On the Hopper path, garbage in a masked key of a tile that
+    the causal edge or the window cuts is not yet guarded (segment ids, the packing case,
+    always take the portable path).
 
     Not a bug: dq and dk that are exactly zero in theory (one visible key, one-hot attention,
     v equal for every key) come out as rounding noise, about 1e-6 in float32 and 4e-3

@@ -177,12 +177,33 @@ def transform(spec: AttnSpec, s, q_pos, k_pos, q_seg, k_seg, masked: bool):
         t = jnp.tanh(s * (spec.scale / spec.softcap))
         u = t
     if masked:
-        keep = C.keep_mask(q_pos, k_pos, n_q=spec.n_q, n_k=spec.n_k, causal=spec.causal,
-                           window=spec.window)
-        if spec.segments:
-            keep = keep & (q_seg[..., :, None] == k_seg[..., None, :])
-        u = jnp.where(keep, u, C.NEG_INF)
+        u = jnp.where(visible(spec, q_pos, k_pos, q_seg, k_seg), u, C.NEG_INF)
     return u, t
+
+
+def visible(spec: AttnSpec, q_pos, k_pos, q_seg, k_seg):
+    """Which (query, key) pairs of a tile are kept by the masks (causal, window, segments)."""
+    keep = C.keep_mask(q_pos, k_pos, n_q=spec.n_q, n_k=spec.n_k, causal=spec.causal,
+                       window=spec.window)
+    if spec.segments:
+        keep = keep & (q_seg[..., :, None] == k_seg[..., None, :])
+    return keep
+
+
+def finite_rows(x):
+    """(x with its non-finite entries zeroed, [..., n] whether each of its n rows held one).
+
+    Masked keys may hold anything (the padding of packed sequences, keys outside a window):
+    P = 0 for them, but 0 * NaN = NaN in a matmul, so on tiles that the masks cut the kernels
+    multiply by cleaned K and V rows, and put the NaN back only into the rows of queries that
+    see a non-finite key or value (as the reference does)."""
+    ok = jnp.isfinite(x)
+    return jnp.where(ok, x, jnp.zeros((), x.dtype)), ~jnp.all(ok, axis=-1)
+
+
+def sees(keep, bad):
+    """[..., rows, 1]: whether a query row sees a key whose row is flagged in `bad` [..., keys]."""
+    return jnp.any(keep & bad[..., None, :], axis=-1, keepdims=True)
 
 
 def _pos_range(spec: AttnSpec, r0, n: int):

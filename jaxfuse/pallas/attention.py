@@ -44,11 +44,20 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
         v = A.load_rows(v_ref, k0, bk, spec.n_k, spec)
         k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         k_seg = C.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
+        nan_k = nan_v = None
+        if masked:     # masked keys may hold garbage: `_attn.finite_rows`
+            keep = A.visible(spec, q_pos, k_pos, q_seg, k_seg)
+            (k, bad_k), (v, bad_v) = A.finite_rows(k), A.finite_rows(v)
+            nan_k, nan_v = A.sees(keep, bad_k), A.sees(keep, bad_v)
         u, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
                            k_seg, masked)                                     # [..., bq, bk]
-        return A.online_update(carry, u,
-                               lambda p: A.dot(p.astype(v.dtype), v, "...qk,...kd->...qd"),
-                               spec.c2)
+        if masked:
+            u = jnp.where(nan_k, jnp.nan, u)
+
+        def pv_of(p):
+            pv = A.dot(p.astype(v.dtype), v, "...qk,...kd->...qd")
+            return pv if nan_v is None else jnp.where(nan_v, jnp.nan, pv)
+        return A.online_update(carry, u, pv_of, spec.c2)
 
     carry = A.split_loop(A.key_blocks(spec, r0, bq, bk), step,
                          A.online_init(q.shape[:-2], bq, spec))

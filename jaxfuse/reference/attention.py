@@ -72,25 +72,43 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     g = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qf = q.astype(jnp.float32).reshape(b, tq, hkv, g, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(jnp.float32)) * scale
-    if logits_soft_cap is not None:
-        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     keep = keep_mask(jnp.arange(tq)[:, None], jnp.arange(tk)[None, :], n_q=tq, n_k=tk,
                      causal=causal, window=sliding_window)[None, None, None]
     if q_segment_ids is not None:
         keep = keep & (q_segment_ids[:, None, None, :, None]
                        == kv_segment_ids[:, None, None, None, :])
+    # Masked keys may hold anything (padding, keys outside a window): P = 0 for them, but
+    # 0 * NaN = NaN in the products, so K and V enter with non-finite entries zeroed and the
+    # NaN goes back only to the queries that see such a key (their rows are NaN, as the maths
+    # says); nothing of a masked key reaches an output or a gradient.
+    kf, bad_k = _finite_rows(k.astype(jnp.float32))
+    vf, bad_v = _finite_rows(v.astype(jnp.float32))
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kf) * scale
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+    sees = lambda bad: jnp.any(keep & bad.transpose(0, 2, 1)[:, :, None, None, :], axis=-1,
+                               keepdims=True)                                # [B, Hkv, 1, Tq, 1]
+    s = jnp.where(sees(bad_k), jnp.nan, s)
     s = jnp.where(keep, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)   # initial: Tk may be 0
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     p = jnp.where(keep, jnp.exp(s - m), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(l == 0, 1.0, l), v.astype(jnp.float32))
+    # where(keep, ...) again after the division: a NaN row (it saw garbage) must not send its
+    # NaN through p / l into the gradients of keys it does not see.
+    o = jnp.einsum("bhgqk,bkhd->bhgqd", jnp.where(keep, p / jnp.where(l == 0, 1.0, l), 0.0), vf)
+    o = jnp.where(sees(bad_v), jnp.nan, o).transpose(0, 3, 1, 2, 4)
     o = o.reshape(b, tq, hq, d).astype(q.dtype)
     if not return_lse:
         return o
     lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))[..., 0]
     return o, lse.reshape(b, hq, tq)
+
+
+def _finite_rows(x):
+    """(x [B, T, H, D] with non-finite entries zeroed, [B, T, H]: rows that held one)."""
+    ok = jnp.isfinite(x)
+    return jnp.where(ok, x, 0.0), ~jnp.all(ok, axis=-1)
 
 
 def merge_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array):

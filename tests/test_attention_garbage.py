@@ -1,0 +1,74 @@
+"""Masked keys may hold garbage: whatever a key or value that the masks hide holds (NaN, inf:
+the padding of packed sequences, keys outside a window) never reaches an output or a gradient
+of the queries that do not see it; a query that does see a non-finite key or value gets a NaN
+row, as the maths says. Both impls, the interpret layout and the GPU layout (run in interpret
+mode), forward and gradients through jax.vjp with a random cotangent."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfuse
+from jaxfuse import AttnBlocks
+
+from _util import keys, randn
+
+SMALL = AttnBlocks(folded=False, block_q=16, block_k=16, block_q_dq=16, block_k_dq=16,
+                   block_k_dkv=16, block_q_dkv=16)
+IMPLS = [("reference", None), ("pallas", None), ("pallas", SMALL)]
+
+
+def _inputs(b=2, t=37, hq=4, hkv=2, d=16):
+    kq, kk, kv, kd = keys(11, 4)
+    return (randn(kq, (b, t, hq, d)), randn(kk, (b, t, hkv, d)), randn(kv, (b, t, hkv, d)),
+            randn(kd, (b, t, hq, d)))
+
+
+def _run(impl, blocks, q, k, v, do, **kw):
+    bs = {} if blocks is None else dict(block_sizes=blocks)
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, impl=impl, **kw, **bs)
+    o, vjp = jax.vjp(f, q, k, v)
+    return o, vjp(do)
+
+
+@pytest.mark.parametrize("impl,blocks", IMPLS)
+@pytest.mark.parametrize("junk", [jnp.nan, jnp.inf, -jnp.inf])
+def test_packed_padding_never_reaches_valid_rows(impl, blocks, junk):
+    """Segment 0 (30 tokens) is real, segment 1 (7 tokens) padding whose K and V are junk: the
+    real rows' outputs and every real key's gradient equal those of clean padding; the
+    padding rows, which see the junk, are NaN."""
+    q, k, v, do = _inputs()
+    seg = jnp.where(jnp.arange(37) < 30, 0, 1)[None].repeat(2, 0)
+    kw = dict(q_segment_ids=seg, kv_segment_ids=seg)
+    o0, g0 = _run(impl, blocks, q, k, v, do, **kw)
+    o, g = _run(impl, blocks, q, k.at[:, 30:].set(junk), v.at[:, 30:].set(junk), do, **kw)
+    np.testing.assert_array_equal(o[:, :30], o0[:, :30])
+    for a, b in zip(g, g0):
+        np.testing.assert_array_equal(a[:, :30], b[:, :30])
+    assert bool(jnp.isnan(o[:, 30:]).all())
+
+
+@pytest.mark.parametrize("impl,blocks", IMPLS)
+def test_keys_outside_the_window_and_past_the_causal_edge(impl, blocks):
+    """Window 8 with causal: key 3 is seen by queries 3..10 only. NaN in its value reaches
+    exactly those rows; every other row and every gradient of the other rows' keys is clean."""
+    q, k, v, do = _inputs()
+    kw = dict(causal=True, sliding_window=8)
+    o0, g0 = _run(impl, blocks, q, k, v, do, **kw)
+    o, g = _run(impl, blocks, q, k, v.at[:, 3].set(jnp.nan), do, **kw)
+    rows = np.zeros(37, bool)
+    rows[3:11] = True
+    np.testing.assert_array_equal(o[:, ~rows], o0[:, ~rows])
+    assert bool(jnp.isnan(o[:, rows]).all())
+    # dq of rows that never see key 3 is untouched.
+    np.testing.assert_array_equal(g[0][:, ~rows], g0[0][:, ~rows])
+
+
+@pytest.mark.parametrize("impl,blocks", IMPLS)
+def test_visible_nan_key_gives_nan_row_only(impl, blocks):
+    """A NaN key that every query sees (no mask) makes every row NaN; with causal, the same
+    NaN as the last key reaches only the last query."""
+    q, k, v, do = _inputs(b=1, t=20)
+    o = jaxfuse.flash_attention(q, k.at[:, -1].set(jnp.nan), v, causal=True, impl=impl,
+                                **({} if blocks is None else dict(block_sizes=blocks)))
+    assert bool(jnp.isfinite(o[:, :-1]).all()) and bool(jnp.isnan(o[:, -1]).all())

@@ -141,15 +141,7 @@ def _peers(causal: bool, only=None):
             lambda q, k, v, impl: tokamax.dot_product_attention(
                 q, k, v, is_causal=causal, implementation=impl), impl=impl)
             for impl in ("triton", "mosaic")}
-    def jax_mgpu():
-        # JAX's own Mosaic GPU (Hopper) attention; its backward takes no causal mask.
-        from jax.experimental.pallas.ops.gpu import attention_mgpu as am
-        cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
-                              block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
-                              compute_wgs_bwd=2)
-        return {"jax_mgpu": lambda q, k, v: am.attention(q, k, v, cfg)}
-    peers.update(_timing.peers(S, jax_pallas=jax_pallas, tokamax=tokamax_peers,
-                               jax_mgpu=jax_mgpu))
+    peers.update(_timing.peers(S, jax_pallas=jax_pallas, tokamax=tokamax_peers))
     return peers if only is None else {k: v for k, v in peers.items() if k in only}
 
 
@@ -174,7 +166,7 @@ def _time_row(label, fns, shape, causal, *, backward: bool, reps: int = 10):
         guarded(S, f"{label} {'fwd+bwd' if backward else 'fwd'}", impl, run)
 
 
-MAIN = ("jaxfuse", "jaxfuse_triton", "cudnn", "tokamax_mosaic", "jax_mgpu")
+MAIN = ("jaxfuse", "jaxfuse_triton", "cudnn", "tokamax_mosaic")
 
 
 def perf(copy_bw: float, sweep: bool = True):

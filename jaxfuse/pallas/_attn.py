@@ -197,13 +197,15 @@ def finite_rows(x):
     P = 0 for them, but 0 * NaN = NaN in a matmul, so on tiles that the masks cut the kernels
     multiply by cleaned K and V rows, and put the NaN back only into the rows of queries that
     see a non-finite key or value (as the reference does)."""
+    # Max over int32 flags rather than all/any: Triton's lowering has no boolean reductions.
     ok = jnp.isfinite(x)
-    return jnp.where(ok, x, jnp.zeros((), x.dtype)), ~jnp.all(ok, axis=-1)
+    return (jnp.where(ok, x, jnp.zeros((), x.dtype)),
+            jnp.max(jnp.where(ok, 0, 1), axis=-1) > 0)
 
 
 def sees(keep, bad):
     """[..., rows, 1]: whether a query row sees a key whose row is flagged in `bad` [..., keys]."""
-    return jnp.any(keep & bad[..., None, :], axis=-1, keepdims=True)
+    return jnp.max(jnp.where(keep & bad[..., None, :], 1, 0), axis=-1, keepdims=True) > 0
 
 
 def _pos_range(spec: AttnSpec, r0, n: int):

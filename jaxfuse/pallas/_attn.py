@@ -193,10 +193,12 @@ def visible(spec: AttnSpec, q_pos, k_pos, q_seg, k_seg):
 def finite_rows(x):
     """(x with its non-finite entries zeroed, [..., n] whether each of its n rows held one).
 
-    Masked keys may hold anything (the padding of packed sequences, keys outside a window):
-    P = 0 for them, but 0 * NaN = NaN in a matmul, so on tiles that the masks cut the kernels
-    multiply by cleaned K and V rows, and put the NaN back only into the rows of queries that
-    see a non-finite key or value (as the reference does)."""
+    Masked keys may hold anything (the padding of packed sequences, keys outside a window).
+    Where a masked key only enters through a score, the mask's select already drops it (S =
+    NaN there becomes -inf, dS = NaN becomes 0). Only the products that multiply a zero by the
+    key's row itself need a clean row: P V in the forward (whose rows that see a non-finite
+    value get their NaN back, as the reference's) and dS K in the dq kernel. Nothing else is
+    cleaned: each extra tile in the backward kernels costs registers for the whole loop."""
     # Max over int32 flags rather than all/any: Triton's lowering has no boolean reductions.
     ok = jnp.isfinite(x)
     return (jnp.where(ok, x, jnp.zeros((), x.dtype)),

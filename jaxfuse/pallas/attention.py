@@ -44,15 +44,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
         v = A.load_rows(v_ref, k0, bk, spec.n_k, spec)
         k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         k_seg = C.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
-        nan_k = nan_v = None
+        nan_v = None
         if masked:     # masked keys may hold garbage: `_attn.finite_rows`
-            keep = A.visible(spec, q_pos, k_pos, q_seg, k_seg)
-            (k, bad_k), (v, bad_v) = A.finite_rows(k), A.finite_rows(v)
-            nan_k, nan_v = A.sees(keep, bad_k), A.sees(keep, bad_v)
+            v, bad_v = A.finite_rows(v)
+            nan_v = A.sees(A.visible(spec, q_pos, k_pos, q_seg, k_seg), bad_v)
         u, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
                            k_seg, masked)                                     # [..., bq, bk]
-        if masked:
-            u = jnp.where(nan_k, jnp.nan, u)
 
         def pv_of(p):
             pv = A.dot(p.astype(v.dtype), v, "...qk,...kd->...qd")
@@ -164,7 +161,11 @@ def plan(q_shape, k_shape, dtype, *, causal, scale, segments, sliding_window, lo
                                         dtype, q_shape, make(folded=False))
     if hopper is not None:
         spec = make(folded=False)     # the Hopper forward writes the GPU layout
-    blocks = AttnBlocks.for_shape(spec) if block_sizes is None else block_sizes
+    if block_sizes is None or block_sizes == AttnBlocks(folded=block_sizes.folded,
+                                                        hopper=block_sizes.hopper):
+        blocks = AttnBlocks.for_shape(spec)     # only the layout or the Hopper switch was set
+    else:
+        blocks = block_sizes
     blocks.validate(spec.folded)
     return spec, dataclasses.replace(blocks, hopper=hopper or False)
 

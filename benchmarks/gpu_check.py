@@ -3,8 +3,8 @@ peers, all in one process, and print one table (also written as JSON).
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [sections...] [--out FILE]
 
-Sections: rows (softmax, norms, cross-entropy), attention, decode, lce (linear + cross-entropy).
-No section named = all. `--no-sweep` skips the block-size sweeps. Peers that are not installed
+Sections: rows (softmax, norms, cross-entropy), attention, decode, lce (linear + cross-entropy),
+hardening (issue 19's extreme-value and NaN cases, compiled; checks only). No section named = all. `--no-sweep` skips the block-size sweeps. Peers that are not installed
 (tokamax) are reported as such, not fatal.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
 
-SECTIONS = ("rows", "attention", "decode", "lce")
+SECTIONS = ("rows", "attention", "decode", "lce", "hardening")
 
 
 def main() -> None:

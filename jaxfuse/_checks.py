@@ -67,10 +67,10 @@ def check_positive(name: str, value, *, allow_none: bool = True) -> None:
 def check_finite(name: str, value, *, minimum: float | None = None) -> None:
     """A real number (not NaN or +-inf; >= minimum if given). A traced value is left to the
     caller: only the reference accepts one, and what it computes with it is its own."""
-    if isinstance(value, jax.core.Tracer):
-        return
     try:
         v = float(value)
+    except jax.errors.ConcretizationTypeError:
+        return
     except (TypeError, ValueError):
         raise ValueError(f"{name}={value!r} must be a real number") from None
     if not math.isfinite(v) or (minimum is not None and v < minimum):

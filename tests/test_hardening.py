@@ -61,7 +61,7 @@ class TestLabelDtypes:
     so a uint8 label never equals ignore_index=-100; ignore_index must be an int."""
 
     @pytest.mark.parametrize("impl", IMPLS)
-    @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.uint16, jnp.uint32, jnp.int32])
+    @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.uint32])
     def test_label_dtypes_agree_with_int32(self, impl, dtype):
         k = keys(12, 2)
         v = 120
@@ -130,7 +130,7 @@ class TestDecodeBlocksAndLengths:
             jaxfuse.decode_attention(q, kc, vc, jnp.array([1, 2, 3]), block_sizes=blocks)
 
     @pytest.mark.parametrize("impl", IMPLS)
-    @pytest.mark.parametrize("dtype", [jnp.uint32, jnp.uint8, jnp.int8, jnp.uint16])
+    @pytest.mark.parametrize("dtype", [jnp.uint32, jnp.int8])
     def test_lengths_clip_in_their_own_dtype(self, impl, dtype):
         q, kc, vc = self._inputs()
         big = {jnp.uint32: 2 ** 31 + 5, jnp.uint8: 200, jnp.int8: 100, jnp.uint16: 40000}[dtype]
@@ -222,26 +222,27 @@ class TestLargeLogits:
         np.testing.assert_allclose(o_d, o_r[:, 0], atol=1e-5)
 
     @pytest.mark.parametrize("layout", list(LAYOUTS))
-    @pytest.mark.parametrize("logit", [1e5, 1e7, 3e8, 3e9])
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-    def test_one_visible_key_is_exact(self, layout, logit, dtype):
+    def test_one_visible_key_is_exact(self, layout, dtype):
         # Each query sees one key (Tk = 1) whose logit is about `logit`: P = 1 exactly.
         k = keys(18, 4)
         d = 16
-        q = randn(k[0], (2, 3, 4, d), dtype, scale=float(np.sqrt(logit)))
-        kk = randn(k[1], (2, 1, 2, d), dtype, scale=float(np.sqrt(logit)))
-        v = randn(k[2], (2, 1, 2, d), dtype)
-        do = randn(k[3], (2, 3, 4, d), dtype)
-        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=LAYOUTS[layout])
-        o, vjp = jax.vjp(f, q, kk, v)
-        dq, dk, dv = vjp(do)
-        np.testing.assert_array_equal(o, jnp.broadcast_to(jnp.repeat(v, 2, axis=2), o.shape))
-        want_dv = jnp.sum(do.astype(jnp.float32).reshape(2, 3, 2, 2, d), axis=(1, 3))
-        t = 2e-2 if dtype == jnp.bfloat16 else 1e-6   # a sum of 6 terms in another order
-        np.testing.assert_allclose(np.asarray(dv, np.float32)[:, 0], want_dv, rtol=t, atol=t)
-        # dS = P (dP - delta) = 0 in exact arithmetic; delta is computed apart (rounding noise).
-        for g in (dq, dk):
-            assert np.all(np.isfinite(np.asarray(g, np.float32)))
+        f = jax.jit(lambda q, k, v, do: jax.vjp(
+            lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=LAYOUTS[layout]),
+            q, k, v)[1](do) + (jaxfuse.flash_attention(q, k, v, block_sizes=LAYOUTS[layout]),))
+        for logit in (1e5, 1e7, 3e8, 3e9):
+            q = randn(k[0], (2, 3, 4, d), dtype, scale=float(np.sqrt(logit)))
+            kk = randn(k[1], (2, 1, 2, d), dtype, scale=float(np.sqrt(logit)))
+            v = randn(k[2], (2, 1, 2, d), dtype)
+            do = randn(k[3], (2, 3, 4, d), dtype)
+            dq, dk, dv, o = f(q, kk, v, do)
+            np.testing.assert_array_equal(o, jnp.broadcast_to(jnp.repeat(v, 2, axis=2), o.shape))
+            want_dv = jnp.sum(do.astype(jnp.float32).reshape(2, 3, 2, 2, d), axis=(1, 3))
+            t = 2e-2 if dtype == jnp.bfloat16 else 1e-6   # a sum of 6 terms in another order
+            np.testing.assert_allclose(np.asarray(dv, np.float32)[:, 0], want_dv, rtol=t, atol=t)
+            # dS = P (dP - delta) = 0 in exact arithmetic; delta is computed apart (noise).
+            for g in (dq, dk):
+                assert np.all(np.isfinite(np.asarray(g, np.float32)))
 
     def test_one_visible_key_dv_equals_do_exactly(self):
         k = keys(19, 4)

@@ -77,8 +77,10 @@ def loss_from_stats(lse, picked, sum_logits, labels, n_cls: int, *, label_smooth
         loss = loss - (a / n_cls) * sum_logits
     if z_loss:
         loss = loss + z_loss * lse * lse
-    bad = (labels < 0) | (labels >= n_cls)
-    return jnp.where(labels == ignore_index, 0.0, jnp.where(bad, jnp.nan, loss))
+    # A multiplied NaN rather than a selected one: the NaN reaches the gradient too (as the
+    # kernels' `token_cotangent` does), where a select would give a bad label zero gradient.
+    bad = ((labels < 0) | (labels >= n_cls)) & (labels != ignore_index)
+    return jnp.where(labels == ignore_index, 0.0, loss * jnp.where(bad, jnp.nan, 1.0))
 
 
 def logits_grad(z, cols, labels, lse, g, n_cls: int, *, label_smoothing: float,

@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxfuse.pallas import _norm
+from jaxfuse.pallas import _norm, _rows
 from jaxfuse.pallas import cross_entropy as _p_ce
 from jaxfuse.pallas import softmax as _p_sm
 from jaxfuse.pallas._rows import as_rows
@@ -127,17 +127,69 @@ def softmax(x, *, scale=1.0, mask=None, causal=False, interpret=None, block_size
 
 def _ce_fwd(cfg, plan, logits, labels):
     st = _p_ce.static((labels.size, logits.shape[-1]), **cfg)
-    loss, lse = _p_ce._forward(as_rows(logits), labels.reshape(-1).astype(jnp.int32), st)
+    labels1 = labels.reshape(-1).astype(jnp.int32)
+    if plan.get("v"):
+        loss, lse = _ce_vocab_fwd(plan["v"], as_rows(logits), labels1, st)
+    else:
+        loss, lse = _p_ce._forward(as_rows(logits), labels1, st)
     return loss.reshape(labels.shape), lse.reshape(labels.shape)
 
 
 def _ce_bwd(cfg, plan, logits, labels, loss, lse, g):
-    n_cls = logits.shape[-1]
-    st = _p_ce.static((labels.size, n_cls), **cfg)
+    axes = plan.get("v", ())
+    n_local = logits.shape[-1]
+    n_cls = n_local * _size(axes)
+    st = _p_ce.static((labels.size, n_local), **cfg)
     labels1 = labels.reshape(-1).astype(jnp.int32)
     g1 = _r_ce.token_cotangent(g.reshape(-1), labels1, n_cls, st.ignore_index)
-    return (_p_ce._backward(as_rows(logits), labels1, lse.reshape(-1), g1, st).reshape(
-        logits.shape),)
+    if axes:
+        dlogits = _ce_vocab_bwd(axes, as_rows(logits), labels1, lse.reshape(-1), g1, st)
+    else:
+        dlogits = _p_ce._backward(as_rows(logits), labels1, lse.reshape(-1), g1, st)
+    return (dlogits.reshape(logits.shape),)
+
+
+def _size(axes) -> int:
+    return jax.lax.axis_size(axes) if axes else 1
+
+
+# Vocabulary split across devices (Megatron's vocab-parallel cross-entropy): each device folds
+# its slice into the per-row (m, l, sum of logits, label's logit) with the kernel's own fold,
+# the four per-row scalars merge across the devices (never the logits), the loss follows.
+
+def _ce_vocab_fwd(axes, logits2, labels1, st):
+    n_local = logits2.shape[1]
+    n_cls = n_local * _size(axes)
+    local = labels1 - jax.lax.axis_index(axes) * n_local      # outside [0, n_local): elsewhere
+    m, l, sum_x, picked = _rows.reduce_pass(
+        lambda _: _p_ce.empty_state(st.blocks.block_rows),
+        lambda state, tile: _p_ce.fold_logits(state, tile.x[0], tile.valid, tile.cols,
+                                              tile.per_row[0]),
+        lambda state, _: state, tiled=[logits2], fills=[0.0], per_row=[local],
+        out_dtypes=(jnp.float32,) * 4, blocks=st.blocks, name="jaxfuse_cross_entropy_fwd",
+        interpret=st.interpret)
+    m_all = jax.lax.pmax(m, axes)
+    l = jax.lax.psum(l * jnp.exp(m - m_all), axes)
+    sum_x, picked = jax.lax.psum((sum_x, picked), axes)
+    lse = m_all + jnp.log(l)
+    return _r_ce.loss_from_stats(lse, picked, sum_x, labels1, n_cls,
+                                 label_smoothing=st.label_smoothing,
+                                 ignore_index=st.ignore_index), lse
+
+
+def _ce_vocab_bwd(axes, logits2, labels1, lse, g, st):
+    n_local = logits2.shape[1]
+    n_cls = n_local * _size(axes)
+    local = labels1 - jax.lax.axis_index(axes) * n_local
+
+    def emit(tile):
+        label, lse_, g_ = tile.per_row
+        return (_r_ce.logits_grad(tile.x[0], tile.cols, label, lse_, g_, n_cls,
+                                  label_smoothing=st.label_smoothing),), (), ()
+
+    return _rows.map_pass(emit, tiled=[logits2], fills=[0.0], per_row=[local, lse, g],
+                          out_dtypes=(logits2.dtype,), blocks=st.blocks,
+                          name="jaxfuse_cross_entropy_bwd", interpret=st.interpret)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,16 +198,16 @@ def _ce_op(ndim: int, label_smoothing: float, ignore_index: int, interpret, bloc
                block_sizes=block_sizes)
     rows = lead(ndim - 1)
     logits = (*rows, "v")
-    fwd = Layout((logits, rows), (rows, rows), rows)
-    bwd = Layout((logits, rows, rows, rows, rows), (logits,), rows)
+    fwd = Layout((logits, rows), (rows, rows), (*rows, "v"))
+    bwd = Layout((logits, rows, rows, rows, rows), (logits,), (*rows, "v"))
     return vjp_op(functools.partial(_ce_fwd, cfg), functools.partial(_ce_bwd, cfg), fwd, bwd,
                   n_out=1, diff=(True, False))
 
 
 def cross_entropy(logits, labels, *, label_smoothing=0.0, ignore_index=-100, reduction="mean",
                   interpret=None, block_sizes=None):
-    """`jaxfuse.pallas.cross_entropy` partitioned over the token axes; the reduction is plain
-    jax.numpy, which XLA partitions itself (a psum of two scalars)."""
+    """`jaxfuse.pallas.cross_entropy` partitioned over the token axes and the vocabulary; the
+    reduction is plain jax.numpy, which XLA partitions itself (a psum of two scalars)."""
     _r_ce.validate(logits, labels, label_smoothing, reduction)
     op = _ce_op(logits.ndim, float(label_smoothing), int(ignore_index), interpret, block_sizes)
     loss = op(logits, labels)[0]

@@ -105,6 +105,20 @@ def test_cross_entropy_tokens_split(reduction):
     assert gathered_shapes(hlo) == []
 
 
+@pytest.mark.parametrize("spec", [P(None, None, ("tensor", "seq")), P("data", "seq", "tensor")])
+def test_cross_entropy_vocab_split(spec):
+    """Megatron's vocab-parallel cross-entropy: only per-row scalars cross devices."""
+    k = keys(12, 2)
+    logits = randn(k[0], (4, 6, 28), scale=3.0)
+    labels = jax.random.randint(k[1], (4, 6), 0, 28).at[0, 1].set(-100)
+    f = lambda lg: jaxfuse.cross_entropy(lg, labels, label_smoothing=0.1, reduction="none")
+    one, many, hlo = run_both(f, (logits,), [spec], diff=(0,))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+    reduced = re.findall(r"= \(?\w+\[([\d,]*)\][^=]*? all-reduce\(", hlo)
+    assert reduced and all(np.prod([int(d) for d in r.split(",") if d]) <= 4 * 6 for r in reduced)
+
+
 # ---- attention -------------------------------------------------------------------------------
 
 def _qkv(seed, b=2, tq=16, tk=16, hkv=2, g=2, d=8):

@@ -2,9 +2,14 @@
 
 Rows are independent, so every leading axis splits freely: each device runs the kernel on its
 rows and nothing crosses devices, except the weight and bias gradients of the norms (a sum over
-rows: one psum of a [D] float32 vector over the axes that split the rows). The last axis (and a
-causal softmax's query axis, whose mask depends on the global row index) stays whole: a
-sharding there is gathered at the op's boundary.
+rows: one psum of a [D] float32 vector over the axes that split the rows).
+
+The last axis split across devices: the norms run their statistics pass on each device's
+columns and merge the per-row states across devices (LayerNorm's (count, mean, m2) with
+`welford_merge`, RMSNorm's sums of squares with a psum; the backward psums its two row sums);
+cross-entropy merges per-row (m, l, sum of logits, label's logit) the same way (Megatron's
+vocab-parallel loss). Softmax keeps its last axis whole, and a causal softmax its query axis
+(the mask needs global row indices): a sharding there is gathered at the op's boundary.
 """
 from __future__ import annotations
 
@@ -34,8 +39,23 @@ def _psum(x, plan, factors):
 def _norm_fwd(cfg, plan, x, *params):
     st = _norm.static((x.size // x.shape[-1], x.shape[-1]), *cfg[:2], **cfg[2])
     w, b = _params(cfg, params)
-    y2, mean, rstd = _norm._forward(as_rows(x), w, b, st)
+    axes = plan.get("d", ())
+    merge = None
+    if axes and cfg[2]["center"]:
+        merge = functools.partial(_welford_across, axes)
+    elif axes:                          # RMSNorm's state is (count, 0, sum x^2): sums merge it
+        merge = lambda state: jax.lax.psum(state, axes)
+    y2, mean, rstd = _norm._forward(as_rows(x), w, b, st, merge=merge)
     return y2.reshape(x.shape), mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
+
+
+def _welford_across(axes, state):
+    """Per-row (count, mean, m2) of every device's columns, merged with Chan's rule."""
+    parts = jax.lax.all_gather(jnp.stack(state), axes)          # [devices, 3, rows]
+    merged = tuple(parts[0])
+    for i in range(1, parts.shape[0]):
+        merged = _r_ln.welford_merge(merged, tuple(parts[i]))
+    return merged
 
 
 def _norm_bwd(cfg, plan, x, *rest):
@@ -43,7 +63,10 @@ def _norm_bwd(cfg, plan, x, *rest):
     params, (_, mean, rstd, g) = rest[:n_params], rest[n_params:]
     st = _norm.static((x.size // x.shape[-1], x.shape[-1]), *cfg[:2], **cfg[2])
     w, _ = _params(cfg, params)
-    dx2, sums = _norm._backward(as_rows(x), w, mean.reshape(-1), rstd.reshape(-1), as_rows(g), st)
+    axes = plan.get("d", ())
+    merge = (lambda sums: jax.lax.psum(sums, axes)) if axes else None
+    dx2, sums = _norm._backward(as_rows(x), w, mean.reshape(-1), rstd.reshape(-1), as_rows(g),
+                                st, merge=merge, n_cols=x.shape[-1] * _size(axes))
     rows = lead(x.ndim - 1)
     sums = [_psum(s, plan, rows).astype(p.dtype) for s, p in zip(sums, params)]
     return (dx2.reshape(x.shape), *sums)
@@ -62,8 +85,8 @@ def _norm_op(ndim: int, has_weight: bool, has_bias: bool, center: bool, eps: flo
     rows = lead(ndim - 1)
     x, row, vec = (*rows, "d"), rows, ("d",)
     params = (vec,) * (int(has_weight) + int(has_bias))
-    fwd = Layout((x, *params), (x, row, row), rows)
-    bwd = Layout((x, *params, x, row, row, x), (x, *params), rows)
+    fwd = Layout((x, *params), (x, row, row), (*rows, "d"))
+    bwd = Layout((x, *params, x, row, row, x), (x, *params), (*rows, "d"))
     return vjp_op(functools.partial(_norm_fwd, cfg), functools.partial(_norm_bwd, cfg), fwd, bwd,
                   n_out=1, diff=(True,) * (1 + len(params)))
 

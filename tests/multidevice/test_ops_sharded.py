@@ -72,6 +72,24 @@ def test_norms_rows_split(kind):
     assert "all-reduce" in hlo          # dweight (and dbias): one psum of partial column sums
 
 
+@pytest.mark.parametrize("kind", ["rms_norm", "layer_norm"])
+def test_norms_columns_split(kind):
+    """The normalized axis split across devices: per-device statistics merged (Welford/Chan
+    for LayerNorm, which stays accurate with |mean| >> std), no gather of x."""
+    k = keys(13, 3)
+    x = randn(k[0], (6, 5, 24), shift=30.0)
+    w, b = randn(k[1], (24,)), randn(k[2], (24,))
+    if kind == "rms_norm":
+        f, args = (lambda x, w: jaxfuse.rms_norm(x, w)), (x, w)
+    else:
+        f, args = (lambda x, w, b: jaxfuse.layer_norm(x, w, b)), (x, w, b)
+    specs = [P("data", None, ("tensor", "seq")), P(("tensor", "seq")), P(("tensor", "seq"))]
+    one, many, hlo = run_both(f, args, specs[:len(args)], diff=tuple(range(len(args))))
+    assert_same(one, many)
+    # only per-row (count, mean, m2) states cross devices: 4 devices x 3 x 15 local rows
+    assert all(np.prod(s) <= 4 * 3 * 15 for s in gathered_shapes(hlo))
+
+
 def test_softmax_mask_rows_split():
     k = keys(1, 2)
     x = randn(k[0], (4, 6, 10, 17))

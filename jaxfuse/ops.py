@@ -9,7 +9,6 @@ import jax
 
 from jaxfuse._dispatch import route
 from jaxfuse.pallas import beam_top_k as _p_topk
-from jaxfuse.pallas import linear_cross_entropy as _p_lce
 from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import beam_top_k as _r_topk
 from jaxfuse.reference import cross_entropy as _r_ce
@@ -19,6 +18,7 @@ from jaxfuse.reference import linear_cross_entropy as _r_lce
 from jaxfuse.reference import rms_norm as _r_rms
 from jaxfuse.reference import softmax as _r_softmax
 from jaxfuse.sharding import attention as _s_attn
+from jaxfuse.sharding import linear_cross_entropy as _s_lce
 from jaxfuse.sharding import rows as _s_rows
 
 
@@ -126,7 +126,7 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
 
     >>> loss = jaxfuse.linear_cross_entropy(hidden, w_unembed, targets, z_loss=1e-4)
     """
-    return route(impl, _p_lce.linear_cross_entropy, _r_lce.linear_cross_entropy, x, weight,
+    return route(impl, _s_lce.linear_cross_entropy, _r_lce.linear_cross_entropy, x, weight,
                  labels, label_smoothing=label_smoothing, ignore_index=ignore_index,
                  z_loss=z_loss, logits_soft_cap=logits_soft_cap, reduction=reduction,
                  interpret=interpret, block_sizes=block_sizes)

@@ -29,7 +29,8 @@ from jaxfuse.reference import softmax as _r_sm
 from jaxfuse.sharding._core import Layout, lead, present, vjp_op
 
 
-def _psum(x, plan, factors):
+def psum_over(x, plan, factors):
+    """x summed over the devices that split `factors` (a no-op where none is split)."""
     axes = tuple(a for f in factors for a in plan.get(f, ()))
     return jax.lax.psum(x, axes) if axes else x
 
@@ -66,9 +67,9 @@ def _norm_bwd(cfg, plan, x, *rest):
     axes = plan.get("d", ())
     merge = (lambda sums: jax.lax.psum(sums, axes)) if axes else None
     dx2, sums = _norm._backward(as_rows(x), w, mean.reshape(-1), rstd.reshape(-1), as_rows(g),
-                                st, merge=merge, n_cols=x.shape[-1] * _size(axes))
+                                st, merge=merge, n_cols=x.shape[-1] * size(axes))
     rows = lead(x.ndim - 1)
-    sums = [_psum(s, plan, rows).astype(p.dtype) for s, p in zip(sums, params)]
+    sums = [psum_over(s, plan, rows).astype(p.dtype) for s, p in zip(sums, params)]
     return (dx2.reshape(x.shape), *sums)
 
 
@@ -161,7 +162,7 @@ def _ce_fwd(cfg, plan, logits, labels):
 def _ce_bwd(cfg, plan, logits, labels, loss, lse, g):
     axes = plan.get("v", ())
     n_local = logits.shape[-1]
-    n_cls = n_local * _size(axes)
+    n_cls = n_local * size(axes)
     st = _p_ce.static((labels.size, n_local), **cfg)
     labels1 = labels.reshape(-1).astype(jnp.int32)
     g1 = _r_ce.token_cotangent(g.reshape(-1), labels1, n_cls, st.ignore_index)
@@ -172,7 +173,8 @@ def _ce_bwd(cfg, plan, logits, labels, loss, lse, g):
     return (dlogits.reshape(logits.shape),)
 
 
-def _size(axes) -> int:
+def size(axes) -> int:
+    """How many devices the mesh axes `axes` span (1 for none)."""
     return jax.lax.axis_size(axes) if axes else 1
 
 
@@ -182,7 +184,7 @@ def _size(axes) -> int:
 
 def _ce_vocab_fwd(axes, logits2, labels1, st):
     n_local = logits2.shape[1]
-    n_cls = n_local * _size(axes)
+    n_cls = n_local * size(axes)
     local = labels1 - jax.lax.axis_index(axes) * n_local      # outside [0, n_local): elsewhere
     m, l, sum_x, picked = _rows.reduce_pass(
         lambda _: _p_ce.empty_state(st.blocks.block_rows),
@@ -191,18 +193,26 @@ def _ce_vocab_fwd(axes, logits2, labels1, st):
         lambda state, _: state, tiled=[logits2], fills=[0.0], per_row=[local],
         out_dtypes=(jnp.float32,) * 4, blocks=st.blocks, name="jaxfuse_cross_entropy_fwd",
         interpret=st.interpret)
-    m_all = jax.lax.pmax(m, axes)
-    l = jax.lax.psum(l * jnp.exp(m - m_all), axes)
-    sum_x, picked = jax.lax.psum((sum_x, picked), axes)
-    lse = m_all + jnp.log(l)
+    m, l, sum_x, picked = merge_vocab_states(axes, (m, l, sum_x, picked))
+    lse = m + jnp.log(l)
     return _r_ce.loss_from_stats(lse, picked, sum_x, labels1, n_cls,
                                  label_smoothing=st.label_smoothing,
                                  ignore_index=st.ignore_index), lse
 
 
+def merge_vocab_states(axes, state):
+    """Per-row (m, l, sum of logits, label's logit) of every device's vocabulary slice merged
+    with the online-softmax rule: m = max m_i, l = sum l_i exp(m_i - m); the sums add."""
+    m, l, sum_x, picked = state
+    m_all = jax.lax.pmax(m, axes)
+    l = jax.lax.psum(l * jnp.exp(m - m_all), axes)
+    sum_x, picked = jax.lax.psum((sum_x, picked), axes)
+    return m_all, l, sum_x, picked
+
+
 def _ce_vocab_bwd(axes, logits2, labels1, lse, g, st):
     n_local = logits2.shape[1]
-    n_cls = n_local * _size(axes)
+    n_cls = n_local * size(axes)
     local = labels1 - jax.lax.axis_index(axes) * n_local
 
     def emit(tile):

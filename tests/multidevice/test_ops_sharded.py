@@ -137,6 +137,22 @@ def test_cross_entropy_vocab_split(spec):
     assert reduced and all(np.prod([int(d) for d in r.split(",") if d]) <= 4 * 6 for r in reduced)
 
 
+@pytest.mark.parametrize("x_spec,w_spec", [(P(), P(None, ("tensor", "seq"))),
+                                            (P("data", "seq"), P(None, "tensor"))])
+def test_linear_cross_entropy_vocab_parallel(x_spec, w_spec):
+    """Tokens over data, W's vocabulary over tensor: per-token states merge, dW stays sharded,
+    dx is reduced; no [N, V] logits and no gathered W anywhere."""
+    k = keys(14, 3)
+    x, w = randn(k[0], (4, 6, 16)), randn(k[1], (16, 40), scale=0.5)
+    labels = jax.random.randint(k[2], (4, 6), 0, 40).at[2, 3].set(-100)
+    f = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
+                                                  z_loss=1e-3, logits_soft_cap=5.0)
+    one, many, hlo = run_both(f, (x, w), [x_spec, w_spec], diff=(0, 1))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+    assert "f32[24,40]" not in hlo and "f32[16,40]" not in hlo.split("ENTRY")[1].split("ROOT")[0]
+
+
 # ---- attention -------------------------------------------------------------------------------
 
 def _qkv(seed, b=2, tq=16, tk=16, hkv=2, g=2, d=8):

@@ -184,6 +184,30 @@ def test_flash_gqa_segments_queries_split():
     assert gathered_shapes(hlo) == []   # queries split, K/V whole: dK, dV are psum-reduced
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_gqa_segments(causal):
+    """Sequence split (context parallel): ring attention, forward and backward, with K/V
+    passed around the ring and never gathered."""
+    q, k, v = _qkv(15, b=2, tq=24, tk=24, hkv=2, g=2)
+    seg = jnp.repeat(jnp.array([[0, 0, 1], [0, 1, 1]]), 8, axis=1)
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=causal, q_segment_ids=seg,
+                                                kv_segment_ids=seg, logits_soft_cap=4.0,
+                                                return_lse=True)
+    one, many, hlo = run_both(f, (q, k, v), [P("data", "seq", "tensor")] * 3, diff=(0, 1, 2))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
+def test_ring_attention_causal_balanced_over_4():
+    """Causal ring over 4 devices (zigzag halves: equal work per device), MQA."""
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
+    q, k, v = _qkv(16, b=2, tq=40, tk=40, hkv=1, g=3)
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, return_lse=True)
+    one, many, hlo = run_both(f, (q, k, v), [P("data", "seq")] * 3, diff=(0, 1, 2), mesh=mesh)
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
 def test_decode_batch_heads_length_split():
     b, s, hkv, g, d = 4, 40, 2, 3, 8
     k = keys(6, 3)

@@ -246,3 +246,17 @@ def test_inside_shard_map_runs_per_shard():
                               out_specs=P(("data", "tensor", "seq")), check_vma=False)
     np.testing.assert_allclose(np.asarray(jax.jit(per_shard)(x, w)),
                                np.asarray(jaxfuse.rms_norm(x, w)), **TOL)
+
+
+def test_inside_scan_and_remat():
+    """Layers stacked with lax.scan and jax.checkpoint (the model's form) keep the rules."""
+    x, ws = randn(keys(30, 1)[0], (4, 8, 16)), randn(keys(31, 1)[0], (3, 16))
+
+    def f(x, ws):
+        def layer(h, w):
+            return h + jax.checkpoint(lambda h: jaxfuse.rms_norm(h, w))(h), None
+        return jax.lax.scan(layer, x, ws)[0]
+
+    one, many, hlo = run_both(f, (x, ws), [P("data", "seq"), P()], diff=(0, 1))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []

@@ -8,8 +8,9 @@ The last axis split across devices: the norms run their statistics pass on each 
 columns and merge the per-row states across devices (LayerNorm's (count, mean, m2) with
 `welford_merge`, RMSNorm's sums of squares with a psum; the backward psums its two row sums);
 cross-entropy merges per-row (m, l, sum of logits, label's logit) the same way (Megatron's
-vocab-parallel loss). Softmax keeps its last axis whole, and a causal softmax its query axis
-(the mask needs global row indices): a sharding there is gathered at the op's boundary.
+vocab-parallel loss), softmax its per-row (m, l) (and sum(dy y) backward). A causal softmax
+keeps its query and key axes whole (the mask needs global indices): a sharding there is
+gathered at the op's boundary.
 """
 from __future__ import annotations
 
@@ -115,12 +116,26 @@ def _sm_static(cfg, x):
 
 def _sm_fwd(cfg, plan, x, *mask):
     mask2 = as_rows(mask[0].astype(jnp.int8)) if mask else None
-    return (_p_sm._forward(as_rows(x), mask2, _sm_static(cfg, x)).reshape(x.shape),)
+    axes = plan.get("k", ())
+    merge = functools.partial(_merge_max_sum, axes) if axes else None
+    return (_p_sm._forward(as_rows(x), mask2, _sm_static(cfg, x), merge).reshape(x.shape),)
+
+
+def _merge_max_sum(axes, state):
+    """Per-row online-softmax (m, l) of every device's columns: m = max m_i,
+    l = sum l_i exp(m_i - m) (rows masked everywhere keep m = -inf, l = 0)."""
+    m, l = state
+    m_all = jax.lax.pmax(m, axes)
+    safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
+    return m_all, jax.lax.psum(l * jnp.exp(m - safe), axes)
 
 
 def _sm_bwd(cfg, plan, x, *rest):
     y, dy = rest[-2:]
-    return (_p_sm._backward(as_rows(y), as_rows(dy), _sm_static(cfg, x)).reshape(x.shape),)
+    axes = plan.get("k", ())
+    merge = (lambda sums: jax.lax.psum(sums, axes)) if axes else None
+    return (_p_sm._backward(as_rows(y), as_rows(dy), _sm_static(cfg, x), merge).reshape(
+        x.shape),)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,7 +143,8 @@ def _softmax_op(ndim: int, has_mask: bool, scale: float, causal: bool, interpret
     cfg = dict(has_mask=has_mask, kw=dict(scale=scale, causal=causal, interpret=interpret,
                                           block_sizes=block_sizes))
     rows = lead(ndim - 1)
-    splittable = rows[:-1] if causal else rows     # causal: the query axis keeps its offsets
+    # causal: the query and key axes keep their offsets (the mask needs global indices)
+    splittable = rows[:-1] if causal else (*rows, "k")
     x = (*rows, "k")
     masks = (x,) if has_mask else ()
     fwd = Layout((x, *masks), (x,), splittable)

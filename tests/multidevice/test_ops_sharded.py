@@ -100,6 +100,20 @@ def test_softmax_mask_rows_split():
     assert gathered_shapes(hlo) == []
 
 
+def test_softmax_columns_split():
+    """The softmax axis split across devices: per-row (m, l) merged, no gather of x. The mask
+    empties some rows on some devices and one row everywhere (zeros, zero gradient)."""
+    k = keys(17, 2)
+    x = randn(k[0], (4, 6, 24), scale=4.0)
+    mask = jax.random.bernoulli(k[1], 0.5, (4, 6, 24)).at[:, :, :12].set(False)
+    mask = mask.at[1, 2].set(False)
+    f = lambda x: jaxfuse.softmax(x, scale=0.5, mask=mask)
+    one, many, hlo = run_both(f, (x,), [P("data", None, ("tensor", "seq"))], diff=(0,))
+    assert_same(one, many)
+    assert all(np.prod(s) <= 4 * 2 * 6 for s in gathered_shapes(hlo))   # per-row scalars only
+    assert np.all(np.asarray(many[0])[1, 2] == 0)
+
+
 def test_softmax_causal():
     x = randn(keys(2, 1)[0], (4, 2, 8, 11))
     f = lambda x: jaxfuse.softmax(x, causal=True)

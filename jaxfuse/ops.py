@@ -38,6 +38,7 @@ from jaxfuse.reference import rope as _r_rope
 from jaxfuse.reference import softmax as _r_softmax
 from jaxfuse.reference import swiglu as _r_swiglu
 from jaxfuse.sharding import attention as _s_attn
+from jaxfuse.sharding import linear_cross_entropy as _s_lce
 from jaxfuse.sharding import rows as _s_rows
 
 
@@ -167,7 +168,7 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
 
     >>> loss = jaxfuse.linear_cross_entropy(hidden, w_unembed, targets, z_loss=1e-4)
     """
-    return route(impl, _p_lce.linear_cross_entropy, _r_lce.linear_cross_entropy, x, weight,
+    return route(impl, _s_lce.linear_cross_entropy, _r_lce.linear_cross_entropy, x, weight,
                  labels, label_smoothing=label_smoothing, ignore_index=ignore_index,
                  z_loss=z_loss, logits_soft_cap=logits_soft_cap, reduction=reduction,
                  interpret=interpret, block_sizes=block_sizes)

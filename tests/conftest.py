@@ -1,5 +1,6 @@
 """Test-wide settings: float32 matmuls at full precision so tolerances mean what they say, and
-the hypothesis profiles of tests/test_properties.py.
+the hypothesis profiles of tests/test_properties.py, and tests/multidevice left to its own
+process.
 
 * "ci" (default): derandomized (a fixed seed: the same examples on every run), few examples
   per test, no deadline (interpret-mode kernels compile on first use), no example database.
@@ -21,3 +22,8 @@ settings.register_profile("ci", derandomize=True, max_examples=6, deadline=None,
 settings.register_profile("deep", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 500)),
                           deadline=None, suppress_health_check=_SLOW_OK, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# tests/multidevice needs 8 virtual CPU devices, which XLA fixes when the backend starts: it runs
+# in a process of its own, started by tests/test_sharding.py with JAXFUSE_MULTIDEVICE=1.
+if os.environ.get("JAXFUSE_MULTIDEVICE") != "1":
+    collect_ignore = ["multidevice"]

@@ -68,19 +68,27 @@ def _stats_step(center: bool):
     return step
 
 
-def _forward(x2, weight, bias, st: _Static):
+def _forward(x2, weight, bias, st: _Static, merge=None):
+    """(y, mean, rstd). `merge` (rows split across devices along the columns, `sharding.rows`)
+    combines the per-row (count, mean, m2) states of every device's columns."""
     b = st.fwd_blocks
     n_cols = x2.shape[1]
     n_tiles = C.cdiv(n_cols, b.block_cols)
     per_col = [p for p in (weight, bias) if p is not None]
     step = _stats_step(st.center)
     stats = ()
-    if n_tiles > 1:
+    if n_tiles > 1 or merge is not None:
         zero = lambda _: tuple(jnp.zeros((b.block_rows, 1), jnp.float32) for _ in range(3))
+        if merge is None:
+            finalize, n_out = (lambda s, _: _finalize(s, st.eps)), 2
+        else:
+            finalize, n_out = (lambda s, _: s), 3
         stats = tuple(_rows.reduce_pass(
-            zero, step, lambda s, _: _finalize(s, st.eps), tiled=[x2], fills=[0.0],
-            out_dtypes=(jnp.float32, jnp.float32), blocks=b,
-            name=f"jaxfuse_{st.name}_stats", interpret=st.interpret))
+            zero, step, finalize, tiled=[x2], fills=[0.0], out_dtypes=(jnp.float32,) * n_out,
+            blocks=b, name=f"jaxfuse_{st.name}_stats", interpret=st.interpret))
+        if merge is not None:
+            stats = _finalize(merge(stats), st.eps)
+        n_tiles = max(n_tiles, 2)       # the pass below reads the statistics
 
     def emit(tile):
         if n_tiles > 1:
@@ -107,13 +115,17 @@ def _forward(x2, weight, bias, st: _Static):
 
 
 def _backward(x2, weight, mean, rstd, g2, st: _Static, dh2=None, rate: float = 0.0,
-              key_w=None):
-    """(dx, [dweight, dbias] row sums). With `dh2` (add_norm: the norm's input h also had a
+              key_w=None, merge=None, n_cols=None):
+    """(dx, [dweight, dbias] column sums). With `dh2` (add_norm: the norm's input h also had a
     cotangent of its own) the same kernel returns (d residual = dh + dx, dropout'(d residual)
-    when `rate`) instead of dx: no extra pass over the rows."""
+    when `rate`) instead of dx: no extra pass over the rows. `merge` sums the per-row sums over
+    every device's columns and `n_cols` is the whole row's length (columns split across
+    devices)."""
     b = st.bwd_blocks
-    n_cols = x2.shape[1]
-    n_tiles = C.cdiv(n_cols, b.block_cols)
+    n_tiles = C.cdiv(x2.shape[1], b.block_cols)
+    if merge is not None:
+        n_tiles = max(n_tiles, 2)       # the row sums come from their own pass, then merge
+    n_cols = x2.shape[1] if n_cols is None else n_cols
     per_col = [weight] if st.has_weight else []
 
     def terms(tile, mean_, rstd_):
@@ -134,10 +146,11 @@ def _backward(x2, weight, mean, rstd, g2, st: _Static, dh2=None, rate: float = 0
     zero = lambda _: (jnp.zeros((b.block_rows, 1), jnp.float32),) * n_stats
     per_row = (mean, rstd)
     if n_tiles > 1:
-        per_row += tuple(_rows.reduce_pass(
+        sums = tuple(_rows.reduce_pass(
             zero, c_step, lambda acc, _: acc, tiled=[x2, g2], fills=[0.0, 0.0],
             per_row=(mean, rstd), per_col=per_col, out_dtypes=(jnp.float32,) * n_stats,
             blocks=b, name=f"jaxfuse_{st.name}_bwd_stats", interpret=st.interpret))
+        per_row += tuple(sums if merge is None else merge(sums))
 
     def emit(tile):
         mean_, rstd_ = tile.per_row[:2]

@@ -150,6 +150,11 @@ class _Static:
     rows: RowBlocks
     interpret: bool
     hopper: HopperTiles | None     # None: cuBLAS + row passes only
+    n_cls: int | None = None       # the whole vocabulary when W holds a slice of it (else v)
+
+    @property
+    def classes(self) -> int:
+        return self.v if self.n_cls is None else self.n_cls
 
 
 def _capped(z, softcap):
@@ -200,7 +205,7 @@ def _logits_grad(zc, th, cols, label, lse, g, st: _Static):
     """dz at the capped logits zc (columns `cols`), for the row pass and the Hopper epilogue
     alike: `ce.logits_grad` times the soft cap's derivative 1 - tanh(z / c)^2 (th: tanh(z / c),
     None without a cap)."""
-    dz = ce.logits_grad(zc, cols, label, lse, g, st.v, label_smoothing=st.label_smoothing,
+    dz = ce.logits_grad(zc, cols, label, lse, g, st.classes, label_smoothing=st.label_smoothing,
                         z_loss=st.z_loss)
     return dz if th is None else dz * (1.0 - th * th)
 
@@ -323,17 +328,22 @@ def _merge(state, parts):
     return m, l, s0 + s_t.sum(axis=0), p0 + p_t.sum(axis=0)
 
 
-def _forward(x2, w, labels, st: _Static):
+def _forward(x2, w, labels, st: _Static, offset=0, merge=None):
+    """(per-token loss, lse). With W a slice of the vocabulary starting at column `offset`
+    (vocab parallel, `sharding.rows`), `merge` combines the per-token states of all slices."""
+    local = labels - offset
+
     def step(off, width, state):
-        return _fold_slab(jnp.dot(x2, _w_slab(w, off, width)), labels - off, state, st)
+        return _fold_slab(jnp.dot(x2, _w_slab(w, off, width)), local - off, state, st)
 
     state = tuple(s[:, 0] for s in empty_state(x2.shape[0]))
     start = 0
     if st.hopper is not None:
-        state, start = _fold_hopper(x2, w, labels, state, st)
-    m, l, sum_z, picked = _over_columns(step, state, start, st.v, st.slab)
+        state, start = _fold_hopper(x2, w, local, state, st)
+    state = _over_columns(step, state, start, st.v, st.slab)
+    m, l, sum_z, picked = state if merge is None else merge(state)
     lse = m + jnp.log(l)
-    loss = ce.loss_from_stats(lse, picked, sum_z, labels, st.v,
+    loss = ce.loss_from_stats(lse, picked, sum_z, labels, st.classes,
                               label_smoothing=st.label_smoothing, ignore_index=st.ignore_index,
                               z_loss=st.z_loss)
     return loss, lse
@@ -479,7 +489,7 @@ def _token_loss_fwd(x2, w, labels, st):
 
 def _token_loss_bwd(st, res, g):
     x2, w, labels, lse = res
-    dx, dw = _backward(x2, w, labels, lse, ce.token_cotangent(g, labels, st.v, st.ignore_index),
+    dx, dw = _backward(x2, w, labels, lse, ce.token_cotangent(g, labels, st.classes, st.ignore_index),
                        st)
     return dx, dw, jnp.zeros(labels.shape, jax.dtypes.float0)
 
@@ -496,22 +506,31 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
     ref.validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_cap,
                  ignore_index)
     labels = ce.canonical_labels(labels, weight.shape[1], ignore_index)
+    x2 = x.reshape(-1, weight.shape[0])
+    st = static(x2, weight, label_smoothing=label_smoothing, ignore_index=ignore_index,
+                z_loss=z_loss, logits_soft_cap=logits_soft_cap, interpret=interpret,
+                block_sizes=block_sizes)
+    labels1 = labels.reshape(-1)
+    loss = token_loss(x2, weight, labels1, st).reshape(labels.shape)
+    return ce.reduce_loss(loss, labels != ignore_index, reduction)
+
+
+def static(x2, weight, *, label_smoothing, ignore_index, z_loss, logits_soft_cap, interpret,
+           block_sizes: LCEBlocks | None, n_cls: int | None = None) -> _Static:
+    """The settings for x2 [N, D] and weight [D, V] (also used per shard by `sharding`, where
+    weight is a slice of `n_cls` classes)."""
     interpret = C.resolve_interpret(interpret)
     d, v = weight.shape
-    x2 = x.reshape(-1, d)
     n = x2.shape[0]
     blocks = block_sizes or LCEBlocks()
     tiles = _hopper_tiles(blocks.hopper, x2, weight, interpret)
     slab = blocks.slab
     if slab is None:
-        slab = LCEBlocks.for_shape(n, d, x.dtype.itemsize, interpret, tiles).slab
+        slab = LCEBlocks.for_shape(n, d, x2.dtype.itemsize, interpret, tiles).slab
     if not (isinstance(slab, int) and slab >= 1):
         raise ValueError(f"slab={slab!r} must be a positive number of vocabulary columns")
     slab = min(slab, v)                       # a slab wider than the vocabulary is all of it
     rows = _rows.resolve_blocks(blocks.rows, n, slab, interpret)
-    st = _Static(float(label_smoothing), int(ignore_index), float(z_loss),
-                 None if logits_soft_cap is None else float(logits_soft_cap), v, slab, rows,
-                 interpret, tiles)
-    labels1 = labels.reshape(-1)
-    loss = token_loss(x2, weight, labels1, st).reshape(labels.shape)
-    return ce.reduce_loss(loss, labels != ignore_index, reduction)
+    return _Static(float(label_smoothing), int(ignore_index), float(z_loss),
+                   None if logits_soft_cap is None else float(logits_soft_cap), v, slab, rows,
+                   interpret, tiles, n_cls)

@@ -46,12 +46,16 @@ def _scores(tile: _rows.Tile, st: _Static):
     return jnp.where(keep, tile.x[0] * st.scale, C.NEG_INF)
 
 
-def _forward(x2, mask2, st: _Static):
+def _forward(x2, mask2, st: _Static, merge=None):
+    """y. `merge` (rows split across devices along the columns, `sharding.rows`) combines the
+    per-row (m, l) of every device's columns."""
     b = st.blocks
     tiled, fills = [x2], [0.0]
     if st.has_mask:
         tiled, fills = [x2, mask2], [0.0, 0]
     n_tiles = C.cdiv(st.n_k, b.block_cols)
+    if merge is not None:
+        n_tiles = max(n_tiles, 2)       # the statistics come from their own pass, then merge
     per_row = ()
     if n_tiles > 1:
         br = b.block_rows
@@ -62,6 +66,8 @@ def _forward(x2, mask2, st: _Static):
             lambda state, _: state, tiled=tiled, fills=fills,
             out_dtypes=(jnp.float32, jnp.float32), blocks=b, name="jaxfuse_softmax_stats",
             interpret=st.interpret))
+        if merge is not None:
+            per_row = tuple(merge(per_row))
 
     def emit(tile):
         s = _scores(tile, st)
@@ -80,10 +86,13 @@ def _forward(x2, mask2, st: _Static):
     return y2
 
 
-def _backward(y2, dy2, st: _Static):
+def _backward(y2, dy2, st: _Static, merge=None):
+    """dx. `merge` sums the per-row sum(dy * y) over every device's columns."""
     b = st.blocks
     tiled, fills = [y2, dy2], [0.0, 0.0]
     n_tiles = C.cdiv(st.n_k, b.block_cols)
+    if merge is not None:
+        n_tiles = max(n_tiles, 2)
 
     def step(acc, tile):
         return acc + jnp.sum(tile.x[0] * tile.x[1], axis=-1, keepdims=True)
@@ -95,6 +104,8 @@ def _backward(y2, dy2, st: _Static):
             zero, step, lambda acc, _: (acc,), tiled=tiled, fills=fills,
             out_dtypes=(jnp.float32,), blocks=b, name="jaxfuse_softmax_bwd_stats",
             interpret=st.interpret))
+        if merge is not None:
+            per_row = tuple(merge(per_row))
 
     def emit(tile):
         y, dy = tile.x

@@ -1,9 +1,11 @@
 """Partitioning rules of `flash_attention` and `decode_attention`.
 
 flash_attention: batch and KV heads split freely (a query head goes with its KV head, so GQA
-groups stay whole: q's head axis is the compound (n, g) and only n splits). Without a causal
-mask or window, the query axis splits too (each device attends its queries over all keys; the
-backward psums dK and dV, which are sums over queries). Keys and values whole on each device.
+groups stay whole: q's head axis is the compound (n, g) and only n splits). Self-attention
+(Tq = Tk) with the sequence split runs ring attention (`ring.py`: K/V chunks pass around the
+devices, causal work balanced by a zigzag layout; not with a sliding window). Cross-attention
+(Tq != Tk) without a causal mask or window splits the queries only (each device attends its
+queries over all keys; the backward psums dK and dV, which are sums over queries).
 
 decode_attention: batch and KV heads split freely; a cache split along its length runs
 split-KV across devices (Flash-Decoding across GPUs): each device attends over its slice of the
@@ -17,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxfuse.pallas import _attn
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import attention as _p_attn
 from jaxfuse.pallas import decode_attention as _p_dec
@@ -24,25 +27,55 @@ from jaxfuse.pallas.decode_attention import DecodeBlocks
 from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import decode_attention as _r_dec
 from jaxfuse.reference.attention import merge_many
+from jaxfuse.sharding import ring
 from jaxfuse.sharding._core import Layout, partitioned, present, vjp_op
 
-_Q, _KV, _LSE = ("b", "t", ("n", "g"), "d"), ("b", "s", "n", "d"), ("b", ("n", "g"), "t")
+def _heads(hkv: int, groups: int):
+    """Factor of q's head axis: KV head n major, group member g minor. Shardy takes no size-1
+    factor inside a compound: MHA is n alone, MQA g alone (then heads do not split)."""
+    return "n" if groups == 1 else "g" if hkv == 1 else ("n", "g")
 
 
 # ---- flash_attention -------------------------------------------------------------------------
 
-def _flash_plan(cfg, q, k):
-    return _p_attn.plan(q.shape, k.shape, q.dtype, segments=cfg["segments"], **cfg["kw"])
+def _flash_plan(cfg, q, k, causal=None):
+    kw = dict(cfg["kw"]) if causal is None else dict(cfg["kw"], causal=causal)
+    return _p_attn.plan(q.shape, k.shape, q.dtype, segments=cfg["segments"], **kw)
+
+
+def _ring_plans(cfg, plan, q, k):
+    """The (unmasked, causal) kernel settings of one ring block pair: chunks of T / 2 with the
+    causal zigzag layout, else T."""
+    axes = plan["t"]
+    c = 2 if cfg["kw"]["causal"] else 1
+    if q.shape[1] % c:
+        n = jax.lax.axis_size(axes)
+        raise ValueError(f"causal ring attention needs the sequence length {q.shape[1] * n} "
+                         f"to be a multiple of 2 x {n} devices (it splits it into 2 x {n} "
+                         "chunks to balance the causal work)")
+    qc = (q.shape[0], q.shape[1] // c, *q.shape[2:])
+    kc = (k.shape[0], k.shape[1] // c, *k.shape[2:])
+    mk = lambda causal: _p_attn.plan(qc, kc, q.dtype, segments=cfg["segments"],
+                                     **dict(cfg["kw"], causal=causal))
+    return axes, cfg["kw"]["causal"], (mk(False), mk(True))
 
 
 def _flash_fwd(cfg, plan, q, k, v, *segs):
     qs, ks = segs if segs else (None, None)
+    if cfg["ring"] and plan.get("t"):
+        axes, causal, plans = _ring_plans(cfg, plan, q, k)
+        o, lse = ring.forward(axes, causal, plans, q, k, v, qs, ks)
+        # The ring's lse is merged from partials in natural units: its residual is converted
+        # (exact up to one rounding, see `_attn.residual_from_lse`).
+        return o, lse, _attn.residual_from_lse(lse, plans[0][0])
     return _p_attn.forward(q, k, v, qs, ks, *_flash_plan(cfg, q, k))
 
 
 def _flash_bwd(cfg, plan, q, k, v, *rest):
-    segs, (o, _, lse_u, do, dlse) = rest[:-5], rest[-5:]
+    segs, (o, lse, lse_u, do, dlse) = rest[:-5], rest[-5:]
     qs, ks = segs if segs else (None, None)
+    if cfg["ring"] and plan.get("t"):
+        return ring.backward(*_ring_plans(cfg, plan, q, k), q, k, v, qs, ks, o, lse, do, dlse)
     dq, dk, dv = _p_attn.backward(q, k, v, qs, ks, o, lse_u, do, dlse, *_flash_plan(cfg, q, k))
     if plan.get("t"):        # queries split, keys whole: dK and dV sum over every query
         dk, dv = (jax.lax.psum(x, plan["t"]) for x in (dk, dv))
@@ -50,20 +83,26 @@ def _flash_bwd(cfg, plan, q, k, v, *rest):
 
 
 @functools.lru_cache(maxsize=None)
-def _flash_op(groups: int, segments: bool, causal: bool, scale, sliding_window, logits_soft_cap,
-              interpret, block_sizes):
-    cfg = dict(segments=segments, kw=dict(causal=causal, scale=scale,
-                                          sliding_window=sliding_window,
-                                          logits_soft_cap=logits_soft_cap, interpret=interpret,
-                                          block_sizes=block_sizes))
-    # Masks that depend on a query's global position keep the query axis whole.
-    splittable = ("b", "n") + (("t",) if not causal and sliding_window is None else ())
-    segs = (("b", "t"), ("b", "s")) if segments else ()
-    sizes = (("g", groups),)
+def _flash_op(hkv: int, groups: int, self_attention: bool, segments: bool, causal: bool, scale,
+              sliding_window, logits_soft_cap, interpret, block_sizes):
+    # Self-attention (Tq = Tk) names both sequence axes "t": split, it runs ring attention.
+    # Otherwise only the queries may split, where no mask depends on their global position.
+    ring_ok = self_attention and sliding_window is None
+    cfg = dict(segments=segments, ring=ring_ok,
+               kw=dict(causal=causal, scale=scale, sliding_window=sliding_window,
+                       logits_soft_cap=logits_soft_cap, interpret=interpret,
+                       block_sizes=block_sizes))
+    h = _heads(hkv, groups)
+    q_dims, lse_dims = ("b", "t", h, "d"), ("b", h, "t")
+    kv = ("b", "t" if self_attention else "s", "n", "d")
+    q_split = ring_ok or (not self_attention and not causal and sliding_window is None)
+    splittable = ("b", "n") + (("t",) if q_split else ())
+    segs = (("b", "t"), ("b", kv[1])) if segments else ()
+    sizes = (("g", groups),) if isinstance(h, tuple) else ()
     # Outputs o and the natural lse, then lse_u: the backward's residual (`pallas.attention`).
-    fwd = Layout((_Q, _KV, _KV, *segs), (_Q, _LSE, _LSE), splittable, sizes)
-    bwd = Layout((_Q, _KV, _KV, *segs, _Q, _LSE, _LSE, _Q, _LSE), (_Q, _KV, _KV), splittable,
-                 sizes)
+    fwd = Layout((q_dims, kv, kv, *segs), (q_dims, lse_dims, lse_dims), splittable, sizes)
+    bwd = Layout((q_dims, kv, kv, *segs, q_dims, lse_dims, lse_dims, q_dims, lse_dims),
+                 (q_dims, kv, kv), splittable, sizes)
     return vjp_op(functools.partial(_flash_fwd, cfg), functools.partial(_flash_bwd, cfg), fwd,
                   bwd, n_out=2, diff=(True, True, True) + (False, False)[:len(segs)])
 
@@ -71,14 +110,14 @@ def _flash_op(groups: int, segments: bool, causal: bool, scale, sliding_window, 
 def flash_attention(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
                     kv_segment_ids=None, sliding_window=None, logits_soft_cap=None,
                     return_lse=False, interpret=None, block_sizes=None):
-    """`jaxfuse.pallas.flash_attention` partitioned over batch and KV heads (see above)."""
+    """`jaxfuse.pallas.flash_attention` partitioned over batch, KV heads and the sequence."""
     _r_attn.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap,
                      scale)
     _p_attn.check_head_dim(q.shape[-1])
     segs = () if q_segment_ids is None else (q_segment_ids.astype(jnp.int32),
                                              kv_segment_ids.astype(jnp.int32))
-    op = _flash_op(q.shape[2] // k.shape[2], bool(segs), bool(causal), scale, sliding_window,
-                   logits_soft_cap, interpret, block_sizes)
+    op = _flash_op(k.shape[2], q.shape[2] // k.shape[2], q.shape[1] == k.shape[1], bool(segs), bool(causal),
+                   scale, sliding_window, logits_soft_cap, interpret, block_sizes)
     o, lse = op(q, k, v, *segs)
     return (o, lse) if return_lse else o
 
@@ -106,9 +145,11 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=
     blocks.validate(interpret if blocks.folded is None else blocks.folded)
     kw = dict(scale=scale, num_splits=num_splits, logits_soft_cap=logits_soft_cap,
               interpret=interpret, blocks=blocks)
-    q_dims, kv_dims, lse_dims = ("b", ("n", "g"), "d"), ("b", "s", "n", "d"), ("b", ("n", "g"))
+    hkv, groups = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
+    h = _heads(hkv, groups)
+    q_dims, kv_dims, lse_dims = ("b", h, "d"), ("b", "s", "n", "d"), ("b", h)
     layout = Layout((q_dims, kv_dims, kv_dims, ("b",)), (q_dims, lse_dims), ("b", "n", "s"),
-                    (("g", q.shape[1] // k_cache.shape[2]),))
+                    (("g", groups),) if isinstance(h, tuple) else ())
     run = lambda *a: partitioned(functools.partial(_decode_local, kw), layout, a)
     o, lse = _p_dec._inference_op(run)(*present(q, k_cache, v_cache,
                                                 _r_dec.clip_lengths(kv_lengths,

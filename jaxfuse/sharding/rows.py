@@ -2,9 +2,15 @@
 
 Rows are independent, so every leading axis splits freely: each device runs the kernel on its
 rows and nothing crosses devices, except the weight and bias gradients of the norms (a sum over
-rows: one psum of a [D] float32 vector over the axes that split the rows). The last axis (and a
-causal softmax's query axis, whose mask depends on the global row index) stays whole: a
-sharding there is gathered at the op's boundary.
+rows: one psum of a [D] float32 vector over the axes that split the rows).
+
+The last axis split across devices: the norms run their statistics pass on each device's
+columns and merge the per-row states across devices (LayerNorm's (count, mean, m2) with
+`welford_merge`, RMSNorm's sums of squares with a psum; the backward psums its two row sums);
+cross-entropy merges per-row (m, l, sum of logits, label's logit) the same way (Megatron's
+vocab-parallel loss), softmax its per-row (m, l) (and sum(dy y) backward). A causal softmax
+keeps its query and key axes whole (the mask needs global indices): a sharding there is
+gathered at the op's boundary.
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxfuse.pallas import _norm
+from jaxfuse.pallas import _norm, _rows
 from jaxfuse.pallas import cross_entropy as _p_ce
 from jaxfuse.pallas import softmax as _p_sm
 from jaxfuse.pallas._rows import as_rows
@@ -24,7 +30,8 @@ from jaxfuse.reference import softmax as _r_sm
 from jaxfuse.sharding._core import Layout, lead, present, vjp_op
 
 
-def _psum(x, plan, factors):
+def psum_over(x, plan, factors):
+    """x summed over the devices that split `factors` (a no-op where none is split)."""
     axes = tuple(a for f in factors for a in plan.get(f, ()))
     return jax.lax.psum(x, axes) if axes else x
 
@@ -34,8 +41,23 @@ def _psum(x, plan, factors):
 def _norm_fwd(cfg, plan, x, *params):
     st = _norm.static((x.size // x.shape[-1], x.shape[-1]), *cfg[:2], **cfg[2])
     w, b = _params(cfg, params)
-    y2, mean, rstd = _norm._forward(as_rows(x), w, b, st)
+    axes = plan.get("d", ())
+    merge = None
+    if axes and cfg[2]["center"]:
+        merge = functools.partial(_welford_across, axes)
+    elif axes:                          # RMSNorm's state is (count, 0, sum x^2): sums merge it
+        merge = lambda state: jax.lax.psum(state, axes)
+    y2, mean, rstd = _norm._forward(as_rows(x), w, b, st, merge=merge)
     return y2.reshape(x.shape), mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
+
+
+def _welford_across(axes, state):
+    """Per-row (count, mean, m2) of every device's columns, merged with Chan's rule."""
+    parts = jax.lax.all_gather(jnp.stack(state), axes)          # [devices, 3, rows]
+    merged = tuple(parts[0])
+    for i in range(1, parts.shape[0]):
+        merged = _r_ln.welford_merge(merged, tuple(parts[i]))
+    return merged
 
 
 def _norm_bwd(cfg, plan, x, *rest):
@@ -43,9 +65,12 @@ def _norm_bwd(cfg, plan, x, *rest):
     params, (_, mean, rstd, g) = rest[:n_params], rest[n_params:]
     st = _norm.static((x.size // x.shape[-1], x.shape[-1]), *cfg[:2], **cfg[2])
     w, _ = _params(cfg, params)
-    dx2, sums = _norm._backward(as_rows(x), w, mean.reshape(-1), rstd.reshape(-1), as_rows(g), st)
+    axes = plan.get("d", ())
+    merge = (lambda sums: jax.lax.psum(sums, axes)) if axes else None
+    dx2, sums = _norm._backward(as_rows(x), w, mean.reshape(-1), rstd.reshape(-1), as_rows(g),
+                                st, merge=merge, n_cols=x.shape[-1] * size(axes))
     rows = lead(x.ndim - 1)
-    sums = [_psum(s, plan, rows).astype(p.dtype) for s, p in zip(sums, params)]
+    sums = [psum_over(s, plan, rows).astype(p.dtype) for s, p in zip(sums, params)]
     return (dx2.reshape(x.shape), *sums)
 
 
@@ -62,8 +87,8 @@ def _norm_op(ndim: int, has_weight: bool, has_bias: bool, center: bool, eps: flo
     rows = lead(ndim - 1)
     x, row, vec = (*rows, "d"), rows, ("d",)
     params = (vec,) * (int(has_weight) + int(has_bias))
-    fwd = Layout((x, *params), (x, row, row), rows)
-    bwd = Layout((x, *params, x, row, row, x), (x, *params), rows)
+    fwd = Layout((x, *params), (x, row, row), (*rows, "d"))
+    bwd = Layout((x, *params, x, row, row, x), (x, *params), (*rows, "d"))
     return vjp_op(functools.partial(_norm_fwd, cfg), functools.partial(_norm_bwd, cfg), fwd, bwd,
                   n_out=1, diff=(True,) * (1 + len(params)))
 
@@ -91,12 +116,26 @@ def _sm_static(cfg, x):
 
 def _sm_fwd(cfg, plan, x, *mask):
     mask2 = as_rows(mask[0].astype(jnp.int8)) if mask else None
-    return (_p_sm._forward(as_rows(x), mask2, _sm_static(cfg, x)).reshape(x.shape),)
+    axes = plan.get("k", ())
+    merge = functools.partial(_merge_max_sum, axes) if axes else None
+    return (_p_sm._forward(as_rows(x), mask2, _sm_static(cfg, x), merge).reshape(x.shape),)
+
+
+def _merge_max_sum(axes, state):
+    """Per-row online-softmax (m, l) of every device's columns: m = max m_i,
+    l = sum l_i exp(m_i - m) (rows masked everywhere keep m = -inf, l = 0)."""
+    m, l = state
+    m_all = jax.lax.pmax(m, axes)
+    safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
+    return m_all, jax.lax.psum(l * jnp.exp(m - safe), axes)
 
 
 def _sm_bwd(cfg, plan, x, *rest):
     y, dy = rest[-2:]
-    return (_p_sm._backward(as_rows(y), as_rows(dy), _sm_static(cfg, x)).reshape(x.shape),)
+    axes = plan.get("k", ())
+    merge = (lambda sums: jax.lax.psum(sums, axes)) if axes else None
+    return (_p_sm._backward(as_rows(y), as_rows(dy), _sm_static(cfg, x), merge).reshape(
+        x.shape),)
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,7 +143,8 @@ def _softmax_op(ndim: int, has_mask: bool, scale: float, causal: bool, interpret
     cfg = dict(has_mask=has_mask, kw=dict(scale=scale, causal=causal, interpret=interpret,
                                           block_sizes=block_sizes))
     rows = lead(ndim - 1)
-    splittable = rows[:-1] if causal else rows     # causal: the query axis keeps its offsets
+    # causal: the query and key axes keep their offsets (the mask needs global indices)
+    splittable = rows[:-1] if causal else (*rows, "k")
     x = (*rows, "k")
     masks = (x,) if has_mask else ()
     fwd = Layout((x, *masks), (x,), splittable)
@@ -127,17 +167,78 @@ def softmax(x, *, scale=1.0, mask=None, causal=False, interpret=None, block_size
 
 def _ce_fwd(cfg, plan, logits, labels):
     st = _p_ce.static((labels.size, logits.shape[-1]), **cfg)
-    loss, lse = _p_ce._forward(as_rows(logits), labels.reshape(-1).astype(jnp.int32), st)
+    labels1 = labels.reshape(-1).astype(jnp.int32)
+    if plan.get("v"):
+        loss, lse = _ce_vocab_fwd(plan["v"], as_rows(logits), labels1, st)
+    else:
+        loss, lse = _p_ce._forward(as_rows(logits), labels1, st)
     return loss.reshape(labels.shape), lse.reshape(labels.shape)
 
 
 def _ce_bwd(cfg, plan, logits, labels, loss, lse, g):
-    n_cls = logits.shape[-1]
-    st = _p_ce.static((labels.size, n_cls), **cfg)
+    axes = plan.get("v", ())
+    n_local = logits.shape[-1]
+    n_cls = n_local * size(axes)
+    st = _p_ce.static((labels.size, n_local), **cfg)
     labels1 = labels.reshape(-1).astype(jnp.int32)
     g1 = _r_ce.token_cotangent(g.reshape(-1), labels1, n_cls, st.ignore_index)
-    return (_p_ce._backward(as_rows(logits), labels1, lse.reshape(-1), g1, st).reshape(
-        logits.shape),)
+    if axes:
+        dlogits = _ce_vocab_bwd(axes, as_rows(logits), labels1, lse.reshape(-1), g1, st)
+    else:
+        dlogits = _p_ce._backward(as_rows(logits), labels1, lse.reshape(-1), g1, st)
+    return (dlogits.reshape(logits.shape),)
+
+
+def size(axes) -> int:
+    """How many devices the mesh axes `axes` span (1 for none)."""
+    return jax.lax.axis_size(axes) if axes else 1
+
+
+# Vocabulary split across devices (Megatron's vocab-parallel cross-entropy): each device folds
+# its slice into the per-row (m, l, sum of logits, label's logit) with the kernel's own fold,
+# the four per-row scalars merge across the devices (never the logits), the loss follows.
+
+def _ce_vocab_fwd(axes, logits2, labels1, st):
+    n_local = logits2.shape[1]
+    n_cls = n_local * size(axes)
+    local = labels1 - jax.lax.axis_index(axes) * n_local      # outside [0, n_local): elsewhere
+    m, l, sum_x, picked = _rows.reduce_pass(
+        lambda _: _p_ce.empty_state(st.blocks.block_rows),
+        lambda state, tile: _p_ce.fold_logits(state, tile.x[0], tile.valid, tile.cols,
+                                              tile.per_row[0]),
+        lambda state, _: state, tiled=[logits2], fills=[0.0], per_row=[local],
+        out_dtypes=(jnp.float32,) * 4, blocks=st.blocks, name="jaxfuse_cross_entropy_fwd",
+        interpret=st.interpret)
+    m, l, sum_x, picked = merge_vocab_states(axes, (m, l, sum_x, picked))
+    lse = m + jnp.log(l)
+    return _r_ce.loss_from_stats(lse, picked, sum_x, labels1, n_cls,
+                                 label_smoothing=st.label_smoothing,
+                                 ignore_index=st.ignore_index), lse
+
+
+def merge_vocab_states(axes, state):
+    """Per-row (m, l, sum of logits, label's logit) of every device's vocabulary slice merged
+    with the online-softmax rule: m = max m_i, l = sum l_i exp(m_i - m); the sums add."""
+    m, l, sum_x, picked = state
+    m_all = jax.lax.pmax(m, axes)
+    l = jax.lax.psum(l * jnp.exp(m - m_all), axes)
+    sum_x, picked = jax.lax.psum((sum_x, picked), axes)
+    return m_all, l, sum_x, picked
+
+
+def _ce_vocab_bwd(axes, logits2, labels1, lse, g, st):
+    n_local = logits2.shape[1]
+    n_cls = n_local * size(axes)
+    local = labels1 - jax.lax.axis_index(axes) * n_local
+
+    def emit(tile):
+        label, lse_, g_ = tile.per_row
+        return (_r_ce.logits_grad(tile.x[0], tile.cols, label, lse_, g_, n_cls,
+                                  label_smoothing=st.label_smoothing),), (), ()
+
+    return _rows.map_pass(emit, tiled=[logits2], fills=[0.0], per_row=[local, lse, g],
+                          out_dtypes=(logits2.dtype,), blocks=st.blocks,
+                          name="jaxfuse_cross_entropy_bwd", interpret=st.interpret)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,16 +247,16 @@ def _ce_op(ndim: int, label_smoothing: float, ignore_index: int, interpret, bloc
                block_sizes=block_sizes)
     rows = lead(ndim - 1)
     logits = (*rows, "v")
-    fwd = Layout((logits, rows), (rows, rows), rows)
-    bwd = Layout((logits, rows, rows, rows, rows), (logits,), rows)
+    fwd = Layout((logits, rows), (rows, rows), (*rows, "v"))
+    bwd = Layout((logits, rows, rows, rows, rows), (logits,), (*rows, "v"))
     return vjp_op(functools.partial(_ce_fwd, cfg), functools.partial(_ce_bwd, cfg), fwd, bwd,
                   n_out=1, diff=(True, False))
 
 
 def cross_entropy(logits, labels, *, label_smoothing=0.0, ignore_index=-100, reduction="mean",
                   interpret=None, block_sizes=None):
-    """`jaxfuse.pallas.cross_entropy` partitioned over the token axes; the reduction is plain
-    jax.numpy, which XLA partitions itself (a psum of two scalars)."""
+    """`jaxfuse.pallas.cross_entropy` partitioned over the token axes and the vocabulary; the
+    reduction is plain jax.numpy, which XLA partitions itself (a psum of two scalars)."""
     _r_ce.validate(logits, labels, label_smoothing, reduction, ignore_index)
     labels = _r_ce.canonical_labels(labels, logits.shape[-1], ignore_index)
     op = _ce_op(logits.ndim, float(label_smoothing), int(ignore_index), interpret, block_sizes)

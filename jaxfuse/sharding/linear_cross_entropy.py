@@ -1,0 +1,79 @@
+"""Partitioning rule of `linear_cross_entropy`: tokens split over data axes, the weight's
+vocabulary over tensor axes (Megatron's vocab-parallel loss, with the logits never held).
+
+Each device walks its own columns of W with the kernel's slab loop and folds them into the
+per-token (m, l, sum of logits, label's logit) with labels shifted to its slice; the four
+per-token scalars merge across the vocabulary axes (`rows.merge_vocab_states`), never the
+logits. Backward: each device forms dz for its slice, so dW stays sharded like W (summed over
+the token axes), and dx = dz W^T is psum'd over the vocabulary axes. D stays whole.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse.pallas import _common as C
+from jaxfuse.pallas import linear_cross_entropy as _p_lce
+from jaxfuse.reference import cross_entropy as _r_ce
+from jaxfuse.reference import linear_cross_entropy as _r_lce
+from jaxfuse.sharding._core import Layout, lead, vjp_op
+from jaxfuse.sharding.rows import merge_vocab_states, psum_over, size
+
+
+def _setup(cfg, plan, x, w, labels):
+    axes = plan.get("v", ())
+    x2 = x.reshape(-1, x.shape[-1])
+    st = _p_lce.static(x2, w, n_cls=w.shape[1] * size(axes) if axes else None, **cfg)
+    offset = jax.lax.axis_index(axes) * w.shape[1] if axes else 0
+    return axes, x2, labels.reshape(-1).astype(jnp.int32), st, offset
+
+
+def _fwd(cfg, plan, x, w, labels):
+    axes, x2, labels1, st, offset = _setup(cfg, plan, x, w, labels)
+    merge = functools.partial(merge_vocab_states, axes) if axes else None
+    loss, lse = _p_lce._forward(x2, w, labels1, st, offset, merge)
+    return loss.reshape(labels.shape), lse.reshape(labels.shape)
+
+
+def _bwd(cfg, plan, x, w, labels, loss, lse, g):
+    axes, x2, labels1, st, offset = _setup(cfg, plan, x, w, labels)
+    g1 = _r_ce.token_cotangent(g.reshape(-1), labels1, st.classes, st.ignore_index)
+    dx, dw = _p_lce._backward(x2, w, labels1 - offset, lse.reshape(-1), g1, st)
+    if axes:
+        dx = jax.lax.psum(dx, axes)
+    return dx.reshape(x.shape), psum_over(dw, plan, lead(x.ndim - 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _op(ndim: int, label_smoothing: float, ignore_index: int, z_loss: float, logits_soft_cap,
+        interpret, block_sizes):
+    cfg = dict(label_smoothing=label_smoothing, ignore_index=ignore_index, z_loss=z_loss,
+               logits_soft_cap=logits_soft_cap, interpret=interpret, block_sizes=block_sizes)
+    rows = lead(ndim - 1)
+    x, w = (*rows, "d"), ("d", "v")
+    fwd = Layout((x, w, rows), (rows, rows), (*rows, "v"))
+    bwd = Layout((x, w, rows, rows, rows, rows), (x, w), (*rows, "v"))
+    return vjp_op(functools.partial(_fwd, cfg), functools.partial(_bwd, cfg), fwd, bwd,
+                  n_out=1, diff=(True, True, False))
+
+
+def linear_cross_entropy(x, weight, labels, *, label_smoothing=0.0, ignore_index=-100,
+                         z_loss=0.0, logits_soft_cap=None, reduction="mean", interpret=None,
+                         block_sizes=None):
+    """`jaxfuse.pallas.linear_cross_entropy` partitioned over tokens and the vocabulary."""
+    _r_lce.validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_cap,
+                    ignore_index)
+    labels = _r_ce.canonical_labels(labels, weight.shape[1], ignore_index)
+    if block_sizes is not None and block_sizes.hopper and C.resolve_interpret(interpret):
+        # Mosaic GPU's interpreter runs on ordered io callbacks, which neither
+        # custom_partitioning nor custom_vmap carry: interpreted Hopper GEMMs run whole.
+        return _p_lce.linear_cross_entropy(
+            x, weight, labels, label_smoothing=label_smoothing, ignore_index=ignore_index,
+            z_loss=z_loss, logits_soft_cap=logits_soft_cap, reduction=reduction,
+            interpret=interpret, block_sizes=block_sizes)
+    op = _op(x.ndim, float(label_smoothing), int(ignore_index), float(z_loss),
+             None if logits_soft_cap is None else float(logits_soft_cap), interpret, block_sizes)
+    loss = op(x, weight, labels)[0]
+    return _r_ce.reduce_loss(loss, labels != ignore_index, reduction)

@@ -1,0 +1,174 @@
+"""Ring attention: flash attention with the sequence split across devices (context parallel).
+
+Each device keeps its queries and passes its K/V chunk around the ring of the sequence axes
+with `jax.lax.ppermute`; at every step it runs the flash kernel on (its queries, the visiting
+chunk) and merges the partial (o, lse) into its running result with
+`reference.attention.merge_states` (Liu, Zaharia and Abbeel 2023, "Ring Attention"). Nothing is
+gathered: a device holds two K/V chunks at most (its own and the visiting one).
+
+Causal load balancing: with contiguous chunks device N-1 would do N block pairs and device 0
+one. So the sequence is cut into 2N halves and device r works on halves r and 2N-1-r (the
+"zigzag" layout): every device then does the same work. The halves move to that layout with
+four half-chunk ppermutes on entry and back on exit. With equal chunk sizes a (query half, key
+half) pair is wholly visible (key before query: the kernel without a mask), the diagonal (the
+kernel's causal mask, which is then top-left aligned) or wholly masked (skipped).
+
+Backward: the same ring, with global o and lse: each visiting (K, V) travels with its dK, dV
+accumulators (float32), to which every device adds its queries' contribution; after N steps they
+are back with their owner. dQ stays put. Deterministic: fixed order of additions.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse.pallas import _attn
+from jaxfuse.pallas import attention as _p_attn
+from jaxfuse.reference.attention import merge_states
+
+_FULL, _DIAG, _SKIP = 0, 1, 2
+
+
+def _halves_table(n: int):
+    """(source device, source half, destination device, destination slot) of every half:
+    half h lives on device h // 2 at position h % 2 and goes to device h, slot 0, if h < n,
+    else to device 2n - 1 - h, slot 1."""
+    return [(h // 2, h % 2, h if h < n else 2 * n - 1 - h, 0 if h < n else 1)
+            for h in range(2 * n)]
+
+
+def _move(x, axis: int, axes, table):
+    """Moves the two halves of x along `axis` between devices as `table` says."""
+    parts = jnp.split(x, 2, axis=axis)
+    out = [jnp.zeros_like(parts[0]), jnp.zeros_like(parts[0])]
+    for src_pos in (0, 1):
+        for dst_pos in (0, 1):
+            perm = [(s, d) for s, sp, d, dp in table if sp == src_pos and dp == dst_pos]
+            if perm:
+                out[dst_pos] = out[dst_pos] + jax.lax.ppermute(parts[src_pos], axes, perm)
+    return jnp.concatenate(out, axis=axis)
+
+
+def to_zigzag(x, axis, axes, n):
+    return _move(x, axis, axes, _halves_table(n))
+
+
+def from_zigzag(x, axis, axes, n):
+    return _move(x, axis, axes, [(d, dp, s, sp) for s, sp, d, dp in _halves_table(n)])
+
+
+def _chunks(x, axis, c):
+    return jnp.split(x, c, axis=axis) if c > 1 else [x]
+
+
+def _kind(i, j, causal: bool):
+    if not causal:
+        return jnp.int32(_FULL)
+    return jnp.where(j < i, _FULL, jnp.where(j == i, _DIAG, _SKIP)).astype(jnp.int32)
+
+
+class _Ring:
+    """The static layout of one ring: n devices over `axes`, c chunks per device."""
+
+    def __init__(self, axes, causal: bool, plans):
+        self.axes, self.causal, self.plans = axes, causal, plans   # plans: (full, diag) specs
+        self.n = jax.lax.axis_size(axes)
+        self.c = 2 if causal else 1
+        self.me = jax.lax.axis_index(axes)
+
+    def index(self, device, slot):
+        """Global chunk index of `slot` on `device` (zigzag halves when causal)."""
+        return device if not self.causal else jnp.where(slot == 0, device,
+                                                        2 * self.n - 1 - device)
+
+    def shift(self, tree):
+        perm = [(d, (d + 1) % self.n) for d in range(self.n)]
+        return jax.tree.map(lambda x: jax.lax.ppermute(x, self.axes, perm), tree)
+
+
+def forward(axes, causal, plans, q, k, v, qs, ks):
+    """(o, lse) of queries q [B, T, Hq, D] over the whole sequence (local chunks in, out)."""
+    ring = _Ring(axes, causal, plans)
+    n, c = ring.n, ring.c
+    if causal:
+        q, k, v = (to_zigzag(x, 1, axes, n) for x in (q, k, v))
+        qs, ks = (None if s is None else to_zigzag(s, 1, axes, n) for s in (qs, ks))
+    qc, qsc = _chunks(q, 1, c), _chunks(qs, 1, c) if qs is not None else [None] * c
+    b, t, hq, d = qc[0].shape
+    acc = [(jnp.zeros((b, t, hq, d), jnp.float32), jnp.full((b, hq, t), -jnp.inf, jnp.float32))
+           for _ in range(c)]
+    kv = (k, v, ks)
+    for step in range(n):
+        src = (ring.me - step) % n
+        kc, vc = _chunks(kv[0], 1, c), _chunks(kv[1], 1, c)
+        ksc = _chunks(kv[2], 1, c) if qs is not None else [None] * c
+        for a in range(c):
+            for bb in range(c):
+                kind = _kind(ring.index(ring.me, a), ring.index(src, bb), causal)
+                o_ab, lse_ab = _pair_fwd(kind, plans, qc[a], kc[bb], vc[bb], qsc[a], ksc[bb])
+                acc[a] = merge_states(acc[a][0], acc[a][1], o_ab.astype(jnp.float32), lse_ab)
+        if step < n - 1:
+            kv = ring.shift(kv)
+    o = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
+    lse = jnp.concatenate([lse for _, lse in acc], axis=2)
+    if causal:
+        o, lse = from_zigzag(o, 1, axes, n), from_zigzag(lse, 2, axes, n)
+    return o, lse
+
+
+def _pair_fwd(kind, plans, q, k, v, qs, ks):
+    b, t, hq, _ = q.shape
+
+    def run(spec_blocks):
+        return lambda: _p_attn.forward(q, k, v, qs, ks, *spec_blocks)[:2]   # (o, natural lse)
+
+    def skip():
+        return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, t), -jnp.inf, jnp.float32)
+
+    return jax.lax.switch(kind, [run(plans[0]), run(plans[1]), skip])
+
+
+def backward(axes, causal, plans, q, k, v, qs, ks, o, lse, do, dlse):
+    """(dq, dk, dv) of `forward` (local chunks in, out)."""
+    ring = _Ring(axes, causal, plans)
+    n, c = ring.n, ring.c
+    if causal:
+        q, k, v, o, do = (to_zigzag(x, 1, axes, n) for x in (q, k, v, o, do))
+        lse, dlse = to_zigzag(lse, 2, axes, n), to_zigzag(dlse, 2, axes, n)
+        qs, ks = (None if s is None else to_zigzag(s, 1, axes, n) for s in (qs, ks))
+    split = lambda x, axis=1: _chunks(x, axis, c) if x is not None else [None] * c
+    qc, qsc, oc, doc = split(q), split(qs), split(o), split(do)
+    lsec, dlsec = split(lse, 2), split(dlse, 2)
+    dq = [jnp.zeros(x.shape, jnp.float32) for x in qc]
+    travel = (k, v, ks, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for step in range(n):
+        src = (ring.me - step) % n
+        kk, vv, kss, dk, dv = travel
+        kc, vc, ksc, dkc, dvc = split(kk), split(vv), split(kss), split(dk), split(dv)
+        for a in range(c):
+            for bb in range(c):
+                kind = _kind(ring.index(ring.me, a), ring.index(src, bb), causal)
+                g = _pair_bwd(kind, plans, qc[a], kc[bb], vc[bb], qsc[a], ksc[bb], oc[a],
+                              lsec[a], doc[a], dlsec[a])
+                dq[a] = dq[a] + g[0]
+                dkc[bb], dvc[bb] = dkc[bb] + g[1], dvc[bb] + g[2]
+        travel = (kk, vv, kss, jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1))
+        # K and V need n - 1 moves; dK and dV one more, which brings them home.
+        travel = ring.shift(travel) if step < n - 1 else travel[:3] + ring.shift(travel[3:])
+    dq, dk, dv = jnp.concatenate(dq, 1), travel[3], travel[4]
+    if causal:
+        dq, dk, dv = (from_zigzag(x, 1, axes, n) for x in (dq, dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _pair_bwd(kind, plans, q, k, v, qs, ks, o, lse, do, dlse):
+    def run(spec_blocks):
+        # The kernels recompute P from lse in their own units (`_attn.residual_from_lse`).
+        return lambda: tuple(x.astype(jnp.float32) for x in _p_attn.backward(
+            q, k, v, qs, ks, o, _attn.residual_from_lse(lse, spec_blocks[0]), do, dlse,
+            *spec_blocks))
+
+    def skip():
+        return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+
+    return jax.lax.switch(kind, [run(plans[0]), run(plans[1]), skip])

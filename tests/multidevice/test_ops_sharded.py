@@ -1,0 +1,276 @@
+"""Every op under jax.sharding on 8 virtual CPU devices: outputs and gradients equal to the
+one-device run (float32, tight tolerances), and the compiled HLO holds no all-gather of an
+operand the rule splits (`jit(...).lower(...).compile().as_text()`)."""
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxfuse
+from tests._util import keys, randn
+
+AUTO = jax.make_mesh((2, 2, 2), ("data", "tensor", "seq"), axis_types=(AxisType.Auto,) * 3)
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
+    """Result shapes of the all-gathers in compiled HLO text."""
+    shapes = re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather\(", hlo)
+    return [tuple(int(d) for d in s.split(",") if d) for s in shapes]
+
+
+def run_both(f, args, specs, diff, seed=99, mesh=AUTO):
+    """(outputs, grads of args[diff] for a random cotangent) on one device and on `mesh` with
+    args placed by `specs`, and the compiled HLO of the sharded run."""
+    cts = jax.tree.map(lambda s: randn(jax.random.key(seed), s.shape, s.dtype),
+                       jax.eval_shape(f, *args))
+
+    def fg(*a):
+        def of_diff(*d):
+            full = list(a)
+            for i, x in zip(diff, d):
+                full[i] = x
+            return f(*full)
+        y, vjp = jax.vjp(of_diff, *[a[i] for i in diff])
+        # explicit mode types the cotangent with the output's sharding
+        ct = jax.tree.map(lambda c, yy: jax.sharding.reshard(c, jax.typeof(yy).sharding.spec)
+                          if jax.sharding.get_abstract_mesh().are_all_axes_explicit else c, cts, y)
+        return y, vjp(ct)
+
+    jf = jax.jit(fg)
+    one = jf(*args)
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+        many = jf(*placed)
+        return one, many, jf.lower(*placed).compile().as_text()
+
+
+def assert_same(one, many):
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, many), jax.tree.map(np.asarray, one),
+                                **TOL)
+
+
+# ---- row ops over leading axes ---------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["rms_norm", "layer_norm"])
+def test_norms_rows_split(kind):
+    k = keys(0, 3)
+    x = randn(k[0], (2, 12, 13), shift=3.0)
+    w, b = randn(k[1], (13,)), randn(k[2], (13,))
+    if kind == "rms_norm":
+        f, args = (lambda x, w: jaxfuse.rms_norm(x, w)), (x, w)
+    else:
+        f, args = (lambda x, w, b: jaxfuse.layer_norm(x, w, b)), (x, w, b)
+    specs = [P("data", ("tensor", "seq")), P(), P()][:len(args)]
+    one, many, hlo = run_both(f, args, specs, diff=tuple(range(len(args))))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+    assert "all-reduce" in hlo          # dweight (and dbias): one psum of partial column sums
+
+
+@pytest.mark.parametrize("kind", ["rms_norm", "layer_norm"])
+def test_norms_columns_split(kind):
+    """The normalized axis split across devices: per-device statistics merged (Welford/Chan
+    for LayerNorm, which stays accurate with |mean| >> std), no gather of x."""
+    k = keys(13, 3)
+    x = randn(k[0], (6, 5, 24), shift=30.0)
+    w, b = randn(k[1], (24,)), randn(k[2], (24,))
+    if kind == "rms_norm":
+        f, args = (lambda x, w: jaxfuse.rms_norm(x, w)), (x, w)
+    else:
+        f, args = (lambda x, w, b: jaxfuse.layer_norm(x, w, b)), (x, w, b)
+    specs = [P("data", None, ("tensor", "seq")), P(("tensor", "seq")), P(("tensor", "seq"))]
+    one, many, hlo = run_both(f, args, specs[:len(args)], diff=tuple(range(len(args))))
+    assert_same(one, many)
+    # only per-row (count, mean, m2) states cross devices: 4 devices x 3 x 15 local rows
+    assert all(np.prod(s) <= 4 * 3 * 15 for s in gathered_shapes(hlo))
+
+
+def test_softmax_mask_rows_split():
+    k = keys(1, 2)
+    x = randn(k[0], (4, 6, 10, 17))
+    mask = jax.random.bernoulli(k[1], 0.7, (10, 17))
+    f = lambda x: jaxfuse.softmax(x, scale=0.3, mask=mask)
+    one, many, hlo = run_both(f, (x,), [P("data", "tensor", "seq")], diff=(0,))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
+def test_softmax_columns_split():
+    """The softmax axis split across devices: per-row (m, l) merged, no gather of x. The mask
+    empties some rows on some devices and one row everywhere (zeros, zero gradient)."""
+    k = keys(17, 2)
+    x = randn(k[0], (4, 6, 24), scale=4.0)
+    mask = jax.random.bernoulli(k[1], 0.5, (4, 6, 24)).at[:, :, :12].set(False)
+    mask = mask.at[1, 2].set(False)
+    f = lambda x: jaxfuse.softmax(x, scale=0.5, mask=mask)
+    one, many, hlo = run_both(f, (x,), [P("data", None, ("tensor", "seq"))], diff=(0,))
+    assert_same(one, many)
+    assert all(np.prod(s) <= 4 * 2 * 6 for s in gathered_shapes(hlo))   # per-row scalars only
+    assert np.all(np.asarray(many[0])[1, 2] == 0)
+
+
+def test_softmax_causal():
+    x = randn(keys(2, 1)[0], (4, 2, 8, 11))
+    f = lambda x: jaxfuse.softmax(x, causal=True)
+    one, many, hlo = run_both(f, (x,), [P("data", "tensor")], diff=(0,))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+    # The query axis of a causal softmax stays whole (its mask needs global row indices):
+    # splitting it is still correct, through a gather.
+    one, many, _ = run_both(f, (x,), [P(None, None, ("data", "seq"))], diff=(0,))
+    assert_same(one, many)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_tokens_split(reduction):
+    k = keys(3, 2)
+    logits = randn(k[0], (4, 8, 19), scale=3.0)
+    labels = jax.random.randint(k[1], (4, 8), 0, 19).at[1, 2].set(-100).at[3, 5].set(-100)
+    f = lambda lg: jaxfuse.cross_entropy(lg, labels, label_smoothing=0.1, reduction=reduction)
+    one, many, hlo = run_both(f, (logits,), [P("data", ("tensor", "seq"))], diff=(0,))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
+@pytest.mark.parametrize("spec", [P(None, None, ("tensor", "seq")), P("data", "seq", "tensor")])
+def test_cross_entropy_vocab_split(spec):
+    """Megatron's vocab-parallel cross-entropy: only per-row scalars cross devices."""
+    k = keys(12, 2)
+    logits = randn(k[0], (4, 6, 28), scale=3.0)
+    labels = jax.random.randint(k[1], (4, 6), 0, 28).at[0, 1].set(-100)
+    f = lambda lg: jaxfuse.cross_entropy(lg, labels, label_smoothing=0.1, reduction="none")
+    one, many, hlo = run_both(f, (logits,), [spec], diff=(0,))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+    reduced = re.findall(r"= \(?\w+\[([\d,]*)\][^=]*? all-reduce\(", hlo)
+    assert reduced and all(np.prod([int(d) for d in r.split(",") if d]) <= 4 * 6 for r in reduced)
+
+
+@pytest.mark.parametrize("x_spec,w_spec", [(P(), P(None, ("tensor", "seq"))),
+                                            (P("data", "seq"), P(None, "tensor"))])
+def test_linear_cross_entropy_vocab_parallel(x_spec, w_spec):
+    """Tokens over data, W's vocabulary over tensor: per-token states merge, dW stays sharded,
+    dx is reduced; no [N, V] logits and no gathered W anywhere."""
+    k = keys(14, 3)
+    x, w = randn(k[0], (4, 6, 16)), randn(k[1], (16, 40), scale=0.5)
+    labels = jax.random.randint(k[2], (4, 6), 0, 40).at[2, 3].set(-100)
+    f = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
+                                                  z_loss=1e-3, logits_soft_cap=5.0)
+    one, many, hlo = run_both(f, (x, w), [x_spec, w_spec], diff=(0, 1))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+    assert "f32[24,40]" not in hlo and "f32[16,40]" not in hlo.split("ENTRY")[1].split("ROOT")[0]
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+def _qkv(seed, b=2, tq=16, tk=16, hkv=2, g=2, d=8):
+    k = keys(seed, 3)
+    return (randn(k[0], (b, tq, hkv * g, d)), randn(k[1], (b, tk, hkv, d)),
+            randn(k[2], (b, tk, hkv, d)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_batch_heads_split(causal):
+    q, k, v = _qkv(4, hkv=4, g=2)
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=causal, return_lse=True)
+    specs = [P("data", None, ("tensor", "seq"))] * 3        # query heads follow their KV head
+    one, many, hlo = run_both(f, (q, k, v), specs, diff=(0, 1, 2))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
+def test_flash_gqa_segments_queries_split():
+    q, k, v = _qkv(5, tq=12, tk=20, hkv=2, g=3)
+    seg_q = jnp.repeat(jnp.array([[0, 1, 2], [0, 0, 1]]), 4, axis=1)
+    seg_k = jnp.repeat(jnp.array([[0, 1, 2, 2], [0, 0, 1, 1]]), 5, axis=1)
+    f = lambda q, k, v, sq, sk: jaxfuse.flash_attention(q, k, v, q_segment_ids=sq,
+                                                        kv_segment_ids=sk)
+    specs = [P("data", "seq", "tensor"), P("data", None, "tensor"), P("data", None, "tensor"),
+             P("data", "seq"), P("data")]
+    one, many, hlo = run_both(f, (q, k, v, seg_q, seg_k), specs, diff=(0, 1, 2))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []   # queries split, K/V whole: dK, dV are psum-reduced
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_gqa_segments(causal):
+    """Sequence split (context parallel): ring attention, forward and backward, with K/V
+    passed around the ring and never gathered."""
+    q, k, v = _qkv(15, b=2, tq=24, tk=24, hkv=2, g=2)
+    seg = jnp.repeat(jnp.array([[0, 0, 1], [0, 1, 1]]), 8, axis=1)
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=causal, q_segment_ids=seg,
+                                                kv_segment_ids=seg, logits_soft_cap=4.0,
+                                                return_lse=True)
+    one, many, hlo = run_both(f, (q, k, v), [P("data", "seq", "tensor")] * 3, diff=(0, 1, 2))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
+def test_ring_attention_causal_balanced_over_4():
+    """Causal ring over 4 devices (zigzag halves: equal work per device), MQA."""
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
+    q, k, v = _qkv(16, b=2, tq=40, tk=40, hkv=1, g=3)
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, return_lse=True)
+    one, many, hlo = run_both(f, (q, k, v), [P("data", "seq")] * 3, diff=(0, 1, 2), mesh=mesh)
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
+def test_decode_batch_heads_length_split():
+    b, s, hkv, g, d = 4, 40, 2, 3, 8
+    k = keys(6, 3)
+    q, kc, vc = randn(k[0], (b, hkv * g, d)), randn(k[1], (b, s, hkv, d)), randn(k[2], (b, s, hkv, d))
+    lengths = jnp.array([0, 7, 40, 23])
+    f = jax.jit(lambda *a: jaxfuse.decode_attention(*a, return_lse=True))
+    one = f(q, kc, vc, lengths)
+    specs = [P("data", "tensor"), P("data", "seq", "tensor"), P("data", "seq", "tensor"),
+             P("data")]
+    placed = [jax.device_put(a, NamedSharding(AUTO, sp)) for a, sp in zip((q, kc, vc, lengths), specs)]
+    many = f(*placed)
+    np.testing.assert_allclose(np.asarray(many[0]), np.asarray(one[0]), **TOL)
+    np.testing.assert_allclose(np.asarray(many[1]), np.asarray(one[1]), **TOL)  # -inf at length 0
+    # Only the per-device partial (o, lse) rows cross devices, never the cache.
+    hlo = f.lower(*placed).compile().as_text()
+    assert gathered_shapes(hlo) and all(np.prod(sh) <= b * hkv * g * d for sh in gathered_shapes(hlo))
+
+
+# ---- other modes -----------------------------------------------------------------------------
+
+def test_explicit_mesh():
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    q, k, v = _qkv(7, b=4)
+    x, w = randn(keys(8, 1)[0], (8, 6, 24)), randn(keys(9, 1)[0], (24,))
+    f = lambda q, k, v, x, w: (jaxfuse.flash_attention(q, k, v, causal=True),
+                               jaxfuse.rms_norm(x, w))
+    specs = [P("data", None, "tensor")] * 3 + [P("data", "tensor"), P()]
+    one, many, _ = run_both(f, (q, k, v, x, w), specs, diff=(0, 1, 2, 3, 4), mesh=mesh)
+    assert_same(one, many)
+
+
+def test_inside_shard_map_runs_per_shard():
+    x, w = randn(keys(10, 1)[0], (8, 5, 24)), randn(keys(11, 1)[0], (24,))
+    per_shard = jax.shard_map(lambda x, w: jaxfuse.rms_norm(x, w), mesh=AUTO,
+                              in_specs=(P(("data", "tensor", "seq")), P()),
+                              out_specs=P(("data", "tensor", "seq")), check_vma=False)
+    np.testing.assert_allclose(np.asarray(jax.jit(per_shard)(x, w)),
+                               np.asarray(jaxfuse.rms_norm(x, w)), **TOL)
+
+
+def test_inside_scan_and_remat():
+    """Layers stacked with lax.scan and jax.checkpoint (the model's form) keep the rules."""
+    x, ws = randn(keys(30, 1)[0], (4, 8, 16)), randn(keys(31, 1)[0], (3, 16))
+
+    def f(x, ws):
+        def layer(h, w):
+            return h + jax.checkpoint(lambda h: jaxfuse.rms_norm(h, w))(h), None
+        return jax.lax.scan(layer, x, ws)[0]
+
+    one, many, hlo = run_both(f, (x, ws), [P("data", "seq"), P()], diff=(0, 1))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []

@@ -14,6 +14,7 @@ from jaxfuse.pallas import beam_top_k as _p_topk
 from jaxfuse.pallas import bias_act_dropout as _p_bad
 from jaxfuse.pallas import bias_dropout_add as _p_bda
 from jaxfuse.pallas import dropout as _p_drop
+from jaxfuse.pallas import embedding as _p_emb
 from jaxfuse.pallas import cross_entropy as _p_ce
 from jaxfuse.pallas import decode_attention as _p_dec
 from jaxfuse.pallas import layer_norm as _p_ln
@@ -28,6 +29,7 @@ from jaxfuse.reference import beam_top_k as _r_topk
 from jaxfuse.reference import bias_act_dropout as _r_bad
 from jaxfuse.reference import bias_dropout_add as _r_bda
 from jaxfuse.reference import dropout as _r_drop
+from jaxfuse.reference import embedding as _r_emb
 from jaxfuse.reference import cross_entropy as _r_ce
 from jaxfuse.reference import decode_attention as _r_dec
 from jaxfuse.reference import layer_norm as _r_ln
@@ -234,3 +236,19 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleav
     """
     return route(impl, _p_rope.rope, _r_rope.rope, x, positions, base=base,
                  interleaved=interleaved, interpret=interpret, block_sizes=block_sizes)
+
+
+def embedding(tokens: jax.Array, table: jax.Array, *, scale: float = 1.0,
+              pos_table: jax.Array | None = None, positions: jax.Array | None = None,
+              rate: float = 0.0, key=None, impl: str = "pallas", interpret: bool | None = None,
+              block_sizes=None) -> jax.Array:
+    """`dropout(scale * table[tokens] + pos_table[positions])` in one kernel (tokens int [...],
+    table [V, D] -> [..., D]; positions default to 0..T-1 along tokens' last axis). A token or
+    position out of range gives a NaN row and no gradient. The backward sums each table row's
+    occurrences in a fixed (sorted) order: deterministic, no atomics.
+
+    >>> x = jaxfuse.embedding(tokens, w_emb, scale=d_model ** 0.5, rate=0.1, key=k)
+    """
+    return route(impl, _p_emb.embedding, _r_emb.embedding, tokens, table, scale=scale,
+                 pos_table=pos_table, positions=positions, rate=rate, key=key,
+                 interpret=interpret, block_sizes=block_sizes)

@@ -12,9 +12,10 @@ from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.pallas.decode_attention import DecodeBlocks
 from jaxfuse.pallas.linear_cross_entropy import LCEBlocks
 
-__all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy", "flash_attention", "decode_attention",
-           "linear_cross_entropy", "beam_top_k", "dropout", "bias_dropout_add", "bias_act_dropout",
-           "add_norm", "swiglu", "rope", "embedding", "RowBlocks", "DecodeBlocks", "LCEBlocks", "AttnBlocks", "pallas", "reference", "model"]
+__all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy", "flash_attention",
+           "decode_attention", "linear_cross_entropy", "beam_top_k", "dropout", "bias_dropout_add",
+           "bias_act_dropout", "add_norm", "swiglu", "rope", "embedding", "RowBlocks",
+           "DecodeBlocks", "LCEBlocks", "AttnBlocks", "pallas", "reference", "model"]
 __version__ = "0.1.0"
 
 from jaxfuse import model  # noqa: E402  (the model calls the ops above)

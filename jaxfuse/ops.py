@@ -38,6 +38,8 @@ from jaxfuse.reference import rms_norm as _r_rms
 from jaxfuse.reference import rope as _r_rope
 from jaxfuse.reference import softmax as _r_softmax
 from jaxfuse.reference import swiglu as _r_swiglu
+from jaxfuse.sharding import attention as _s_attn
+from jaxfuse.sharding import rows as _s_rows
 
 
 def softmax(x: jax.Array, *, scale: float = 1.0, mask: jax.Array | None = None,
@@ -51,7 +53,7 @@ def softmax(x: jax.Array, *, scale: float = 1.0, mask: jax.Array | None = None,
 
     >>> y = jaxfuse.softmax(scores, scale=0.125, causal=True)
     """
-    return route(impl, _p_softmax.softmax, _r_softmax.softmax, x, scale=scale, mask=mask,
+    return route(impl, _s_rows.softmax, _r_softmax.softmax, x, scale=scale, mask=mask,
                  causal=causal, interpret=interpret, block_sizes=block_sizes)
 
 
@@ -62,7 +64,7 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
 
     >>> y = jaxfuse.layer_norm(x, w, b)          # x [..., D], w and b [D]
     """
-    return route(impl, _p_ln.layer_norm, _r_ln.layer_norm, x, weight, bias, eps=eps,
+    return route(impl, _s_rows.layer_norm, _r_ln.layer_norm, x, weight, bias, eps=eps,
                  interpret=interpret, block_sizes=block_sizes)
 
 
@@ -72,7 +74,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, *, eps: float = 1e-6
 
     >>> y = jaxfuse.rms_norm(x, w)
     """
-    return route(impl, _p_rms.rms_norm, _r_rms.rms_norm, x, weight, eps=eps,
+    return route(impl, _s_rows.rms_norm, _r_rms.rms_norm, x, weight, eps=eps,
                  interpret=interpret, block_sizes=block_sizes)
 
 
@@ -87,7 +89,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: floa
 
     >>> loss = jaxfuse.cross_entropy(logits, targets, label_smoothing=0.1)
     """
-    return route(impl, _p_ce.cross_entropy, _r_ce.cross_entropy, logits, labels,
+    return route(impl, _s_rows.cross_entropy, _r_ce.cross_entropy, logits, labels,
                  label_smoothing=label_smoothing, ignore_index=ignore_index,
                  reduction=reduction, interpret=interpret, block_sizes=block_sizes)
 
@@ -108,7 +110,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 
     >>> o = jaxfuse.flash_attention(q, k, v, causal=True)
     """
-    return route(impl, _p_attn.flash_attention, _r_attn.attention, q, k, v, causal=causal,
+    return route(impl, _s_attn.flash_attention, _r_attn.attention, q, k, v, causal=causal,
                  scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                  return_lse=return_lse, interpret=interpret, block_sizes=block_sizes)
@@ -126,7 +128,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
     >>> o = jaxfuse.decode_attention(q, k_cache, v_cache, lengths)
     """
-    return route(impl, _p_dec.decode_attention, _r_dec.decode_attention, q, k_cache, v_cache,
+    return route(impl, _s_attn.decode_attention, _r_dec.decode_attention, q, k_cache, v_cache,
                  kv_lengths, scale=scale, num_splits=num_splits,
                  logits_soft_cap=logits_soft_cap, return_lse=return_lse, interpret=interpret,
                  block_sizes=block_sizes)

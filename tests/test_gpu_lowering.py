@@ -104,6 +104,23 @@ def test_hopper_linear_cross_entropy_lowers(vmapped):
         assert name in module
 
 
+@pytest.mark.parametrize("d,opts", [
+    (64, dict(causal=True)), (128, dict(causal=True, sliding_window=200)),
+    (128, dict(logits_soft_cap=30.0)), (256, dict(causal=True)),
+])
+def test_hopper_flash_attention_lowers(d, opts):
+    """The Hopper forward (TMA ring, wgmma with P from registers, ping-pong barriers) lowers
+    through Mosaic GPU for sm90 with every mask variant, GQA and its Triton backward; the
+    wgmma forms are not run by Mosaic GPU's interpreter, so this is where their layout rules
+    are checked on a CPU."""
+    q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
+    k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
+    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=True), **opts),
+        q, k, k).mlir_module()
+    assert "jaxfuse_flash_fwd_hopper" in module
+
+
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
 def test_dropout_kernels_lower(shape):
     x = jnp.zeros(shape, jnp.bfloat16)

@@ -1,22 +1,35 @@
-"""The model's one configuration object."""
+"""The model's one configuration object, and its presets."""
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+
+_FLOAT_NAMES = ("float32", "bfloat16", "float16")
+REMAT_MODES = ("none", "block")
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A Llama-style decoder (pre-norm, RoPE, SwiGLU, GQA). No dropout anywhere."""
+    """A Llama-style decoder (pre-norm, RoPE, SwiGLU, GQA)."""
     vocab_size: int = 32            # tokens in the vocabulary
     d_model: int = 64               # width of the residual stream
     n_layers: int = 2               # Transformer blocks
     n_heads: int = 4                # query heads per block
     n_kv_heads: int = 4             # key/value heads; fewer than n_heads means GQA
     d_ff: int = 128                 # hidden width of the SwiGLU feed-forward
-    max_len: int = 64               # longest sequence: RoPE table and default KV-cache length
+    max_len: int = 64               # longest sequence: default KV-cache length
     norm: str = "rms"               # "rms" (RMSNorm) or "layer" (LayerNorm)
     rope_base: float = 10000.0      # RoPE frequency base
     label_smoothing: float = 0.0    # cross-entropy label smoothing of the training loss
+    dtype: str = "float32"          # activations, matmul inputs and the KV cache
+    param_dtype: str = "float32"    # stored parameters (optax's master weights)
+    dropout: float = 0.0            # residual, embedding and attention-probability dropout
+    scan_layers: bool = True        # run the stacked layers with lax.scan (else a Python loop)
+    remat: str = "none"             # "none", "block" (save only each block's input) or the name
+                                    # of a jax.checkpoint_policies policy
+    tie_embeddings: bool = False    # unembed with embed.T (no separate unembedding matrix)
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -28,7 +41,47 @@ class Config:
             raise ValueError(f"head_dim={self.d_model // self.n_heads} must be even for RoPE")
         if self.norm not in ("rms", "layer"):
             raise ValueError(f"norm={self.norm!r} must be 'rms' or 'layer'")
+        # dtypes are kept as names so that a Config stays hashable (a static jit argument) and
+        # prints readably; jnp.bfloat16 and "bfloat16" give the same Config.
+        for field in ("dtype", "param_dtype"):
+            value = getattr(self, field)
+            try:
+                name = jnp.dtype(value).name
+            except TypeError:
+                name = None
+            if name not in _FLOAT_NAMES:
+                raise ValueError(f"{field}={value!r} must be one of {_FLOAT_NAMES}")
+            object.__setattr__(self, field, name)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        if self.remat not in REMAT_MODES and not hasattr(jax.checkpoint_policies, self.remat):
+            raise ValueError(f"remat={self.remat!r} must be 'none', 'block' or a policy name of "
+                             f"jax.checkpoint_policies (e.g. 'dots_with_no_batch_dims_saveable')")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+
+# The presets: LikesWorld's model (examples/likesworld.py), the 157M model of the H200
+# measurements (issue 16) and a Llama-3.2-1B-shaped model (tied embeddings, 1.24B parameters).
+PRESETS = {
+    "likesworld": Config(vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
+                         d_ff=128, max_len=34),
+    "157m": Config(vocab_size=32768, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4,
+                   d_ff=2816, max_len=2048, dtype="bfloat16"),
+    "1b": Config(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                 d_ff=8192, max_len=8192, rope_base=500000.0, dtype="bfloat16",
+                 tie_embeddings=True, remat="block"),
+}
+
+
+def preset(name: str, **overrides) -> Config:
+    """A preset Config with some fields replaced: `preset("157m", remat="block")`."""
+    if name not in PRESETS:
+        raise ValueError(f"preset {name!r} is unknown; pick one of {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

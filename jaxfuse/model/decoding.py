@@ -1,10 +1,14 @@
 """KV-cache decoding: `prefill` a batch of right-padded prompts, then `decode_step` one token per
 sequence at a time.
 
-The cache is a dict of arrays: k and v [n_layers, B, S, Hkv, hd] (preallocated, S = max_len) and
-lengths [B], the number of valid positions per sequence. Every layer computes where to write the
-new token from the `lengths` it is given, never from another layer's cache (lecture 5, sec. 8.2:
-reading layer 0's length after layer 0 has appended shifted every later layer by one).
+The cache is a dict: k and v, each a tuple of n_layers arrays [B, S, Hkv, hd] in cfg.dtype
+(preallocated, S = max_len), and lengths [B], the number of valid positions per sequence. One
+array per layer rather than one stacked [n_layers, ...] array: `decode_attention` then reads a
+layer's cache where it lies (a slice of a stacked cache is copied before a custom call), and
+the new token's K/V is scattered into it in place inside the decoding loop. Every layer computes
+where to write the new token from the `lengths` it is given, never from another layer's cache
+(lecture 5, sec. 8.2: reading layer 0's length after layer 0 has appended shifted every later
+layer by one).
 """
 from __future__ import annotations
 
@@ -16,12 +20,24 @@ from jaxfuse.model import transformer as T
 from jaxfuse.model.config import Config
 
 
-def init_cache(cfg: Config, batch: int, max_len: int | None = None,
-               dtype=jnp.float32) -> dict:
+def init_cache(cfg: Config, batch: int, max_len: int | None = None, dtype=None) -> dict:
+    """An empty cache; `dtype` defaults to cfg.dtype (the dtype of the keys and values)."""
     s = cfg.max_len if max_len is None else max_len
-    shape = (cfg.n_layers, batch, s, cfg.n_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
-            "lengths": jnp.zeros((batch,), jnp.int32)}
+    dt = cfg.compute_dtype if dtype is None else jnp.dtype(dtype)
+    shape = (batch, s, cfg.n_kv_heads, cfg.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(cfg.n_layers))
+    return {"k": zeros(), "v": zeros(), "lengths": jnp.zeros((batch,), jnp.int32)}
+
+
+def decode_params(params: dict, cfg: Config) -> dict:
+    """The parameters as decoding reads them: in cfg.dtype, with the stacked blocks split into a
+    tuple of per-layer dicts. `greedy` and `beam_search` do this once, outside their loops, so
+    that no step re-casts or re-slices the weights; `decode_step` accepts either form."""
+    p = T.cast(params, cfg)
+    if not isinstance(p["blocks"], tuple):
+        p["blocks"] = tuple(jax.tree.map(lambda x: x[i], p["blocks"]) for i in range(cfg.n_layers))
+    p["unembed"] = T.unembedding(p, cfg)
+    return p
 
 
 def prefill(params: dict, cache: dict, prompts: jax.Array, prompt_lengths: jax.Array,
@@ -32,15 +48,14 @@ def prefill(params: dict, cache: dict, prompts: jax.Array, prompt_lengths: jax.A
     Padding sits after each prompt, so the causal mask keeps it out of every real position; its
     K/V land in the cache beyond `lengths` and are overwritten by the first decoded tokens."""
     p = prompts.shape[1]
-    logits, qkvs = T.forward(params, prompts, cfg, impl=impl)                  # [B, P, V]
-    ks = [k for _, k, _ in qkvs]
-    vs = [v for _, _, v in qkvs]
-    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-    k_all = jnp.stack(ks).astype(cache["k"].dtype)                           # [L, B, P, Hkv, hd]
-    v_all = jnp.stack(vs).astype(cache["v"].dtype)
-    cache = {"k": cache["k"].at[:, :, :p].set(k_all), "v": cache["v"].at[:, :, :p].set(v_all),
+    y, (_, k_all, v_all) = T.hidden(params, prompts, cfg, impl=impl, collect_qkv=True)
+    last = jnp.take_along_axis(y, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, D]
+    logits = last @ T.unembedding(T.cast(params, cfg), cfg)                  # [B, V]
+    put = lambda c, new: c.at[:, :p].set(new.astype(c.dtype))
+    cache = {"k": tuple(put(c, k_all[i]) for i, c in enumerate(cache["k"])),
+             "v": tuple(put(c, v_all[i]) for i, c in enumerate(cache["v"])),
              "lengths": prompt_lengths.astype(jnp.int32)}
-    return last, cache
+    return logits, cache
 
 
 def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
@@ -48,17 +63,21 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
     """Appends one token per sequence (tokens [B]) and returns (next-token logits [B, V], cache).
 
     Sequence b's token sits at position lengths[b]; attention covers positions <= lengths[b]."""
+    p = decode_params(params, cfg)
     lengths = cache["lengths"]                                               # [B], same for every layer
-    b = tokens.shape[0]
-    rows = jnp.arange(b)
-    x = params["embed"][tokens][:, None]                                     # [B, 1, D]
-    k_cache, v_cache = cache["k"], cache["v"]
-    for i, blk in enumerate(params["blocks"]):
-        q, k, v = T.qkv(blk, T.norm(blk["attn_norm"], x, cfg, impl), lengths[:, None], cfg)
-        k_cache = k_cache.at[i, rows, lengths].set(k[:, 0].astype(k_cache.dtype))
-        v_cache = v_cache.at[i, rows, lengths].set(v[:, 0].astype(v_cache.dtype))
-        o = jaxfuse.decode_attention(q[:, 0], k_cache[i], v_cache[i], lengths + 1, impl=impl)
-        x = x + T.attn_out(blk, o[:, None], None if head_mask is None else head_mask[i])
-        x = x + T.swiglu(blk, T.norm(blk["mlp_norm"], x, cfg, impl))
-    logits = (T.norm(params["final_norm"], x, cfg, impl) @ params["unembed"])[:, 0]
-    return logits, {"k": k_cache, "v": v_cache, "lengths": lengths + 1}
+    rows = jnp.arange(tokens.shape[0])
+    h = p["embed"][tokens][:, None]                                          # [B, 1, D]
+    delta = jnp.zeros_like(h)
+    k_out, v_out = [], []
+    for i, blk in enumerate(p["blocks"]):
+        def attend(q, k, v, _key, i=i):
+            k_c = cache["k"][i].at[rows, lengths].set(k[:, 0].astype(cache["k"][i].dtype))
+            v_c = cache["v"][i].at[rows, lengths].set(v[:, 0].astype(cache["v"][i].dtype))
+            k_out.append(k_c)
+            v_out.append(v_c)
+            return jaxfuse.decode_attention(q[:, 0], k_c, v_c, lengths + 1, impl=impl)[:, None]
+        h, delta, _ = T.block(blk, h, delta, lengths[:, None], cfg, attend, impl=impl,
+                              head_mask=None if head_mask is None else head_mask[i])
+    _, y = T.add_norm(p["final_norm"], delta, h, cfg, impl)
+    logits = (y @ p["unembed"])[:, 0]
+    return logits, {"k": tuple(k_out), "v": tuple(v_out), "lengths": lengths + 1}

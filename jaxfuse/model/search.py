@@ -36,6 +36,7 @@ def greedy(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: jax.Ar
     b = prompts.shape[0]
     cache = decoding.init_cache(cfg, b)
     logits, cache = decoding.prefill(params, cache, prompts, prompt_lengths, cfg, impl=impl)
+    params = decoding.decode_params(params, cfg)         # cast and split once, not per step
 
     def step(state):
         t, logits, cache, out, done = state
@@ -65,9 +66,9 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
     b, k, v = prompts.shape[0], beam_size, cfg.vocab_size
     cache = decoding.init_cache(cfg, b)
     logits, cache = decoding.prefill(params, cache, prompts, prompt_lengths, cfg, impl=impl)
+    params = decoding.decode_params(params, cfg)         # cast and split once, not per step
     # Every beam starts as the prompt; only beam 0 is live at first, so the k first picks differ.
-    tile = lambda x: jnp.repeat(x, k, axis=1 if x.ndim == 5 else 0)
-    cache = {"k": tile(cache["k"]), "v": tile(cache["v"]), "lengths": tile(cache["lengths"])}
+    cache = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), cache)
     logits = jnp.repeat(logits, k, axis=0)                                   # [B*K, V]
     raw = jnp.where(jnp.arange(k)[None] == 0, 0.0, -jnp.inf) * jnp.ones((b, 1))
     state = (jnp.int32(0), logits, cache, jnp.full((b, k, max_new_tokens), eos_id, jnp.int32),
@@ -93,8 +94,7 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
         tokens = jnp.take_along_axis(tokens, parent[..., None], 1).at[:, :, t].set(tok)
         # Reorder the cache by parent beam: one gather over the (batch, beam) rows.
         rows = (jnp.arange(b)[:, None] * k + parent).reshape(-1)             # [B*K]
-        cache = {"k": cache["k"][:, rows], "v": cache["v"][:, rows],
-                 "lengths": cache["lengths"][rows]}
+        cache = jax.tree.map(lambda x: x[rows], cache)
         logits, cache = decoding.decode_step(params, cache, tok.reshape(-1), cfg, impl=impl)
         return t + 1, logits, cache, tokens, raw, length, done
 

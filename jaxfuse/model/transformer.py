@@ -1,79 +1,94 @@
-"""A tiny Flax-free Transformer whose norms, attention and loss all go through jaxfuse ops.
+"""A tiny Flax-free Transformer whose every op goes through jaxfuse.
 
-    x = embed(tokens)
-    for each block:  x = x + attn(norm(x));  x = x + swiglu(norm(x))
-    logits = norm(x) @ unembed
+    h, d = embed(tokens), 0
+    for each block:  h, y = add_norm(d, h);  h, y = add_norm(attn(y), h);  d = swiglu(y)
+    logits = add_norm(d, h)[1] @ unembed
+
+Each residual add is fused with the norm that follows it (`add_norm` returns the new residual
+stream h and its normalization y), so a block carries (h, d): the stream and the MLP output
+still to be added. The layers' parameters are stacked ([n_layers, ...] leaves) and run with
+`lax.scan`, optionally rematerialized per block (`Config.remat`).
+
+Mixed precision: parameters are stored in `Config.param_dtype` (float32 master weights for
+optax) and cast to `Config.dtype` on the way in; activations and matmul inputs are in
+`Config.dtype`, norms, softmax and the loss accumulate in float32 inside the kernels.
 
 Parameters are a plain dict pytree; `init` and `apply` are pure functions; `impl` routes every
 jaxfuse op ("pallas" kernels or the "reference" jax.numpy versions).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 import jaxfuse
+from jaxfuse.model import _block_ops as ops
 from jaxfuse.model.config import Config
 
 
 def init(key: jax.Array, cfg: Config) -> dict:
-    """Random parameters: N(0, 1/fan_in) projections, unit norms, N(0, 1) embeddings."""
-    d, hd, f = cfg.d_model, cfg.head_dim, cfg.d_ff
-    dense = lambda k, fan_in, fan_out: jax.random.normal(k, (fan_in, fan_out)) / math.sqrt(fan_in)
-    keys = iter(jax.random.split(key, 2 + 7 * cfg.n_layers))
+    """Random parameters in cfg.param_dtype: N(0, 1/fan_in) projections, unit norms, N(0, 1)
+    embeddings. Block leaves are stacked: [n_layers, ...]."""
+    d, hd, f, n = cfg.d_model, cfg.head_dim, cfg.d_ff, cfg.n_layers
+    dt = jnp.dtype(cfg.param_dtype)
+    k_embed, k_unembed, k_blocks = jax.random.split(key, 3)
+    kb = iter(jax.random.split(k_blocks, 7))
 
-    def norm_params():
-        p = {"weight": jnp.ones((d,))}
+    def dense(k, fan_in, fan_out, layers=(n,)):
+        return (jax.random.normal(k, (*layers, fan_in, fan_out)) / math.sqrt(fan_in)).astype(dt)
+
+    def norm_params(layers=(n,)):
+        p = {"weight": jnp.ones((*layers, d), dt)}
         if cfg.norm == "layer":
-            p["bias"] = jnp.zeros((d,))
+            p["bias"] = jnp.zeros((*layers, d), dt)
         return p
 
-    blocks = []
-    for _ in range(cfg.n_layers):
-        blocks.append({
-            "attn_norm": norm_params(),
-            "wq": dense(next(keys), d, cfg.n_heads * hd),
-            "wk": dense(next(keys), d, cfg.n_kv_heads * hd),
-            "wv": dense(next(keys), d, cfg.n_kv_heads * hd),
-            "wo": dense(next(keys), cfg.n_heads * hd, d),
-            "mlp_norm": norm_params(),
-            "w1": dense(next(keys), d, f),     # gate
-            "w3": dense(next(keys), d, f),     # up
-            "w2": dense(next(keys), f, d),     # down
-        })
-    return {"embed": jax.random.normal(next(keys), (cfg.vocab_size, d)),
-            "blocks": blocks, "final_norm": norm_params(),
-            "unembed": dense(next(keys), d, cfg.vocab_size)}
+    blocks = {
+        "attn_norm": norm_params(),
+        "wq": dense(next(kb), d, cfg.n_heads * hd),
+        "wk": dense(next(kb), d, cfg.n_kv_heads * hd),
+        "wv": dense(next(kb), d, cfg.n_kv_heads * hd),
+        "wo": dense(next(kb), cfg.n_heads * hd, d),
+        "mlp_norm": norm_params(),
+        "w1": dense(next(kb), d, f),     # gate
+        "w3": dense(next(kb), d, f),     # up
+        "w2": dense(next(kb), f, d),     # down
+    }
+    params = {"embed": jax.random.normal(k_embed, (cfg.vocab_size, d)).astype(dt),
+              "blocks": blocks, "final_norm": norm_params(())}
+    if not cfg.tie_embeddings:
+        params["unembed"] = dense(k_unembed, d, cfg.vocab_size, ())
+    return params
 
 
-def norm(p: dict, x: jax.Array, cfg: Config, impl: str) -> jax.Array:
-    if cfg.norm == "rms":
-        return jaxfuse.rms_norm(x, p["weight"], impl=impl)
-    return jaxfuse.layer_norm(x, p["weight"], p["bias"], impl=impl)
+def cast(params: dict, cfg: Config) -> dict:
+    """The parameters in the compute dtype (a no-op where they already are)."""
+    return jax.tree.map(lambda p: p.astype(cfg.compute_dtype), params)
 
 
-def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
-    """Rotates pairs (x[2i], x[2i+1]) by positions * base^(-2i/hd) (RoFormer, Su et al. 2021).
-
-    x [B, T, H, hd], positions int [B, T]: q.k then depends only on the position difference."""
-    hd = x.shape[-1]
-    freq = base ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)           # [hd/2]
-    angle = positions[..., None].astype(jnp.float32) * freq                   # [B, T, hd/2]
-    cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-    return out.reshape(x.shape).astype(x.dtype)
+def unembedding(params: dict, cfg: Config) -> jax.Array:
+    """The [D, V] unembedding matrix (embed.T when the embeddings are tied)."""
+    return params["embed"].T if cfg.tie_embeddings else params["unembed"]
 
 
-def qkv(blk: dict, h: jax.Array, positions: jax.Array, cfg: Config):
+def add_norm(p: dict, delta: jax.Array, h: jax.Array, cfg: Config, impl: str,
+             key: jax.Array | None = None):
+    """(h + dropout(delta), norm of it) with the norm parameters p."""
+    return ops.add_norm(delta, h, p["weight"], p.get("bias"), norm=cfg.norm, rate=cfg.dropout,
+                        key=key, impl=impl)
+
+
+def qkv(blk: dict, y: jax.Array, positions: jax.Array, cfg: Config, impl: str):
     """Projections with RoPE: q [B, T, H, hd], k and v [B, T, Hkv, hd]."""
-    b, t, _ = h.shape
-    q = (h @ blk["wq"]).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    k = (h @ blk["wk"]).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-    v = (h @ blk["wv"]).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-    return rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base), v
+    b, t, _ = y.shape
+    q = (y @ blk["wq"]).reshape(b, t, cfg.n_heads, cfg.head_dim)
+    k = (y @ blk["wk"]).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    v = (y @ blk["wv"]).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    rope = functools.partial(ops.rope, positions=positions, base=cfg.rope_base, impl=impl)
+    return rope(q), rope(k), v
 
 
 def attn_out(blk: dict, o: jax.Array, head_mask: jax.Array | None) -> jax.Array:
@@ -83,50 +98,96 @@ def attn_out(blk: dict, o: jax.Array, head_mask: jax.Array | None) -> jax.Array:
     return o.reshape(*o.shape[:-2], -1) @ blk["wo"]
 
 
-def swiglu(blk: dict, h: jax.Array) -> jax.Array:
-    return (jax.nn.silu(h @ blk["w1"]) * (h @ blk["w3"])) @ blk["w2"]
+def mlp(blk: dict, y: jax.Array, impl: str) -> jax.Array:
+    return ops.swiglu(y @ blk["w1"], y @ blk["w3"], impl=impl) @ blk["w2"]
 
 
-def forward(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas",
-            head_mask: jax.Array | None = None):
-    """(logits [B, T, V], each layer's (q, k, v) after RoPE) for tokens [B, T], causal.
+def block(blk: dict, h: jax.Array, delta: jax.Array, positions: jax.Array, cfg: Config, attend,
+          *, impl: str, key: jax.Array | None = None, head_mask: jax.Array | None = None):
+    """One pre-norm block on (stream h, pending MLP output delta) -> (h, delta, (q, k, v)).
 
-    `apply` keeps the logits, `prefill` also the keys and values, `attention_maps` the queries
-    and keys; under jit whatever a caller drops is never computed."""
+    `attend(q, k, v, key)` is the attention: causal flash attention in training and prefill, the
+    KV cache in decoding."""
+    keys = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
+    h, y = add_norm(blk["attn_norm"], delta, h, cfg, impl, keys[0])
+    q, k, v = qkv(blk, y, positions, cfg, impl)
+    h, y = add_norm(blk["mlp_norm"], attn_out(blk, attend(q, k, v, keys[1]), head_mask), h, cfg,
+                    impl, keys[2])
+    return h, mlp(blk, y, impl), (q, k, v)
+
+
+def _remat(fn, cfg: Config):
+    if cfg.remat == "none":
+        return fn
+    policy = None if cfg.remat == "block" else getattr(jax.checkpoint_policies, cfg.remat)
+    # Inside scan the loop already keeps recomputation from being CSE'd away (jax.checkpoint docs).
+    return jax.checkpoint(fn, policy=policy, prevent_cse=not cfg.scan_layers)
+
+
+def hidden(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas",
+           key: jax.Array | None = None, head_mask: jax.Array | None = None,
+           collect_qkv: bool = False):
+    """(final normalized hidden states [B, T, D] in cfg.dtype, each layer's (q, k, v) after RoPE
+    stacked [n_layers, ...] or None) for tokens [B, T], causal.
+
+    `key` turns dropout on (cfg.dropout > 0); without it the pass is deterministic."""
+    p = cast(params, cfg)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    x = params["embed"][tokens]                                              # [B, T, D]
-    qkvs = []
-    for i, blk in enumerate(params["blocks"]):
-        q, k, v = qkv(blk, norm(blk["attn_norm"], x, cfg, impl), positions, cfg)
-        qkvs.append((q, k, v))
-        o = jaxfuse.flash_attention(q, k, v, causal=True, impl=impl)         # [B, T, H, hd]
-        x = x + attn_out(blk, o, None if head_mask is None else head_mask[i])
-        x = x + swiglu(blk, norm(blk["mlp_norm"], x, cfg, impl))
-    return norm(params["final_norm"], x, cfg, impl) @ params["unembed"], qkvs
+    k_embed, k_layers, k_final = (None,) * 3 if key is None else jax.random.split(key, 3)
+    h = ops.embedding(tokens, p["embed"], rate=cfg.dropout, key=k_embed, impl=impl)  # [B, T, D]
+
+    def attend(q, k, v, key):
+        return ops.attention(q, k, v, causal=True, dropout_rate=cfg.dropout, dropout_key=key,
+                             impl=impl)
+
+    def body(carry, xs):
+        blk, i, mask = xs
+        layer_key = None if k_layers is None else jax.random.fold_in(k_layers, i)
+        h, delta, qkv_i = block(blk, *carry, positions, cfg, attend, impl=impl, key=layer_key,
+                                head_mask=mask)
+        return (h, delta), (qkv_i if collect_qkv else None)
+
+    body = _remat(body, cfg)
+    xs = (p["blocks"], jnp.arange(cfg.n_layers), head_mask)
+    carry = (h, jnp.zeros_like(h))
+    if cfg.scan_layers:
+        carry, qkvs = jax.lax.scan(body, carry, xs)
+    else:
+        outs = []
+        for i in range(cfg.n_layers):
+            carry, out = body(carry, jax.tree.map(lambda x: x[i], xs))
+            outs.append(out)
+        qkvs = jax.tree.map(lambda *a: jnp.stack(a), *outs) if collect_qkv else None
+    _, y = add_norm(p["final_norm"], carry[1], carry[0], cfg, impl, k_final)
+    return y, qkvs
 
 
 def apply(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas",
-          head_mask: jax.Array | None = None) -> jax.Array:
-    """Logits [B, T, V] of tokens [B, T] (causal). `head_mask` [n_layers, n_heads] multiplies
-    each head's attention output (1 keeps it, 0 ablates it)."""
-    return forward(params, tokens, cfg, impl=impl, head_mask=head_mask)[0]
+          head_mask: jax.Array | None = None, key: jax.Array | None = None) -> jax.Array:
+    """Logits [B, T, V] (cfg.dtype) of tokens [B, T] (causal). `head_mask` [n_layers, n_heads]
+    multiplies each head's attention output (1 keeps it, 0 ablates it). Deterministic unless a
+    dropout `key` is given."""
+    y, _ = hidden(params, tokens, cfg, impl=impl, key=key, head_mask=head_mask)
+    return y @ unembedding(cast(params, cfg), cfg)
 
 
 def loss(params: dict, tokens: jax.Array, targets: jax.Array, cfg: Config, *,
-         impl: str = "pallas") -> jax.Array:
+         impl: str = "pallas", key: jax.Array | None = None) -> jax.Array:
     """Mean cross-entropy over targeted positions. tokens, targets [B, T]: the caller shifts
-    (targets[t] is the token after tokens[t]); -100 marks positions without a target."""
-    logits = apply(params, tokens, cfg, impl=impl)
-    return jaxfuse.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing,
-                                 ignore_index=-100, impl=impl)
+    (targets[t] is the token after tokens[t]); -100 marks positions without a target.
+
+    Through `jaxfuse.linear_cross_entropy`: the [B, T, V] logits are never materialized."""
+    y, _ = hidden(params, tokens, cfg, impl=impl, key=key)
+    return jaxfuse.linear_cross_entropy(y, unembedding(cast(params, cfg), cfg), targets,
+                                        label_smoothing=cfg.label_smoothing, ignore_index=-100,
+                                        impl=impl)
 
 
 def attention_maps(params: dict, tokens: jax.Array, cfg: Config) -> jax.Array:
     """Attention probabilities [n_layers, B, H, T, T] (for plots), via `jaxfuse.softmax`."""
     g = cfg.n_heads // cfg.n_kv_heads
-    maps = []
-    for q, k, _ in forward(params, tokens, cfg, impl="reference")[1]:
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, g, axis=2))
-        maps.append(jaxfuse.softmax(s, scale=cfg.head_dim ** -0.5, causal=True))
-    return jnp.stack(maps)
+    _, (q, k, _) = hidden(params, tokens, cfg, impl="reference", collect_qkv=True)
+    s = jnp.einsum("lbqhd,lbkhd->lbhqk", q, jnp.repeat(k, g, axis=3),
+                   preferred_element_type=jnp.float32)
+    return jaxfuse.softmax(s, scale=cfg.head_dim ** -0.5, causal=True)

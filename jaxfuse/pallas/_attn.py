@@ -84,6 +84,10 @@ class AttnBlocks:
     num_warps_bwd: int = 4
     num_stages_bwd: int = 2
     folded: bool | None = None  # layout; None: folded in interpret mode, squeezed on the GPU
+    # Hopper forward (`attention_hopper`, Mosaic GPU): None runs it on an sm90 GPU where the
+    # problem fits, True also in interpret mode (Mosaic GPU's interpreter), False never; a
+    # `HopperAttnTiles` means True with those tiles.
+    hopper: object = None
 
     @classmethod
     def for_shape(cls, spec: AttnSpec) -> "AttnBlocks":
@@ -109,7 +113,7 @@ class AttnBlocks:
     def validate(self, folded: bool) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "folded":
+            if f.name in ("folded", "hopper"):
                 continue
             if v < 1 or (not folded and f.name.startswith("block") and v != C.next_pow2(v)):
                 raise ValueError(f"{f.name}={v} must be a positive power of two on the GPU")

@@ -195,10 +195,17 @@ norm.defvjp(_norm_fwd, _norm_bwd)
 def apply(x, weight, bias, *, center: bool, eps: float, interpret: bool | None,
           block_sizes: RowBlocks | None):
     """Shared wrapper: flatten to rows, pick blocks, run, restore the shape."""
-    interpret = C.resolve_interpret(interpret)
     x2 = _rows.as_rows(x)
-    n_rows, n_cols = x2.shape
+    st = static(x2.shape, weight is not None, bias is not None, center=center, eps=eps,
+                interpret=interpret, block_sizes=block_sizes)
+    return norm(x2, weight, bias, st).reshape(x.shape)
+
+
+def static(shape2, has_weight: bool, has_bias: bool, *, center: bool, eps: float,
+           interpret: bool | None, block_sizes: RowBlocks | None) -> _Static:
+    """The kernels' settings for a [n_rows, n_cols] view (also used per shard by `sharding`)."""
+    interpret = C.resolve_interpret(interpret)
+    n_rows, n_cols = shape2
     fwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret)
     bwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret, accumulate_rows=True)
-    st = _Static(center, float(eps), weight is not None, bias is not None, fwd, bwd, interpret)
-    return norm(x2, weight, bias, st).reshape(x.shape)
+    return _Static(center, float(eps), has_weight, has_bias, fwd, bwd, interpret)

@@ -15,6 +15,7 @@ Backward: `attention_bwd.py` (saves only q, k, v, o, lse).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,7 +24,7 @@ from jax.experimental import pallas as pl
 
 from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _common as C
-from jaxfuse.pallas import attention_bwd
+from jaxfuse.pallas import attention_bwd, attention_hopper
 from jaxfuse.pallas._attn import AttnBlocks, AttnSpec
 from jaxfuse.reference import attention as ref
 
@@ -55,6 +56,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
 
 
 def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks):
+    if isinstance(blocks.hopper, attention_hopper.HopperAttnTiles):   # resolved by `plan`
+        return attention_hopper.forward(q, k, v, spec, blocks.hopper)
     bq, bk = blocks.block_q, blocks.block_k
     dp, g = spec.head_dim_pad, spec.groups
     kernel = functools.partial(_fwd_kernel, spec=spec, bq=bq, bk=bk)
@@ -121,32 +124,106 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     """Pallas FlashAttention-2; same semantics as `jaxfuse.reference.attention.attention`."""
     ref.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap, scale)
     check_head_dim(q.shape[-1])
-    interpret = C.resolve_interpret(interpret)
-    spec = AttnSpec.make(n_q=q.shape[1], n_k=k.shape[1], head_dim=q.shape[-1],
-                         groups=q.shape[2] // k.shape[2], dtype=q.dtype, scale=scale,
-                         interpret=interpret, folded=None if block_sizes is None else block_sizes.folded,
-                         causal=causal, window=sliding_window, softcap=logits_soft_cap,
-                         segments=q_segment_ids is not None)
-    folded = spec.folded
-    blocks = AttnBlocks.for_shape(spec) if block_sizes is None else block_sizes
-    blocks.validate(folded)
-    b, tq, hq, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qs = ks = None
-    if spec.segments:
-        qs, ks = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
-    if folded:
-        # Fold (batch, KV head) into one axis and stack the group's query heads along the rows.
-        fold_q = lambda x: x.reshape(b, tq, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(
-            b * hkv, g * tq, d)
-        fold_kv = lambda x: x.transpose(0, 2, 1, 3).reshape(b * hkv, tk, d)
-        if spec.segments:
-            qs = jnp.broadcast_to(qs[:, None, None, :], (b, hkv, g, tq)).reshape(b * hkv, g * tq)
-            ks = jnp.broadcast_to(ks[:, None, :], (b, hkv, tk)).reshape(b * hkv, tk)
-        o, lse = _flash(fold_q(q), fold_kv(k), fold_kv(v), qs, ks, spec, blocks)
-        o = o.reshape(b, hkv, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
-        lse = lse.reshape(b, hq, tq)
-    else:
-        o, lse = _flash(q, k, v, qs, ks, spec, blocks)
+    spec, blocks = plan(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
+                        segments=q_segment_ids is not None, sliding_window=sliding_window,
+                        logits_soft_cap=logits_soft_cap, interpret=interpret,
+                        block_sizes=block_sizes)
+    lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
+    qs, ks = _segs(q_segment_ids, kv_segment_ids)
+    o, lse = _flash(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs), lay.kv_seg(ks), spec, blocks)
+    o, lse = lay.o_back(o), lay.lse_back(lse)
     return (o, lse) if return_lse else o
+
+
+def plan(q_shape, k_shape, dtype, *, causal, scale, segments, sliding_window, logits_soft_cap,
+         interpret, block_sizes) -> tuple[AttnSpec, AttnBlocks]:
+    """The kernels' spec and blocks for these shapes (also used per shard by `sharding`). The
+    blocks' `hopper` comes back resolved: the Hopper forward's tiles, or False."""
+    make = functools.partial(
+        AttnSpec.make, n_q=q_shape[1], n_k=k_shape[1], head_dim=q_shape[-1],
+        groups=q_shape[2] // k_shape[2], dtype=dtype, scale=scale,
+        interpret=C.resolve_interpret(interpret), causal=causal, window=sliding_window,
+        softcap=logits_soft_cap, segments=segments)
+    spec = make(folded=None if block_sizes is None else block_sizes.folded)
+    hopper = attention_hopper.tiles_for(None if block_sizes is None else block_sizes.hopper,
+                                        dtype, q_shape, make(folded=False))
+    if hopper is not None:
+        spec = make(folded=False)     # the Hopper forward writes the GPU layout
+    blocks = AttnBlocks.for_shape(spec) if block_sizes is None else block_sizes
+    blocks.validate(spec.folded)
+    return spec, dataclasses.replace(blocks, hopper=hopper or False)
+
+
+def _segs(q_segment_ids, kv_segment_ids):
+    if q_segment_ids is None:
+        return None, None
+    return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+
+
+class _Layout:
+    """User layout (q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], lse [B, Hq, Tq]) <-> the kernels'.
+    Folded (interpret mode): (batch, KV head) fold into one axis and the group's query heads
+    stack along the rows; otherwise the kernels read the user layout."""
+
+    def __init__(self, q_shape, tk: int, hkv: int, folded: bool):
+        self.b, self.tq, self.hq, self.d = q_shape
+        self.tk, self.hkv, self.g, self.folded = tk, hkv, self.hq // hkv, folded
+
+    def q(self, x):             # also o and do
+        if not self.folded:
+            return x
+        b, tq, hkv, g, d = self.b, self.tq, self.hkv, self.g, self.d
+        return x.reshape(b, tq, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * hkv, g * tq, d)
+
+    def kv(self, x):
+        if not self.folded:
+            return x
+        return x.transpose(0, 2, 1, 3).reshape(self.b * self.hkv, self.tk, self.d)
+
+    def q_seg(self, s):
+        if s is None or not self.folded:
+            return s
+        b, hkv, g, tq = self.b, self.hkv, self.g, self.tq
+        return jnp.broadcast_to(s[:, None, None, :], (b, hkv, g, tq)).reshape(b * hkv, g * tq)
+
+    def kv_seg(self, s):
+        if s is None or not self.folded:
+            return s
+        return jnp.broadcast_to(s[:, None, :], (self.b, self.hkv, self.tk)).reshape(
+            self.b * self.hkv, self.tk)
+
+    def lse(self, x):
+        return x.reshape(self.b * self.hkv, self.g * self.tq) if self.folded else x
+
+    def o_back(self, x):
+        if not self.folded:
+            return x
+        b, tq, hkv, g, d = self.b, self.tq, self.hkv, self.g, self.d
+        return x.reshape(b, hkv, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(b, tq, self.hq, d)
+
+    def kv_back(self, x):
+        if not self.folded:
+            return x
+        return x.reshape(self.b, self.hkv, self.tk, self.d).transpose(0, 2, 1, 3)
+
+    def lse_back(self, x):
+        return x.reshape(self.b, self.hq, self.tq)
+
+
+def forward(q, k, v, q_segment_ids, kv_segment_ids, spec: AttnSpec, blocks: AttnBlocks):
+    """(o, lse) in the user layout, no custom_vjp: the forward half for `sharding`."""
+    lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
+    qs, ks = _segs(q_segment_ids, kv_segment_ids)
+    o, lse = _forward(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs), lay.kv_seg(ks), spec, blocks)
+    return lay.o_back(o), lay.lse_back(lse)
+
+
+def backward(q, k, v, q_segment_ids, kv_segment_ids, o, lse, do, dlse, spec: AttnSpec,
+             blocks: AttnBlocks):
+    """(dq, dk, dv) in the user layout: the backward half of `forward`."""
+    lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
+    qs, ks = _segs(q_segment_ids, kv_segment_ids)
+    dq, dk, dv = attention_bwd.backward(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs),
+                                        lay.kv_seg(ks), lay.q(o), lay.lse(lse), lay.q(do),
+                                        lay.lse(dlse), spec, blocks)
+    return lay.o_back(dq), lay.kv_back(dk), lay.kv_back(dv)

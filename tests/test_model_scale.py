@@ -1,0 +1,210 @@
+"""The model at scale, in small configs: mixed precision (bf16 training and decoding), the fused
+loss, scanned and rematerialized layers, dropout, and the presets' shapes (abstractly)."""
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import parameterized
+
+import jaxfuse
+from jaxfuse import model as M
+from tests._util import assert_close, keys
+
+CFG = M.Config(vocab_size=13, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=40,
+               max_len=20)
+
+
+def _batch(seed, b=2, t=9, vocab=13):
+    k = keys(seed, 2)
+    tokens = jax.random.randint(k[0], (b, t), 0, vocab)
+    targets = jax.random.randint(k[1], (b, t), 0, vocab).at[:, :3].set(-100)
+    return tokens, targets
+
+
+def _count(tree) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+class PrecisionTest(chex.TestCase):
+
+    def test_bf16_training_follows_float32(self):
+        tokens, targets = _batch(1)
+        opt = M.optimizer(3e-3, 4, warmup_steps=1)
+        losses = {}
+        for dtype in ("float32", "bfloat16"):
+            cfg = dataclasses.replace(CFG, dtype=dtype)
+            params = M.init(jax.random.key(0), cfg)
+            state = opt.init(params)
+            losses[dtype] = []
+            for _ in range(4):
+                params, state, loss = M.train_step(params, state, tokens, targets, cfg=cfg, opt=opt)
+                losses[dtype].append(float(loss))
+            # Master weights stay float32 whatever the compute dtype.
+            self.assertTrue(all(x.dtype == jnp.float32 for x in jax.tree.leaves(params)))
+        self.assertLess(losses["float32"][-1], losses["float32"][0])     # it trains
+        np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=3e-2)
+
+    def test_bf16_logits_and_dtypes(self):
+        cfg = dataclasses.replace(CFG, dtype="bfloat16")
+        params = M.init(jax.random.key(2), cfg)
+        tokens, _ = _batch(2)
+        logits = M.apply(params, tokens, cfg)
+        self.assertEqual(logits.dtype, jnp.bfloat16)
+        ref = M.apply(params, tokens, dataclasses.replace(cfg, dtype="float32"))
+        # bf16 rounding through 3 blocks of width 32: a few bf16 ulps of the logit scale.
+        assert_close(logits, ref, jnp.bfloat16, scale=6.0)
+        cache = M.init_cache(cfg, 2)
+        self.assertEqual({c.dtype for c in cache["k"] + cache["v"]}, {jnp.dtype(jnp.bfloat16)})
+
+    @parameterized.parameters(("bfloat16", "float32"), ("bfloat16", "bfloat16"))
+    def test_decoding(self, dtype, param_dtype):
+        cfg = dataclasses.replace(CFG, dtype=dtype, param_dtype=param_dtype)
+        params = M.init(jax.random.key(3), cfg)
+        prompts = jax.random.randint(keys(3, 1)[0], (3, 6), 0, 13)
+        lengths = jnp.array([6, 2, 4], jnp.int32)
+        g = M.greedy(params, cfg, prompts, lengths, max_new_tokens=4, eos_id=12)
+        b, _ = M.beam_search(params, cfg, prompts, lengths, beam_size=2, max_new_tokens=4,
+                             eos_id=12)
+        self.assertEqual(b.shape, (3, 2, 4))
+        # The cached steps equal recomputing the whole sequence, in the compute dtype, and
+        # greedy picks their argmax.
+        cache = M.init_cache(cfg, 3)
+        logits, cache = jax.jit(M.prefill, static_argnums=4)(params, cache, prompts, lengths, cfg)
+        step = jax.jit(M.decode_step, static_argnums=3)
+        apply = jax.jit(M.apply, static_argnums=2, static_argnames="impl")
+        seqs = [list(np.asarray(prompts[i, :lengths[i]])) for i in range(3)]
+        for t in range(2):
+            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+            np.testing.assert_array_equal(tok, g[:, t])
+            for i in range(3):
+                seqs[i].append(int(tok[i]))
+            logits, cache = step(params, cache, tok, cfg)
+            self.assertEqual(logits.dtype, jnp.dtype(dtype))
+            for i in range(3):
+                full = apply(params, jnp.asarray([seqs[i]]), cfg, impl="reference")[0, -1]
+                assert_close(logits[i], full, jnp.dtype(dtype), scale=10.0)
+
+
+class LossTest(chex.TestCase):
+
+    @parameterized.product(impl=["pallas", "reference"], tie=[False, True])
+    def test_fused_loss_equals_logits_loss(self, impl, tie):
+        cfg = dataclasses.replace(CFG, label_smoothing=0.1, tie_embeddings=tie)
+        params = M.init(jax.random.key(4), cfg)
+        self.assertEqual("unembed" in params, not tie)
+        tokens, targets = _batch(4)
+
+        def logits_loss(params):
+            return jaxfuse.cross_entropy(M.apply(params, tokens, cfg, impl=impl), targets,
+                                         label_smoothing=0.1, impl=impl)
+
+        fused = jax.value_and_grad(M.loss)(params, tokens, targets, cfg, impl=impl)
+        assert_close(fused, jax.value_and_grad(logits_loss)(params), jnp.float32, scale=5.0)
+
+
+class LayersTest(chex.TestCase):
+
+    def _grads(self, cfg, seed=5):
+        params = M.init(jax.random.key(seed), cfg)
+        tokens, targets = _batch(seed)
+        return jax.jit(jax.value_and_grad(M.loss), static_argnums=3)(params, tokens, targets, cfg)
+
+    @parameterized.parameters("rms", "layer")
+    def test_scan_equals_unrolled(self, norm):
+        cfg = dataclasses.replace(CFG, norm=norm)
+        assert_close(self._grads(cfg), self._grads(dataclasses.replace(cfg, scan_layers=False)),
+                     jnp.float32, scale=5.0)
+
+    @parameterized.parameters(("block", True), ("dots_with_no_batch_dims_saveable", True),
+                              ("block", False))
+    def test_remat_same_grads(self, remat, scan):
+        cfg = dataclasses.replace(CFG, scan_layers=scan)
+        assert_close(self._grads(dataclasses.replace(cfg, remat=remat)), self._grads(cfg),
+                     jnp.float32, scale=5.0)
+
+    def test_params_are_stacked(self):
+        params = M.init(jax.random.key(0), CFG)
+        self.assertEqual(params["blocks"]["wq"].shape, (3, 32, 32))
+        self.assertEqual(params["blocks"]["wk"].shape, (3, 32, 16))
+        self.assertEqual(params["blocks"]["attn_norm"]["weight"].shape, (3, 32))
+
+
+class DropoutTest(chex.TestCase):
+
+    def test_keys_and_determinism(self):
+        cfg = dataclasses.replace(CFG, dropout=0.2)
+        params = M.init(jax.random.key(6), cfg)
+        tokens, targets = _batch(6)
+        loss = jax.jit(M.loss, static_argnums=3)
+        k1, k2 = keys(6, 2)
+        a, a2, b = (loss(params, tokens, targets, cfg, key=k) for k in (k1, k1, k2))
+        self.assertEqual(float(a), float(a2))                 # same key, same masks
+        self.assertNotEqual(float(a), float(b))               # another key, other masks
+        plain = dataclasses.replace(cfg, dropout=0.0)
+        no_key = loss(params, tokens, targets, cfg)
+        self.assertNotEqual(float(a), float(no_key))
+        # Evaluation (no key) is deterministic and equals the model without dropout.
+        self.assertEqual(float(no_key), float(loss(params, tokens, targets, cfg)))
+        assert_close(no_key, loss(params, tokens, targets, plain), jnp.float32)
+        assert_close(M.apply(params, tokens, cfg), M.apply(params, tokens, plain), jnp.float32)
+
+    def test_train_step_with_key(self):
+        cfg = dataclasses.replace(CFG, dropout=0.1)
+        params = M.init(jax.random.key(7), cfg)
+        opt = M.optimizer(1e-3, 2, warmup_steps=1)
+        tokens, targets = _batch(7)
+        out = [M.train_step(jax.tree.map(jnp.copy, params), opt.init(params), tokens, targets, k,
+                            cfg=cfg, opt=opt)[2] for k in (keys(7, 1)[0], keys(8, 1)[0])]
+        self.assertTrue(np.isfinite(float(out[0])))
+        self.assertNotEqual(float(out[0]), float(out[1]))
+
+    def test_dropout_op_keeps_expected_fraction(self):
+        from jaxfuse.model import _block_ops
+        x = jnp.ones((200, 500))
+        y = _block_ops.dropout(x, 0.3, jax.random.key(0))
+        kept = float(jnp.mean(y != 0))
+        self.assertLess(abs(kept - 0.7), 5 * (0.3 * 0.7 / x.size) ** 0.5)
+        np.testing.assert_allclose(np.unique(np.asarray(y)), [0.0, 1 / 0.7], rtol=1e-6)
+        with self.assertRaisesRegex(ValueError, "rate=1.0"):
+            _block_ops.dropout(x, 1.0, jax.random.key(0))
+
+
+class PresetTest(chex.TestCase):
+
+    def test_1b_shapes_and_count(self):
+        cfg = M.preset("1b")
+        shapes = jax.eval_shape(lambda: M.init(jax.random.key(0), cfg))
+        d, f, v, n = 2048, 8192, 128256, 16
+        self.assertEqual(shapes["embed"].shape, (v, d))
+        self.assertNotIn("unembed", shapes)                  # tied, as Llama 3.2 1B
+        self.assertEqual(shapes["blocks"]["wq"].shape, (n, d, 32 * 64))
+        self.assertEqual(shapes["blocks"]["wk"].shape, (n, d, 8 * 64))
+        self.assertEqual(shapes["blocks"]["w2"].shape, (n, f, d))
+        self.assertEqual(shapes["embed"].dtype, jnp.float32)
+        per_layer = 2 * d + 2 * d * d + 2 * d * 512 + 3 * d * f
+        self.assertEqual(_count(shapes), v * d + n * per_layer + d)
+        self.assertEqual(round(_count(shapes) / 1e8), 12)      # 1.24B
+        cache = jax.eval_shape(lambda: M.init_cache(cfg, 2, 8192))
+        self.assertEqual(cache["k"][0].shape, (2, 8192, 8, 64))
+        self.assertEqual(cache["k"][0].dtype, jnp.bfloat16)
+
+    def test_157m_count_and_loss_shape(self):
+        cfg = M.preset("157m")
+        shapes = jax.eval_shape(lambda: M.init(jax.random.key(0), cfg))
+        self.assertEqual(round(_count(shapes) / 1e6), 157)
+        tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+        out = jax.eval_shape(lambda p, t: M.loss(p, t, t, cfg, impl="reference"), shapes, tokens)
+        self.assertEqual((out.shape, out.dtype), ((), jnp.float32))
+
+    def test_bad_config(self):
+        with self.assertRaisesRegex(ValueError, "dtype='int32'"):
+            M.Config(dtype="int32")
+        with self.assertRaisesRegex(ValueError, "remat='sometimes'"):
+            M.Config(remat="sometimes")
+        with self.assertRaisesRegex(ValueError, "dropout=1.5"):
+            M.Config(dropout=1.5)
+        with self.assertRaisesRegex(ValueError, "preset 'huge'"):
+            M.preset("huge")
+        self.assertEqual(M.Config(dtype=jnp.bfloat16), M.Config(dtype="bfloat16"))

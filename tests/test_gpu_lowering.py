@@ -160,3 +160,12 @@ def test_embedding_lowers(with_pos):
     key = jax.random.key(0)
     _fwd_bwd(lambda t: jaxfuse.embedding(tokens, t, scale=2.0, pos_table=pos_table, rate=0.1,
                                          key=key, interpret=False), table)
+
+
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_flash_attention_dropout_lowers(hkv):
+    q = jnp.zeros((2, 100, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 100, hkv, 64), jnp.bfloat16)
+    key = jax.random.key(0)
+    _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, dropout_rate=0.1,
+                                                     dropout_key=key, interpret=False), q, k, k)

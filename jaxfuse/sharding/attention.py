@@ -68,8 +68,17 @@ def _flash_op(groups: int, segments: bool, causal: bool, scale, sliding_window, 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
                     kv_segment_ids=None, sliding_window=None, logits_soft_cap=None,
-                    return_lse=False, interpret=None, block_sizes=None):
-    """`jaxfuse.pallas.flash_attention` partitioned over batch and KV heads (see above)."""
+                    return_lse=False, dropout_rate=0.0, dropout_key=None, interpret=None,
+                    block_sizes=None):
+    """`jaxfuse.pallas.flash_attention` partitioned over batch and KV heads (see above). With
+    dropout it is the unpartitioned kernel: the mask is defined by global (batch, head, query)
+    indices, which a shard does not know."""
+    if dropout_rate and dropout_key is not None:
+        return _p_attn.flash_attention(
+            q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, return_lse=return_lse, dropout_rate=dropout_rate,
+            dropout_key=dropout_key, interpret=interpret, block_sizes=block_sizes)
     _r_attn.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap,
                      scale)
     _p_attn.check_head_dim(q.shape[-1])

@@ -197,6 +197,7 @@ def check():
                     record(S, label, jnp.dtype(dtype).name, max_rel_err=max(errs), **extra,
                            status="ok" if ok else "FAIL")
                 guarded(S, label, jnp.dtype(dtype).name, run)
+    check_attention()
 
 
 # Bytes each forward must move (read + write), in units of one activation (or q, or N x D).
@@ -204,8 +205,69 @@ _FWD_UNITS = {"dropout": 2, "bias_dropout_add": 3, "bias_act_dropout": 2, "add_n
               "swiglu": 3, "rope": 2, "embedding": 2}
 
 
+def check_attention():
+    """Attention with dropout, compiled: forward and gradients vs the reference (same mask),
+    and the mask itself bitwise (q = 0 and V = I make o's rows the dropped P's rows)."""
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for (b, t, hq, hkv, d), causal in [((2, 257, 4, 2, 64), True),
+                                           ((1, 100, 8, 8, 128), False)]:
+            label = f"check flash_attention dropout B{b} T{t} Hq{hq} Hkv{hkv} D{d}"
+
+            def run(b=b, t=t, hq=hq, hkv=hkv, d=d, causal=causal, label=label):
+                k = jax.random.split(jax.random.key(t), 5)
+                q = jax.random.normal(k[0], (b, t, hq, d), dtype)
+                kk, v = (jax.random.normal(k[i], (b, t, hkv, d), dtype) for i in (1, 2))
+                do = jax.random.normal(k[3], q.shape, dtype)
+
+                def fb(impl, q, kk, v, do):
+                    f = lambda q, kk, v: jaxfuse.flash_attention(
+                        q, kk, v, causal=causal, dropout_rate=RATE, dropout_key=k[4], impl=impl)
+                    o, vjp = jax.vjp(f, q, kk, v)
+                    return o, vjp(do)
+                y, g = jax.jit(functools.partial(fb, "pallas"))(q, kk, v, do)
+                f32 = [a.astype(jnp.float32) for a in (q, kk, v, do)]
+                with jax.default_matmul_precision("highest"):
+                    yr, gr = jax.jit(functools.partial(fb, "reference"))(*f32)
+                errs = [rel_err(y, yr)] + [rel_err(a, r) for a, r in zip(g, gr)]
+                # The mask: q = 0 (uniform P), V = identity over 128 keys.
+                eye = jnp.broadcast_to(jnp.eye(128, dtype=dtype)[None, :, None, :],
+                                       (1, 128, 2, 128))
+                o = jax.jit(lambda q, v: jaxfuse.flash_attention(
+                    q, v, v, dropout_rate=0.5, dropout_key=k[4]))(jnp.zeros((1, 64, 4, 128),
+                                                                            dtype), eye)
+                from jaxfuse.reference.dropout import keep_mask
+                mask = keep_mask(k[4], (1, 4, 64, 128), 0.5).transpose(0, 2, 1, 3)
+                same = bool(jnp.array_equal(o != 0, mask))
+                ok = max(errs) <= 2e-2 and same
+                record(S, label, jnp.dtype(dtype).name, max_rel_err=max(errs), mask_bitwise=same,
+                       status="ok" if ok else "FAIL")
+            guarded(S, label, jnp.dtype(dtype).name, run)
+
+
+def perf_attention():
+    """The issue's target: fwd+bwd with dropout within 1.15x of the same call without."""
+    b, t, h, d = (1, 256, 4, 64) if SMALL else (8, 2048, 32, 128)
+    sets = []
+    for i in range(2):
+        k = jax.random.split(jax.random.key(20 + i), 5)
+        sets.append(tuple(jax.random.normal(k[j], (b, t, h, d), jnp.bfloat16) for j in range(4))
+                    + (k[4],))
+    for rate in (0.0, RATE):
+        def run(rate=rate):
+            def step(q, kk, v, do, key):
+                f = lambda q, kk, v: jaxfuse.flash_attention(q, kk, v, causal=True,
+                                                             dropout_rate=rate, dropout_key=key)
+                o, vjp = jax.vjp(f, q, kk, v)
+                return o, vjp(do)
+            t_ = bench(jax.jit(step), sets, reps=5)
+            record(S, f"flash_attention causal fwd+bwd B{b} T{t} H{h} D{d} bf16",
+                   f"jaxfuse dropout={rate}", t_)
+        guarded(S, "flash_attention dropout", f"rate={rate}", run)
+
+
 def perf(copy_bw: float, sweep: bool = True):
     del sweep
+    perf_attention()
     sh = _shapes()
     impls = {"jaxfuse": _ours("pallas"), "xla": XLA, "xla_philox": _ours("reference")}
     for name in _FWD_UNITS:

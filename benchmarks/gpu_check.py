@@ -4,7 +4,9 @@ peers, all in one process, and print one table (also written as JSON).
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [sections...] [--out FILE]
 
 Sections: rows (softmax, norms, cross-entropy), attention, decode, lce (linear + cross-entropy),
-hardening (issue 19's extreme-value and NaN cases, compiled; checks only). No section named = all. `--no-sweep` skips the block-size sweeps. Peers that are not installed
+hardening (issue 19's extreme-value and NaN cases, compiled; checks only), block (dropout
+family, add_norm, swiglu, rope, embedding).
+No section named = all. `--no-sweep` skips the block-size sweeps. Peers that are not installed
 (tokamax) are reported as such, not fatal.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
 
-SECTIONS = ("rows", "attention", "decode", "lce", "hardening")
+SECTIONS = ("rows", "attention", "decode", "lce", "hardening", "block")
 
 
 def main() -> None:

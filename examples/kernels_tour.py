@@ -65,6 +65,30 @@ def _extra_cases(k):
         sc = jax.random.normal(k[10], (4, 5))
         yield "beam_top_k (HARS)", lp, lambda impl: jax.jit(
             lambda lp, sc: jaxfuse.beam_top_k(lp, sc, 5, impl=impl)), (lp, sc)
+    if hasattr(jaxfuse, "embedding"):
+        yield from _block_cases(k)
+
+
+def _block_cases(k):
+    """The Transformer-block ops (issue 15); dropout masks are the same bits in both impls."""
+    x = jax.random.normal(k[0], (64, 512), jnp.bfloat16)
+    b = jax.random.normal(k[1], (512,), jnp.bfloat16)
+    key = jax.random.key(1)
+    yield "bias_dropout_add (p=0.1)", x, lambda impl: jax.jit(
+        lambda x, b: jaxfuse.bias_dropout_add(x, b, x, rate=0.1, key=key, impl=impl)), (x, b)
+    yield "bias_act_dropout (gelu, p=0.1)", x, lambda impl: jax.jit(
+        lambda x, b: jaxfuse.bias_act_dropout(x, b, rate=0.1, key=key, impl=impl)), (x, b)
+    yield "add_norm (rms)", x, lambda impl: jax.jit(
+        lambda x, b: jaxfuse.add_norm(x, x, b, impl=impl)), (x, b)
+    yield "swiglu", x, lambda impl: jax.jit(lambda x: jaxfuse.swiglu(x, x, impl=impl)), (x,)
+    q = jax.random.normal(k[2], (2, 64, 4, 64), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(64), (2, 64))
+    yield "rope (interleaved)", q, lambda impl: jax.jit(
+        lambda q: jaxfuse.rope(q, pos, impl=impl)), (q,)
+    table = jax.random.normal(k[3], (1000, 512), jnp.bfloat16)
+    tok = jax.random.randint(k[4], (2, 32), 0, 1000)
+    yield "embedding (p=0.1)", table, lambda impl: jax.jit(
+        lambda t: jaxfuse.embedding(tok, t, scale=2.0, rate=0.1, key=key, impl=impl)), (table,)
 
 
 def main() -> None:

@@ -73,7 +73,12 @@ def keep(key_w, rows, cols, n_cols: int, rate: float, *, stream=0, mulhi=lax.mul
     ctr = ((cols - word * q).astype(jnp.uint32), rows.astype(jnp.uint32),
            jnp.asarray(stream).astype(jnp.uint32), np.uint32(0))
     w = philox4x32(ctr, (key_w[0], key_w[1]), mulhi=mulhi)
-    bits = jnp.where(word == 0, w[0], jnp.where(word == 1, w[1], jnp.where(word == 2, w[2], w[3])))
+    return keep_bits(jnp.where(word == 0, w[0], jnp.where(word == 1, w[1],
+                                                          jnp.where(word == 2, w[2], w[3]))), rate)
+
+
+def keep_bits(bits, rate: float):
+    """keep iff the top 24 bits of the element's Philox word fall below `threshold(rate)`."""
     return (bits >> np.uint32(32 - KEEP_BITS)).astype(jnp.int32) < threshold(rate)
 
 

@@ -20,8 +20,11 @@ KAT = [
     ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
-# One row; a prime width with rows split over two programs and columns over tiles; 3-D.
-CASES = [((1, 7), None), ((5, 37), RowBlocks(2, 8, rows_per_program=4)), ((2, 3, 16), None)]
+# One row; a prime width with rows split over two programs and columns over tiles (Philox per
+# element); 3-D with a width of 4 quarters (one Philox call per four elements), rows and quarter
+# columns split over programs.
+CASES = [((1, 7), None), ((5, 37), RowBlocks(2, 8, rows_per_program=4)),
+         ((2, 3, 16), RowBlocks(2, 2, rows_per_program=4))]
 
 
 def _u32(words):
@@ -130,12 +133,14 @@ class DropoutOpsTest(chex.TestCase):
         assert_close(vjp(ct), vjpr(ct), dtype, scale=4.0)
 
     def test_kernel_mask_is_the_reference_mask_bitwise(self):
-        x = jnp.ones((37, 131), jnp.float32)
         key = jax.random.key(2)
-        for blocks in (None, RowBlocks(4, 32), RowBlocks(1, 16, rows_per_program=2)):
-            y = jaxfuse.dropout(x, 0.25, key, block_sizes=blocks)
-            np.testing.assert_array_equal(np.asarray(y) != 0,
-                                          np.asarray(keep_mask(key, x.shape, 0.25)))
+        # 131 columns: Philox per element; 132: one call per four elements (quarters of 33).
+        for n_cols in (131, 132):
+            x = jnp.ones((37, n_cols), jnp.float32)
+            for blocks in (None, RowBlocks(4, 32), RowBlocks(1, 16, rows_per_program=2)):
+                y = jaxfuse.dropout(x, 0.25, key, block_sizes=blocks)
+                np.testing.assert_array_equal(np.asarray(y) != 0,
+                                              np.asarray(keep_mask(key, x.shape, 0.25)))
 
     def test_same_key_same_output_also_under_vmap(self):
         k = keys(3, 2)

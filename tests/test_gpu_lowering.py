@@ -150,3 +150,22 @@ def test_swiglu_and_rope_lower(interleaved):
     q = jnp.zeros((2, 100, 4, 128), jnp.bfloat16)
     pos = jnp.zeros((2, 100), jnp.int32)
     _fwd_bwd(lambda q: jaxfuse.rope(q, pos, interleaved=interleaved, interpret=False), q)
+
+
+@pytest.mark.parametrize("with_pos", [False, True])
+def test_embedding_lowers(with_pos):
+    table = jnp.zeros((1000, 256), jnp.bfloat16)
+    tokens = jnp.zeros((4, 100), jnp.int32)
+    pos_table = jnp.zeros((128, 256), jnp.bfloat16) if with_pos else None
+    key = jax.random.key(0)
+    _fwd_bwd(lambda t: jaxfuse.embedding(tokens, t, scale=2.0, pos_table=pos_table, rate=0.1,
+                                         key=key, interpret=False), table)
+
+
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_flash_attention_dropout_lowers(hkv):
+    q = jnp.zeros((2, 100, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 100, hkv, 64), jnp.bfloat16)
+    key = jax.random.key(0)
+    _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, dropout_rate=0.1,
+                                                     dropout_key=key, interpret=False), q, k, k)

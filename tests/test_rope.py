@@ -8,7 +8,7 @@ from absl.testing import parameterized
 
 import jaxfuse
 from jaxfuse import RowBlocks
-from jaxfuse.model import transformer
+from jaxfuse.model import _block_ops
 from tests._util import DTYPES, assert_close, keys, randn
 
 # [B, T, H, D]: one token of one head with D = 2; T and H prime and a head dim that is not a
@@ -40,7 +40,7 @@ class RopeTest(chex.TestCase):
         x = randn(k[0], (2, 9, 3, 8))
         pos = jax.random.randint(k[1], (2, 9), 0, 500)
         y = jaxfuse.rope(x, pos, base=500.0)
-        assert_close(y, transformer.rope(x, pos, 500.0), jnp.float32)
+        assert_close(y, _block_ops.rope(x, pos, base=500.0), jnp.float32)
         # Halves rotate (x[i], x[i + D/2]): the interleaved rotation of the permuted head dim.
         perm = np.array([0, 4, 1, 5, 2, 6, 3, 7])
         yh = jaxfuse.rope(x, pos, base=500.0, interleaved=False)

@@ -87,6 +87,7 @@ class _Static:
     rate: float            # 0.0: no dropout, no RNG work
     has_bias: bool
     has_residual: bool
+    quarters: bool         # rate > 0, n_cols % 4 == 0: `quarter_pass`, blocks over n_cols / 4
     fwd_blocks: RowBlocks
     bwd_blocks: RowBlocks
     interpret: bool
@@ -94,8 +95,12 @@ class _Static:
 
 
 def dropout_scale(tile: _rows.Tile, n_cols: int, rate: float, interpret: bool):
-    """where(keep, 1 / (1 - rate), 0) for the tile's elements (the kernels' inverted dropout)."""
-    keep = _rng.keep(tile.key, tile.rows, tile.cols, n_cols, rate, interpret)
+    """where(keep, 1 / (1 - rate), 0) for the tile's elements (the kernels' inverted dropout),
+    from the tile's Philox words when the pass computed them (`_rows.quarter_pass`)."""
+    if tile.bits is not None:
+        keep = _philox.keep_bits(tile.bits, rate)
+    else:
+        keep = _rng.keep(tile.key, tile.rows, tile.cols, n_cols, rate, interpret)
     return jnp.where(keep, 1.0 / (1.0 - rate), 0.0)
 
 
@@ -112,11 +117,18 @@ def _forward(x2, bias, res2, key_w, st: _Static):
             z = z + tile.x[1]
         return (z,), (), ()
 
-    (out,) = _rows.map_pass(
+    (out,) = _pass(st)(
         emit, tiled=tiled, fills=[0.0] * len(tiled), per_col=[bias] if st.has_bias else [],
         out_dtypes=(x2.dtype,), blocks=st.fwd_blocks, name=f"jaxfuse_{st.name}_fwd",
         interpret=st.interpret, key=key_w if st.rate else None)
     return out
+
+
+def _pass(st: _Static):
+    """The row pass for these settings: Philox once per four elements when it can."""
+    if st.quarters:
+        return functools.partial(_rows.quarter_pass, mulhi=_rng.mulhi(st.interpret))
+    return _rows.map_pass
 
 
 def _backward(x2, bias, key_w, dy2, st: _Static):
@@ -136,7 +148,7 @@ def _backward(x2, bias, key_w, dy2, st: _Static):
         return (g,), (), ((g,) if st.has_bias else ())
 
     needs_x = bool(st.activation)
-    dx, *sums = _rows.map_pass(
+    dx, *sums = _pass(st)(
         emit, tiled=tiled, fills=[0.0] * len(tiled),
         per_col=[bias] if (st.has_bias and needs_x) else [], out_dtypes=(dy2.dtype,),
         n_col_sums=int(st.has_bias), blocks=st.bwd_blocks, name=f"jaxfuse_{st.name}_bwd",
@@ -172,11 +184,13 @@ def apply(x, bias, residual, *, activation: str | None, rate: float, key, name: 
     rate = float(rate) if _philox.active(rate, key) else 0.0
     x2 = _rows.as_rows(x)
     n_rows, n_cols = x2.shape
-    fwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret)
-    bwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret,
+    quarters = bool(rate) and n_cols % 4 == 0
+    tiled_cols = n_cols // 4 if quarters else n_cols
+    fwd = _rows.resolve_blocks(block_sizes, n_rows, tiled_cols, interpret)
+    bwd = _rows.resolve_blocks(block_sizes, n_rows, tiled_cols, interpret,
                                accumulate_rows=bias is not None)
-    st = _Static(activation, rate, bias is not None, residual is not None, fwd, bwd, interpret,
-                 name)
+    st = _Static(activation, rate, bias is not None, residual is not None, quarters, fwd, bwd,
+                 interpret, name)
     key_w = _philox.key_words(key) if rate else None
     res2 = None if residual is None else _rows.as_rows(residual)
     return _fused(x2, bias, res2, key_w, st).reshape(x.shape)

@@ -37,7 +37,8 @@ def _forward(x2, res2, weight, bias, key_w, st: _Static):
     b = ns.fwd_blocks
     n_cols = x2.shape[1]
     if C.cdiv(n_cols, b.block_cols) > 1:
-        d_st = _dropout._Static(None, st.rate, False, True, b, b, ns.interpret, "add_norm_add")
+        d_st = _dropout._Static(None, st.rate, False, True, False, b, b, ns.interpret,
+                                "add_norm_add")
         h2 = _dropout._forward(x2, None, res2, key_w, d_st)
         return (h2, *_norm._forward(h2, weight, bias, ns))
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxfuse import _philox
 from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import attention_bwd, attention_hopper
@@ -32,11 +33,15 @@ from jaxfuse.reference import attention as ref
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
     # q_ref: [..., bq, Dp] this program's query block; k_ref, v_ref: [..., Tk, Dp].
+    key, refs = A.take_key(refs, spec)
     (qs_ref, ks_ref), (o_ref, lse_ref) = A.split_refs(refs, spec, 2)
     r0 = pl.program_id(0) * bq
     q = A.load_rows(q_ref, 0, bq, spec.rows, spec, global_r0=r0)            # [..., bq, Dp]
     q_pos, _ = A.row_positions(spec, r0, bq)                                  # [bq, 1]
     q_seg = C.load_vec(qs_ref, 0, bq, spec.rows, global_row0=r0) if spec.segments else None
+    if spec.dropout:
+        base = A.prob_rows(spec, q.shape[:-2])
+        r = r0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
 
     def step(j, carry, masked):
         k0 = j * bk
@@ -50,9 +55,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
             nan_v = A.sees(A.visible(spec, q_pos, k_pos, q_seg, k_seg), bad_v)
         u, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
                            k_seg, masked)                                     # [..., bq, bk]
+        # Dropout acts on P after the normalizer l has summed it (l counts every kept score).
+        drop = (lambda p: p * A.dropout_scale(spec, key, base, r, k_pos)) if spec.dropout \
+            else (lambda p: p)
 
         def pv_of(p):
-            pv = A.dot(p.astype(v.dtype), v, "...qk,...kd->...qd")
+            pv = A.dot(drop(p).astype(v.dtype), v, "...qk,...kd->...qd")
             return pv if nan_v is None else jnp.where(nan_v, jnp.nan, pv)
         return A.online_update(carry, u, pv_of, spec.c2)
 
@@ -63,7 +71,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
     C.store_vec(lse_ref, lse_u, 0, spec.rows, global_row0=r0)
 
 
-def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks):
+def _key_spec(spec: AttnSpec, key):
+    """(the key as an extra input, its BlockSpec): whole, in every program; none without dropout."""
+    if not spec.dropout:
+        return [], []
+    return [key], [pl.BlockSpec((2,), lambda *_: (0,))]
+
+
+def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks, key=None):
     if isinstance(blocks.hopper, attention_hopper.HopperAttnTiles):   # resolved by `plan`
         return attention_hopper.forward(q, k, v, spec, blocks.hopper)
     bq, bk = blocks.block_q, blocks.block_k
@@ -88,35 +103,36 @@ def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks):
         lse_spec = pl.BlockSpec((None, None, bq), lambda i, b_, h: (b_, h, i))
         lse_shape = (b, hq, spec.n_q)
     segs = [qs, ks] if spec.segments else []
-    in_specs = [q_spec, kv_spec, kv_spec] + (seg_specs if spec.segments else [])
+    keys, key_specs = _key_spec(spec, key)
+    in_specs = [q_spec, kv_spec, kv_spec] + key_specs + (seg_specs if spec.segments else [])
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
     return C.pallas_call(kernel, out_shape=out_shape, grid=grid, name="jaxfuse_flash_fwd",
                          interpret=spec.interpret, num_warps=blocks.num_warps,
                          num_stages=blocks.num_stages, in_specs=in_specs,
-                         out_specs=[q_spec, lse_spec])(q, k, v, *segs)
+                         out_specs=[q_spec, lse_spec])(q, k, v, *keys, *segs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, qs, ks, spec, blocks):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _flash(q, k, v, qs, ks, key, spec, blocks):
     """(o, natural-log lse) in the kernels' layout."""
-    o, lse_u = _forward(q, k, v, qs, ks, spec, blocks)
+    o, lse_u = _forward(q, k, v, qs, ks, spec, blocks, key)
     return o, A.lse_natural(lse_u, spec)
 
 
-def _flash_fwd(q, k, v, qs, ks, spec, blocks):
+def _flash_fwd(q, k, v, qs, ks, key, spec, blocks):
     # The backward's residual is lse_u (the kernel's own units, `_attn`), not the natural lse:
     # converting back from the natural lse would cost P its exactness at large logits.
-    o, lse_u = _forward(q, k, v, qs, ks, spec, blocks)
-    return (o, A.lse_natural(lse_u, spec)), (q, k, v, qs, ks, o, lse_u)
+    o, lse_u = _forward(q, k, v, qs, ks, spec, blocks, key)
+    return (o, A.lse_natural(lse_u, spec)), (q, k, v, qs, ks, key, o, lse_u)
 
 
 def _flash_bwd(spec, blocks, res, cts):
-    q, k, v, qs, ks, o, lse_u = res
+    q, k, v, qs, ks, key, o, lse_u = res
     do, dlse = cts
-    dq, dk, dv = attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks)
-    seg_ct = lambda s: None if s is None else jnp.zeros(s.shape, jax.dtypes.float0)
-    return dq, dk, dv, seg_ct(qs), seg_ct(ks)
+    dq, dk, dv = attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks, key)
+    int_ct = lambda s: None if s is None else jnp.zeros(s.shape, jax.dtypes.float0)
+    return dq, dk, dv, int_ct(qs), int_ct(ks), int_ct(key)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -132,33 +148,41 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                     scale: float | None = None, q_segment_ids: jax.Array | None = None,
                     kv_segment_ids: jax.Array | None = None, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, return_lse: bool = False,
+                    dropout_rate: float = 0.0, dropout_key=None,
                     interpret: bool | None = None, block_sizes: AttnBlocks | None = None):
-    """Pallas FlashAttention-2; same semantics as `jaxfuse.reference.attention.attention`."""
-    ref.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap, scale)
+    """Pallas FlashAttention-2; same semantics as `jaxfuse.reference.attention.attention`.
+    With dropout the forward is the Triton kernel (the Hopper forward has no dropout)."""
+    ref.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap, scale,
+                 dropout_rate, dropout_key)
     check_head_dim(q.shape[-1])
+    rate = float(dropout_rate) if _philox.active(dropout_rate, dropout_key) else 0.0
     spec, blocks = plan(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
                         segments=q_segment_ids is not None, sliding_window=sliding_window,
                         logits_soft_cap=logits_soft_cap, interpret=interpret,
-                        block_sizes=block_sizes)
+                        block_sizes=block_sizes, dropout=rate)
     lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
     qs, ks = _segs(q_segment_ids, kv_segment_ids)
-    o, lse = _flash(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs), lay.kv_seg(ks), spec, blocks)
+    key = _philox.key_words(dropout_key) if rate else None
+    o, lse = _flash(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs), lay.kv_seg(ks), key, spec,
+                    blocks)
     o, lse = lay.o_back(o), lay.lse_back(lse)
     return (o, lse) if return_lse else o
 
 
 def plan(q_shape, k_shape, dtype, *, causal, scale, segments, sliding_window, logits_soft_cap,
-         interpret, block_sizes) -> tuple[AttnSpec, AttnBlocks]:
+         interpret, block_sizes, dropout: float = 0.0) -> tuple[AttnSpec, AttnBlocks]:
     """The kernels' spec and blocks for these shapes (also used per shard by `sharding`). The
-    blocks' `hopper` comes back resolved: the Hopper forward's tiles, or False."""
+    blocks' `hopper` comes back resolved: the Hopper forward's tiles, or False (always False
+    with dropout, which only the Triton kernels implement)."""
     make = functools.partial(
         AttnSpec.make, n_q=q_shape[1], n_k=k_shape[1], head_dim=q_shape[-1],
         groups=q_shape[2] // k_shape[2], dtype=dtype, scale=scale,
         interpret=C.resolve_interpret(interpret), causal=causal, window=sliding_window,
-        softcap=logits_soft_cap, segments=segments)
+        softcap=logits_soft_cap, segments=segments, dropout=dropout)
     spec = make(folded=None if block_sizes is None else block_sizes.folded)
-    hopper = attention_hopper.tiles_for(None if block_sizes is None else block_sizes.hopper,
-                                        dtype, q_shape, make(folded=False))
+    requested = None if block_sizes is None else block_sizes.hopper
+    hopper = attention_hopper.tiles_for(False if dropout else requested, dtype, q_shape,
+                                        make(folded=False))
     if hopper is not None:
         spec = make(folded=False)     # the Hopper forward writes the GPU layout
     if block_sizes is None or block_sizes == AttnBlocks(folded=block_sizes.folded,

@@ -109,8 +109,17 @@ def _flash_op(hkv: int, groups: int, self_attention: bool, segments: bool, causa
 
 def flash_attention(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
                     kv_segment_ids=None, sliding_window=None, logits_soft_cap=None,
-                    return_lse=False, interpret=None, block_sizes=None):
-    """`jaxfuse.pallas.flash_attention` partitioned over batch, KV heads and the sequence."""
+                    return_lse=False, dropout_rate=0.0, dropout_key=None, interpret=None,
+                    block_sizes=None):
+    """`jaxfuse.pallas.flash_attention` partitioned over batch, KV heads and the sequence. With
+    dropout it is the unpartitioned kernel: the mask is defined by global (batch, head, query)
+    indices, which a shard does not know."""
+    if dropout_rate and dropout_key is not None:
+        return _p_attn.flash_attention(
+            q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, return_lse=return_lse, dropout_rate=dropout_rate,
+            dropout_key=dropout_key, interpret=interpret, block_sizes=block_sizes)
     _r_attn.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap,
                      scale)
     _p_attn.check_head_dim(q.shape[-1])

@@ -71,8 +71,10 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
     k_out, v_out = [], []
     for i, blk in enumerate(p["blocks"]):
         def attend(q, k, v, _key, i=i):
-            k_c = cache["k"][i].at[rows, lengths].set(k[:, 0].astype(cache["k"][i].dtype))
-            v_c = cache["v"][i].at[rows, lengths].set(v[:, 0].astype(cache["v"][i].dtype))
+            # One position per row: unique indices let XLA store without atomics, in place.
+            put = lambda c, new: c.at[rows, lengths].set(new[:, 0].astype(c.dtype),
+                                                         unique_indices=True)
+            k_c, v_c = put(cache["k"][i], k), put(cache["v"][i], v)
             k_out.append(k_c)
             v_out.append(v_c)
             return jaxfuse.decode_attention(q[:, 0], k_c, v_c, lengths + 1, impl=impl)[:, None]

@@ -67,7 +67,8 @@ def _plain_rope(x, positions, base):
     ang = positions[..., None].astype(jnp.float32) * freq
     cos, sin = jnp.cos(ang)[:, :, None], jnp.sin(ang)[:, :, None]
     x1, x2 = x[..., 0::2].astype(jnp.float32), x[..., 1::2].astype(jnp.float32)
-    return jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).reshape(x.shape).astype(x.dtype)
+    out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 def plain_loss(params, tokens, targets, cfg, attn_impl="cudnn"):
@@ -162,9 +163,11 @@ def train(name, cfg, b, t, impls, bar, reps):
 # ---------------------------------------------------------------- decoding
 def decode(cfg, b_greedy, b_beam, k, prompt, new, impls, bar, copy_bw):
     params = M.init(jax.random.key(0), cfg)
-    weights_bytes = sum(x.size for x in jax.tree.leaves(params)) * 2 - cfg.vocab_size * cfg.d_model * 2
-    if cfg.tie_embeddings:
-        weights_bytes += cfg.vocab_size * cfg.d_model * 2
+    # bf16 weights read per step: all but the embedding table (a gather of B rows), which is
+    # read whole only as a tied unembedding.
+    weights_bytes = 2 * sum(x.size for x in jax.tree.leaves(params))
+    if not cfg.tie_embeddings:
+        weights_bytes -= 2 * cfg.vocab_size * cfg.d_model
     kv_bytes_per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
     for mode, b in (("greedy", b_greedy), ("beam", b_beam)):
         rows = b * (k if mode == "beam" else 1)
@@ -214,8 +217,9 @@ def chart(path):
     mem = [r for r in _timing.ROWS if "temp_GB" in r]
     if not rows:
         return
+    widths = [max(len(rows), 1), max(len(mem), 1)]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(max(10, 2.2 * len(rows) + 4), 5),
-                                  gridspec_kw={"width_ratios": [max(len(rows), 1), max(len(mem), 1)]})
+                                  gridspec_kw={"width_ratios": widths})
     vals = [r["speedup"] for r in rows]
     ax.bar(range(len(rows)), vals, color=["tab:green" if v >= 1 else "tab:red" for v in vals])
     ax.axhline(1.0, color="k", lw=0.8)

@@ -163,7 +163,8 @@ class DropoutTest(chex.TestCase):
         opt = M.optimizer(1e-3, 2, warmup_steps=1)
         tokens, targets = _batch(7)
         out = [M.train_step(jax.tree.map(jnp.copy, params), opt.init(params), tokens, targets, k,
-                            cfg=cfg, opt=opt, impl="reference")[2] for k in (keys(7, 1)[0], keys(8, 1)[0])]
+                            cfg=cfg, opt=opt, impl="reference")[2]
+               for k in (keys(7, 1)[0], keys(8, 1)[0])]
         self.assertTrue(np.isfinite(float(out[0])))
         self.assertNotEqual(float(out[0]), float(out[1]))
 
@@ -176,6 +177,27 @@ class DropoutTest(chex.TestCase):
         np.testing.assert_allclose(np.unique(np.asarray(y)), [0.0, 1 / 0.7], rtol=1e-6)
         with self.assertRaisesRegex(ValueError, "rate=1.0"):
             _block_ops.dropout(x, 1.0, jax.random.key(0))
+
+
+class BlockOpsTest(chex.TestCase):
+
+    def test_rope_layouts_and_relative_positions(self):
+        from jaxfuse.model import _block_ops
+        k = keys(9, 3)
+        x = jax.random.normal(k[0], (2, 5, 3, 8))
+        pos = jax.random.randint(k[1], (2, 5), 0, 50)
+        # Halves layout = interleaved layout with the pairs (i, i + D/2) brought together.
+        perm = np.stack([np.arange(4), np.arange(4) + 4], -1).reshape(-1)
+        halves = _block_ops.rope(x, pos, interleaved=False)
+        inter = _block_ops.rope(x[..., perm], pos)
+        np.testing.assert_allclose(halves[..., perm], inter, rtol=1e-5, atol=1e-5)
+        # q.k depends only on the position difference; the norm is kept.
+        y = jax.random.normal(k[2], (2, 5, 3, 8))
+        rot = _block_ops.rope
+        dot = lambda shift: jnp.sum(rot(x, pos + shift) * rot(y, pos + 7 + shift), -1)
+        np.testing.assert_allclose(dot(0), dot(13), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(jnp.linalg.norm(inter, axis=-1),
+                                   jnp.linalg.norm(x[..., perm], axis=-1), rtol=1e-5)
 
 
 class PresetTest(chex.TestCase):

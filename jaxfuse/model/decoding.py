@@ -62,9 +62,11 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
                 impl: str = "pallas", head_mask: jax.Array | None = None):
     """Appends one token per sequence (tokens [B]) and returns (next-token logits [B, V], cache).
 
-    Sequence b's token sits at position lengths[b]; attention covers positions <= lengths[b]."""
+    Sequence b's token sits at position lengths[b]; attention covers positions <= lengths[b].
+    Called step by step, `jax.jit(decode_step, static_argnames=("cfg", "impl"),
+    donate_argnums=1)` updates the cache in place (greedy and beam search do it in their loop)."""
     p = decode_params(params, cfg)
-    lengths = cache["lengths"]                                               # [B], same for every layer
+    lengths = cache["lengths"]                              # [B], the same for every layer
     rows = jnp.arange(tokens.shape[0])
     h = p["embed"][tokens][:, None]                                          # [B, 1, D]
     delta = jnp.zeros_like(h)

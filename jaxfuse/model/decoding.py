@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
+from jaxfuse.model import _block_ops as ops
 from jaxfuse.model import transformer as T
 from jaxfuse.model.config import Config
 
@@ -68,7 +69,7 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
     p = decode_params(params, cfg)
     lengths = cache["lengths"]                              # [B], the same for every layer
     rows = jnp.arange(tokens.shape[0])
-    h = p["embed"][tokens][:, None]                                          # [B, 1, D]
+    h = ops.embedding(tokens[:, None], p["embed"], impl=impl)                # [B, 1, D]
     delta = jnp.zeros_like(h)
     k_out, v_out = [], []
     for i, blk in enumerate(p["blocks"]):

@@ -31,12 +31,21 @@ def init_cache(cfg: Config, batch: int, max_len: int | None = None, dtype=None) 
 
 
 def decode_params(params: dict, cfg: Config) -> dict:
-    """The parameters as decoding reads them: in cfg.dtype, with the stacked blocks split into a
-    tuple of per-layer dicts. `greedy` and `beam_search` do this once, outside their loops, so
-    that no step re-casts or re-slices the weights; `decode_step` accepts either form."""
+    """The parameters as decoding reads them: in cfg.dtype, the stacked blocks split into a
+    tuple of per-layer dicts, and each layer's q/k/v and gate/up projections concatenated (one
+    matmul each: a decoding step is a chain of small, weight-bound launches). `greedy` and
+    `beam_search` do this once, outside their loops, so that no step re-casts, re-slices or
+    re-concatenates the weights; `decode_step` accepts either form."""
     p = T.cast(params, cfg)
-    if not isinstance(p["blocks"], tuple):
-        p["blocks"] = tuple(jax.tree.map(lambda x: x[i], p["blocks"]) for i in range(cfg.n_layers))
+    if isinstance(p["blocks"], tuple):
+        return p
+    blocks = []
+    for i in range(cfg.n_layers):
+        blk = jax.tree.map(lambda x: x[i], p["blocks"])
+        blk["wqkv"] = jnp.concatenate([blk.pop("wq"), blk.pop("wk"), blk.pop("wv")], axis=-1)
+        blk["w13"] = jnp.concatenate([blk.pop("w1"), blk.pop("w3")], axis=-1)
+        blocks.append(blk)
+    p["blocks"] = tuple(blocks)
     p["unembed"] = T.unembedding(p, cfg)
     return p
 

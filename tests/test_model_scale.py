@@ -148,6 +148,10 @@ class DropoutTest(chex.TestCase):
         a, a2, b = (loss(params, tokens, targets, cfg, key=k) for k in (k1, k1, k2))
         self.assertEqual(float(a), float(a2))                 # same key, same masks
         self.assertNotEqual(float(a), float(b))               # another key, other masks
+        # Each layer's masks come from (key, layer): the same under remat and unrolled layers.
+        for other in (dataclasses.replace(cfg, remat="block"),
+                      dataclasses.replace(cfg, scan_layers=False)):
+            assert_close(loss(params, tokens, targets, other, key=k1), a, jnp.float32)
         plain = dataclasses.replace(cfg, dropout=0.0)
         no_key = loss(params, tokens, targets, cfg)
         self.assertNotEqual(float(a), float(no_key))

@@ -6,7 +6,8 @@ against `impl="reference"`, in one run (issue 16's targets).
 
 Sections (all by default, or name some): train157 (157M preset, B=8, T=2048), train1b (1B preset,
 B=2, T=8192, remat="block" for both peers; the reference is not run there), decode (157M, greedy
-B=32 and beam B=8 K=4, prompts of 512, 256 new tokens, bf16 cache).
+B=32 and beam B=8 K=4, prompts of 512, 256 new tokens, bf16 cache). `--swap-attention` adds a
+157M row of jaxfuse with cuDNN attention swapped in (how much of the gap is attention).
 
 Train rows: loss + grads under one `jax.jit` (float32 master weights, bfloat16 compute), tokens/s,
 MFU (model FLOPs: 6 x matmul parameters x tokens + 6 x B x T^2 x d_model x layers for causal
@@ -121,6 +122,23 @@ def _tree_rel_err(a, b) -> float:
 
 
 # ---------------------------------------------------------------- training
+def _with_cudnn_attention(fn):
+    """fn with the model's attention swapped for cuDNN's while it is traced (a diagnostic row:
+    how much of the gap to the plain model is attention)."""
+    from jaxfuse.model import _block_ops
+
+    def swapped(*args, **kwargs):
+        original = _block_ops.attention
+        _block_ops.attention = lambda q, k, v, *, causal=True, **_: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal,
+            implementation="cudnn" if jax.default_backend() == "gpu" else None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _block_ops.attention = original
+    return swapped
+
+
 def train(name, cfg, b, t, impls, bar, reps):
     key = jax.random.key(0)
     params = M.init(key, cfg)
@@ -129,6 +147,8 @@ def train(name, cfg, b, t, impls, bar, reps):
     flops, peak = model_flops(cfg, b, t), peak_flops()
     attn = "cudnn" if jax.default_backend() == "gpu" else None
     fns = {"jaxfuse": functools.partial(M.loss, cfg=cfg, impl="pallas"),
+           "jaxfuse, cuDNN attention": _with_cudnn_attention(
+               functools.partial(M.loss, cfg=cfg, impl="pallas")),
            f"plain JAX + {attn or 'xla'}": functools.partial(plain_loss, cfg=cfg, attn_impl=attn),
            "reference": functools.partial(M.loss, cfg=cfg, impl="reference")}
     results = {}
@@ -246,6 +266,8 @@ def main(argv=None) -> None:
     ap.add_argument("sections", nargs="*", default=list(SECTIONS))
     ap.add_argument("--out", default="benchmarks/results/model")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--swap-attention", action="store_true",
+                    help="also time jaxfuse with cuDNN attention swapped in (157M)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
@@ -261,10 +283,12 @@ def main(argv=None) -> None:
     else:
         c157, c1b = M.preset("157m"), M.preset("1b", remat="block")
         shapes = dict(t157=(8, 2048), t1b=(2, 8192), dec=(32, 8, 4, 512, 256), reps=10)
-    tasks = {"train157": 3, "train1b": 2, "decode": 4}
+    impls157 = ("jaxfuse", "plain", "reference") + (("jaxfuse, cuDNN",) if args.swap_attention
+                                                     else ())
+    tasks = {"train157": len(impls157), "train1b": 2, "decode": 4}
     bar = tqdm(total=sum(tasks[s] for s in args.sections), unit="run")
     if "train157" in args.sections:
-        train("157M", c157, *shapes["t157"], ("jaxfuse", "plain", "reference"), bar, shapes["reps"])
+        train("157M", c157, *shapes["t157"], impls157, bar, shapes["reps"])
     if "train1b" in args.sections:
         train("1B", c1b, *shapes["t1b"], ("jaxfuse", "plain"), bar, max(2, shapes["reps"] // 4))
     if "decode" in args.sections:

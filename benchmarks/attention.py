@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 import jaxfuse
 from jaxfuse import AttnBlocks
+from jaxfuse.pallas.attention_hopper import HopperAttnTiles
 from benchmarks import _timing
 from benchmarks._timing import bench, guarded, record, rel_err
 
@@ -29,60 +30,82 @@ def _inputs(key, b, tq, tk, hq, hkv, d, dtype):
             jax.random.normal(k[3], (b, tq, hq, d), dtype))
 
 
+CASES = [
+    dict(b=2, tq=257, tk=257, hq=4, hkv=4, d=64, causal=True),
+    dict(b=1, tq=100, tk=300, hq=8, hkv=2, d=128, causal=True, sliding_window=64),
+    dict(b=2, tq=17, tk=1000, hq=4, hkv=1, d=80, causal=False, logits_soft_cap=20.0),
+    dict(b=1, tq=333, tk=333, hq=2, hkv=2, d=96, causal=True, segments=True),
+    dict(b=1, tq=200, tk=200, hq=2, hkv=1, d=256, causal=False),
+    dict(b=1, tq=1, tk=77, hq=4, hkv=2, d=128, causal=True),
+]
+# Shapes the Hopper forward takes (Tq % 128 == 0, Tk % block_k == 0), forced with hopper=True.
+HOPPER_CASES = [
+    dict(b=2, tq=256, tk=256, hq=4, hkv=4, d=64, causal=True),
+    dict(b=1, tq=384, tk=512, hq=8, hkv=2, d=128, causal=True, sliding_window=100),
+    dict(b=1, tq=128, tk=640, hq=4, hkv=1, d=128, causal=False, logits_soft_cap=20.0),
+    dict(b=1, tq=256, tk=256, hq=2, hkv=1, d=256, causal=True),
+    dict(b=2, tq=512, tk=512, hq=4, hkv=2, d=128, causal=False),
+    dict(b=1, tq=128, tk=384, hq=2, hkv=2, d=64, causal=True),
+    dict(b=1, tq=1024, tk=1024, hq=2, hkv=2, d=128, causal=True),
+]
+
+
+def _check_case(i, c, dtype, blocks=None, tag=""):
+    c = dict(c)
+    shape = (c.pop("b"), c.pop("tq"), c.pop("tk"), c.pop("hq"), c.pop("hkv"), c.pop("d"))
+    segments = c.pop("segments", False)
+    name = f"check{tag} {shape} {c}{' seg' if segments else ''}"
+
+    def run():
+        q, k, v, do = _inputs(jax.random.key(i), *shape, dtype)
+        kw = dict(c)
+        if segments:
+            kw["q_segment_ids"] = (jnp.arange(shape[1]) * 3 // shape[1])[None].repeat(shape[0], 0)
+            kw["kv_segment_ids"] = (jnp.arange(shape[2]) * 3 // shape[2])[None].repeat(
+                shape[0], 0)
+
+        def fb(impl, q, k, v, do):
+            bs = {} if impl == "reference" or blocks is None else dict(block_sizes=blocks)
+            f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, return_lse=True, impl=impl,
+                                                        **kw, **bs)
+            (o, lse), vjp = jax.vjp(f, q, k, v)
+            return o, lse, vjp((do, jnp.zeros_like(lse)))
+        o, lse, g = jax.jit(functools.partial(fb, "pallas"))(q, k, v, do)
+        f32 = [a.astype(jnp.float32) for a in (q, k, v, do)]
+        with jax.default_matmul_precision("highest"):
+            ro, rlse, rg = jax.jit(functools.partial(fb, "reference"))(*f32)
+        errs = [rel_err(o, ro), rel_err(jnp.where(jnp.isfinite(rlse), lse, 0),
+                                        jnp.where(jnp.isfinite(rlse), rlse, 0))]
+        errs += [rel_err(a, r) for a, r in zip(g, rg)]
+        ok = max(errs) <= TOL[dtype] and not any(bool(jnp.isnan(x).any()) for x in (o, *g))
+        # Determinism: a second run must be bitwise equal.
+        o2, _, g2 = jax.jit(functools.partial(fb, "pallas"))(q, k, v, do)
+        same = all(bool(jnp.array_equal(a, b)) for a, b in zip((o, *g), (o2, *g2)))
+        record(S, name, jnp.dtype(dtype).name, max_rel_err=max(errs), o_err=errs[0],
+               lse_err=errs[1], deterministic=same, status="ok" if ok and same else "FAIL")
+    guarded(S, name, jnp.dtype(dtype).name, run)
+
+
 def check():
-    cases = [
-        dict(b=2, tq=257, tk=257, hq=4, hkv=4, d=64, causal=True),
-        dict(b=1, tq=100, tk=300, hq=8, hkv=2, d=128, causal=True, sliding_window=64),
-        dict(b=2, tq=17, tk=1000, hq=4, hkv=1, d=80, causal=False, logits_soft_cap=20.0),
-        dict(b=1, tq=333, tk=333, hq=2, hkv=2, d=96, causal=True, segments=True),
-        dict(b=1, tq=200, tk=200, hq=2, hkv=1, d=256, causal=False),
-        dict(b=1, tq=1, tk=77, hq=4, hkv=2, d=128, causal=True),
-    ]
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
-        for i, c in enumerate(cases):
-            c = dict(c)
-            shape = (c.pop("b"), c.pop("tq"), c.pop("tk"), c.pop("hq"), c.pop("hkv"), c.pop("d"))
-            segments = c.pop("segments", False)
-            name = f"check {shape} {c}{' seg' if segments else ''}"
-
-            def run(shape=shape, c=c, segments=segments, name=name):
-                q, k, v, do = _inputs(jax.random.key(i), *shape, dtype)
-                kw = dict(c)
-                if segments:
-                    kw["q_segment_ids"] = (jnp.arange(shape[1]) * 3 // shape[1])[None].repeat(
-                        shape[0], 0)
-                    kw["kv_segment_ids"] = (jnp.arange(shape[2]) * 3 // shape[2])[None].repeat(
-                        shape[0], 0)
-
-                def fb(impl, q, k, v, do):
-                    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, return_lse=True,
-                                                                impl=impl, **kw)
-                    (o, lse), vjp = jax.vjp(f, q, k, v)
-                    return o, lse, vjp((do, jnp.zeros_like(lse)))
-                o, lse, g = jax.jit(functools.partial(fb, "pallas"))(q, k, v, do)
-                f32 = [a.astype(jnp.float32) for a in (q, k, v, do)]
-                with jax.default_matmul_precision("highest"):
-                    ro, rlse, rg = jax.jit(functools.partial(fb, "reference"))(*f32)
-                errs = [rel_err(o, ro), rel_err(jnp.where(jnp.isfinite(rlse), lse, 0),
-                                                jnp.where(jnp.isfinite(rlse), rlse, 0))]
-                errs += [rel_err(a, r) for a, r in zip(g, rg)]
-                ok = max(errs) <= TOL[dtype] and not any(bool(jnp.isnan(x).any()) for x in g)
-                # Determinism: a second backward run must be bitwise equal.
-                _, _, g2 = jax.jit(functools.partial(fb, "pallas"))(q, k, v, do)
-                same = all(bool(jnp.array_equal(a, b)) for a, b in zip(g, g2))
-                record(S, name, jnp.dtype(dtype).name, max_rel_err=max(errs),
-                       deterministic=same, status="ok" if ok and same else "FAIL")
-            guarded(S, name, jnp.dtype(dtype).name, run)
+        for i, c in enumerate(CASES):
+            _check_case(i, c, dtype)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        for i, c in enumerate(HOPPER_CASES):
+            _check_case(i, c, dtype, AttnBlocks(hopper=True), " hopper")
 
 
-def _peers(causal: bool):
+def _peers(causal: bool, only=None):
     peers = {
         "jaxfuse": lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=causal),
+        "jaxfuse_triton": lambda q, k, v: jaxfuse.flash_attention(
+            q, k, v, causal=causal, block_sizes=AttnBlocks(hopper=False)),
         "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                             implementation="xla"),
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                               implementation="cudnn"),
     }
+
     def jax_pallas():
         from jax.experimental.pallas.ops.gpu import attention as jattn
         return {"jax_pallas_mha": lambda q, k, v: jattn.mha(
@@ -95,7 +118,7 @@ def _peers(causal: bool):
                 q, k, v, is_causal=causal, implementation=impl), impl=impl)
             for impl in ("triton", "mosaic")}
     peers.update(_timing.peers(S, jax_pallas=jax_pallas, tokamax=tokamax_peers))
-    return peers
+    return peers if only is None else {k: v for k, v in peers.items() if k in only}
 
 
 def _time_row(label, fns, shape, causal, *, backward: bool, reps: int = 10):
@@ -119,6 +142,9 @@ def _time_row(label, fns, shape, causal, *, backward: bool, reps: int = 10):
         guarded(S, f"{label} {'fwd+bwd' if backward else 'fwd'}", impl, run)
 
 
+MAIN = ("jaxfuse", "jaxfuse_triton", "cudnn", "tokamax_mosaic")
+
+
 def perf(copy_bw: float, sweep: bool = True):
     del copy_bw
     shape = (4, 4096, 32, 32, 128)
@@ -126,34 +152,19 @@ def perf(copy_bw: float, sweep: bool = True):
         label = f"B4 H32 T4096 D128 {'causal' if causal else 'full'}"
         fns = _peers(causal)
         if sweep:
-            for bq, bk, w, st in [(64, 64, 4, 3), (128, 64, 8, 3)]:
-                blk = dataclasses_replace(bq=bq, bk=bk, w=w, st=st)
-                fns[f"jaxfuse[{bq}x{bk},w{w},s{st}]"] = functools.partial(
-                    lambda q, k, v, blk: jaxfuse.flash_attention(q, k, v, causal=causal,
-                                                                 block_sizes=blk), blk=blk)
+            for t in [HopperAttnTiles(block_k=64), HopperAttnTiles(stages=2),
+                      HopperAttnTiles(pingpong=False)]:
+                fns[f"jaxfuse[{t}]"] = functools.partial(
+                    lambda q, k, v, t: jaxfuse.flash_attention(
+                        q, k, v, causal=causal, block_sizes=AttnBlocks(hopper=t)), t=t)
         _time_row(label, fns, shape, causal, backward=False)
         fb = {k: v for k, v in fns.items() if not k.startswith(("xla", "jaxfuse["))}
-        if sweep:
-            for bq, bk, w, st in [(64, 128, 4, 2), (128, 64, 4, 2), (32, 64, 4, 2),
-                                  (64, 32, 4, 2), (64, 64, 4, 1), (128, 128, 4, 2)]:
-                blk = AttnBlocks(block_q_dq=bq, block_k_dq=bk, block_k_dkv=bq, block_q_dkv=bk,
-                                 num_warps_bwd=w, num_stages_bwd=st)
-                fb[f"jaxfuse[bwd {bq}x{bk},w{w},s{st}]"] = functools.partial(
-                    lambda q, k, v, blk: jaxfuse.flash_attention(q, k, v, causal=causal,
-                                                                 block_sizes=blk), blk=blk)
         _time_row(label, fb, shape, causal, backward=True, reps=5)
-    gqa = {k: v for k, v in _peers(True).items() if k in ("jaxfuse", "cudnn", "xla",
-                                                           "tokamax_mosaic")}
-    _time_row("GQA B4 Hq32 Hkv8 T4096 D128 causal", gqa, (4, 4096, 32, 8, 128), True,
-              backward=False)
-    _time_row("GQA B4 Hq32 Hkv8 T4096 D128 causal", gqa, (4, 4096, 32, 8, 128), True,
-              backward=True, reps=5)
-    long = {k: v for k, v in _peers(True).items() if k in ("jaxfuse", "cudnn")}
-    _time_row("long B1 H8 T65536 D128 causal", long, (1, 65536, 8, 8, 128), True,
-              backward=False, reps=3)
-    _time_row("long B1 H8 T65536 D128 causal", long, (1, 65536, 8, 8, 128), True,
-              backward=True, reps=2)
-
-
-def dataclasses_replace(*, bq, bk, w, st) -> AttnBlocks:
-    return AttnBlocks(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+    rows = [("D64 B8 H16 T2048 causal", (8, 2048, 16, 16, 64)),
+            ("D256 B2 H16 T4096 causal", (2, 4096, 16, 16, 256)),
+            ("GQA B4 Hq32 Hkv8 T4096 D128 causal", (4, 4096, 32, 8, 128)),
+            ("long B1 H16 T32768 D128 causal", (1, 32768, 16, 16, 128))]
+    for label, shp in rows:
+        fns = _peers(True, MAIN)
+        _time_row(label, fns, shp, True, backward=False, reps=5)
+        _time_row(label, fns, shp, True, backward=True, reps=3)

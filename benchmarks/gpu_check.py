@@ -3,7 +3,8 @@ peers, all in one process, and print one table (also written as JSON).
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [sections...] [--out FILE]
 
-Sections: rows (softmax, norms, cross-entropy), attention, decode, lce (linear + cross-entropy).
+Sections: rows (softmax, norms, cross-entropy), attention, decode, lce (linear + cross-entropy),
+block (dropout family, add_norm, swiglu, rope, embedding).
 No section named = all. `--no-sweep` skips the block-size sweeps. Peers that are not installed
 (tokamax) are reported as such, not fatal.
 """
@@ -20,7 +21,7 @@ import jax  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
 
-SECTIONS = ("rows", "attention", "decode", "lce")
+SECTIONS = ("rows", "attention", "decode", "lce", "block")
 
 
 def main() -> None:

@@ -4,16 +4,18 @@ Every op takes `impl="pallas" | "reference"`; Pallas kernels interpret on a CPU 
 (Triton) on an NVIDIA GPU.
 """
 from jaxfuse import pallas, reference
-from jaxfuse.ops import (beam_top_k, cross_entropy, decode_attention, flash_attention, layer_norm,
-                         linear_cross_entropy, rms_norm, softmax)
+from jaxfuse.ops import (add_norm, beam_top_k, bias_act_dropout, bias_dropout_add, cross_entropy,
+                         decode_attention, dropout, embedding, flash_attention, layer_norm,
+                         linear_cross_entropy, rms_norm, rope, softmax, swiglu)
 from jaxfuse.pallas._attn import AttnBlocks
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.pallas.decode_attention import DecodeBlocks
 from jaxfuse.pallas.linear_cross_entropy import LCEBlocks
 
-__all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy", "flash_attention", "decode_attention",
-           "linear_cross_entropy", "beam_top_k", "RowBlocks", "DecodeBlocks", "LCEBlocks",
-           "AttnBlocks", "pallas", "reference", "model"]
+__all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy", "flash_attention",
+           "decode_attention", "linear_cross_entropy", "beam_top_k", "dropout", "bias_dropout_add",
+           "bias_act_dropout", "add_norm", "swiglu", "rope", "embedding", "RowBlocks",
+           "DecodeBlocks", "LCEBlocks", "AttnBlocks", "pallas", "reference", "model"]
 __version__ = "0.1.0"
 
 from jaxfuse import model  # noqa: E402  (the model calls the ops above)

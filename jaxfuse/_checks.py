@@ -75,9 +75,21 @@ def check_smoothing(label_smoothing: float) -> None:
         raise ValueError(f"label_smoothing={label_smoothing!r} must lie in [0, 1]")
 
 
-def check_labels(labels, lead_shape, of: str, label_smoothing: float, reduction: str) -> None:
+def check_ignore_index(ignore_index) -> None:
+    """A Python or NumPy integer in int32's range: labels are compared with it as integers
+    (a float such as 1.5 would be truncated silently)."""
+    if (isinstance(ignore_index, (bool, np.bool_))
+            or not isinstance(ignore_index, (int, np.integer))
+            or not -2 ** 31 <= int(ignore_index) < 2 ** 31):
+        raise ValueError(f"ignore_index={ignore_index!r} must be an int in int32's range "
+                         "(e.g. -100)")
+
+
+def check_labels(labels, lead_shape, of: str, label_smoothing: float, reduction: str,
+                 ignore_index: int = -100) -> None:
     """Integer labels shaped like `of` without its last axis, plus the loss options."""
     check_int("labels", labels)
+    check_ignore_index(ignore_index)
     if tuple(labels.shape) != tuple(lead_shape):
         raise ValueError(f"labels.shape={tuple(labels.shape)} must equal {of}.shape[:-1]="
                          f"{tuple(lead_shape)}")

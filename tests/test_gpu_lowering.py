@@ -104,6 +104,73 @@ def test_hopper_linear_cross_entropy_lowers(vmapped):
         assert name in module
 
 
+@pytest.mark.parametrize("d,opts", [
+    (64, dict(causal=True)), (128, dict(causal=True, sliding_window=200)),
+    (128, dict(logits_soft_cap=30.0)), (256, dict(causal=True)),
+])
+def test_hopper_flash_attention_lowers(d, opts):
+    """The Hopper forward (TMA ring, wgmma with P from registers, ping-pong barriers) lowers
+    through Mosaic GPU for sm90 with every mask variant, GQA and its Triton backward; the
+    wgmma forms are not run by Mosaic GPU's interpreter, so this is where their layout rules
+    are checked on a CPU."""
+    q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
+    k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
+    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=True), **opts),
+        q, k, k).mlir_module()
+    assert "jaxfuse_flash_fwd_hopper" in module
+
+
+@pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
+def test_dropout_kernels_lower(shape):
+    x = jnp.zeros(shape, jnp.bfloat16)
+    b = jnp.zeros(shape[-1:], jnp.bfloat16)
+    key = jax.random.key(0)
+    kw = dict(interpret=False, rate=0.1, key=key)
+    _fwd_bwd(lambda x: jaxfuse.dropout(x, 0.1, key, interpret=False), x)
+    _fwd_bwd(lambda x, b, r: jaxfuse.bias_dropout_add(x, b, r, **kw), x, b, x)
+    for act in ("gelu", "gelu_tanh", "relu", "silu"):
+        _fwd_bwd(lambda x, b: jaxfuse.bias_act_dropout(x, b, activation=act, **kw), x, b)
+
+
+@pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
+def test_add_norm_lowers(shape):
+    x = jnp.zeros(shape, jnp.bfloat16)
+    w = jnp.zeros(shape[-1:], jnp.bfloat16)
+    key = jax.random.key(0)
+    _fwd_bwd(lambda x, r, w: jaxfuse.add_norm(x, r, w, rate=0.1, key=key, interpret=False),
+             x, x, w)
+    _fwd_bwd(lambda x, r, w: jaxfuse.add_norm(x, r, w, w, norm="layer", interpret=False), x, x, w)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_swiglu_and_rope_lower(interleaved):
+    x = jnp.zeros((33, 1000), jnp.bfloat16)
+    _fwd_bwd(lambda g, u: jaxfuse.swiglu(g, u, interpret=False), x, x)
+    q = jnp.zeros((2, 100, 4, 128), jnp.bfloat16)
+    pos = jnp.zeros((2, 100), jnp.int32)
+    _fwd_bwd(lambda q: jaxfuse.rope(q, pos, interleaved=interleaved, interpret=False), q)
+
+
+@pytest.mark.parametrize("with_pos", [False, True])
+def test_embedding_lowers(with_pos):
+    table = jnp.zeros((1000, 256), jnp.bfloat16)
+    tokens = jnp.zeros((4, 100), jnp.int32)
+    pos_table = jnp.zeros((128, 256), jnp.bfloat16) if with_pos else None
+    key = jax.random.key(0)
+    _fwd_bwd(lambda t: jaxfuse.embedding(tokens, t, scale=2.0, pos_table=pos_table, rate=0.1,
+                                         key=key, interpret=False), table)
+
+
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_flash_attention_dropout_lowers(hkv):
+    q = jnp.zeros((2, 100, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 100, hkv, 64), jnp.bfloat16)
+    key = jax.random.key(0)
+    _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, dropout_rate=0.1,
+                                                     dropout_key=key, interpret=False), q, k, k)
+
+
 def test_model_lowers(monkeypatch):
     """The whole model (bf16, scanned and rematerialized layers, fused loss; greedy and beam
     decoding over the bf16 cache) lowers for the GPU."""

@@ -21,8 +21,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from jaxfuse.pallas import _common as C
+from jaxfuse.pallas import _rng
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -46,11 +48,12 @@ class AttnSpec:
     itemsize: int     # bytes per element of q, k, v (tile sizes depend on it)
     interpret: bool   # interpret the pallas_call (normally == folded; tests run the GPU layout
                       # in interpret mode by forcing AttnBlocks(folded=False))
+    dropout: float = 0.0  # attention-probability dropout rate (0: none; the key is an input)
 
     @classmethod
     def make(cls, *, n_q: int, n_k: int, head_dim: int, groups: int, dtype, scale, interpret: bool,
              folded: bool | None = None, causal: bool = False, window=None, softcap=None,
-             segments: bool = False) -> "AttnSpec":
+             segments: bool = False, dropout: float = 0.0) -> "AttnSpec":
         """The spec of a problem; `folded=None` folds in interpret mode and squeezes on the GPU,
         where the head dim is padded to a power of two of at least 16 (Triton's tile rules)."""
         folded = interpret if folded is None else folded
@@ -58,7 +61,7 @@ class AttnSpec:
         return cls(1.0 / math.sqrt(head_dim) if scale is None else float(scale), bool(causal),
                    None if window is None else int(window),
                    None if softcap is None else float(softcap), n_q, n_k, head_dim, dp, groups,
-                   segments, folded, jnp.dtype(dtype).itemsize, interpret)
+                   segments, folded, jnp.dtype(dtype).itemsize, interpret, float(dropout))
 
     @property
     def rows(self) -> int:
@@ -84,6 +87,10 @@ class AttnBlocks:
     num_warps_bwd: int = 4
     num_stages_bwd: int = 2
     folded: bool | None = None  # layout; None: folded in interpret mode, squeezed on the GPU
+    # Hopper forward (`attention_hopper`, Mosaic GPU): None runs it on an sm90 GPU where the
+    # problem fits, True also in interpret mode (Mosaic GPU's interpreter), False never; a
+    # `HopperAttnTiles` means True with those tiles.
+    hopper: object = None
 
     @classmethod
     def for_shape(cls, spec: AttnSpec) -> "AttnBlocks":
@@ -109,7 +116,7 @@ class AttnBlocks:
     def validate(self, folded: bool) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "folded":
+            if f.name in ("folded", "hopper"):
                 continue
             if v < 1 or (not folded and f.name.startswith("block") and v != C.next_pow2(v)):
                 raise ValueError(f"{f.name}={v} must be a positive power of two on the GPU")
@@ -121,6 +128,38 @@ def split_refs(refs, spec: AttnSpec, n_out: int):
         return tuple(refs[:2]), tuple(refs[2:])
     assert len(refs) == n_out
     return (None, None), tuple(refs)
+
+
+def take_key(refs, spec: AttnSpec):
+    """(the two Philox key words, or None; the other refs): with dropout the key is the first
+    input after the kernel's fixed ones."""
+    if not spec.dropout:
+        return None, refs
+    return (refs[0][0], refs[0][1]), refs[1:]
+
+
+def prob_rows(spec: AttnSpec, lead_shape: tuple, head=None):
+    """Index of each (batch, query head) slab in the [B, Hq, Tq, Tk] probabilities, times the
+    slab's rows, for `dropout_scale`: on the GPU the program's (batch, head) from the grid
+    (`head` overrides the head: the dK/dV kernel walks a group's heads itself); folded, the
+    leading axis b * Hkv + kv_head, whose rows already stack the group's heads."""
+    if spec.folded:
+        lead = jax.lax.broadcasted_iota(jnp.int32, lead_shape + (1, 1), 0)
+        return lead * spec.rows
+    if head is None:
+        lead = pl.program_id(1) * pl.num_programs(2) + pl.program_id(2)
+    else:
+        lead = (pl.program_id(1) * pl.num_programs(2) + pl.program_id(2)) * spec.groups + head
+    return lead * spec.rows
+
+
+def dropout_scale(spec: AttnSpec, key, base, r, k_pos):
+    """where(keep, 1 / (1 - rate), 0) for query rows r [bq, 1] (slab-local) and keys k_pos
+    [1, bk]: the mask of `jaxfuse.dropout` over the probabilities' [B * Hq * Tq, Tk] view, so
+    `jaxfuse.reference.attention` drops exactly the same entries (FlashAttention-2 likewise
+    regenerates its dropout mask from a counter-based generator in the backward)."""
+    keep = _rng.keep(key, base + r, k_pos, spec.n_k, spec.dropout, spec.interpret)
+    return jnp.where(keep, 1.0 / (1.0 - spec.dropout), 0.0)
 
 
 def row_positions(spec: AttnSpec, r0, n: int):

@@ -135,16 +135,19 @@ def load_tile(ref, row0, col0, block_rows: int, block_cols: int, n_rows, n_cols:
     return pltriton.load(at, mask=valid, other=other), rows, cols, valid
 
 
-def store_tile(ref, value, row0, col0, n_rows, n_cols: int, *, global_row0=None):
-    """Stores a [..., br, bc] value at rows row0.. and columns col0.., masking what lies outside."""
+def store_tile(ref, value, row0, col0, n_rows, n_cols: int, *, global_row0=None, mask=None,
+               head=None):
+    """Stores a [..., br, bc] value at rows row0.. and columns col0.. (of one `head` of a
+    [rows, heads, cols] ref), masking what lies outside (and, with `mask` [br, bc], what the
+    caller leaves unwritten)."""
     block_rows, block_cols = value.shape[-2:]
-    at = _at(ref, row0, block_rows, col0, block_cols)
-    if tiles_exactly(n_rows, block_rows) and tiles_exactly(n_cols, block_cols):
+    at = _at(ref, row0, block_rows, col0, block_cols, head)
+    if mask is None and tiles_exactly(n_rows, block_rows) and tiles_exactly(n_cols, block_cols):
         pltriton.store(at, value.astype(ref.dtype))
         return
     g0 = row0 if global_row0 is None else global_row0
     _, _, valid = tile_index(g0, col0, block_rows, block_cols, n_rows, n_cols)
-    pltriton.store(at, value.astype(ref.dtype), mask=valid)
+    pltriton.store(at, value.astype(ref.dtype), mask=valid if mask is None else valid & mask)
 
 
 def load_vec(ref, row0, n: int, n_valid, *, other=0, global_row0=None, head=None):

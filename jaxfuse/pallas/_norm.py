@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse.pallas import _common as C
-from jaxfuse.pallas import _rows
+from jaxfuse.pallas import _dropout, _rows
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.reference.layer_norm import welford_merge
 
@@ -106,14 +106,18 @@ def _forward(x2, weight, bias, st: _Static):
     return y2, mean, rstd
 
 
-def _backward(x2, weight, mean, rstd, g2, st: _Static):
+def _backward(x2, weight, mean, rstd, g2, st: _Static, dh2=None, rate: float = 0.0,
+              key_w=None):
+    """(dx, [dweight, dbias] row sums). With `dh2` (add_norm: the norm's input h also had a
+    cotangent of its own) the same kernel returns (d residual = dh + dx, dropout'(d residual)
+    when `rate`) instead of dx: no extra pass over the rows."""
     b = st.bwd_blocks
     n_cols = x2.shape[1]
     n_tiles = C.cdiv(n_cols, b.block_cols)
     per_col = [weight] if st.has_weight else []
 
     def terms(tile, mean_, rstd_):
-        x, g = tile.x
+        x, g = tile.x[:2]
         xhat = jnp.where(tile.valid, (x - mean_) * rstd_, 0.0)
         wg = g * tile.per_col[0] if st.has_weight else g
         return xhat, wg
@@ -144,14 +148,26 @@ def _backward(x2, weight, mean, rstd, g2, st: _Static):
             dx = dx - sums[1] / n_cols
         g = tile.x[1]
         col_sums = ((g * xhat,) if st.has_weight else ()) + ((g,) if st.has_bias else ())
-        return (dx * rstd_,), (), col_sums
+        dx = dx * rstd_
+        if dh2 is None:
+            return (dx,), (), col_sums
+        dres = dx + tile.x[2]
+        outs = (dres,)
+        if rate:
+            outs += (dres * _dropout.dropout_scale(tile, n_cols, rate, st.interpret),)
+        return outs, (), col_sums
 
-    dx2, *sums = _rows.map_pass(
-        emit, tiled=[x2, g2], fills=[0.0, 0.0], per_row=per_row, per_col=per_col,
-        out_dtypes=(g2.dtype,), n_col_sums=int(st.has_weight) + int(st.has_bias), blocks=b,
-        name=f"jaxfuse_{st.name}_bwd", interpret=st.interpret)
-    sums = [jnp.sum(s, axis=0) for s in sums]
-    return dx2, sums
+    tiled = [x2, g2] + ([] if dh2 is None else [dh2])
+    n_out = 1 if dh2 is None else 1 + int(bool(rate))
+    *dxs, = _rows.map_pass(
+        emit, tiled=tiled, fills=[0.0] * len(tiled), per_row=per_row, per_col=per_col,
+        out_dtypes=(g2.dtype,) * n_out, n_col_sums=int(st.has_weight) + int(st.has_bias),
+        blocks=b, name=f"jaxfuse_{st.name}_bwd" if dh2 is None else f"jaxfuse_add_{st.name}_bwd",
+        interpret=st.interpret, key=key_w if rate else None)
+    sums = [jnp.sum(s, axis=0) for s in dxs[n_out:]]
+    if dh2 is None:
+        return dxs[0], sums
+    return tuple(dxs[:n_out]), sums
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -179,10 +195,17 @@ norm.defvjp(_norm_fwd, _norm_bwd)
 def apply(x, weight, bias, *, center: bool, eps: float, interpret: bool | None,
           block_sizes: RowBlocks | None):
     """Shared wrapper: flatten to rows, pick blocks, run, restore the shape."""
-    interpret = C.resolve_interpret(interpret)
     x2 = _rows.as_rows(x)
-    n_rows, n_cols = x2.shape
+    st = static(x2.shape, weight is not None, bias is not None, center=center, eps=eps,
+                interpret=interpret, block_sizes=block_sizes)
+    return norm(x2, weight, bias, st).reshape(x.shape)
+
+
+def static(shape2, has_weight: bool, has_bias: bool, *, center: bool, eps: float,
+           interpret: bool | None, block_sizes: RowBlocks | None) -> _Static:
+    """The kernels' settings for a [n_rows, n_cols] view (also used per shard by `sharding`)."""
+    interpret = C.resolve_interpret(interpret)
+    n_rows, n_cols = shape2
     fwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret)
     bwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret, accumulate_rows=True)
-    st = _Static(center, float(eps), weight is not None, bias is not None, fwd, bwd, interpret)
-    return norm(x2, weight, bias, st).reshape(x.shape)
+    return _Static(center, float(eps), has_weight, has_bias, fwd, bwd, interpret)

@@ -15,26 +15,32 @@ Backward: `attention_bwd.py` (saves only q, k, v, o, lse).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxfuse import _philox
 from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _common as C
-from jaxfuse.pallas import attention_bwd
+from jaxfuse.pallas import attention_bwd, attention_hopper
 from jaxfuse.pallas._attn import AttnBlocks, AttnSpec
 from jaxfuse.reference import attention as ref
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
     # q_ref: [..., bq, Dp] this program's query block; k_ref, v_ref: [..., Tk, Dp].
+    key, refs = A.take_key(refs, spec)
     (qs_ref, ks_ref), (o_ref, lse_ref) = A.split_refs(refs, spec, 2)
     r0 = pl.program_id(0) * bq
     q = A.load_rows(q_ref, 0, bq, spec.rows, spec, global_r0=r0)            # [..., bq, Dp]
     q_pos, _ = A.row_positions(spec, r0, bq)                                  # [bq, 1]
     q_seg = C.load_vec(qs_ref, 0, bq, spec.rows, global_row0=r0) if spec.segments else None
+    if spec.dropout:
+        base = A.prob_rows(spec, q.shape[:-2])
+        r = r0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
 
     def step(j, carry, masked):
         k0 = j * bk
@@ -44,8 +50,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
         k_seg = C.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
         s2, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
                             k_seg, masked)                                    # [..., bq, bk]
-        return A.online_update(carry, s2,
-                               lambda p: A.dot(p.astype(v.dtype), v, "...qk,...kd->...qd"))
+        # Dropout acts on P after the normalizer l has summed it (l counts every kept score).
+        drop = (lambda p: p * A.dropout_scale(spec, key, base, r, k_pos)) if spec.dropout \
+            else (lambda p: p)
+        return A.online_update(carry, s2, lambda p: A.dot(drop(p).astype(v.dtype), v,
+                                                          "...qk,...kd->...qd"))
 
     carry = A.split_loop(A.key_blocks(spec, r0, bq, bk), step,
                          A.online_init(q.shape[:-2], bq, spec))
@@ -54,7 +63,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
     C.store_vec(lse_ref, lse, 0, spec.rows, global_row0=r0)
 
 
-def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks):
+def _key_spec(spec: AttnSpec, key):
+    """(the key as an extra input, its BlockSpec): whole, in every program; none without dropout."""
+    if not spec.dropout:
+        return [], []
+    return [key], [pl.BlockSpec((2,), lambda *_: (0,))]
+
+
+def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks, key=None):
+    if isinstance(blocks.hopper, attention_hopper.HopperAttnTiles):   # resolved by `plan`
+        return attention_hopper.forward(q, k, v, spec, blocks.hopper)
     bq, bk = blocks.block_q, blocks.block_k
     dp, g = spec.head_dim_pad, spec.groups
     kernel = functools.partial(_fwd_kernel, spec=spec, bq=bq, bk=bk)
@@ -77,31 +95,32 @@ def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks):
         lse_spec = pl.BlockSpec((None, None, bq), lambda i, b_, h: (b_, h, i))
         lse_shape = (b, hq, spec.n_q)
     segs = [qs, ks] if spec.segments else []
-    in_specs = [q_spec, kv_spec, kv_spec] + (seg_specs if spec.segments else [])
+    keys, key_specs = _key_spec(spec, key)
+    in_specs = [q_spec, kv_spec, kv_spec] + key_specs + (seg_specs if spec.segments else [])
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
     return C.pallas_call(kernel, out_shape=out_shape, grid=grid, name="jaxfuse_flash_fwd",
                          interpret=spec.interpret, num_warps=blocks.num_warps,
                          num_stages=blocks.num_stages, in_specs=in_specs,
-                         out_specs=[q_spec, lse_spec])(q, k, v, *segs)
+                         out_specs=[q_spec, lse_spec])(q, k, v, *keys, *segs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, qs, ks, spec, blocks):
-    return tuple(_forward(q, k, v, qs, ks, spec, blocks))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _flash(q, k, v, qs, ks, key, spec, blocks):
+    return tuple(_forward(q, k, v, qs, ks, spec, blocks, key))
 
 
-def _flash_fwd(q, k, v, qs, ks, spec, blocks):
-    o, lse = _forward(q, k, v, qs, ks, spec, blocks)
-    return (o, lse), (q, k, v, qs, ks, o, lse)
+def _flash_fwd(q, k, v, qs, ks, key, spec, blocks):
+    o, lse = _forward(q, k, v, qs, ks, spec, blocks, key)
+    return (o, lse), (q, k, v, qs, ks, key, o, lse)
 
 
 def _flash_bwd(spec, blocks, res, cts):
-    q, k, v, qs, ks, o, lse = res
+    q, k, v, qs, ks, key, o, lse = res
     do, dlse = cts
-    dq, dk, dv = attention_bwd.backward(q, k, v, qs, ks, o, lse, do, dlse, spec, blocks)
-    seg_ct = lambda s: None if s is None else jnp.zeros(s.shape, jax.dtypes.float0)
-    return dq, dk, dv, seg_ct(qs), seg_ct(ks)
+    dq, dk, dv = attention_bwd.backward(q, k, v, qs, ks, o, lse, do, dlse, spec, blocks, key)
+    int_ct = lambda s: None if s is None else jnp.zeros(s.shape, jax.dtypes.float0)
+    return dq, dk, dv, int_ct(qs), int_ct(ks), int_ct(key)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -117,36 +136,118 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                     scale: float | None = None, q_segment_ids: jax.Array | None = None,
                     kv_segment_ids: jax.Array | None = None, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, return_lse: bool = False,
+                    dropout_rate: float = 0.0, dropout_key=None,
                     interpret: bool | None = None, block_sizes: AttnBlocks | None = None):
-    """Pallas FlashAttention-2; same semantics as `jaxfuse.reference.attention.attention`."""
-    ref.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap, scale)
+    """Pallas FlashAttention-2; same semantics as `jaxfuse.reference.attention.attention`.
+    With dropout the forward is the Triton kernel (the Hopper forward has no dropout)."""
+    ref.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap, scale,
+                 dropout_rate, dropout_key)
     check_head_dim(q.shape[-1])
-    interpret = C.resolve_interpret(interpret)
-    spec = AttnSpec.make(n_q=q.shape[1], n_k=k.shape[1], head_dim=q.shape[-1],
-                         groups=q.shape[2] // k.shape[2], dtype=q.dtype, scale=scale,
-                         interpret=interpret, folded=None if block_sizes is None else block_sizes.folded,
-                         causal=causal, window=sliding_window, softcap=logits_soft_cap,
-                         segments=q_segment_ids is not None)
-    folded = spec.folded
-    blocks = AttnBlocks.for_shape(spec) if block_sizes is None else block_sizes
-    blocks.validate(folded)
-    b, tq, hq, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qs = ks = None
-    if spec.segments:
-        qs, ks = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
-    if folded:
-        # Fold (batch, KV head) into one axis and stack the group's query heads along the rows.
-        fold_q = lambda x: x.reshape(b, tq, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(
-            b * hkv, g * tq, d)
-        fold_kv = lambda x: x.transpose(0, 2, 1, 3).reshape(b * hkv, tk, d)
-        if spec.segments:
-            qs = jnp.broadcast_to(qs[:, None, None, :], (b, hkv, g, tq)).reshape(b * hkv, g * tq)
-            ks = jnp.broadcast_to(ks[:, None, :], (b, hkv, tk)).reshape(b * hkv, tk)
-        o, lse = _flash(fold_q(q), fold_kv(k), fold_kv(v), qs, ks, spec, blocks)
-        o = o.reshape(b, hkv, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
-        lse = lse.reshape(b, hq, tq)
-    else:
-        o, lse = _flash(q, k, v, qs, ks, spec, blocks)
+    rate = float(dropout_rate) if _philox.active(dropout_rate, dropout_key) else 0.0
+    spec, blocks = plan(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
+                        segments=q_segment_ids is not None, sliding_window=sliding_window,
+                        logits_soft_cap=logits_soft_cap, interpret=interpret,
+                        block_sizes=block_sizes, dropout=rate)
+    lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
+    qs, ks = _segs(q_segment_ids, kv_segment_ids)
+    key = _philox.key_words(dropout_key) if rate else None
+    o, lse = _flash(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs), lay.kv_seg(ks), key, spec,
+                    blocks)
+    o, lse = lay.o_back(o), lay.lse_back(lse)
     return (o, lse) if return_lse else o
+
+
+def plan(q_shape, k_shape, dtype, *, causal, scale, segments, sliding_window, logits_soft_cap,
+         interpret, block_sizes, dropout: float = 0.0) -> tuple[AttnSpec, AttnBlocks]:
+    """The kernels' spec and blocks for these shapes (also used per shard by `sharding`). The
+    blocks' `hopper` comes back resolved: the Hopper forward's tiles, or False (always False
+    with dropout, which only the Triton kernels implement)."""
+    make = functools.partial(
+        AttnSpec.make, n_q=q_shape[1], n_k=k_shape[1], head_dim=q_shape[-1],
+        groups=q_shape[2] // k_shape[2], dtype=dtype, scale=scale,
+        interpret=C.resolve_interpret(interpret), causal=causal, window=sliding_window,
+        softcap=logits_soft_cap, segments=segments, dropout=dropout)
+    spec = make(folded=None if block_sizes is None else block_sizes.folded)
+    requested = None if block_sizes is None else block_sizes.hopper
+    hopper = attention_hopper.tiles_for(False if dropout else requested, dtype, q_shape,
+                                        make(folded=False))
+    if hopper is not None:
+        spec = make(folded=False)     # the Hopper forward writes the GPU layout
+    blocks = AttnBlocks.for_shape(spec) if block_sizes is None else block_sizes
+    blocks.validate(spec.folded)
+    return spec, dataclasses.replace(blocks, hopper=hopper or False)
+
+
+def _segs(q_segment_ids, kv_segment_ids):
+    if q_segment_ids is None:
+        return None, None
+    return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+
+
+class _Layout:
+    """User layout (q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], lse [B, Hq, Tq]) <-> the kernels'.
+    Folded (interpret mode): (batch, KV head) fold into one axis and the group's query heads
+    stack along the rows; otherwise the kernels read the user layout."""
+
+    def __init__(self, q_shape, tk: int, hkv: int, folded: bool):
+        self.b, self.tq, self.hq, self.d = q_shape
+        self.tk, self.hkv, self.g, self.folded = tk, hkv, self.hq // hkv, folded
+
+    def q(self, x):             # also o and do
+        if not self.folded:
+            return x
+        b, tq, hkv, g, d = self.b, self.tq, self.hkv, self.g, self.d
+        return x.reshape(b, tq, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * hkv, g * tq, d)
+
+    def kv(self, x):
+        if not self.folded:
+            return x
+        return x.transpose(0, 2, 1, 3).reshape(self.b * self.hkv, self.tk, self.d)
+
+    def q_seg(self, s):
+        if s is None or not self.folded:
+            return s
+        b, hkv, g, tq = self.b, self.hkv, self.g, self.tq
+        return jnp.broadcast_to(s[:, None, None, :], (b, hkv, g, tq)).reshape(b * hkv, g * tq)
+
+    def kv_seg(self, s):
+        if s is None or not self.folded:
+            return s
+        return jnp.broadcast_to(s[:, None, :], (self.b, self.hkv, self.tk)).reshape(
+            self.b * self.hkv, self.tk)
+
+    def lse(self, x):
+        return x.reshape(self.b * self.hkv, self.g * self.tq) if self.folded else x
+
+    def o_back(self, x):
+        if not self.folded:
+            return x
+        b, tq, hkv, g, d = self.b, self.tq, self.hkv, self.g, self.d
+        return x.reshape(b, hkv, g, tq, d).transpose(0, 3, 1, 2, 4).reshape(b, tq, self.hq, d)
+
+    def kv_back(self, x):
+        if not self.folded:
+            return x
+        return x.reshape(self.b, self.hkv, self.tk, self.d).transpose(0, 2, 1, 3)
+
+    def lse_back(self, x):
+        return x.reshape(self.b, self.hq, self.tq)
+
+
+def forward(q, k, v, q_segment_ids, kv_segment_ids, spec: AttnSpec, blocks: AttnBlocks):
+    """(o, lse) in the user layout, no custom_vjp: the forward half for `sharding`."""
+    lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
+    qs, ks = _segs(q_segment_ids, kv_segment_ids)
+    o, lse = _forward(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs), lay.kv_seg(ks), spec, blocks)
+    return lay.o_back(o), lay.lse_back(lse)
+
+
+def backward(q, k, v, q_segment_ids, kv_segment_ids, o, lse, do, dlse, spec: AttnSpec,
+             blocks: AttnBlocks):
+    """(dq, dk, dv) in the user layout: the backward half of `forward`."""
+    lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
+    qs, ks = _segs(q_segment_ids, kv_segment_ids)
+    dq, dk, dv = attention_bwd.backward(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs),
+                                        lay.kv_seg(ks), lay.q(o), lay.lse(lse), lay.q(do),
+                                        lay.lse(dlse), spec, blocks)
+    return lay.o_back(dq), lay.kv_back(dk), lay.kv_back(dv)

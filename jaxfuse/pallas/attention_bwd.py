@@ -39,6 +39,7 @@ def _ds(spec: AttnSpec, p, dp, delta, t):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: AttnSpec, bq: int,
                bk: int):
+    key, refs = A.take_key(refs, spec)
     (qs_ref, ks_ref), (dq_ref,) = A.split_refs(refs, spec, 1)
     r0 = pl.program_id(0) * bq
     q = A.load_rows(q_ref, 0, bq, spec.rows, spec, global_r0=r0)             # [..., bq, Dp]
@@ -47,6 +48,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Att
     delta = C.load_vec(delta_ref, 0, bq, spec.rows, global_row0=r0)
     q_pos, _ = A.row_positions(spec, r0, bq)
     q_seg = C.load_vec(qs_ref, 0, bq, spec.rows, global_row0=r0) if spec.segments else None
+    if spec.dropout:
+        base = A.prob_rows(spec, q.shape[:-2])
+        r = r0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
 
     def step(j, dq, masked):
         k0 = j * bk
@@ -57,7 +61,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Att
         s2, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
                             k_seg, masked)
         p = jnp.exp2(s2 - lse2[..., None])                                    # [..., bq, bk]
-        ds = _ds(spec, p, A.dot(do, v, "...qd,...kd->...qk"), delta, t)
+        dp = A.dot(do, v, "...qd,...kd->...qk")
+        if spec.dropout:   # dO V^T is the gradient of the dropped P: dP = that * Z
+            dp = dp * A.dropout_scale(spec, key, base, r, k_pos)
+        ds = _ds(spec, p, dp, delta, t)
         return dq + A.dot(ds.astype(k.dtype), k, "...qk,...kd->...qd")
 
     dq = jnp.zeros(q.shape, jnp.float32)
@@ -69,6 +76,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
                 bk: int):
     # GPU: q_ref/do_ref [Tq, G, Dp] (the group's query heads), lse_ref/delta_ref [G, Tq].
     # Interpret: q_ref [BH, G*Tq, Dp] (heads already stacked in rows), lse_ref [BH, G*Tq].
+    key, refs = A.take_key(refs, spec)
     (qs_ref, ks_ref), (dk_ref, dv_ref) = A.split_refs(refs, spec, 2)
     k0 = pl.program_id(0) * bk
     k = A.load_rows(k_ref, 0, bk, spec.n_k, spec, global_r0=k0)              # [..., bk, Dp]
@@ -77,6 +85,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
     k_seg = C.load_vec(ks_ref, 0, bk, spec.n_k, global_row0=k0, other=-1) if spec.segments \
         else None
     bounds = A.query_blocks(spec, k0, bk, bq)
+    # The slab of head 0 of the group (program ids are read outside the loops).
+    base0 = A.prob_rows(spec, k.shape[:-2], head=0) if spec.dropout else None
 
     def rows_of_head(ref, g, q0):
         return A.load_rows(ref, q0, bq, spec.rows, spec, head=None if spec.folded else g)
@@ -97,8 +107,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
             s2, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
                                 k_seg, masked)
             p = jnp.exp2(s2 - lse2[..., None])                                # [..., bq, bk]
-            dv = dv + A.dot(p.astype(do.dtype), do, "...qk,...qd->...kd")
-            ds = _ds(spec, p, A.dot(do, v, "...qd,...kd->...qk"), delta, t)
+            dp = A.dot(do, v, "...qd,...kd->...qk")
+            if spec.dropout:   # dV = (P * Z)^T dO and dP = (dO V^T) * Z, Z = keep / (1 - rate)
+                z = A.dropout_scale(spec, key, base0 + g * spec.rows,
+                                    q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0), k_pos)
+                dv = dv + A.dot((p * z).astype(do.dtype), do, "...qk,...qd->...kd")
+                dp = dp * z
+            else:
+                dv = dv + A.dot(p.astype(do.dtype), do, "...qk,...qd->...kd")
+            ds = _ds(spec, p, dp, delta, t)
             dk = dk + A.dot(ds.astype(q.dtype), q, "...qk,...qd->...kd")
             return dk, dv
         return A.split_loop(bounds, step, carry)
@@ -110,8 +127,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
     A.store_rows(dv_ref, dv, 0, spec.n_k, spec, global_r0=k0)
 
 
-def backward(q, k, v, qs, ks, o, lse, do, dlse, spec: AttnSpec, blocks: AttnBlocks):
-    """dq, dk, dv in the kernels' layout (see `_attn`)."""
+def backward(q, k, v, qs, ks, o, lse, do, dlse, spec: AttnSpec, blocks: AttnBlocks, key=None):
+    """dq, dk, dv in the kernels' layout (see `_attn`); `key`: the dropout key words (with
+    `spec.dropout`), from which both kernels regenerate the forward's mask."""
     dp, g = spec.head_dim_pad, spec.groups
     # delta = rowsum(dO * O) - dlse, in lse's layout: a cheap XLA reduction, read once per kernel.
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
@@ -150,7 +168,10 @@ def backward(q, k, v, qs, ks, o, lse, do, dlse, spec: AttnSpec, blocks: AttnBloc
         dkv_seg = [pl.BlockSpec((None, spec.n_q), lambda j, b_, h: (b_, 0)),
                    pl.BlockSpec((None, bk2), lambda j, b_, h: (b_, j))]
         dq_grid, dkv_grid = (C.cdiv(spec.n_q, bq), b, hq), (C.cdiv(spec.n_k, bk2), b, hkv)
-    args = (q, k, v, do, lse, delta, *segs)
+    keys = [key] if spec.dropout else []
+    key_spec = [pl.BlockSpec((2,), lambda *_: (0,))] if spec.dropout else []
+    dq_specs, dkv_specs = dq_specs + key_spec, dkv_specs + key_spec
+    args = (q, k, v, do, lse, delta, *keys, *segs)
     call = functools.partial(C.pallas_call, interpret=spec.interpret,
                              num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd)
     dq = call(functools.partial(_dq_kernel, spec=spec, bq=bq, bk=bk),

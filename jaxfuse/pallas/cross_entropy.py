@@ -111,11 +111,19 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: floa
                   ignore_index: int = -100, reduction: str = "mean",
                   interpret: bool | None = None, block_sizes: RowBlocks | None = None) -> jax.Array:
     """Pallas cross-entropy; see `jaxfuse.reference.cross_entropy` for the exact semantics."""
-    ref.validate(logits, labels, label_smoothing, reduction)
-    interpret = C.resolve_interpret(interpret)
+    ref.validate(logits, labels, label_smoothing, reduction, ignore_index)
     logits2 = _rows.as_rows(logits)
-    labels1 = labels.reshape(-1).astype(jnp.int32)
-    blocks = _rows.resolve_blocks(block_sizes, *logits2.shape, interpret)
-    st = _Static(float(label_smoothing), int(ignore_index), blocks, interpret)
+    labels = ref.canonical_labels(labels, logits.shape[-1], ignore_index)
+    labels1 = labels.reshape(-1)
+    st = static(logits2.shape, label_smoothing=label_smoothing, ignore_index=ignore_index,
+                interpret=interpret, block_sizes=block_sizes)
     loss = token_loss(logits2, labels1, st).reshape(labels.shape)
     return ref.reduce_loss(loss, labels != ignore_index, reduction)
+
+
+def static(shape2, *, label_smoothing: float, ignore_index: int, interpret: bool | None,
+           block_sizes: RowBlocks | None) -> _Static:
+    """The kernels' settings for [n_tokens, V] logits (also used per shard by `sharding`)."""
+    interpret = C.resolve_interpret(interpret)
+    blocks = _rows.resolve_blocks(block_sizes, *shape2, interpret)
+    return _Static(float(label_smoothing), int(ignore_index), blocks, interpret)

@@ -493,7 +493,9 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
                          reduction: str = "mean", interpret: bool | None = None,
                          block_sizes: LCEBlocks | None = None) -> jax.Array:
     """Pallas linear + cross-entropy; see `jaxfuse.reference.linear_cross_entropy`."""
-    ref.validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_cap)
+    ref.validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_cap,
+                 ignore_index)
+    labels = ce.canonical_labels(labels, weight.shape[1], ignore_index)
     interpret = C.resolve_interpret(interpret)
     d, v = weight.shape
     x2 = x.reshape(-1, d)
@@ -510,6 +512,6 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
     st = _Static(float(label_smoothing), int(ignore_index), float(z_loss),
                  None if logits_soft_cap is None else float(logits_soft_cap), v, slab, rows,
                  interpret, tiles)
-    labels1 = labels.reshape(-1).astype(jnp.int32)
+    labels1 = labels.reshape(-1)
     loss = token_loss(x2, weight, labels1, st).reshape(labels.shape)
     return ce.reduce_loss(loss, labels != ignore_index, reduction)

@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _rows
@@ -129,13 +130,20 @@ def softmax(x: jax.Array, *, scale: float = 1.0, mask: jax.Array | None = None,
             block_sizes: RowBlocks | None = None) -> jax.Array:
     """Pallas softmax over the last axis of `scale * x`; see `jaxfuse.reference.softmax`."""
     ref.validate(x, mask, causal)
-    interpret = C.resolve_interpret(interpret)
-    n_k = x.shape[-1]
     x2 = _rows.as_rows(x)
     mask2 = None
     if mask is not None:
         mask2 = _rows.as_rows(jnp.broadcast_to(mask, x.shape).astype(jnp.int8))
-    blocks = _rows.resolve_blocks(block_sizes, x2.shape[0], n_k, interpret)
-    st = _Static(float(scale), bool(causal), mask is not None,
-                 x.shape[-2] if causal else 1, n_k, blocks, interpret)
+    st = static(x.shape, scale=scale, causal=causal, has_mask=mask is not None,
+                interpret=interpret, block_sizes=block_sizes)
     return _softmax(x2, mask2, st).reshape(x.shape)
+
+
+def static(shape, *, scale: float, causal: bool, has_mask: bool, interpret: bool | None,
+           block_sizes: RowBlocks | None) -> _Static:
+    """The kernels' settings for x of this shape (also used per shard by `sharding`)."""
+    interpret = C.resolve_interpret(interpret)
+    n_k = shape[-1]
+    blocks = _rows.resolve_blocks(block_sizes, max(1, int(np.prod(shape[:-1]))), n_k, interpret)
+    return _Static(float(scale), bool(causal), has_mask, shape[-2] if causal else 1, n_k, blocks,
+                   interpret)

@@ -3,6 +3,11 @@
 Each op is a module with a function of the same name: `jaxfuse.reference.softmax.softmax`,
 `jaxfuse.reference.layer_norm.layer_norm` (and `welford_merge`), ...
 """
-from jaxfuse.reference import attention, beam_top_k, cross_entropy, decode_attention, layer_norm, linear_cross_entropy, rms_norm, softmax
+from jaxfuse.reference import (add_norm, attention, beam_top_k, bias_act_dropout,
+                               bias_dropout_add, cross_entropy, decode_attention, dropout,
+                               embedding, layer_norm, linear_cross_entropy, rms_norm, rope,
+                               softmax, swiglu)
 
-__all__ = ["attention", "beam_top_k", "decode_attention", "linear_cross_entropy", "softmax", "layer_norm", "rms_norm", "cross_entropy"]
+__all__ = ["add_norm", "attention", "beam_top_k", "bias_act_dropout", "bias_dropout_add",
+           "cross_entropy", "decode_attention", "dropout", "embedding", "layer_norm",
+           "linear_cross_entropy", "rms_norm", "rope", "softmax", "swiglu"]

@@ -20,12 +20,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxfuse import _checks
+from jaxfuse import _checks, _philox
+from jaxfuse.reference import dropout as _dropout
 from jaxfuse.reference._masks import keep_mask
 
 
 def validate(q, k, v, q_segment_ids=None, kv_segment_ids=None, sliding_window=None,
-             logits_soft_cap=None, scale=None) -> None:
+             logits_soft_cap=None, scale=None, dropout_rate=0.0, dropout_key=None) -> None:
     """Checks shared by every attention implementation (raises ValueError naming the value)."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         _checks.check_float(name, a)
@@ -56,14 +57,25 @@ def validate(q, k, v, q_segment_ids=None, kv_segment_ids=None, sliding_window=No
         raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
     _checks.check_positive("logits_soft_cap", logits_soft_cap)
     _checks.check_positive("scale", scale)
+    try:
+        _philox.check_rate(dropout_rate)
+    except ValueError as e:
+        raise ValueError(f"dropout_{e}") from None
+    _dropout.check_key(dropout_key)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
               scale: float | None = None, q_segment_ids: jax.Array | None = None,
               kv_segment_ids: jax.Array | None = None, sliding_window: int | None = None,
-              logits_soft_cap: float | None = None, return_lse: bool = False):
-    """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D]; returns o (and lse [B, Hq, Tq])."""
-    validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap, scale)
+              logits_soft_cap: float | None = None, return_lse: bool = False,
+              dropout_rate: float = 0.0, dropout_key=None):
+    """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D]; returns o (and lse [B, Hq, Tq]).
+
+    `dropout_rate` with `dropout_key`: the normalized probabilities P [B, Hq, Tq, Tk] go through
+    `jaxfuse.reference.dropout` (the same mask as `jaxfuse.dropout` of a tensor of that shape)
+    before P V; lse is that of the undropped scores."""
+    validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap, scale,
+             dropout_rate, dropout_key)
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -82,7 +94,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     p = jnp.where(keep, jnp.exp(s - m), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(l > 0, l, 1.0), v.astype(jnp.float32))
+    pn = p / jnp.where(l > 0, l, 1.0)
+    if _philox.active(dropout_rate, dropout_key):
+        pn = _dropout.apply(pn.reshape(b, hq, tq, tk), dropout_rate, dropout_key).reshape(pn.shape)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", pn, v.astype(jnp.float32))
     o = o.reshape(b, tq, hq, d).astype(q.dtype)
     if not return_lse:
         return o

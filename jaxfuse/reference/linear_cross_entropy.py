@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse import _checks
-from jaxfuse.reference.cross_entropy import reduce_loss, token_losses
+from jaxfuse.reference.cross_entropy import canonical_labels, reduce_loss, token_losses
 
 
-def validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_cap) -> None:
+def validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_cap,
+             ignore_index=-100) -> None:
     _checks.check_float("x", x)
     _checks.check_float("weight", weight)
     _checks.check_ndim("x", x, min_ndim=1)
@@ -28,7 +29,7 @@ def validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"x.shape[-1]={x.shape[-1]} must equal weight.shape[0]="
                          f"{weight.shape[0]} (weight is [D, V])")
-    _checks.check_labels(labels, x.shape[:-1], "x", label_smoothing, reduction)
+    _checks.check_labels(labels, x.shape[:-1], "x", label_smoothing, reduction, ignore_index)
     if not float(z_loss) >= 0.0:
         raise ValueError(f"z_loss={z_loss!r} must be >= 0")
     _checks.check_positive("logits_soft_cap", logits_soft_cap)
@@ -39,7 +40,9 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
                          z_loss: float = 0.0, logits_soft_cap: float | None = None,
                          reduction: str = "mean") -> jax.Array:
     """Cross-entropy of x @ weight against labels; float32 result."""
-    validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_cap)
+    validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_cap,
+             ignore_index)
+    labels = canonical_labels(labels, weight.shape[1], ignore_index)
     z = jnp.dot(x.reshape(-1, x.shape[-1]), weight).astype(jnp.float32)
     if logits_soft_cap is not None:
         z = logits_soft_cap * jnp.tanh(z / logits_soft_cap)

@@ -1,0 +1,315 @@
+"""GPU check and benchmark of the Transformer-block kernels of issue 15: dropout,
+bias_dropout_add, bias_act_dropout, add_norm, swiglu, rope, embedding.
+
+Checks (compiled): Philox-4x32-10 in a compiled Triton kernel against Random123's known answers
+(the `mul.hi.u32` path the GPU takes), every op's forward and gradients against the float32
+reference, dropout masks bitwise equal to the reference's, and the embedding gradient bitwise
+repeatable. Then times each op, forward and forward+backward, on the issue's shapes
+(activations [16384, 4096] bf16, embedding V=128256, RoPE on q [8, 2048, 32, 128]) against
+"XLA": the same composition in jax.numpy under jax.jit with `jax.random.bernoulli` masks
+(`xla`), and our reference under jit (`xla_philox`: the same Philox masks, computed by XLA).
+Forward bandwidth is reported against the copy rate; compiled temporaries of fwd+bwd show that
+no kernel keeps a mask (XLA's composition does).
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/block.py --out block.json
+    PYTHONPATH=. python benchmarks/gpu_check.py block --out results.json   (same, as a section)
+
+`--small` shrinks every shape (a smoke test of this script in interpret mode on a CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxfuse  # noqa: E402
+from benchmarks import _timing  # noqa: E402
+from benchmarks._timing import bench, guarded, record, rel_err, temp_bytes  # noqa: E402
+
+S = "block"
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+RATE = 0.1
+SMALL = False
+
+# The XLA compositions the issue names: jax.numpy under jit, masks from jax.random.bernoulli.
+
+
+def _xla_dropout(v, rate, key):
+    keep = jax.random.bernoulli(key, 1.0 - rate, v.shape)
+    return jnp.where(keep, v / (1.0 - rate), 0.0)
+
+
+def _xla_rms(h, w, eps=1e-6):
+    hf = h.astype(jnp.float32)
+    return (hf * jax.lax.rsqrt(jnp.mean(hf * hf, -1, keepdims=True) + eps)
+            * w.astype(jnp.float32)).astype(h.dtype)
+
+
+XLA = {
+    "dropout": lambda x, key: _xla_dropout(x.astype(jnp.float32), RATE, key).astype(x.dtype),
+    "bias_dropout_add": lambda x, b, r, key: (r.astype(jnp.float32) + _xla_dropout(
+        x.astype(jnp.float32) + b.astype(jnp.float32), RATE, key)).astype(x.dtype),
+    "bias_act_dropout": lambda x, b, key: _xla_dropout(jax.nn.gelu(
+        x.astype(jnp.float32) + b.astype(jnp.float32), approximate=False), RATE,
+        key).astype(x.dtype),
+    "add_norm": lambda x, r, w, key: (lambda h: (h, _xla_rms(h, w)))(
+        (r.astype(jnp.float32) + _xla_dropout(x.astype(jnp.float32), RATE, key)).astype(x.dtype)),
+    "swiglu": lambda g, u: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(
+        g.dtype),
+    "rope": lambda q, pos: jaxfuse.model.transformer.rope(q, pos, 10000.0),
+    "embedding": lambda tok, table, key: _xla_dropout(
+        table[tok].astype(jnp.float32) * 64.0, RATE, key).astype(table.dtype),
+}
+
+
+def _ours(impl: str):
+    """Each op as a function of its arrays (and key), with dropout at RATE."""
+    return {
+        "dropout": lambda x, key: jaxfuse.dropout(x, RATE, key, impl=impl),
+        "bias_dropout_add": lambda x, b, r, key: jaxfuse.bias_dropout_add(
+            x, b, r, rate=RATE, key=key, impl=impl),
+        "bias_act_dropout": lambda x, b, key: jaxfuse.bias_act_dropout(
+            x, b, activation="gelu", rate=RATE, key=key, impl=impl),
+        "add_norm": lambda x, r, w, key: jaxfuse.add_norm(x, r, w, rate=RATE, key=key,
+                                                          impl=impl),
+        "swiglu": lambda g, u: jaxfuse.swiglu(g, u, impl=impl),
+        "rope": lambda q, pos: jaxfuse.rope(q, pos, impl=impl),
+        "embedding": lambda tok, table, key: jaxfuse.embedding(tok, table, scale=64.0,
+                                                               rate=RATE, key=key, impl=impl),
+    }
+
+
+def _shapes():
+    if SMALL:
+        return dict(rows=(64, 256), rope=(2, 16, 4, 32), vocab=1000, tokens=(2, 64))
+    return dict(rows=(16384, 4096), rope=(8, 2048, 32, 128), vocab=128256, tokens=(8, 2048))
+
+
+def _args(name, key, dtype, rows, rope, vocab, tokens):
+    """(differentiable arrays, other args, cotangent) of op `name`."""
+    k = jax.random.split(key, 6)
+    d = rows[-1]
+    x = jax.random.normal(k[0], rows, dtype)
+    vec = jax.random.normal(k[1], (d,), dtype)
+    res = jax.random.normal(k[2], rows, dtype)
+    ct = jax.random.normal(k[3], rows, dtype)
+    dk = jax.random.fold_in(k[4], 7)
+    if name == "dropout":
+        return (x,), (dk,), ct
+    if name == "bias_dropout_add":
+        return (x, vec, res), (dk,), ct
+    if name == "bias_act_dropout":
+        return (x, vec), (dk,), ct
+    if name == "add_norm":
+        return (x, res, vec), (dk,), (ct, jax.random.normal(k[5], rows, dtype))
+    if name == "swiglu":
+        return (x, res), (), ct
+    if name == "rope":
+        q = jax.random.normal(k[0], rope, dtype)
+        pos = jnp.broadcast_to(jnp.arange(rope[1]), rope[:2])
+        return (q,), (pos,), jax.random.normal(k[3], rope, dtype)
+    tok = jax.random.randint(k[0], tokens, 0, vocab)
+    table = jax.random.normal(k[1], (vocab, d), dtype)
+    return (table,), (tok, dk), jax.random.normal(k[3], (*tokens, d), dtype)
+
+
+def _call(name, f, diff, other):
+    """f with the differentiable arrays first (embedding: tokens come first in its signature)."""
+    if name == "embedding":
+        return f(other[0], *diff, *other[1:])
+    return f(*diff, *other)
+
+
+def _fwd_bwd(name, f):
+    def step(diff, other, ct):
+        y, vjp = jax.vjp(lambda *d: _call(name, f, d, other), *diff)
+        return y, vjp(ct)
+    return step
+
+
+def check_philox():
+    """Random123's known answers from a compiled Triton kernel (mul.hi.u32 through inline PTX)."""
+    from jax.experimental import pallas as pl
+    from jaxfuse import _philox
+    from jaxfuse.pallas import _rng
+    kat = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+           ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+           ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    # Four copies of each vector make a power-of-two tile for Triton: [words, 16].
+    ctr = np.repeat(np.array([c for c, _, _ in kat] + [kat[0][0]], np.uint32).T, 4, axis=1)
+    key = np.repeat(np.array([k for _, k, _ in kat] + [kat[0][1]], np.uint32).T, 4, axis=1)
+
+    def kernel(c_ref, k_ref, o_ref):
+        c = [c_ref[i, :] for i in range(4)]
+        k = [k_ref[i, :] for i in range(2)]
+        out = _philox.philox4x32(c, k, mulhi=_rng.mulhi(interpret=False))
+        for i in range(4):
+            o_ref[i, :] = out[i]
+
+    def run():
+        out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 16), jnp.uint32))(
+            ctr, key)
+        got = np.asarray(out).T[::4][:3]
+        ok = np.array_equal(got, np.array([e for _, _, e in kat], np.uint32))
+        record(S, "check philox4x32-10 KAT (compiled)", "jaxfuse", status="ok" if ok else "FAIL")
+    guarded(S, "check philox KAT", "jaxfuse", run)
+
+
+def check():
+    if not SMALL:
+        check_philox()
+    ours, ref = _ours("pallas"), _ours("reference")
+    shapes = [dict(rows=(7, 131), rope=(1, 7, 3, 6), vocab=11, tokens=(3, 7)),
+              dict(rows=(33, 1000), rope=(3, 33, 4, 64), vocab=1, tokens=(33,))]
+    if not SMALL:
+        shapes.append(dict(rows=(1000, 4096), rope=(2, 300, 8, 128), vocab=5000, tokens=(4, 250)))
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        for sh in shapes:
+            for name in ours:
+                label = f"check {name} {sh['rows'] if name not in ('rope',) else sh['rope']}"
+
+                def run(name=name, sh=sh, label=label):
+                    diff, other, ct = _args(name, jax.random.key(1), dtype, **sh)
+                    y, g = jax.jit(_fwd_bwd(name, ours[name]))(diff, other, ct)
+                    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (diff, ct))
+                    yr, gr = jax.jit(_fwd_bwd(name, ref[name]))(f32[0], other, f32[1])
+                    errs = [rel_err(a, b) for a, b in zip(jax.tree.leaves((y, g)),
+                                                          jax.tree.leaves((yr, gr)))]
+                    ok = max(errs) <= TOL[dtype] * 3
+                    extra = {}
+                    if name == "dropout":   # the same elements dropped as the reference
+                        same = bool(jnp.array_equal(y == 0, yr == 0))
+                        extra["mask_bitwise"] = same
+                        ok = ok and same
+                    if name == "embedding":  # deterministic backward
+                        _, g2 = jax.jit(_fwd_bwd(name, ours[name]))(diff, other, ct)
+                        same = all(bool(jnp.array_equal(a, b)) for a, b in zip(g, g2))
+                        extra["deterministic"] = same
+                        ok = ok and same
+                    record(S, label, jnp.dtype(dtype).name, max_rel_err=max(errs), **extra,
+                           status="ok" if ok else "FAIL")
+                guarded(S, label, jnp.dtype(dtype).name, run)
+    check_attention()
+
+
+# Bytes each forward must move (read + write), in units of one activation (or q, or N x D).
+_FWD_UNITS = {"dropout": 2, "bias_dropout_add": 3, "bias_act_dropout": 2, "add_norm": 4,
+              "swiglu": 3, "rope": 2, "embedding": 2}
+
+
+def check_attention():
+    """Attention with dropout, compiled: forward and gradients vs the reference (same mask),
+    and the mask itself bitwise (q = 0 and V = I make o's rows the dropped P's rows)."""
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for (b, t, hq, hkv, d), causal in [((2, 257, 4, 2, 64), True),
+                                           ((1, 100, 8, 8, 128), False)]:
+            label = f"check flash_attention dropout B{b} T{t} Hq{hq} Hkv{hkv} D{d}"
+
+            def run(b=b, t=t, hq=hq, hkv=hkv, d=d, causal=causal, label=label):
+                k = jax.random.split(jax.random.key(t), 5)
+                q = jax.random.normal(k[0], (b, t, hq, d), dtype)
+                kk, v = (jax.random.normal(k[i], (b, t, hkv, d), dtype) for i in (1, 2))
+                do = jax.random.normal(k[3], q.shape, dtype)
+
+                def fb(impl, q, kk, v, do):
+                    f = lambda q, kk, v: jaxfuse.flash_attention(
+                        q, kk, v, causal=causal, dropout_rate=RATE, dropout_key=k[4], impl=impl)
+                    o, vjp = jax.vjp(f, q, kk, v)
+                    return o, vjp(do)
+                y, g = jax.jit(functools.partial(fb, "pallas"))(q, kk, v, do)
+                f32 = [a.astype(jnp.float32) for a in (q, kk, v, do)]
+                with jax.default_matmul_precision("highest"):
+                    yr, gr = jax.jit(functools.partial(fb, "reference"))(*f32)
+                errs = [rel_err(y, yr)] + [rel_err(a, r) for a, r in zip(g, gr)]
+                # The mask: q = 0 (uniform P), V = identity over 128 keys.
+                eye = jnp.broadcast_to(jnp.eye(128, dtype=dtype)[None, :, None, :],
+                                       (1, 128, 2, 128))
+                o = jax.jit(lambda q, v: jaxfuse.flash_attention(
+                    q, v, v, dropout_rate=0.5, dropout_key=k[4]))(jnp.zeros((1, 64, 4, 128),
+                                                                            dtype), eye)
+                from jaxfuse.reference.dropout import keep_mask
+                mask = keep_mask(k[4], (1, 4, 64, 128), 0.5).transpose(0, 2, 1, 3)
+                same = bool(jnp.array_equal(o != 0, mask))
+                ok = max(errs) <= 2e-2 and same
+                record(S, label, jnp.dtype(dtype).name, max_rel_err=max(errs), mask_bitwise=same,
+                       status="ok" if ok else "FAIL")
+            guarded(S, label, jnp.dtype(dtype).name, run)
+
+
+def perf_attention():
+    """The issue's target: fwd+bwd with dropout within 1.15x of the same call without."""
+    b, t, h, d = (1, 256, 4, 64) if SMALL else (8, 2048, 32, 128)
+    sets = []
+    for i in range(2):
+        k = jax.random.split(jax.random.key(20 + i), 5)
+        sets.append(tuple(jax.random.normal(k[j], (b, t, h, d), jnp.bfloat16) for j in range(4))
+                    + (k[4],))
+    for rate in (0.0, RATE):
+        def run(rate=rate):
+            def step(q, kk, v, do, key):
+                f = lambda q, kk, v: jaxfuse.flash_attention(q, kk, v, causal=True,
+                                                             dropout_rate=rate, dropout_key=key)
+                o, vjp = jax.vjp(f, q, kk, v)
+                return o, vjp(do)
+            t_ = bench(jax.jit(step), sets, reps=5)
+            record(S, f"flash_attention causal fwd+bwd B{b} T{t} H{h} D{d} bf16",
+                   f"jaxfuse dropout={rate}", t_)
+        guarded(S, "flash_attention dropout", f"rate={rate}", run)
+
+
+def perf(copy_bw: float, sweep: bool = True):
+    del sweep
+    perf_attention()
+    sh = _shapes()
+    impls = {"jaxfuse": _ours("pallas"), "xla": XLA, "xla_philox": _ours("reference")}
+    for name in _FWD_UNITS:
+        sets = [_args(name, jax.random.key(10 + i), jnp.bfloat16, **sh) for i in range(3)]
+        unit = sets[0][2][0] if name == "add_norm" else sets[0][2]
+        nbytes = _FWD_UNITS[name] * unit.size * unit.dtype.itemsize
+        wl = f"{name} {tuple(unit.shape)} bf16"
+        for impl, ops in impls.items():
+            f = ops[name]
+
+            def run_fwd(f=f, impl=impl):
+                fwd = jax.jit(lambda diff, other: _call(name, f, diff, other))
+                t = bench(fwd, [(d, o) for d, o, _ in sets])
+                record(S, f"{wl} fwd", impl, t, TBps=nbytes / t / 1e12,
+                       frac_copy=nbytes / t / copy_bw)
+
+            def run_fb(f=f, impl=impl):
+                step = _fwd_bwd(name, f)
+                t = bench(jax.jit(step), sets, reps=10)
+                tb = temp_bytes(step, *sets[0])
+                record(S, f"{wl} fwd+bwd", impl, t, temp_MB=(tb or 0) / 1e6)
+            guarded(S, f"{wl} fwd", impl, run_fwd)
+            guarded(S, f"{wl} fwd+bwd", impl, run_fb)
+        del sets
+
+
+def main() -> None:
+    global SMALL
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--small", action="store_true")
+    args = ap.parse_args()
+    SMALL = args.small
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
+    copy_bw = _timing.copy_ceiling() if not SMALL else 1e11
+    record("ceiling", "copy 1 GiB f32 (read+write)", "xla", None, TBps=copy_bw / 1e12)
+    if not args.no_check:
+        check()
+    perf(copy_bw)
+    _timing.save(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""The one row kernel behind `dropout`, `bias_dropout_add` and `bias_act_dropout`:
+
+    out = [residual +] dropout(act(x [+ bias]))
+
+in one read of x (and residual) and one write, the dropout mask generated in the kernel from
+(key, element index) by Philox (`jaxfuse._philox`) and never stored (LightSeq's bias + dropout +
+residual and bias + activation + dropout kernels, lecture 10 sec. 2.3 and 3; unfused that is
+three to four kernels and two to three stored intermediates, plus the mask).
+
+Backward (`custom_vjp`, saves x only when there is an activation to differentiate): one kernel
+regenerates the mask and writes dx = dy * keep / (1 - rate) * act'(x + bias), summing dbias over
+rows in the same pass (per-group float32 partial rows, as the norms' dweight: no atomics);
+d residual = dy needs no kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse import _philox
+from jaxfuse.pallas import _common as C
+from jaxfuse.pallas import _rng, _rows
+from jaxfuse.pallas._rows import RowBlocks
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+# Eigen's float32 erf (the one XLA uses): an odd/even rational fit on [-4, 4], +-1 beyond.
+_ERF_ALPHA = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+              -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+              -1.60960333262415e-02)
+_ERF_BETA = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+             -7.37332916720468e-03, -1.42647390514189e-02)
+
+
+def erf(x):
+    """float32 erf from + - * / only (Pallas's Triton lowering has no erf)."""
+    x = jnp.clip(x, -4.0, 4.0)
+    x2 = x * x
+    p = jnp.float32(_ERF_ALPHA[0])
+    for a in _ERF_ALPHA[1:]:
+        p = p * x2 + a
+    q = jnp.float32(_ERF_BETA[0])
+    for b in _ERF_BETA[1:]:
+        q = q * x2 + b
+    return x * p / q
+
+
+def _sigmoid(z):
+    return 1.0 / (1.0 + jnp.exp(-z))
+
+
+def act(name: str | None, z):
+    """The activation, as `jax.nn` defines it."""
+    if name is None:
+        return z
+    if name == "gelu":
+        return 0.5 * z * (1.0 + erf(z * (1.0 / math.sqrt(2.0))))
+    if name == "gelu_tanh":
+        return 0.5 * z * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z)))
+    if name == "relu":
+        return jnp.maximum(z, 0.0)
+    return z * _sigmoid(z)                                       # silu
+
+
+def act_grad(name: str, z):
+    """d act / dz (the backward recomputes it from x; nothing but x is saved)."""
+    if name == "gelu":
+        return 0.5 * (1.0 + erf(z * (1.0 / math.sqrt(2.0)))) + z * _INV_SQRT_2PI * jnp.exp(
+            -0.5 * z * z)
+    if name == "gelu_tanh":
+        t = jnp.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z))
+        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (
+            1.0 + 3.0 * 0.044715 * z * z)
+    if name == "relu":
+        return (z > 0.0).astype(jnp.float32)
+    s = _sigmoid(z)
+    return s * (1.0 + z * (1.0 - s))                             # silu
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    activation: str | None
+    rate: float            # 0.0: no dropout, no RNG work
+    has_bias: bool
+    has_residual: bool
+    quarters: bool         # rate > 0, n_cols % 4 == 0: `quarter_pass`, blocks over n_cols / 4
+    fwd_blocks: RowBlocks
+    bwd_blocks: RowBlocks
+    interpret: bool
+    name: str
+
+
+def dropout_scale(tile: _rows.Tile, n_cols: int, rate: float, interpret: bool):
+    """where(keep, 1 / (1 - rate), 0) for the tile's elements (the kernels' inverted dropout),
+    from the tile's Philox words when the pass computed them (`_rows.quarter_pass`)."""
+    if tile.bits is not None:
+        keep = _philox.keep_bits(tile.bits, rate)
+    else:
+        keep = _rng.keep(tile.key, tile.rows, tile.cols, n_cols, rate, interpret)
+    return jnp.where(keep, 1.0 / (1.0 - rate), 0.0)
+
+
+def _forward(x2, bias, res2, key_w, st: _Static):
+    n_cols = x2.shape[1]
+    tiled = [x2] + ([res2] if st.has_residual else [])
+
+    def emit(tile):
+        z = tile.x[0] + tile.per_col[0] if st.has_bias else tile.x[0]
+        z = act(st.activation, z)
+        if st.rate:
+            z = z * dropout_scale(tile, n_cols, st.rate, st.interpret)
+        if st.has_residual:
+            z = z + tile.x[1]
+        return (z,), (), ()
+
+    (out,) = _pass(st)(
+        emit, tiled=tiled, fills=[0.0] * len(tiled), per_col=[bias] if st.has_bias else [],
+        out_dtypes=(x2.dtype,), blocks=st.fwd_blocks, name=f"jaxfuse_{st.name}_fwd",
+        interpret=st.interpret, key=key_w if st.rate else None)
+    return out
+
+
+def _pass(st: _Static):
+    """The row pass for these settings: Philox once per four elements when it can."""
+    if st.quarters:
+        return functools.partial(_rows.quarter_pass, mulhi=_rng.mulhi(st.interpret))
+    return _rows.map_pass
+
+
+def _backward(x2, bias, key_w, dy2, st: _Static):
+    """(dx, dbias or None)."""
+    n_cols = dy2.shape[1]
+    if not (st.rate or st.activation or st.has_bias):
+        return dy2, None
+    tiled = [dy2] + ([x2] if st.activation else [])
+
+    def emit(tile):
+        g = tile.x[0]
+        if st.rate:
+            g = g * dropout_scale(tile, n_cols, st.rate, st.interpret)
+        if st.activation:
+            z = tile.x[1] + tile.per_col[0] if st.has_bias else tile.x[1]
+            g = g * act_grad(st.activation, z)
+        return (g,), (), ((g,) if st.has_bias else ())
+
+    needs_x = bool(st.activation)
+    dx, *sums = _pass(st)(
+        emit, tiled=tiled, fills=[0.0] * len(tiled),
+        per_col=[bias] if (st.has_bias and needs_x) else [], out_dtypes=(dy2.dtype,),
+        n_col_sums=int(st.has_bias), blocks=st.bwd_blocks, name=f"jaxfuse_{st.name}_bwd",
+        interpret=st.interpret, key=key_w if st.rate else None)
+    return dx, (jnp.sum(sums[0], axis=0) if st.has_bias else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused(x2, bias, res2, key_w, st: _Static):
+    return _forward(x2, bias, res2, key_w, st)
+
+
+def _fused_fwd(x2, bias, res2, key_w, st):
+    return _forward(x2, bias, res2, key_w, st), (x2 if st.activation else None, bias, key_w)
+
+
+def _fused_bwd(st, saved, dy2):
+    x2, bias, key_w = saved
+    dx, dbias = _backward(x2, bias, key_w, dy2, st)
+    dbias = None if bias is None else dbias.astype(bias.dtype)
+    dres = dy2 if st.has_residual else None
+    key_ct = None if key_w is None else jnp.zeros(key_w.shape, jax.dtypes.float0)
+    return dx.astype(dy2.dtype), dbias, dres, key_ct
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def apply(x, bias, residual, *, activation: str | None, rate: float, key, name: str,
+          interpret: bool | None, block_sizes: RowBlocks | None) -> jax.Array:
+    """Shared wrapper (inputs already validated): rows view, blocks, key words, run."""
+    interpret = C.resolve_interpret(interpret)
+    rate = float(rate) if _philox.active(rate, key) else 0.0
+    x2 = _rows.as_rows(x)
+    n_rows, n_cols = x2.shape
+    quarters = bool(rate) and n_cols % 4 == 0
+    tiled_cols = n_cols // 4 if quarters else n_cols
+    fwd = _rows.resolve_blocks(block_sizes, n_rows, tiled_cols, interpret)
+    bwd = _rows.resolve_blocks(block_sizes, n_rows, tiled_cols, interpret,
+                               accumulate_rows=bias is not None)
+    st = _Static(activation, rate, bias is not None, residual is not None, quarters, fwd, bwd,
+                 interpret, name)
+    key_w = _philox.key_words(key) if rate else None
+    res2 = None if residual is None else _rows.as_rows(residual)
+    return _fused(x2, bias, res2, key_w, st).reshape(x.shape)

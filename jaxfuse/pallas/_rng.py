@@ -1,0 +1,35 @@
+"""Dropout masks inside a kernel: `jaxfuse._philox` with the multiply that suits the regime.
+
+In interpret mode the kernel runs as XLA on the CPU and `lax.mulhi` is exact; Pallas's Triton
+lowering has no rule for `mulhi`, so a compiled kernel takes the high word of the product with
+one `mul.hi.u32` instruction (what cuRAND's and Triton's own Philox do). Both are exact integer
+arithmetic, so the bits, and the masks, are identical in every regime and in the reference.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as pltriton
+
+from jaxfuse import _philox
+
+
+def _mulhi_ptx(a, b):
+    # Through int32 (the same 32-bit registers): Pallas's Triton lowering types uint32 values
+    # as signless i32 but an inline-asm result declared uint32 as ui32, which then mismatch.
+    a, b = (lax.bitcast_convert_type(v, jnp.int32) for v in jnp.broadcast_arrays(
+        jnp.asarray(a, jnp.uint32), jnp.asarray(b, jnp.uint32)))
+    hi = pltriton.elementwise_inline_asm(
+        "mul.hi.u32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])[0]
+    return lax.bitcast_convert_type(hi, jnp.uint32)
+
+
+def mulhi(interpret: bool):
+    return lax.mulhi if interpret else _mulhi_ptx
+
+
+def keep(key_w, rows, cols, n_cols: int, rate: float, interpret: bool, stream=0):
+    """`_philox.keep` for a tile of absolute (rows, cols) indices, in the kernel's regime."""
+    return _philox.keep(key_w, rows, cols, n_cols, rate, stream=stream, mulhi=mulhi(interpret))

@@ -1,0 +1,291 @@
+"""FlashAttention forward on a Hopper GPU (sm90) in Pallas Mosaic GPU: TMA, wgmma, warp
+specialization and two ping-ponging consumer warpgroups (FlashAttention-3, Shah et al. 2024,
+sec. 3.1-3.2).
+
+One CTA computes a [2 * block_q, D] tile of o for one (batch, query head):
+
+* a producer warpgroup streams the K and V tiles of the visible key range into a ring of
+  `stages` shared-memory slots with TMA (each slot has a "full" barrier that the copy completes
+  and an "empty" barrier that both consumers arrive on once they have read it);
+* two consumer warpgroups each own block_q = 64 query rows (one wgmma M), keep (m, l, acc) in
+  registers and walk the same key tiles: S = Q K^T by wgmma from shared memory, the online
+  softmax in the log2 domain (exp2, scale * log2(e) folded into one multiply), then
+  O += P V by wgmma with P straight from registers (never through shared memory);
+* the two consumers take turns on the tensor cores (a two-arrival "schedule" barrier as a
+  rendezvous, the second warpgroup one phase behind): while one runs its softmax the other's
+  GEMMs run, so the exponentials hide under matrix work (FlashAttention-3 sec. 3.1, ping-pong).
+
+Causal and sliding-window masks come from `_attn.key_blocks`, shared with the Triton kernels:
+key tiles wholly masked for the CTA's rows are never loaded, tiles wholly visible take no mask
+arithmetic, and only the tiles on an edge are masked. With `causal`, CTAs are launched heaviest
+first (the last query tiles, which see the most keys, get the first multiprocessors) so the
+short tiles fill in at the end of the wave.
+
+What it takes (`fits`): bf16/f16, D in {64, 128, 256}, Tq a multiple of 2 * block_q and Tk of
+block_k; no segment ids. Anything else runs the portable Triton kernels (`attention.py`),
+which also serve the backward.
+
+Regimes: compiled by Mosaic GPU on an sm90 GPU. On a CPU the same body runs in Mosaic GPU's
+interpreter (threads, TMA, barriers simulated), except the two matrix products, which that
+interpreter (jax 0.10.2) cannot read from registers or transposed shared memory: there they
+are plain dots of the same tiles (`_Mma`). The wgmma forms are checked by the sm90 lowering
+test on a CPU and against the reference on the GPU (benchmarks/attention.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxfuse.pallas import _attn as A
+from jaxfuse.pallas import _common as C
+from jaxfuse.pallas import _hopper as H
+from jaxfuse.pallas._attn import AttnSpec
+
+_ROWS = 64          # query rows per consumer warpgroup: one wgmma M
+_SMEM_BYTES = 227 * 1024 - 8192   # less the barriers and what Mosaic GPU reserves
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperAttnTiles:
+    """block_k: keys per step; stages: K/V ring depth (None: as many as shared memory holds,
+    at most 4); pingpong: the consumers take turns on the tensor cores (False: they run free)."""
+    block_k: int = 128
+    stages: int | None = None
+    pingpong: bool = True
+
+    @classmethod
+    def for_head_dim(cls, d: int) -> "HopperAttnTiles":
+        # D = 256: a [64, 256] float32 accumulator is 128 registers a thread, so S takes
+        # 64-key tiles (32 registers) to stay under the 232 that a consumer gets.
+        return cls(block_k=64 if d > 128 else 128)
+
+    def stages_for(self, d: int, itemsize: int) -> int:
+        q = 2 * _ROWS * d * itemsize                   # Q tiles (reused for O on the way out)
+        stage = 2 * self.block_k * d * itemsize        # one K and one V tile
+        fit = max(1, (_SMEM_BYTES - q) // stage)
+        return min(fit, 4) if self.stages is None else self.stages
+
+
+def fits(dtype, spec: AttnSpec, tiles: HopperAttnTiles) -> bool:
+    """Whether the Hopper forward takes this problem (q, k, v of `dtype`) as it is (see the
+    module docstring)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and spec.head_dim in (64, 128, 256) and not spec.segments
+            and spec.n_q % (2 * _ROWS) == 0 and spec.n_k % tiles.block_k == 0
+            and spec.n_q > 0 and spec.n_k > 0)
+
+
+def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
+    """The Hopper forward's tiles if it is to run, else None (see `AttnBlocks.hopper`); `spec`
+    must be the squeezed (GPU-layout) spec. None runs it on an sm90 GPU, compiled, where the
+    problem fits; True or tiles force it (also in the interpreter) and raise where it does not."""
+    if hopper is False or (hopper is None and (spec.interpret or not H.available())):
+        return None
+    tiles = hopper if isinstance(hopper, HopperAttnTiles) else HopperAttnTiles.for_head_dim(
+        spec.head_dim)
+    if fits(dtype, spec, tiles):
+        return tiles
+    if hopper is not None:
+        raise ValueError(
+            f"AttnBlocks(hopper={hopper}) needs bf16/f16 q, k, v of one dtype, head_dim in (64, "
+            f"128, 256), no segment ids, Tq a multiple of {2 * _ROWS} and Tk of "
+            f"{tiles.block_k}; got q {tuple(q_shape)} {jnp.dtype(dtype).name}, Tk={spec.n_k}, "
+            f"segment ids {spec.segments}. Use hopper=None to fall back to the portable kernel "
+            f"where it does not fit")
+    return None
+
+
+class _Mma:
+    """The two matrix products of a step: wgmma on the GPU, plain dots in the interpreter."""
+
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+
+    def qk(self, q_smem, k_smem, after_issue):
+        """S = Q K^T as float32 [64, bk]; `after_issue` runs while the wgmma is in flight."""
+        if self.interpret:
+            after_issue()
+            return A.dot(q_smem[...], k_smem[...], "qd,kd->qk")
+
+        def body(acc):
+            plgpu.wgmma(acc, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+            after_issue()
+            return acc[...]
+        return pl.run_scoped(body, plgpu.ACC((_ROWS, k_smem.shape[0]), jnp.float32))
+
+    def pv(self, acc, p, v_smem, after_issue):
+        """acc + P V with P [64, bk] in registers (the input dtype); `after_issue` runs while
+        the wgmma is in flight."""
+        if self.interpret:
+            after_issue()
+            return acc + A.dot(p, v_smem[...], "qk,kd->qd")
+
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, p, v_smem)
+            after_issue()
+        return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def _row_vec(x, n: int):
+    """A per-row vector [64] broadcast to a [64, n] tile (Mosaic GPU has no [64, 1] layout)."""
+    return lax.broadcast_in_dim(x, (x.shape[0], n), (0,))
+
+
+def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
+                  tiles: HopperAttnTiles, stages: int, n_q_tiles: int):
+    bk, d, g = tiles.block_k, spec.head_dim, spec.groups
+    mma = _Mma(spec.interpret)
+    dtype = q_gmem.dtype
+    transforms = H._tma_transforms(dtype, d)
+
+    def scoped(q_smem, k_smem, v_smem, lse_smem, k_full, v_full, q_full, k_empty, v_empty,
+               turn):
+        bh = lax.axis_index("bh")
+        b, h = bh // q_gmem.shape[2], bh % q_gmem.shape[2]
+        tile = lax.axis_index("q")
+        if spec.causal:      # heaviest first: the last query tiles see the most keys
+            tile = n_q_tiles - 1 - tile
+        row0 = tile * (2 * _ROWS)
+        lo, f_lo, f_hi, hi = A.key_blocks(spec, row0, 2 * _ROWS, bk)
+        n = hi - lo
+        wg = lax.axis_index("wg")
+
+        def kv(ref, j):
+            return ref.at[b, pl.ds((lo + j) * bk, bk), h // g]
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, n)
+            def _step(j):
+                slot = lax.rem(j, stages)
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(k_empty.at[slot])
+                plgpu.copy_gmem_to_smem(kv(k_gmem, j), k_smem.at[slot], k_full.at[slot])
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(v_empty.at[slot])
+                plgpu.copy_gmem_to_smem(kv(v_gmem, j), v_smem.at[slot], v_full.at[slot])
+
+            # Observe the last releases, so every barrier completion is waited for before the
+            # kernel ends (the interpreter checks it; on the GPU it costs nothing).
+            @pl.loop(jnp.maximum(n, stages), n + stages)
+            def _drain(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_empty.at[slot])
+                plgpu.barrier_wait(v_empty.at[slot])
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            r0 = row0 + wg * _ROWS
+            plgpu.copy_gmem_to_smem(q_gmem.at[b, pl.ds(r0, _ROWS), h], q_smem.at[wg],
+                                    q_full.at[wg])
+            plgpu.barrier_wait(q_full.at[wg])
+            q_pos = r0 + _iota((_ROWS, bk), 0, spec.interpret)
+
+            def rendezvous():
+                if tiles.pingpong:
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(turn)
+
+            def step(j, carry, masked):
+                acc, m, l = carry
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_full.at[slot])
+                s = mma.qk(q_smem.at[wg], k_smem.at[slot], rendezvous)
+                plgpu.barrier_arrive(k_empty.at[slot])
+                k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
+                s2, _ = A.transform(spec, s, q_pos, k_pos, None, None, masked)
+                m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+                shift = C.safe_max(m_new)
+                alpha = jnp.exp2(m - shift)
+                p = jnp.exp2(s2 - _row_vec(shift, bk))
+                l = l * alpha + jnp.sum(p, axis=1)
+                acc = acc * _row_vec(alpha, d)
+                if tiles.pingpong:
+                    plgpu.barrier_arrive(turn)        # my softmax is done
+                plgpu.barrier_wait(v_full.at[slot])
+                if tiles.pingpong:
+                    plgpu.barrier_wait(turn)          # the other's GEMMs have been issued
+                acc = mma.pv(acc, p.astype(dtype), v_smem.at[slot], lambda: None)
+                plgpu.barrier_arrive(v_empty.at[slot])
+                return acc, m_new, l
+
+            acc = _zeros((_ROWS, d), spec.interpret)
+            m = jnp.full((_ROWS,), C.NEG_INF, jnp.float32)
+            l = jnp.zeros((_ROWS,), jnp.float32)
+            if not spec.interpret:
+                m = plgpu.layout_cast(m, plgpu.Layout.WGMMA.reduce(1))
+                l = plgpu.layout_cast(l, plgpu.Layout.WGMMA.reduce(1))
+            if tiles.pingpong:
+                pl.when(wg == 1)(rendezvous)         # the second consumer one phase behind
+            carry = (acc, m, l)
+            carry = lax.fori_loop(0, f_lo - lo, lambda j, c: step(j, c, True), carry)
+            carry = lax.fori_loop(f_lo - lo, f_hi - lo, lambda j, c: step(j, c, False), carry)
+            acc, m, l = lax.fori_loop(f_hi - lo, n, lambda j, c: step(j, c, True), carry)
+            if tiles.pingpong:
+                pl.when(wg == 0)(rendezvous)
+
+            seen = l > 0
+            inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+            lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * A.LN2, C.NEG_INF)
+            q_smem[wg] = (acc * _row_vec(inv, d)).astype(dtype)      # Q is done with: O goes here
+            lse_smem[wg] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_gmem.at[b, pl.ds(r0, _ROWS), h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[b, h, pl.ds(r0, _ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((2, _ROWS, d), dtype, transforms=transforms),
+        plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
+        plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
+        plgpu.SMEM((2, _ROWS), jnp.float32),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg")
+
+
+def _iota(shape, dim, interpret):
+    if interpret:
+        return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _zeros(shape, interpret):
+    z = jnp.zeros(shape, jnp.float32)
+    return z if interpret else plgpu.layout_cast(z, plgpu.Layout.WGMMA)
+
+
+def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
+    """(o [B, Tq, Hq, D], natural-log lse [B, Hq, Tq] float32) of q [B, Tq, Hq, D] over k, v
+    [B, Tk, Hkv, D]; the problem must `fit`."""
+    b, tq, hq, d = q.shape
+    stages = tiles.stages_for(d, q.dtype.itemsize)
+    n_q_tiles = tq // (2 * _ROWS)
+    body = functools.partial(_forward_body, spec=spec, tiles=tiles, stages=stages,
+                             n_q_tiles=n_q_tiles)
+    out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, hq, tq), jnp.float32))
+    params = plgpu.CompilerParams(approx_math=True)
+    kw = {"interpret": H._interpret_params()} if spec.interpret else {}
+    f = plgpu.kernel(body, out_type=out_types, grid=(b * hq, n_q_tiles),
+                     grid_names=("bh", "q"), num_threads=3, thread_name="wg",
+                     compiler_params=params, kernel_name="jaxfuse_flash_fwd_hopper", **kw)
+    return f(q, k, v)

@@ -1,0 +1,189 @@
+"""Fused embedding: out[n] = dropout(scale * table[tokens[n]] + pos_table[positions[n]]).
+
+Forward (LightSeq's embedding kernel, lecture 10 sec. 5.1): one kernel gathers the token's row
+and the position's row, scales, adds, drops (mask generated in the kernel) and writes the output
+row: unfused that is five kernels and four stored intermediates. Each program walks its rows one
+by one (a gather is a row load at a data-dependent offset).
+
+Backward: d table[v] = sum over n with tokens[n] = v of scale * dropout'(d out[n]). LightSeq
+adds each row into the table's gradient with atomics, whose order (and so whose rounding) changes
+from run to run. Here the tokens are sorted once (a stable sort, by XLA) and `searchsorted` gives
+each vocabulary row the range [start, end) of its occurrences; program v then sums its rows in
+that (stable) order and writes d table[v] once: no atomics, bitwise identical across runs, and a
+row no token uses is written as zeros. d pos_table is the same kernel over the positions.
+Rows whose token or position is out of range (NaN outputs) are left out of both sums.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxfuse import _philox
+from jaxfuse.pallas import _common as C
+from jaxfuse.pallas import _rng, _rows
+from jaxfuse.pallas._rows import RowBlocks
+from jaxfuse.reference import embedding as ref
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    scale: float
+    rate: float          # 0.0: no dropout
+    has_pos: bool
+    n_vocab: int
+    n_pos: int           # rows of pos_table (0 without one)
+    fwd_blocks: RowBlocks
+    bwd_blocks: RowBlocks
+    interpret: bool
+
+
+def _drop_row(key_w, n, cols, d: int, st: _Static):
+    """where(keep, 1 / (1 - rate), 0) for columns `cols` [1, bc] of output row n."""
+    keep = _rng.keep(key_w, jnp.full(cols.shape, n, jnp.int32), cols, d, st.rate, st.interpret)
+    return jnp.where(keep, 1.0 / (1.0 - st.rate), 0.0)
+
+
+def _key(refs, st: _Static):
+    """(key words or (), remaining refs): the key, when there is one, is the first input."""
+    return ((refs[0][0], refs[0][1]), refs[1:]) if st.rate else ((), refs)
+
+
+def _forward(tok, pos, table, pos_table, key_w, st: _Static):
+    n_rows, (n_vocab, d) = tok.shape[0], table.shape
+    br, bc = st.fwd_blocks.block_rows, st.fwd_blocks.block_cols
+
+    def kernel(*refs):
+        key, refs = _key(refs, st)
+        tok_ref, pos_ref, t_ref, p_ref, o_ref = refs if st.has_pos else (refs[0], None, refs[1],
+                                                                         None, refs[2])
+        # program ids read outside the loops (interpret mode cannot read them inside one)
+        col0, row0 = pl.program_id(1) * bc, pl.program_id(0) * br
+
+        def row(r, carry):
+            n = row0 + r
+            n_in = jnp.minimum(n, n_rows - 1)               # rows past the end: read row N-1
+            v = tok_ref[n_in]
+            ok = (v >= 0) & (v < n_vocab)
+            e, _, cols, _ = C.load_tile(t_ref, jnp.clip(v, 0, n_vocab - 1), col0, 1, bc,
+                                        n_vocab, d)
+            val = e.astype(jnp.float32) * st.scale                              # [1, bc]
+            if st.has_pos:
+                p = pos_ref[n_in]
+                n_pos = pos_table.shape[0]
+                ok = ok & (p >= 0) & (p < n_pos)
+                val = val + C.load_tile(p_ref, jnp.clip(p, 0, n_pos - 1), col0, 1, bc, n_pos,
+                                        d)[0].astype(jnp.float32)
+            if st.rate:
+                val = val * _drop_row(key, n, cols, d, st)
+            val = jnp.where(ok, val, jnp.nan)
+            C.store_tile(o_ref, val, n, col0, n_rows, d, mask=cols < d)
+            return carry
+
+        jax.lax.fori_loop(0, br, row, 0)
+
+    args = [tok] + ([pos] if st.has_pos else []) + [table] + ([pos_table] if st.has_pos else [])
+    return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n_rows, d), table.dtype),
+                         grid=(C.cdiv(n_rows, br), C.cdiv(d, bc)), name="jaxfuse_embedding_fwd",
+                         interpret=st.interpret, num_warps=st.fwd_blocks.num_warps)(
+        *([key_w] if st.rate else []), *args)
+
+
+def _segments(idx, ok, n_table: int):
+    """The stable order of the rows by index, and each table row's range in it: (order [N],
+    bounds [n_table + 1]). Rows with `ok` False sort before every range and belong to none."""
+    keyed = jnp.where(ok, idx, -1)
+    order = jnp.argsort(keyed, stable=True).astype(jnp.int32)
+    bounds = jnp.searchsorted(keyed[order], jnp.arange(n_table + 1, dtype=jnp.int32),
+                              side="left").astype(jnp.int32)
+    return order, bounds
+
+
+def _segment_sum(order, bounds, dy2, key_w, factor: float, n_table: int, dtype, st: _Static):
+    """out[v] = factor * sum_{i in [bounds[v], bounds[v+1])} dropout'(dy2[order[i]]), in order."""
+    n_rows, d = dy2.shape
+    bv, bc = st.bwd_blocks.block_rows, st.bwd_blocks.block_cols
+
+    def kernel(*refs):
+        key, (order_ref, bounds_ref, dy_ref, o_ref) = _key(refs, st)
+        col0, v0 = pl.program_id(1) * bc, pl.program_id(0) * bv
+
+        def table_row(r, carry):
+            v = v0 + r
+            v_in = jnp.minimum(v, n_table - 1)
+
+            def add(i, acc):
+                n = order_ref[i]
+                g, _, cols, _ = C.load_tile(dy_ref, n, col0, 1, bc, n_rows, d)
+                g = g.astype(jnp.float32)
+                if st.rate:
+                    g = g * _drop_row(key, n, cols, d, st)
+                return acc + g * factor
+
+            acc = jax.lax.fori_loop(bounds_ref[v_in], bounds_ref[v_in + 1], add,
+                                    jnp.zeros((1, bc), jnp.float32))
+            C.store_tile(o_ref, acc, v, col0, n_table, d)
+            return carry
+
+        jax.lax.fori_loop(0, bv, table_row, 0)
+
+    return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n_table, d), dtype),
+                         grid=(C.cdiv(n_table, bv), C.cdiv(d, bc)),
+                         name="jaxfuse_embedding_bwd", interpret=st.interpret,
+                         num_warps=st.bwd_blocks.num_warps)(
+        *([key_w] if st.rate else []), order, bounds, dy2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _embedding(tok, pos, table, pos_table, key_w, st: _Static):
+    return _forward(tok, pos, table, pos_table, key_w, st)
+
+
+def _embedding_fwd(tok, pos, table, pos_table, key_w, st):
+    return _forward(tok, pos, table, pos_table, key_w, st), (tok, pos, key_w)
+
+
+def _embedding_bwd(st, saved, dy2):
+    tok, pos, key_w = saved
+    n_vocab, n_pos, dtype = st.n_vocab, st.n_pos, dy2.dtype
+    ok = (tok >= 0) & (tok < n_vocab)
+    if st.has_pos:
+        ok = ok & (pos >= 0) & (pos < n_pos)
+    dtable = _segment_sum(*_segments(tok, ok, n_vocab), dy2, key_w, st.scale, n_vocab, dtype, st)
+    dpos = None
+    if st.has_pos:
+        dpos = _segment_sum(*_segments(pos, ok, n_pos), dy2, key_w, 1.0, n_pos, dtype, st)
+    float0 = lambda a: None if a is None else jnp.zeros(a.shape, jax.dtypes.float0)
+    return float0(tok), float0(pos), dtable, dpos, float0(key_w)
+
+
+_embedding.defvjp(_embedding_fwd, _embedding_bwd)
+
+
+def embedding(tokens: jax.Array, table: jax.Array, *, scale: float = 1.0,
+              pos_table: jax.Array | None = None, positions: jax.Array | None = None,
+              rate: float = 0.0, key=None, interpret: bool | None = None,
+              block_sizes: RowBlocks | None = None) -> jax.Array:
+    """Pallas fused embedding; see `jaxfuse.reference.embedding`. `block_sizes.block_rows` is
+    the rows (tokens forward, table rows backward) one program walks."""
+    ref.validate(tokens, table, scale, pos_table, positions, rate, key)
+    interpret = C.resolve_interpret(interpret)
+    rate = float(rate) if _philox.active(rate, key) else 0.0
+    positions = ref.resolve_positions(tokens, pos_table, positions)
+    tok = tokens.reshape(-1).astype(jnp.int32)
+    pos = None if positions is None else positions.reshape(-1)
+    n_rows, d = tok.shape[0], table.shape[1]
+    if block_sizes is None and not interpret:
+        # One row per program: a gathered row is the unit of work, and N or V programs fill
+        # the GPU many times over.
+        block_sizes = RowBlocks(1, min(C.next_pow2(d), 16384), max(1, min(8, d // 512)))
+    fwd = _rows.resolve_blocks(block_sizes, n_rows, d, interpret)
+    bwd = _rows.resolve_blocks(block_sizes, table.shape[0], d, interpret)
+    st = _Static(float(scale), rate, pos_table is not None, table.shape[0],
+                 0 if pos_table is None else pos_table.shape[0], fwd, bwd, interpret)
+    key_w = _philox.key_words(key) if rate else None
+    out = _embedding(tok, pos, table, pos_table, key_w, st)
+    return out.reshape(*tokens.shape, d)

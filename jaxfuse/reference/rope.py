@@ -1,0 +1,54 @@
+"""Reference rotary position embedding (RoFormer, Su et al. 2021), x [..., T, H, D] with integer
+positions [..., T]. Pair i (of D/2) turns by the angle theta_i = position * base^(-2i/D):
+
+    x'_a = x_a cos(theta_i) - x_b sin(theta_i),   x'_b = x_b cos(theta_i) + x_a sin(theta_i)
+
+where (a, b) = (2i, 2i + 1) with `interleaved=True` (RoFormer, and `jaxfuse.model`) or
+(i, i + D/2) with `interleaved=False` (GPT-NeoX's halves, Llama checkpoints in that layout).
+Rotations are orthogonal: the gradient is the inverse rotation of the cotangent.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse import _checks
+
+
+def validate(x, positions, base) -> None:
+    _checks.check_float("x", x)
+    _checks.check_ndim("x", x, min_ndim=3)
+    _checks.check_int("positions", positions)
+    if tuple(positions.shape) != tuple(x.shape[:-2]):
+        raise ValueError(f"positions.shape={tuple(positions.shape)} must be x.shape[:-2]="
+                         f"{tuple(x.shape[:-2])} (x is [..., T, H, D], positions [..., T])")
+    if x.shape[-1] % 2:
+        raise ValueError(f"the head dim x.shape[-1]={x.shape[-1]} must be even")
+    _checks.check_positive("base", base, allow_none=False)
+
+
+def column_freqs(d: int, base: float, interleaved: bool) -> jax.Array:
+    """float32 [D]: base^(-2i/D) of the pair i that column c belongs to (the kernel and this
+    reference use the same numbers; each angle is then position * freq)."""
+    c = jnp.arange(d)
+    i = c // 2 if interleaved else c % (d // 2)
+    return jnp.float32(base) ** (-(2 * i).astype(jnp.float32) / d)
+
+
+def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
+         interleaved: bool = True) -> jax.Array:
+    validate(x, positions, base)
+    d = x.shape[-1]
+    freq = column_freqs(d, base, interleaved)[0::2] if interleaved else \
+        column_freqs(d, base, interleaved)[: d // 2]                          # [D/2]
+    angle = positions.astype(jnp.float32)[..., None, None] * freq             # [..., T, 1, D/2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    xf = x.astype(jnp.float32)
+    xa, xb = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., : d // 2],
+                                                                   xf[..., d // 2:])
+    ya, yb = xa * cos - xb * sin, xb * cos + xa * sin
+    if interleaved:
+        out = jnp.stack([ya, yb], axis=-1).reshape(x.shape)
+    else:
+        out = jnp.concatenate([ya, yb], axis=-1)
+    return out.astype(x.dtype)

@@ -1,0 +1,194 @@
+"""The one mechanism that runs a jaxfuse kernel per shard, whatever placed its operands.
+
+XLA cannot partition a `pallas_call`: given sharded operands it gathers them onto every device
+(jax#19748). So each public op is written as a per-shard function `local(plan, *arrays)` plus a
+`Layout` that names every dimension of every operand and result by a factor (einsum style:
+`x: b0 b1 d`, `weight: d`), and this module runs `local` on each device's shard:
+
+* automatic mode (`jax.jit` over arrays placed with `NamedSharding` on an `Auto` mesh):
+  `jax.experimental.custom_partitioning`. The Shardy rule comes from the layout, so the
+  operands' shardings propagate through the op; at partitioning time `plan` maps each factor to
+  the mesh axes it is sharded over, the operands keep those shardings (factors the op cannot
+  split are gathered), and `local` runs on the shards with collectives over the plan's axes
+  where the maths needs them (psum of a weight gradient, (m, l) merges across a split row).
+* explicit mode (a mesh with `Explicit` axes: the avals carry their sharding): `jax.shard_map`
+  with the same plan and the same `local`.
+* one device, or inside a user's `shard_map`: `local` runs as is (custom_partitioning inlines).
+
+`custom_partitioning` is not differentiable, so `vjp_op` joins a partitioned forward (which
+returns the residuals) and a partitioned backward with a `jax.custom_vjp`, as JAX's RMSNorm
+example does. `custom_partitioning` has no batching rule either, so under `jax.vmap` the op runs
+its unpartitioned `local` through `jax.custom_batching.custom_vmap`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
+                                                  custom_partitioning)
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+Dims = tuple  # one entry per dimension: a factor name, or a tuple of names (major first)
+Plan = dict   # factor name -> tuple of mesh axis names it is sharded over (absent: whole)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Factor names of every operand and result dimension, the factors the op can split and
+    the sizes of factors that only appear inside a compound dimension (GQA's query heads are
+    `(n, g)`: KV head n major, group member g minor; only n may be split)."""
+    operands: tuple[Dims, ...]
+    results: tuple[Dims, ...]
+    splittable: tuple[str, ...]
+    sizes: tuple[tuple[str, int], ...] = ()
+
+    def sdy_rule(self) -> SdyShardingRule:
+        def mapping(dims):
+            return ArrayMapping(*[d if isinstance(d, str) else CompoundFactor(*d) for d in dims])
+        factors = dict.fromkeys(f for dims in self.operands + self.results for d in dims
+                                for f in ((d,) if isinstance(d, str) else d))
+        return SdyShardingRule(       # Shardy wants the special factors in order of appearance
+            tuple(mapping(d) for d in self.operands), tuple(mapping(d) for d in self.results),
+            need_replication_factors=tuple(f for f in factors if f not in self.splittable),
+            **dict(self.sizes))
+
+
+def lead(ndim: int, prefix: str = "b") -> tuple[str, ...]:
+    """Factor names for `ndim` leading (batch-like) dimensions."""
+    return tuple(f"{prefix}{i}" for i in range(ndim))
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def make_plan(layout: Layout, specs: Sequence[P], shapes: Sequence[tuple[int, ...]],
+              axis_sizes: dict[str, int]) -> Plan:
+    """Which mesh axes each factor is split over, read off the operands' partition specs: the
+    first operand that shards a splittable factor decides, a mesh axis serves one factor only,
+    and a factor is split only if its size divides evenly (else it stays whole)."""
+    sizes = dict(layout.sizes)
+    for dims, shape in zip(layout.operands, shapes):
+        for d, n in zip(dims, shape):
+            if isinstance(d, str):
+                sizes.setdefault(d, n)
+    plan: Plan = {}
+    used: set[str] = set()
+    for dims, spec in zip(layout.operands, specs):
+        for j, d in enumerate(dims):
+            factor = d if isinstance(d, str) else d[0]
+            axes = _axes(spec[j] if j < len(spec) else None)
+            if (not axes or factor in plan or factor not in layout.splittable
+                    or used & set(axes) or sizes[factor] % math.prod(axis_sizes[a] for a in axes)):
+                continue
+            plan[factor] = axes
+            used |= set(axes)
+    return plan
+
+
+def spec_of(dims: Dims, plan: Plan) -> P:
+    entries = []
+    for d in dims:
+        axes = plan.get(d if isinstance(d, str) else d[0], ())
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*entries)
+
+
+def _explicit_mesh(args):
+    """The abstract mesh of operands typed with Explicit axes (explicit sharding mode), else None."""
+    for a in args:
+        sharding = getattr(jax.typeof(a), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and not mesh.empty and any(
+                t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+            return mesh
+    return None
+
+
+def partitioned(local: Callable, layout: Layout, args: Sequence[jax.Array]) -> tuple:
+    """`local(plan, *args)` (a tuple of arrays) run per shard; see the module docstring."""
+    args = tuple(args)
+    mesh = _explicit_mesh(args)
+    if mesh is not None:
+        specs = [jax.typeof(a).sharding.spec for a in args]
+        plan = make_plan(layout, specs, [a.shape for a in args], dict(mesh.shape))
+        in_specs = tuple(spec_of(d, plan) for d in layout.operands)
+        args = [jax.sharding.reshard(a, s) for a, s in zip(args, in_specs)]
+        return tuple(jax.shard_map(functools.partial(local, plan), mesh=mesh, in_specs=in_specs,
+                                   out_specs=tuple(spec_of(d, plan) for d in layout.results),
+                                   check_vma=False)(*args))
+    return _auto(local, layout)(*args)
+
+
+def _auto(local: Callable, layout: Layout):
+    whole = functools.partial(local, {})
+
+    @custom_partitioning
+    def op(*args):
+        return tuple(whole(*args))
+
+    def partition(mesh, arg_shapes, result_shape):
+        specs = [s.sharding.spec if isinstance(s.sharding, NamedSharding) else P()
+                 for s in arg_shapes]
+        plan = make_plan(layout, specs, [s.shape for s in arg_shapes], dict(mesh.shape))
+        shard = lambda dims: NamedSharding(mesh, spec_of(dims, plan))
+        return (mesh, lambda *a: tuple(local(plan, *a)),
+                tuple(shard(d) for d in layout.results), tuple(shard(d) for d in layout.operands))
+
+    def infer(mesh, arg_shapes, result_shape):       # GSPMD (jax_use_shardy_partitioner=False)
+        specs = [s.sharding.spec if isinstance(s.sharding, NamedSharding) else P()
+                 for s in arg_shapes]
+        plan = make_plan(layout, specs, [s.shape for s in arg_shapes], dict(mesh.shape))
+        return tuple(NamedSharding(mesh, spec_of(d, plan)) for d in layout.results)
+
+    op.def_partition(partition, infer_sharding_from_operands=infer,
+                     sharding_rule=layout.sdy_rule())
+
+    @jax.custom_batching.custom_vmap
+    def batchable(*args):
+        return op(*args)
+
+    @batchable.def_vmap
+    def _vmapped(axis_size, in_batched, *args):
+        outs = jax.vmap(lambda *a: tuple(whole(*a)),
+                        in_axes=[0 if b else None for b in in_batched])(*args)
+        return outs, tuple(True for _ in outs)
+
+    return batchable
+
+
+def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
+           n_out: int, diff: Sequence[bool]) -> Callable:
+    """A differentiable op of which both passes run per shard.
+
+    `fwd(plan, *args)` returns its `n_out` outputs followed by extra residuals; the backward's
+    operands are `args + outputs + extras + cotangents` (bwd_layout.operands in that order) and
+    `bwd(plan, ...)` returns one gradient per differentiable argument (`diff[i]`); the others
+    (integer labels, segment ids) get no cotangent.
+    """
+    @jax.custom_vjp
+    def op(*args):
+        return partitioned(fwd, fwd_layout, args)[:n_out]
+
+    def op_fwd(*args):
+        outs = partitioned(fwd, fwd_layout, args)
+        return outs[:n_out], (args, outs)
+
+    def op_bwd(res, cts):
+        args, outs = res
+        grads = iter(partitioned(bwd, bwd_layout, (*args, *outs, *cts)))
+        return tuple(next(grads) if d else None for d in diff)
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
+
+
+def present(*arrays: Any) -> tuple:
+    """The operands that are not None (optional weights, masks, segment ids)."""
+    return tuple(a for a in arrays if a is not None)

@@ -1,0 +1,69 @@
+"""The Hopper (sm90, Mosaic GPU) FlashAttention forward, run on a CPU in Mosaic GPU's interpreter.
+
+The interpreter runs the same kernel body: the producer warpgroup's TMA ring, the barriers, the
+two consumer warpgroups' online softmax and the ping-pong rendezvous; only the two matrix
+products are plain dots there (`attention_hopper._Mma`). The wgmma forms and every mask
+variant are checked by the sm90 lowering test (tests/test_gpu_lowering.py) and compiled on the
+GPU (benchmarks/attention.py). Causal cases are not run here: the interpreter's simulated
+threads stall intermittently on them on a 2-core machine (a scheduling problem of the
+simulation, not of the kernel: the GPU check runs them compiled).
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxfuse
+from jaxfuse import AttnBlocks
+from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+from jaxfuse.reference import attention as ref
+
+from _util import keys, randn
+
+F32 = lambda x: x.astype(jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("tiles,opts", [
+    (True, dict(logits_soft_cap=30.0)),
+    (HopperAttnTiles(block_k=64, stages=2, pingpong=False), dict(scale=0.3)),
+])
+def test_hopper_forward_matches_reference(dtype, tiles, opts):
+    """GQA (4 query heads on 1 KV head), Tk > Tq, a soft cap or a custom scale: o, lse and
+    (through the portable backward, fed by the Hopper forward's o and lse) dq, dk, dv."""
+    kq, kk, kv, kd = keys(3, 4)
+    q = randn(kq, (1, 128, 4, 64), dtype)
+    k = randn(kk, (1, 256, 1, 64), dtype)
+    v = randn(kv, (1, 256, 1, 64), dtype)
+    do = randn(kd, (1, 128, 4, 64), dtype)
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, return_lse=True,
+                                                block_sizes=AttnBlocks(hopper=tiles), **opts)
+    (o, lse), vjp = jax.vjp(f, q, k, v)
+    g = vjp((do, jnp.zeros_like(lse)))
+    (ro, rlse), rvjp = jax.vjp(lambda q, k, v: ref.attention(q, k, v, return_lse=True, **opts),
+                               F32(q), F32(k), F32(v))
+    rg = rvjp((F32(do), jnp.zeros_like(rlse)))
+    tol = 2e-2 if dtype == jnp.bfloat16 else 4e-3
+    assert float(jnp.abs(F32(o) - ro).max()) < tol
+    assert float(jnp.abs(lse - rlse).max()) < 1e-4
+    for a, b in zip(g, rg):
+        assert float(jnp.abs(F32(a) - b).max()) < 2 * tol
+
+
+@pytest.mark.parametrize("shape,kw,what", [
+    ((1, 100, 2, 64), {}, "Tq a multiple of 128"),
+    ((1, 128, 2, 80), {}, "head_dim in"),
+    ((1, 128, 2, 64), dict(q_segment_ids=jnp.zeros((1, 128), jnp.int32),
+                           kv_segment_ids=jnp.zeros((1, 128), jnp.int32)), "segment ids"),
+])
+def test_forced_hopper_rejects_what_it_cannot_take(shape, kw, what):
+    q = jnp.zeros(shape, jnp.bfloat16)
+    with pytest.raises(ValueError, match=what):
+        jaxfuse.flash_attention(q, q, q, block_sizes=AttnBlocks(hopper=True), **kw)
+
+
+def test_float32_rejected_when_forced_and_not_taken_by_default():
+    q = jnp.zeros((1, 128, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="bf16/f16"):
+        jaxfuse.flash_attention(q, q, q, block_sizes=AttnBlocks(hopper=True))
+    # Default (hopper=None) on a CPU: the portable path, no error.
+    assert jaxfuse.flash_attention(q, q, q).shape == q.shape

@@ -1,0 +1,190 @@
+"""Dropout's counter-based generator and the three ops built on it: dropout, bias_dropout_add,
+bias_act_dropout (one kernel, `pallas/_dropout.py`)."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import jaxfuse
+from jaxfuse import RowBlocks, _philox
+from jaxfuse.pallas import _dropout
+from jaxfuse.reference.dropout import keep_mask
+from tests._util import DTYPES, assert_close, keys, randn
+
+# Random123's known-answer vectors (tests/kat_vectors): counter, key -> Philox-4x32-10 output.
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+# One row; a prime width with rows split over two programs and columns over tiles (Philox per
+# element); 3-D with a width of 4 quarters (one Philox call per four elements), rows and quarter
+# columns split over programs.
+CASES = [((1, 7), None), ((5, 37), RowBlocks(2, 8, rows_per_program=4)),
+         ((2, 3, 16), RowBlocks(2, 2, rows_per_program=4))]
+
+
+def _u32(words):
+    return [jnp.asarray(np.uint32(w)) for w in words]
+
+
+def test_philox_known_answers():
+    for ctr, key, expected in KAT:
+        out = jax.jit(lambda c, k: _philox.philox4x32(c, k))(_u32(ctr), _u32(key))
+        assert [int(o) for o in out] == list(expected)
+
+
+def test_philox_known_answers_in_a_kernel():
+    """The same function inside a Pallas kernel (interpret mode), vectorized over counters."""
+    from jax.experimental import pallas as pl
+    from jaxfuse.pallas import _rng
+    ctr = np.array([c for c, _, _ in KAT], np.uint32).T          # [4 words, 3 vectors]
+    key = np.array([k for _, k, _ in KAT], np.uint32).T          # [2 words, 3 vectors]
+
+    def kernel(c_ref, k_ref, o_ref):
+        c, k = c_ref[...], k_ref[...]
+        out = _philox.philox4x32(tuple(c[i] for i in range(4)), (k[0], k[1]),
+                                 mulhi=_rng.mulhi(True))
+        o_ref[...] = jnp.stack(out)
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 3), jnp.uint32),
+                         interpret=True)(ctr, key)
+    np.testing.assert_array_equal(np.asarray(out).T, np.array([e for _, _, e in KAT], np.uint32))
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_keep_fraction_of_a_million(rate):
+    m = np.asarray(keep_mask(jax.random.key(11), (1000, 1000), rate))
+    p = 1.0 - rate
+    assert abs(m.mean() - p) < 5 * np.sqrt(p * (1 - p) / m.size)
+    # Per quarter of the row (each quarter takes a different word of the same Philox call).
+    for q in np.split(m, 4, axis=1):
+        assert abs(q.mean() - p) < 5 * np.sqrt(p * (1 - p) / q.size)
+
+
+def _agreement_ok(a, b, p):
+    """Two independent Bernoulli(p) masks agree with probability p^2 + (1-p)^2."""
+    a, b = np.asarray(a).ravel(), np.asarray(b).ravel()
+    e = p * p + (1 - p) * (1 - p)
+    return abs(np.mean(a == b) - e) < 5 * np.sqrt(e * (1 - e) / a.size)
+
+
+def test_masks_of_keys_rows_and_quarters_are_uncorrelated():
+    p = 0.5
+    key = jax.random.key(5)
+    m = np.asarray(keep_mask(key, (1000, 1000), 1 - p))
+    assert _agreement_ok(m[:-1], m[1:], p)                   # neighbouring rows
+    assert _agreement_ok(m[:, :-1], m[:, 1:], p)             # neighbouring columns
+    assert _agreement_ok(m[:, :250], m[:, 250:500], p)       # two words of one Philox call
+    for other in (jax.random.key(6), jax.random.fold_in(key, 1)):
+        assert _agreement_ok(m, keep_mask(other, (1000, 1000), 1 - p), p)
+    assert _agreement_ok(keep_mask(jax.random.fold_in(key, 1), (1000, 1000), 1 - p),
+                         keep_mask(jax.random.fold_in(key, 2), (1000, 1000), 1 - p), p)
+    assert _agreement_ok(m, keep_mask(key, (1000, 1000), 1 - p, stream=1), p)
+
+
+def test_erf_is_float32_accurate():
+    """Within 4 float32 ulps of 1 of the exact erf (measured: 3.2 ulps; XLA's erf: 2.3)."""
+    import math
+    z = np.linspace(-6.0, 6.0, 10001, dtype=np.float32)
+    exact = np.array([math.erf(float(v)) for v in z])
+    err = np.abs(np.asarray(_dropout.erf(jnp.asarray(z)), np.float64) - exact)
+    assert err.max() < 4 * np.finfo(np.float32).eps
+
+
+def _ops(op, blocks, rate, key, activation="gelu"):
+    """(pallas fn, reference fn) over the op's array arguments."""
+    kw = dict(rate=rate, key=key)
+    if op == "dropout":
+        return [lambda x, impl, **b: jaxfuse.dropout(x, rate, key, impl=impl, **b)], 1
+    if op == "bias_dropout_add":
+        return [lambda x, bias, res, impl, **b: jaxfuse.bias_dropout_add(
+            x, bias, res, impl=impl, **kw, **b)], 3
+    return [lambda x, bias, impl, **b: jaxfuse.bias_act_dropout(
+        x, bias, activation=activation, impl=impl, **kw, **b)], 2
+
+
+class DropoutOpsTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(dtype=DTYPES, op=["dropout", "bias_dropout_add", "gelu", "gelu_tanh",
+                                             "relu", "silu"])
+    def test_matches_reference_with_grads(self, dtype, op):
+        # Each (op, dtype) pair meets one shape; over the dtypes every op meets every shape.
+        shape, blocks = CASES[DTYPES.index(dtype)]
+        k = keys(shape[-1] * 7 + len(op), 5)
+        rate = 0.3
+        act = op if op not in ("dropout", "bias_dropout_add") else None
+        (f,), n = _ops(op if act is None else "bias_act_dropout", blocks, rate, k[4], act)
+        args = [randn(k[0], shape, dtype), randn(k[1], shape[-1:], dtype),
+                randn(k[2], shape, dtype)][:n]
+        ct = randn(k[3], shape, dtype)
+        y, vjp = jax.vjp(self.variant(lambda *a: f(*a, impl="pallas", block_sizes=blocks)),
+                         *args)
+        yr, vjpr = jax.vjp(lambda *a: f(*a, impl="reference"), *args)
+        self.assertEqual(y.dtype, dtype)
+        # Dropped elements are exactly where the reference dropped them (a mask bit off would
+        # be an O(1) error); both are exactly zero there for dropout.
+        if op == "dropout":
+            np.testing.assert_array_equal(np.asarray(y) == 0, np.asarray(yr) == 0)
+        assert_close(y, yr, dtype)
+        assert_close(vjp(ct), vjpr(ct), dtype, scale=4.0)
+
+    def test_kernel_mask_is_the_reference_mask_bitwise(self):
+        key = jax.random.key(2)
+        # 131 columns: Philox per element; 132: one call per four elements (quarters of 33).
+        for n_cols in (131, 132):
+            x = jnp.ones((37, n_cols), jnp.float32)
+            for blocks in (None, RowBlocks(4, 32), RowBlocks(1, 16, rows_per_program=2)):
+                y = jaxfuse.dropout(x, 0.25, key, block_sizes=blocks)
+                np.testing.assert_array_equal(np.asarray(y) != 0,
+                                              np.asarray(keep_mask(key, x.shape, 0.25)))
+
+    def test_same_key_same_output_also_under_vmap(self):
+        k = keys(3, 2)
+        x = randn(k[0], (3, 4, 24))
+        f = lambda x: jaxfuse.bias_act_dropout(x, None, activation="relu", rate=0.5, key=k[1])
+        np.testing.assert_array_equal(f(x), f(x))
+        # vmap over examples with one key: each example is the unbatched call.
+        y = jax.vmap(f)(x)
+        np.testing.assert_array_equal(y, jnp.stack([f(xi) for xi in x]))
+        # A batch of keys under vmap: each example with its own key, as called one by one.
+        ks = jax.random.split(k[1], 3)
+        g = lambda x, key: jaxfuse.dropout(x, 0.5, key)
+        np.testing.assert_array_equal(jax.vmap(g)(x, ks), jnp.stack([g(*a) for a in zip(x, ks)]))
+        gr = lambda x, key: jaxfuse.dropout(x, 0.5, key, impl="reference")
+        np.testing.assert_array_equal(jax.vmap(g)(x, ks), jax.vmap(gr)(x, ks))
+
+    def test_rate_zero_or_no_key_is_the_identity(self):
+        x = randn(keys(4, 1)[0], (3, 10), jnp.bfloat16)
+        res = randn(keys(5, 1)[0], (3, 10), jnp.bfloat16)
+        np.testing.assert_array_equal(jaxfuse.dropout(x, 0.0, jax.random.key(0)), x)
+        np.testing.assert_array_equal(jaxfuse.dropout(x, 0.5, None), x)
+        assert_close(jaxfuse.bias_dropout_add(x, None, res), x.astype(jnp.float32) + res,
+                     jnp.bfloat16)
+
+    def test_bad_input(self):
+        x, key = jnp.ones((3, 8)), jax.random.key(0)
+        for rate in (1.0, -0.1, 1.5):
+            with self.assertRaisesRegex(ValueError, f"rate={rate}"):
+                jaxfuse.dropout(x, rate, key)
+        with self.assertRaisesRegex(ValueError, "x.dtype=int32"):
+            jaxfuse.dropout(jnp.ones((3, 8), jnp.int32), 0.1, key)
+        with self.assertRaisesRegex(ValueError, "key \\(dtype=float32"):
+            jaxfuse.dropout(x, 0.1, jnp.ones((2,)))
+        with self.assertRaisesRegex(ValueError, "key.shape=\\(2,\\)"):
+            jaxfuse.dropout(x, 0.1, jax.random.split(key))
+        with self.assertRaisesRegex(ValueError, "bias.shape=\\(7,\\) must be \\(8,\\)"):
+            jaxfuse.bias_dropout_add(x, jnp.ones((7,)), x)
+        with self.assertRaisesRegex(ValueError, "residual"):
+            jaxfuse.bias_dropout_add(x, None, jnp.ones((3, 8), jnp.bfloat16))
+        with self.assertRaisesRegex(ValueError, "activation='tanh'"):
+            jaxfuse.bias_act_dropout(x, None, activation="tanh")
+        with self.assertRaisesRegex(ValueError, "x.shape=\\(\\)"):
+            jaxfuse.dropout(jnp.float32(1.0), 0.1, key)
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])

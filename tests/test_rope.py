@@ -1,0 +1,78 @@
+"""rope: rotary embedding with in-kernel angles, interleaved pairs and halves."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import jaxfuse
+from jaxfuse import RowBlocks
+from jaxfuse.model import transformer
+from tests._util import DTYPES, assert_close, keys, randn
+
+# [B, T, H, D]: one token of one head with D = 2; T and H prime and a head dim that is not a
+# power of two, rows split over programs; a leading batch of two axes.
+CASES = [((3, 1, 1, 2), None), ((1, 7, 3, 6), RowBlocks(4, 8)), ((2, 2, 5, 2, 16), None)]
+
+
+class RopeTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(case=CASES, dtype=DTYPES, interleaved=[True, False])
+    def test_matches_reference_with_grads(self, case, dtype, interleaved):
+        shape, blocks = case
+        k = keys(shape[-1] + shape[-3] + DTYPES.index(dtype), 3)
+        x = randn(k[0], shape, dtype)
+        # Positions up to 4096, as in long-context training.
+        pos = jax.random.randint(k[1], shape[:-2], 0, 4096)
+        ct = randn(k[2], shape, dtype)
+        f = lambda impl, **kw: (lambda x: jaxfuse.rope(x, pos, interleaved=interleaved,
+                                                       impl=impl, **kw))
+        y, vjp = jax.vjp(self.variant(f("pallas", block_sizes=blocks)), x)
+        yr, vjpr = jax.vjp(f("reference"), x)
+        self.assertEqual(y.dtype, dtype)
+        assert_close(y, yr, dtype)
+        assert_close(vjp(ct), vjpr(ct), dtype)
+
+    def test_interleaved_is_the_models_rope_and_halves_a_permutation_of_it(self):
+        k = keys(1, 2)
+        x = randn(k[0], (2, 9, 3, 8))
+        pos = jax.random.randint(k[1], (2, 9), 0, 500)
+        y = jaxfuse.rope(x, pos, base=500.0)
+        assert_close(y, transformer.rope(x, pos, 500.0), jnp.float32)
+        # Halves rotate (x[i], x[i + D/2]): the interleaved rotation of the permuted head dim.
+        perm = np.array([0, 4, 1, 5, 2, 6, 3, 7])
+        yh = jaxfuse.rope(x, pos, base=500.0, interleaved=False)
+        assert_close(yh[..., perm], jaxfuse.rope(x[..., perm], pos, base=500.0), jnp.float32)
+        # Rotations keep norms, and the backward undoes the forward.
+        assert_close(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), jnp.float32)
+        y, vjp = jax.vjp(lambda x: jaxfuse.rope(x, pos), x)
+        assert_close(vjp(y)[0], x, jnp.float32, scale=2.0)
+
+    def test_vmap(self):
+        k = keys(2, 2)
+        x = randn(k[0], (3, 2, 5, 2, 4))
+        pos = jax.random.randint(k[1], (3, 2, 5), 0, 100)
+        assert_close(jax.vmap(jaxfuse.rope)(x, pos), jaxfuse.rope(x, pos, impl="reference"),
+                     jnp.float32)
+
+    def test_bad_input(self):
+        x = jnp.ones((2, 5, 3, 8))
+        pos = jnp.zeros((2, 5), jnp.int32)
+        with self.assertRaisesRegex(ValueError, "positions.shape=\\(2, 4\\)"):
+            jaxfuse.rope(x, pos[:, :4])
+        with self.assertRaisesRegex(ValueError, "positions.dtype=float32"):
+            jaxfuse.rope(x, pos.astype(jnp.float32))
+        with self.assertRaisesRegex(ValueError, "x.shape\\[-1\\]=7 must be even"):
+            jaxfuse.rope(jnp.ones((2, 5, 3, 7)), pos)
+        with self.assertRaisesRegex(ValueError, "x.shape=\\(5, 8\\)"):
+            jaxfuse.rope(jnp.ones((5, 8)), pos)
+        with self.assertRaisesRegex(ValueError, "base=0"):
+            jaxfuse.rope(x, pos, base=0)
+        with self.assertRaisesRegex(ValueError, "block_cols=4 must cover the head dim D=8"):
+            jaxfuse.rope(x, pos, block_sizes=RowBlocks(2, 4))
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])

@@ -169,3 +169,19 @@ def test_flash_attention_dropout_lowers(hkv):
     key = jax.random.key(0)
     _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, dropout_rate=0.1,
                                                      dropout_key=key, interpret=False), q, k, k)
+
+
+def test_model_lowers(monkeypatch):
+    """The whole model (bf16, scanned and rematerialized layers, fused loss; greedy and beam
+    decoding over the bf16 cache) lowers for the GPU."""
+    from jaxfuse import model as M
+    monkeypatch.setenv("JAXFUSE_INTERPRET", "0")
+    cfg = M.Config(vocab_size=300, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
+                   max_len=48, dtype="bfloat16", remat="block")
+    params = M.init(jax.random.key(0), cfg)
+    tokens = jnp.zeros((2, 40), jnp.int32)
+    _lower(jax.value_and_grad(lambda p, t: M.loss(p, t, t, cfg)), params, tokens)
+    lengths = jnp.full((2,), 40, jnp.int32)
+    _lower(lambda p, t: M.greedy(p, cfg, t, lengths, max_new_tokens=4, eos_id=1), params, tokens)
+    _lower(lambda p, t: M.beam_search(p, cfg, t, lengths, beam_size=2, max_new_tokens=4,
+                                      eos_id=1), params, tokens)

@@ -46,14 +46,21 @@ class ModelTest(chex.TestCase):
         cache = M.init_cache(CFG, 3)
         logits, cache = M.prefill(params, cache, prompts, lengths, CFG)
         seqs = [list(np.asarray(prompts[i, :lengths[i]])) for i in range(3)]
+        # Recomputed from scratch on the right-padded sequences (causal: the padding after a
+        # sequence never reaches its last position), one compiled shape for every step.
+        apply = jax.jit(lambda p, x: M.apply(p, x, CFG, impl="reference"))
+        step = jax.jit(lambda p, c, t: M.decode_step(p, c, t, CFG))
         for _ in range(4):
+            padded = np.zeros((3, 11), np.int32)
             for i in range(3):
-                full = M.apply(params, jnp.asarray([seqs[i]]), CFG, impl="reference")[0, -1]
-                assert_close(logits[i], full, jnp.float32, scale=10.0)
+                padded[i, :len(seqs[i])] = seqs[i]
+            full = apply(params, jnp.asarray(padded))
+            for i in range(3):
+                assert_close(logits[i], full[i, len(seqs[i]) - 1], jnp.float32, scale=10.0)
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
             for i in range(3):
                 seqs[i].append(int(tok[i]))
-            logits, cache = M.decode_step(params, cache, tok, CFG)
+            logits, cache = step(params, cache, tok)
         np.testing.assert_array_equal(cache["lengths"], lengths + 4)
 
     def test_greedy_equals_beam_search_of_one(self):

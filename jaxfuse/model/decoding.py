@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
+from jaxfuse.model import _block_ops as ops
 from jaxfuse.model import transformer as T
 from jaxfuse.model.config import Config
 
@@ -30,12 +31,21 @@ def init_cache(cfg: Config, batch: int, max_len: int | None = None, dtype=None) 
 
 
 def decode_params(params: dict, cfg: Config) -> dict:
-    """The parameters as decoding reads them: in cfg.dtype, with the stacked blocks split into a
-    tuple of per-layer dicts. `greedy` and `beam_search` do this once, outside their loops, so
-    that no step re-casts or re-slices the weights; `decode_step` accepts either form."""
+    """The parameters as decoding reads them: in cfg.dtype, the stacked blocks split into a
+    tuple of per-layer dicts, and each layer's q/k/v and gate/up projections concatenated (one
+    matmul each: a decoding step is a chain of small, weight-bound launches). `greedy` and
+    `beam_search` do this once, outside their loops, so that no step re-casts, re-slices or
+    re-concatenates the weights; `decode_step` accepts either form."""
     p = T.cast(params, cfg)
-    if not isinstance(p["blocks"], tuple):
-        p["blocks"] = tuple(jax.tree.map(lambda x: x[i], p["blocks"]) for i in range(cfg.n_layers))
+    if isinstance(p["blocks"], tuple):
+        return p
+    blocks = []
+    for i in range(cfg.n_layers):
+        blk = jax.tree.map(lambda x: x[i], p["blocks"])
+        blk["wqkv"] = jnp.concatenate([blk.pop("wq"), blk.pop("wk"), blk.pop("wv")], axis=-1)
+        blk["w13"] = jnp.concatenate([blk.pop("w1"), blk.pop("w3")], axis=-1)
+        blocks.append(blk)
+    p["blocks"] = tuple(blocks)
     p["unembed"] = T.unembedding(p, cfg)
     return p
 
@@ -62,17 +72,21 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
                 impl: str = "pallas", head_mask: jax.Array | None = None):
     """Appends one token per sequence (tokens [B]) and returns (next-token logits [B, V], cache).
 
-    Sequence b's token sits at position lengths[b]; attention covers positions <= lengths[b]."""
+    Sequence b's token sits at position lengths[b]; attention covers positions <= lengths[b].
+    Called step by step, `jax.jit(decode_step, static_argnames=("cfg", "impl"),
+    donate_argnums=1)` updates the cache in place (greedy and beam search do it in their loop)."""
     p = decode_params(params, cfg)
-    lengths = cache["lengths"]                                               # [B], same for every layer
+    lengths = cache["lengths"]                              # [B], the same for every layer
     rows = jnp.arange(tokens.shape[0])
-    h = p["embed"][tokens][:, None]                                          # [B, 1, D]
+    h = ops.embedding(tokens[:, None], p["embed"], impl=impl)                # [B, 1, D]
     delta = jnp.zeros_like(h)
     k_out, v_out = [], []
     for i, blk in enumerate(p["blocks"]):
         def attend(q, k, v, _key, i=i):
-            k_c = cache["k"][i].at[rows, lengths].set(k[:, 0].astype(cache["k"][i].dtype))
-            v_c = cache["v"][i].at[rows, lengths].set(v[:, 0].astype(cache["v"][i].dtype))
+            # One position per row: unique indices let XLA store without atomics, in place.
+            put = lambda c, new: c.at[rows, lengths].set(new[:, 0].astype(c.dtype),
+                                                         unique_indices=True)
+            k_c, v_c = put(cache["k"][i], k), put(cache["v"][i], v)
             k_out.append(k_c)
             v_out.append(v_c)
             return jaxfuse.decode_attention(q[:, 0], k_c, v_c, lengths + 1, impl=impl)[:, None]

@@ -34,7 +34,8 @@ def greedy(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: jax.Ar
     """Generated tokens [B, max_new_tokens]; `eos_id` fills the rest once a sequence ended."""
     _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg)
     b = prompts.shape[0]
-    cache = decoding.init_cache(cfg, b)
+    # The cache holds what this call needs, not cfg.max_len: beam search copies it every step.
+    cache = decoding.init_cache(cfg, b, prompts.shape[1] + max_new_tokens)
     logits, cache = decoding.prefill(params, cache, prompts, prompt_lengths, cfg, impl=impl)
     params = decoding.decode_params(params, cfg)         # cast and split once, not per step
 
@@ -64,7 +65,8 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
     """(tokens [B, beam_size, max_new_tokens], scores [B, beam_size]), best first."""
     _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg)
     b, k, v = prompts.shape[0], beam_size, cfg.vocab_size
-    cache = decoding.init_cache(cfg, b)
+    # The cache holds what this call needs, not cfg.max_len: beam search copies it every step.
+    cache = decoding.init_cache(cfg, b, prompts.shape[1] + max_new_tokens)
     logits, cache = decoding.prefill(params, cache, prompts, prompt_lengths, cfg, impl=impl)
     params = decoding.decode_params(params, cfg)         # cast and split once, not per step
     # Every beam starts as the prompt; only beam 0 is live at first, so the k first picks differ.

@@ -84,9 +84,14 @@ def add_norm(p: dict, delta: jax.Array, h: jax.Array, cfg: Config, impl: str,
 def qkv(blk: dict, y: jax.Array, positions: jax.Array, cfg: Config, impl: str):
     """Projections with RoPE: q [B, T, H, hd], k and v [B, T, Hkv, hd]."""
     b, t, _ = y.shape
-    q = (y @ blk["wq"]).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    k = (y @ blk["wk"]).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-    v = (y @ blk["wv"]).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    if "wqkv" in blk:        # decoding's one matmul for the three (`decode_params`)
+        nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        q, k, v = jnp.split(y @ blk["wqkv"], [nq, nq + nk], axis=-1)
+    else:
+        q, k, v = y @ blk["wq"], y @ blk["wk"], y @ blk["wv"]
+    q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
     rope = functools.partial(ops.rope, positions=positions, base=cfg.rope_base, impl=impl)
     return rope(q), rope(k), v
 
@@ -99,7 +104,11 @@ def attn_out(blk: dict, o: jax.Array, head_mask: jax.Array | None) -> jax.Array:
 
 
 def mlp(blk: dict, y: jax.Array, impl: str) -> jax.Array:
-    return ops.swiglu(y @ blk["w1"], y @ blk["w3"], impl=impl) @ blk["w2"]
+    if "w13" in blk:         # decoding's one matmul for gate and up (`decode_params`)
+        gate, up = jnp.split(y @ blk["w13"], 2, axis=-1)
+    else:
+        gate, up = y @ blk["w1"], y @ blk["w3"]
+    return ops.swiglu(gate, up, impl=impl) @ blk["w2"]
 
 
 def block(blk: dict, h: jax.Array, delta: jax.Array, positions: jax.Array, cfg: Config, attend,

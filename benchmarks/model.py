@@ -1,0 +1,308 @@
+"""End to end on the GPU: the jaxfuse model against the same model in plain JAX + cuDNN and
+against `impl="reference"`, in one run (issue 16's targets).
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/model.py --out benchmarks/results/model
+    PYTHONPATH=. python benchmarks/model.py --tiny --out /tmp/model   # CPU smoke run, tiny shapes
+
+Sections (all by default, or name some): train157 (157M preset, B=8, T=2048), train1b (1B preset,
+B=2, T=8192, remat="block" for both peers; the reference is not run there), decode (157M, greedy
+B=32 and beam B=8 K=4, prompts of 512, 256 new tokens, bf16 cache). `--swap-attention` adds a
+157M row of jaxfuse with cuDNN attention swapped in (how much of the gap is attention).
+
+Train rows: loss + grads under one `jax.jit` (float32 master weights, bfloat16 compute), tokens/s,
+MFU (model FLOPs: 6 x matmul parameters x tokens + 6 x B x T^2 x d_model x layers for causal
+attention, over 989 TFLOP/s dense bf16 on H100/H200), compiled temporary memory
+(`.compile().memory_analysis()`), and the loss / gradient agreement with the plain model.
+Decode rows: generated tokens/s (batch x new tokens; beams count once per sequence), the time
+per decoding step (from runs of 256 and 1 new tokens) against the bytes it must read (bf16
+weights + the KV cache present) at the copy rate measured in the same run.
+
+The plain-JAX model below is written the way a JAX user would without jaxfuse: jnp norms,
+RoPE and SwiGLU, `jax.nn.dot_product_attention(implementation="cudnn")`, logits + optax loss,
+the same stacked parameters, the same `lax.scan` and the same remat policy.
+Writes model.json and model.png (ratios against each peer) into --out. Target: about 3-4 minutes
+on an H200, most of it compiling.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from benchmarks import _timing  # noqa: E402
+from benchmarks._timing import bench, guarded, record  # noqa: E402
+from jaxfuse import model as M  # noqa: E402
+from jaxfuse.model import transformer as T  # noqa: E402
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
+
+
+# ---------------------------------------------------------------- the plain JAX + cuDNN model
+def _plain_norm(x, p, cfg):
+    xf = x.astype(jnp.float32)
+    if cfg.norm == "rms":
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)
+    else:
+        mu = jnp.mean(xf, -1, keepdims=True)
+        y = (xf - mu) * jax.lax.rsqrt(jnp.var(xf, -1, keepdims=True) + 1e-5)
+    y = y * p["weight"].astype(jnp.float32)
+    if "bias" in p:
+        y = y + p["bias"].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _plain_rope(x, positions, base):
+    d = x.shape[-1]
+    freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    ang = positions[..., None].astype(jnp.float32) * freq
+    cos, sin = jnp.cos(ang)[:, :, None], jnp.sin(ang)[:, :, None]
+    x1, x2 = x[..., 0::2].astype(jnp.float32), x[..., 1::2].astype(jnp.float32)
+    out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def plain_loss(params, tokens, targets, cfg, attn_impl="cudnn"):
+    """The same model in plain JAX: XLA norms, RoPE, SwiGLU and loss; cuDNN attention."""
+    p = T.cast(params, cfg)
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    x = p["embed"][tokens]
+
+    def body(x, blk):
+        y = _plain_norm(x, blk["attn_norm"], cfg)
+        q = _plain_rope((y @ blk["wq"]).reshape(b, t, cfg.n_heads, -1), pos, cfg.rope_base)
+        k = _plain_rope((y @ blk["wk"]).reshape(b, t, cfg.n_kv_heads, -1), pos, cfg.rope_base)
+        v = (y @ blk["wv"]).reshape(b, t, cfg.n_kv_heads, -1)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attn_impl)
+        x = x + o.reshape(b, t, -1) @ blk["wo"]
+        y = _plain_norm(x, blk["mlp_norm"], cfg)
+        x = x + (jax.nn.silu(y @ blk["w1"]) * (y @ blk["w3"])) @ blk["w2"]
+        return x, None
+
+    if cfg.remat != "none":
+        policy = None if cfg.remat == "block" else getattr(jax.checkpoint_policies, cfg.remat)
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, p["blocks"])
+    logits = _plain_norm(x, p["final_norm"], cfg) @ T.unembedding(p, cfg)
+    valid = targets != -100
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                         jnp.where(valid, targets, 0))
+    return jnp.sum(ce * valid) / jnp.maximum(jnp.sum(valid), 1)
+
+
+# ---------------------------------------------------------------- accounting
+def model_flops(cfg, b, t) -> float:
+    d, hd = cfg.d_model, cfg.head_dim
+    per_layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff
+    matmul_params = cfg.n_layers * per_layer + d * cfg.vocab_size
+    return 6.0 * matmul_params * b * t + 6.0 * b * t * t * d * cfg.n_layers
+
+
+def peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_BF16.items() if k in kind), None)
+
+
+def _tree_rel_err(a, b) -> float:
+    num = sum(float(jnp.sum((x.astype(jnp.float32) - y.astype(jnp.float32)) ** 2))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    den = sum(float(jnp.sum(y.astype(jnp.float32) ** 2)) for y in jax.tree.leaves(b))
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+# ---------------------------------------------------------------- training
+def _with_cudnn_attention(fn):
+    """fn with the model's attention swapped for cuDNN's while it is traced (a diagnostic row:
+    how much of the gap to the plain model is attention)."""
+    from jaxfuse.model import _block_ops
+
+    def swapped(*args, **kwargs):
+        original = _block_ops.attention
+        _block_ops.attention = lambda q, k, v, *, causal=True, **_: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal,
+            implementation="cudnn" if jax.default_backend() == "gpu" else None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _block_ops.attention = original
+    return swapped
+
+
+def train(name, cfg, b, t, impls, bar, reps):
+    key = jax.random.key(0)
+    params = M.init(key, cfg)
+    tokens = jax.random.randint(jax.random.key(1), (b, t), 0, cfg.vocab_size)
+    targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(-100)
+    flops, peak = model_flops(cfg, b, t), peak_flops()
+    attn = "cudnn" if jax.default_backend() == "gpu" else None
+    fns = {"jaxfuse": functools.partial(M.loss, cfg=cfg, impl="pallas"),
+           "jaxfuse, cuDNN attention": _with_cudnn_attention(
+               functools.partial(M.loss, cfg=cfg, impl="pallas")),
+           f"plain JAX + {attn or 'xla'}": functools.partial(plain_loss, cfg=cfg, attn_impl=attn),
+           "reference": functools.partial(M.loss, cfg=cfg, impl="reference")}
+    results = {}
+    for impl in impls:
+        impl = next(k for k in fns if k.startswith(impl))
+        bar.set_description(f"{name}: {impl}")
+
+        def run(impl=impl):
+            step = jax.jit(jax.value_and_grad(lambda p, x, y: fns[impl](p, x, y)))
+            compiled = step.lower(params, tokens, targets).compile()
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            (loss, grads) = compiled(params, tokens, targets)
+            sec = bench(compiled, [(params, tokens, targets)], reps=reps, repeats=3, warmup=1)
+            results[impl] = (sec, loss, grads)
+            extra = dict(tokens_per_s=b * t / sec, temp_GB=temp / 1e9, loss=float(loss))
+            if peak:
+                extra["MFU"] = flops / sec / peak
+            record(name, f"{name} B{b} T{t} loss+grads", impl, sec, **extra)
+        guarded(name, f"{name} B{b} T{t} loss+grads", impl, run)
+        bar.update()
+    base = next((k for k in results if k.startswith("plain")), None)
+    if base:
+        for impl, (sec, loss, grads) in results.items():
+            if impl != base:
+                record(name, f"{name} train: {impl} vs {base}", impl, None,
+                       speedup=results[base][0] / sec,
+                       loss_rel_diff=abs(float(loss) - float(results[base][1]))
+                       / abs(float(results[base][1])),
+                       grad_rel_err=_tree_rel_err(grads, results[base][2]))
+
+
+# ---------------------------------------------------------------- decoding
+def decode(cfg, b_greedy, b_beam, k, prompt, new, impls, bar, copy_bw):
+    params = M.init(jax.random.key(0), cfg)
+    # bf16 weights read per step: all but the embedding table (a gather of B rows), which is
+    # read whole only as a tied unembedding.
+    weights_bytes = 2 * sum(x.size for x in jax.tree.leaves(params))
+    if not cfg.tie_embeddings:
+        weights_bytes -= 2 * cfg.vocab_size * cfg.d_model
+    kv_bytes_per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
+    for mode, b in (("greedy", b_greedy), ("beam", b_beam)):
+        rows = b * (k if mode == "beam" else 1)
+        prompts = jax.random.randint(jax.random.key(2), (b, prompt), 0, cfg.vocab_size)
+        lengths = jnp.full((b,), prompt, jnp.int32)
+        for impl in impls:
+            bar.set_description(f"decode {mode}: {impl}")
+
+            def run(mode=mode, impl=impl):
+                # eos_id=-1 is never generated, so every run takes all `n` steps.
+                if mode == "greedy":
+                    f = lambda p, x, l, n: M.greedy(p, cfg, x, l, max_new_tokens=n, eos_id=-1,
+                                                    impl=impl)
+                else:
+                    f = lambda p, x, l, n: M.beam_search(p, cfg, x, l, beam_size=k,
+                                                         max_new_tokens=n, eos_id=-1, impl=impl)
+                t_full = bench(lambda: f(params, prompts, lengths, new), [()], reps=1, repeats=3,
+                               warmup=1)
+                extra = {}
+                if impl == "pallas":   # the step time against its floor (one more compile)
+                    t_one = bench(lambda: f(params, prompts, lengths, 1), [()], reps=1,
+                                  repeats=3, warmup=1)
+                    step = (t_full - t_one) / (new - 1)
+                    present = rows * (prompt + new / 2) * kv_bytes_per_token
+                    floor = (weights_bytes + present) / copy_bw
+                    extra = dict(step_ms=step * 1e3, floor_ms=floor * 1e3,
+                                 step_over_floor=step / floor)
+                record("decode", f"{mode} B{b}{f' K{k}' if mode == 'beam' else ''} P{prompt} "
+                       f"new{new}", impl, t_full, tokens_per_s=b * new / t_full, **extra)
+            guarded("decode", f"{mode} B{b}", impl, run)
+            bar.update()
+    by = {(r["workload"], r["impl"]): r for r in _timing.ROWS
+          if r["section"] == "decode" and "tokens_per_s" in r}
+    for (w, impl), r in list(by.items()):
+        if impl == "pallas" and (w, "reference") in by:
+            record("decode", f"{w}: jaxfuse vs reference", "pallas", None,
+                   speedup=r["tokens_per_s"] / by[(w, "reference")]["tokens_per_s"])
+
+
+# ---------------------------------------------------------------- chart
+def chart(path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no chart)")
+        return
+    rows = [r for r in _timing.ROWS if "speedup" in r]
+    mem = [r for r in _timing.ROWS if "temp_GB" in r]
+    if not rows:
+        return
+    widths = [max(len(rows), 1), max(len(mem), 1)]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(max(10, 2.2 * len(rows) + 4), 5),
+                                  gridspec_kw={"width_ratios": widths})
+    vals = [r["speedup"] for r in rows]
+    ax.bar(range(len(rows)), vals, color=["tab:green" if v >= 1 else "tab:red" for v in vals])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)), [r["workload"].replace(": ", "\n") for r in rows],
+                  fontsize=7, rotation=15, ha="right")
+    ax.set_ylabel("speed ratio (tokens/s of the first named over the second)")
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax2.bar(range(len(mem)), [r["temp_GB"] for r in mem], color="tab:blue")
+    ax2.set_xticks(range(len(mem)), [f"{r['section']}\n{r['impl']}" for r in mem], fontsize=7,
+                   rotation=15, ha="right")
+    ax2.set_ylabel("compiled temporary memory of loss + grads (GB)")
+    fig.suptitle(f"jaxfuse model end to end, {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"chart: {path}")
+
+
+SECTIONS = ("train157", "train1b", "decode")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("sections", nargs="*", default=list(SECTIONS))
+    ap.add_argument("--out", default="benchmarks/results/model")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--swap-attention", action="store_true",
+                    help="also time jaxfuse with cuDNN attention swapped in (157M)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
+    t0 = time.time()
+    copy_bw = _timing.copy_ceiling() if not args.tiny else 1e10
+    record("ceiling", "copy 1 GiB f32 (read+write)", "xla", None, TBps=copy_bw / 1e12)
+    if args.tiny:
+        small = dict(vocab_size=101, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
+                     max_len=40)
+        c157, c1b = M.Config(**small, dtype="bfloat16"), M.Config(**small, dtype="bfloat16",
+                                                                   remat="block")
+        shapes = dict(t157=(2, 16), t1b=(1, 32), dec=(3, 2, 2, 8, 6), reps=2)
+    else:
+        c157, c1b = M.preset("157m"), M.preset("1b", remat="block")
+        shapes = dict(t157=(8, 2048), t1b=(2, 8192), dec=(32, 8, 4, 512, 256), reps=10)
+    impls157 = ("jaxfuse", "plain", "reference") + (("jaxfuse, cuDNN",) if args.swap_attention
+                                                     else ())
+    tasks = {"train157": len(impls157), "train1b": 2, "decode": 4}
+    bar = tqdm(total=sum(tasks[s] for s in args.sections), unit="run")
+    if "train157" in args.sections:
+        train("157M", c157, *shapes["t157"], impls157, bar, shapes["reps"])
+    if "train1b" in args.sections:
+        train("1B", c1b, *shapes["t1b"], ("jaxfuse", "plain"), bar, max(2, shapes["reps"] // 4))
+    if "decode" in args.sections:
+        dec = shapes["dec"]
+        cfg = dataclasses.replace(c157, max_len=max(c157.max_len, dec[3] + dec[4]))
+        decode(cfg, dec[0], dec[1], dec[2], dec[3], dec[4], ("pallas", "reference"), bar, copy_bw)
+    bar.close()
+    _timing.save(os.path.join(args.out, "model.json"))
+    chart(os.path.join(args.out, "model.png"))
+    print(f"total {time.time() - t0:.0f}s; results in {args.out}/model.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -54,6 +54,16 @@ def _close(a, b, dtype: str, scale: float = 1.0):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
                                    rtol=t, atol=t)
 
+def _close_attention(o, lse, o_r, lse_r, dtype):
+    """o within tolerance; lse NaN and -inf exactly where the reference's are, else close."""
+    _close(o, o_r, dtype, 2.0)
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(lse_r))
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_r))
+    fin = np.isfinite(np.asarray(lse_r))
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_r)[fin],
+                               rtol=TOL[jnp.dtype(dtype)], atol=TOL[jnp.dtype(dtype)])
+
+
 
 # Attention examples compile three kernels each: they run half as many examples as the rest
 # (of whichever profile is loaded, see tests/conftest.py).
@@ -216,16 +226,11 @@ def test_flash_attention(shape, dtype, kind, causal, window, softcap, seed):
     (o, lse), vjp = jax.vjp(functools.partial(f, impl="pallas"), q, k, v)
     (o_r, lse_r), vjp_r = jax.vjp(functools.partial(f, impl="reference"), q, k, v)
     assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (b, hq, tq)
-    _close(o, o_r, dtype, 2.0)
-    np.testing.assert_array_equal(np.isnan(lse), np.isnan(lse_r))
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_r))
-    fin = np.isfinite(np.asarray(lse_r))
-    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_r)[fin],
-                               rtol=TOL[jnp.dtype(dtype)], atol=TOL[jnp.dtype(dtype)])
+    _close_attention(o, lse, o_r, lse_r, dtype)
     if kind == "nan":
         return
     do = _cotangent(seed, o.shape, dtype)
-    dlse = jnp.where(jnp.asarray(fin), _cotangent(seed + 3, lse.shape), 0.0)
+    dlse = jnp.where(jnp.isfinite(lse_r), _cotangent(seed + 3, lse.shape), 0.0)
     g, g_r = vjp((do, dlse)), vjp_r((do, dlse))
     for a, a_r in zip(g, g_r):
         assert np.all(np.isfinite(np.asarray(a, np.float32)))
@@ -277,12 +282,7 @@ def test_decode_attention(b, s, heads, dtype, kind, lengths_dtype, seed):
     lengths = jnp.asarray(lengths.astype(lengths_dtype))
     f = lambda impl: jaxfuse.decode_attention(q, kc, vc, lengths, return_lse=True, impl=impl)
     (o, lse), (o_r, lse_r) = f("pallas"), f("reference")
-    _close(o, o_r, dtype, 2.0)
-    np.testing.assert_array_equal(np.isnan(lse), np.isnan(lse_r))
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_r))
-    fin = np.isfinite(np.asarray(lse_r))
-    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_r)[fin],
-                               rtol=TOL[jnp.dtype(dtype)], atol=TOL[jnp.dtype(dtype)])
+    _close_attention(o, lse, o_r, lse_r, dtype)
 
 
 # ------------------------------------------------------------------------------- beam top-k

@@ -202,17 +202,18 @@ def row_positions(spec: AttnSpec, r0, n: int):
     return pos, r < spec.rows
 
 
-def transform(spec: AttnSpec, s, q_pos, k_pos, q_seg, k_seg, masked: bool):
+def transform(spec: AttnSpec, s, keep=None):
     """Raw scores q.k -> the kernels' scores u (see the module docstring: q.k itself, or
-    tanh(scale q.k / c) under a soft cap), -inf where masked. Also returns tanh of the capped
-    logits (for the backward) or None."""
+    tanh(scale q.k / c) under a soft cap), -inf where `keep` (the tile's `visible` mask; None on
+    tiles the masks do not cut) is False. Also returns tanh of the capped logits (for the
+    backward) or None."""
     t = None
     u = s
     if spec.softcap is not None:
         t = jnp.tanh(s * (spec.scale / spec.softcap))
         u = t
-    if masked:
-        u = jnp.where(visible(spec, q_pos, k_pos, q_seg, k_seg), u, C.NEG_INF)
+    if keep is not None:
+        u = jnp.where(keep, u, C.NEG_INF)
     return u, t
 
 

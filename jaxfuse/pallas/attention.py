@@ -49,12 +49,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
         v = A.load_rows(v_ref, k0, bk, spec.n_k, spec)
         k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         k_seg = C.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
+        keep = A.visible(spec, q_pos, k_pos, q_seg, k_seg) if masked else None
         nan_v = None
         if masked:     # masked keys may hold garbage: `_attn.finite_rows`
             v, bad_v = A.finite_rows(v)
-            nan_v = A.sees(A.visible(spec, q_pos, k_pos, q_seg, k_seg), bad_v)
-        u, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
-                           k_seg, masked)                                     # [..., bq, bk]
+            nan_v = A.sees(keep, bad_v)
+        u, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), keep)    # [..., bq, bk]
         # Dropout acts on P after the normalizer l has summed it (l counts every kept score).
         drop = (lambda p: p * A.dropout_scale(spec, key, base, r, k_pos)) if spec.dropout \
             else (lambda p: p)

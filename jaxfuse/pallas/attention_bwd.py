@@ -66,15 +66,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Att
         v = A.load_rows(v_ref, k0, bk, spec.n_k, spec)
         k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         k_seg = C.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
-        u, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
-                           k_seg, masked)
+        keep = A.visible(spec, q_pos, k_pos, q_seg, k_seg) if masked else None
+        u, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), keep)
         p = _probs(spec, u, lse_u)                                            # [..., bq, bk]
         dp = A.dot(do, v, "...qd,...kd->...qk")
         if spec.dropout:   # dO V^T is the gradient of the dropped P: dP = that * Z
             dp = dp * A.dropout_scale(spec, key, base, r, k_pos)
         ds = _ds(spec, p, dp, delta, t)
         if masked:     # garbage in masked keys reaches no gradient (`_attn.finite_rows`)
-            ds = jnp.where(A.visible(spec, q_pos, k_pos, q_seg, k_seg), ds, 0.0)
+            ds = jnp.where(keep, ds, 0.0)
             k = A.finite_rows(k)[0]
         return dq + A.dot(ds.astype(k.dtype), k, "...qk,...kd->...qd")
 
@@ -115,10 +115,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
             delta = vec_of_head(delta_ref, g, q0)
             q_pos, _ = A.row_positions(spec, q0, bq)
             q_seg = C.load_vec(qs_ref, q0, bq, spec.rows) if spec.segments else None
-            u, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), q_pos, k_pos, q_seg,
-                               k_seg, masked)
-            p = _probs(spec, u, lse_u)                                        # [..., bq, bk]
             keep = A.visible(spec, q_pos, k_pos, q_seg, k_seg) if masked else None
+            u, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), keep)
+            p = _probs(spec, u, lse_u)                                        # [..., bq, bk]
             if masked:     # a NaN row (it saw garbage) leaks nothing into keys it does not see
                 p = jnp.where(keep, p, 0.0)
             dp = A.dot(do, v, "...qd,...kd->...qk")

@@ -206,7 +206,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                 s = mma.qk(q_smem.at[wg], k_smem.at[slot], rendezvous)
                 plgpu.barrier_arrive(k_empty.at[slot])
                 k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
-                u, _ = A.transform(spec, s, q_pos, k_pos, None, None, masked)
+                keep = A.visible(spec, q_pos, k_pos, None, None) if masked else None
+                u, _ = A.transform(spec, s, keep)
                 m_new = jnp.maximum(m, jnp.max(u, axis=1))
                 shift = C.safe_max(m_new)
                 alpha = jnp.exp2((m - shift) * spec.c2)

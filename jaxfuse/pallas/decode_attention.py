@@ -85,7 +85,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, *, spec: A.AttnSpec, b
         else:
             s = A.dot(q, k, "...hd,...kd->...hk")                             # [..., bh, bk]
             pv_of = lambda p: A.dot(p.astype(v.dtype), v, "...hk,...kd->...hd")
-        u, _ = A.transform(spec, s, None, None, None, None, masked=False)
+        u, _ = A.transform(spec, s)
         k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         return A.online_update(carry, jnp.where(k_pos < n, u, C.NEG_INF), pv_of, spec.c2)
 

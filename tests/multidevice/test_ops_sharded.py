@@ -56,15 +56,19 @@ def assert_same(one, many):
 
 # ---- row ops over leading axes ---------------------------------------------------------------
 
+def _norm(kind, x, w, b):
+    """(the norm as a function, its arguments): RMSNorm takes no bias."""
+    if kind == "rms_norm":
+        return (lambda x, w: jaxfuse.rms_norm(x, w)), (x, w)
+    return (lambda x, w, b: jaxfuse.layer_norm(x, w, b)), (x, w, b)
+
+
 @pytest.mark.parametrize("kind", ["rms_norm", "layer_norm"])
 def test_norms_rows_split(kind):
     k = keys(0, 3)
     x = randn(k[0], (2, 12, 13), shift=3.0)
     w, b = randn(k[1], (13,)), randn(k[2], (13,))
-    if kind == "rms_norm":
-        f, args = (lambda x, w: jaxfuse.rms_norm(x, w)), (x, w)
-    else:
-        f, args = (lambda x, w, b: jaxfuse.layer_norm(x, w, b)), (x, w, b)
+    f, args = _norm(kind, x, w, b)
     specs = [P("data", ("tensor", "seq")), P(), P()][:len(args)]
     one, many, hlo = run_both(f, args, specs, diff=tuple(range(len(args))))
     assert_same(one, many)
@@ -79,10 +83,7 @@ def test_norms_columns_split(kind):
     k = keys(13, 3)
     x = randn(k[0], (6, 5, 24), shift=30.0)
     w, b = randn(k[1], (24,)), randn(k[2], (24,))
-    if kind == "rms_norm":
-        f, args = (lambda x, w: jaxfuse.rms_norm(x, w)), (x, w)
-    else:
-        f, args = (lambda x, w, b: jaxfuse.layer_norm(x, w, b)), (x, w, b)
+    f, args = _norm(kind, x, w, b)
     specs = [P("data", None, ("tensor", "seq")), P(("tensor", "seq")), P(("tensor", "seq"))]
     one, many, hlo = run_both(f, args, specs[:len(args)], diff=tuple(range(len(args))))
     assert_same(one, many)

@@ -139,7 +139,7 @@ def _with_cudnn_attention(fn):
     return swapped
 
 
-def train(name, cfg, b, t, impls, bar, reps):
+def train(name, cfg, b, t, impls, bar, reps, profile=False):
     key = jax.random.key(0)
     params = M.init(key, cfg)
     tokens = jax.random.randint(jax.random.key(1), (b, t), 0, cfg.vocab_size)
@@ -167,6 +167,10 @@ def train(name, cfg, b, t, impls, bar, reps):
             if peak:
                 extra["MFU"] = flops / sec / peak
             record(name, f"{name} B{b} T{t} loss+grads", impl, sec, **extra)
+            if profile and impl != "reference":
+                from benchmarks._profile import report
+                bar.clear()
+                report(name, f"{impl} kernels", compiled, (params, tokens, targets), top=25)
         guarded(name, f"{name} B{b} T{t} loss+grads", impl, run)
         bar.update()
     base = next((k for k in results if k.startswith("plain")), None)
@@ -271,6 +275,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--swap-attention", action="store_true",
                     help="also time jaxfuse with cuDNN attention swapped in (157M)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print each train row's largest GPU kernels (jax.profiler trace)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
@@ -291,7 +297,7 @@ def main(argv=None) -> None:
     tasks = {"train157": len(impls157), "train1b": 2, "decode": 4}
     bar = tqdm(total=sum(tasks[s] for s in args.sections), unit="run")
     if "train157" in args.sections:
-        train("157M", c157, *shapes["t157"], impls157, bar, shapes["reps"])
+        train("157M", c157, *shapes["t157"], impls157, bar, shapes["reps"], args.profile)
     if "train1b" in args.sections:
         train("1B", c1b, *shapes["t1b"], ("jaxfuse", "plain"), bar, max(2, shapes["reps"] // 4))
     if "decode" in args.sections:

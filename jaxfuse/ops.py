@@ -134,7 +134,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     v equal for every key) come out as rounding noise, about 1e-6 in float32 and 4e-3
     in bfloat16 relative to the inputs, because delta = rowsum(dO * O) is computed apart from
     P (FlashAttention-2, sec. 3.1), so dP - delta cancels only up to rounding. With one visible
-    key P itself is exact (o = v, dv = do), at any logit size.
+    key P itself is exact (o = v, dv = do), at any logit size. float32 inputs: the kernels'
+    matmuls follow JAX's matmul precision as XLA's do (TF32 on a GPU by default, about 1e-3
+    relative; `with jax.default_matmul_precision("float32"):` for full float32).
 
     >>> o = jaxfuse.flash_attention(q, k, v, causal=True)
     """

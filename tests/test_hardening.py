@@ -401,3 +401,36 @@ class TestZeroSize:
             jaxfuse.beam_top_k(jnp.zeros((2, 3, 0)), jnp.zeros((2, 3)), 1, impl=impl)
         out = jaxfuse.beam_top_k(jnp.zeros((0, 3, 5)), jnp.zeros((0, 3)), 2, impl=impl)
         assert [a.shape for a in out] == [(0, 2)] * 3
+
+
+def _kernel_dot_precisions(jaxpr) -> list:
+    """The `precision` of every dot_general inside the pallas_calls of a jaxpr."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            found += _kernel_dot_precisions(sub)
+    return found
+
+
+@pytest.mark.parametrize("context", ["tensorfloat32", "float32"])
+def test_attention_kernels_follow_jax_matmul_precision(context):
+    # float32 attention on a GPU: the kernels' matmuls take JAX's matmul precision, as XLA's do
+    # (TF32 by default on a GPU, which rounds v to 10 mantissa bits: o != v even with one
+    # visible key; exact float32 under jax.default_matmul_precision("float32")). Checked in the
+    # kernel jaxprs that lowering reads, forward and backward, against the precision a plain
+    # jnp.dot gets in the same context.
+    q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+
+    def f(q):
+        o, vjp = jax.vjp(lambda q: jaxfuse.flash_attention(q, q, q, interpret=False), q)
+        return vjp(o), q @ q[0, 0].T
+
+    with jax.default_matmul_precision(context):
+        precs = _kernel_dot_precisions(jax.make_jaxpr(f)(q).jaxpr)
+    plain = precs.pop()  # the q @ q.T outside the kernels, traced last
+    assert plain[0] == (jax.lax.Precision.HIGHEST if context == "float32"
+                        else jax.lax.Precision.HIGH), plain
+    assert len(precs) >= 7, precs  # forward 2 dots, backward 5
+    assert all(p == plain for p in precs), precs

@@ -31,12 +31,18 @@ import numpy as np  # noqa: E402
 
 import jaxfuse  # noqa: E402
 from benchmarks import _timing  # noqa: E402
+from benchmarks.model import _plain_rope  # noqa: E402
 from benchmarks._timing import bench, guarded, record, rel_err, temp_bytes  # noqa: E402
 
 S = "block"
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 RATE = 0.1
 SMALL = False
+ONLY: set | None = None   # --only: the ops to check and time ("attention" for its dropout)
+
+
+def _wanted(name: str) -> bool:
+    return ONLY is None or name in ONLY
 
 # The XLA compositions the issue names: jax.numpy under jit, masks from jax.random.bernoulli.
 
@@ -63,7 +69,7 @@ XLA = {
         (r.astype(jnp.float32) + _xla_dropout(x.astype(jnp.float32), RATE, key)).astype(x.dtype)),
     "swiglu": lambda g, u: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(
         g.dtype),
-    "rope": lambda q, pos: jaxfuse.model.transformer.rope(q, pos, 10000.0),
+    "rope": lambda q, pos: _plain_rope(q, pos, 10000.0),
     "embedding": lambda tok, table, key: _xla_dropout(
         table[tok].astype(jnp.float32) * 64.0, RATE, key).astype(table.dtype),
 }
@@ -173,7 +179,7 @@ def check():
         shapes.append(dict(rows=(1000, 4096), rope=(2, 300, 8, 128), vocab=5000, tokens=(4, 250)))
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
         for sh in shapes:
-            for name in ours:
+            for name in filter(_wanted, ours):
                 label = f"check {name} {sh['rows'] if name not in ('rope',) else sh['rope']}"
 
                 def run(name=name, sh=sh, label=label):
@@ -197,7 +203,8 @@ def check():
                     record(S, label, jnp.dtype(dtype).name, max_rel_err=max(errs), **extra,
                            status="ok" if ok else "FAIL")
                 guarded(S, label, jnp.dtype(dtype).name, run)
-    check_attention()
+    if _wanted("attention"):
+        check_attention()
 
 
 # Bytes each forward must move (read + write), in units of one activation (or q, or N x D).
@@ -267,10 +274,11 @@ def perf_attention():
 
 def perf(copy_bw: float, sweep: bool = True):
     del sweep
-    perf_attention()
+    if _wanted("attention"):
+        perf_attention()
     sh = _shapes()
     impls = {"jaxfuse": _ours("pallas"), "xla": XLA, "xla_philox": _ours("reference")}
-    for name in _FWD_UNITS:
+    for name in filter(_wanted, _FWD_UNITS):
         sets = [_args(name, jax.random.key(10 + i), jnp.bfloat16, **sh) for i in range(3)]
         unit = sets[0][2][0] if name == "add_norm" else sets[0][2]
         nbytes = _FWD_UNITS[name] * unit.size * unit.dtype.itemsize
@@ -295,13 +303,15 @@ def perf(copy_bw: float, sweep: bool = True):
 
 
 def main() -> None:
-    global SMALL
+    global SMALL, ONLY
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--only", default=None, help="comma-separated ops, e.g. rope,swiglu,attention")
     args = ap.parse_args()
     SMALL = args.small
+    ONLY = set(args.only.split(",")) if args.only else None
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
     copy_bw = _timing.copy_ceiling() if not SMALL else 1e11
     record("ceiling", "copy 1 GiB f32 (read+write)", "xla", None, TBps=copy_bw / 1e12)

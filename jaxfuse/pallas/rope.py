@@ -1,12 +1,14 @@
 """Fused rotary position embedding: angles computed in the kernel (no cos/sin table in memory),
 one read and one write of x, the backward the same kernel turning the other way.
 
-Each row of the [rows, D] view ((..., T, H) flattened) is loaded twice, as x[c] and as
-x[c + s] (s = 1 for interleaved pairs, D/2 for halves; the second load hits the cache), so that
-every pair (a, b) = (c, c + s) meets in the same lane without shuffling registers. The lane of
-the pair's first element computes both rotated values and stores them with two masked stores,
-at c and at c + s (Triton has no lane permutation that Pallas exposes; shifted loads and stores
-do the same work).
+x [..., T, H, D] is viewed as [N, H, D] (N tokens). A program rotates a block of tokens, all
+heads: it loads the pairs' two halves as two [tokens, H, D/2] tiles - strided loads at columns
+0, 2, 4, ... and 1, 3, 5, ... for interleaved pairs, contiguous ones at 0 and D/2 for halves
+(one body, the layout is only the (offset, stride) of the second half) - so that the two
+elements of a pair meet in the same lane. The angles depend on (token, pair) only: cos and sin
+are computed once per [tokens, D/2] and broadcast over the heads (H times fewer
+transcendentals than one angle per element). The two strided loads read the same cache lines,
+so DRAM sees each byte of x once.
 """
 from __future__ import annotations
 
@@ -16,49 +18,106 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _rows
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.reference import rope as ref
 
+# Elements of x per program on the GPU: 8192 (16 KB of bf16) keeps 4 warps busy with 16-byte
+# accesses and leaves thousands of programs for the 132 SMs at model shapes.
+_GPU_TILE_ELEMS = 8192
+
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
     base: float
     interleaved: bool
-    blocks: RowBlocks
+    tokens: int      # tokens per program
     interpret: bool
+    num_warps: int
 
 
-def _rotate(x2, pos, st: _Static, sign: float):
-    """x2 [rows, D] rotated by +theta (sign 1) or -theta (sign -1); pos int32 [rows]."""
-    n_rows, d = x2.shape
-    br, bc = st.blocks.block_rows, st.blocks.block_cols
-    s = 1 if st.interleaved else d // 2
-    freq = ref.column_freqs(d, st.base, st.interleaved).reshape(1, d)
+def _tokens_per_program(n: int, h: int, d: int, interpret: bool,
+                        blocks: RowBlocks | None) -> tuple[int, int]:
+    if blocks is not None:
+        return blocks.block_rows, blocks.num_warps
+    if interpret:
+        return max(1, min(n, _rows._INTERPRET_TILE_ELEMS // (h * d))), 1
+    per_token = C.next_pow2(h) * 2 * C.next_pow2(d // 2)
+    bt = max(1, min(C.next_pow2(n), _GPU_TILE_ELEMS // per_token))
+    return bt, max(1, min(8, bt * per_token // 2048))
+
+
+def _load_halves(ref, t0, full, valid, a0: int, b0: int, stride: int, half: int,
+                 interpret: bool):
+    """The pairs' first and second elements of tokens [t0, +bt) as two float32 [bt, H, D/2]
+    tiles. On the GPU two strided loads; Pallas' interpreter has no strided loads, so there the
+    whole [bt, H, D] tile is loaded (masked: it pads at the edge) and sliced."""
+    bt, hp, w = full
+    if interpret:
+        x = pltriton.load(ref.at[pl.ds(t0, bt), pl.ds(0, hp), pl.ds(0, w)], mask=valid,
+                          other=0.0).astype(jnp.float32)
+        pick = lambda c0: jax.lax.slice_in_dim(x, c0, c0 + stride * (half - 1) + 1, stride, -1)
+        return pick(a0), pick(b0)
+    load = lambda c0: pltriton.load(ref.at[pl.ds(t0, bt), pl.ds(0, hp), _cols(t0, c0, w, stride)],
+                                    mask=valid, other=0.0).astype(jnp.float32)
+    return load(a0), load(b0)
+
+
+def _cols(t0, c0: int, w: int, stride: int):
+    """Columns c0, c0 + stride, ... (w of them). The start is traced (t0 * 0): a power-of-two
+    tile of pairs may hang over the row's end (D = 6), which the masked load and store never
+    touch but a static start would have refused when the ref is indexed."""
+    return pl.ds(c0 + t0 * 0, w, stride)
+
+
+def _store_halves(ref, t0, valid, a0: int, b0: int, stride: int, ya, yb, interpret: bool):
+    """`_load_halves` backwards: ya, yb [bt, H, D/2] written to the pairs' two columns."""
+    bt, hp, w = ya.shape
+    if interpret:
+        y = (jnp.stack([ya, yb], -1).reshape(bt, hp, 2 * w) if stride == 2
+             else jnp.concatenate([ya, yb], -1))
+        pltriton.store(ref.at[pl.ds(t0, bt), pl.ds(0, hp), pl.ds(0, 2 * w)],
+                       y.astype(ref.dtype), mask=valid)
+        return
+    for c0, y in ((a0, ya), (b0, yb)):
+        pltriton.store(ref.at[pl.ds(t0, bt), pl.ds(0, hp), _cols(t0, c0, w, stride)],
+                       y.astype(ref.dtype), mask=valid)
+
+
+def _rotate(x3, pos, st: _Static, sign: float):
+    """x3 [N, H, D] rotated by +theta (sign 1) or -theta (sign -1); pos int32 [N]."""
+    n, h, d = x3.shape
+    half = d // 2
+    bt, hp, dh = st.tokens, C.next_pow2(h), C.next_pow2(half)
+    if st.interpret:   # interpret mode: any size, the array's own
+        hp, dh = h, half
+    # Column of the first element of pair i, and how far its partner lies.
+    a0, b0, stride = (0, 1, 2) if st.interleaved else (0, half, 1)
+    freq = ref.column_freqs(d, st.base, st.interleaved)[a0::stride][:half].reshape(1, half)
+    exact = n % bt == 0 and hp == h and dh == half
 
     def kernel(x_ref, pos_ref, f_ref, o_ref):
-        row0 = pl.program_id(0) * br
-        # A traced offset: a static one past the row's end is refused when the ref is indexed,
-        # although the masked load and store never touch those columns.
-        shift = row0 * 0 + s
-        xa, _, cols, valid = C.load_tile(x_ref, row0, 0, br, bc, n_rows, d)    # [br, bc]: x[c]
-        # x[c + s]; the tile hangs over the row's end, so it is always masked.
-        xb = C.load_tile(x_ref, row0, shift, br, bc, n_rows, d, predicate=True)[0]
-        p = C.load_vec(pos_ref, row0, br, n_rows)[:, None].astype(jnp.float32)  # [br, 1]
-        f = C.load_tile(f_ref, 0, 0, 1, bc, 1, d)[0]                            # [1, bc]
-        theta = p * f
-        cos, sin = jnp.cos(theta), sign * jnp.sin(theta)
-        xa, xb = xa.astype(jnp.float32), xb.astype(jnp.float32)
-        first = (cols % 2 == 0) if st.interleaved else (cols < d // 2)
-        C.store_tile(o_ref, xa * cos - xb * sin, row0, 0, n_rows, d, mask=first)
-        C.store_tile(o_ref, xb * cos + xa * sin, row0, shift, n_rows, d, mask=first & valid)
+        t0 = pl.program_id(0) * bt
+        full = (bt, hp, d if st.interpret else dh)
+        tok = t0 + jax.lax.broadcasted_iota(jnp.int32, full, 0)
+        head = jax.lax.broadcasted_iota(jnp.int32, full, 1)
+        col = jax.lax.broadcasted_iota(jnp.int32, full, 2)
+        valid = None if exact else (tok < n) & (head < h) & (col < (d if st.interpret else half))
+        xa, xb = _load_halves(x_ref, t0, full, valid, a0, b0, stride, half, st.interpret)
+        p = C.load_vec(pos_ref, t0, bt, n).astype(jnp.float32)                 # [bt]
+        f = C.load_tile(f_ref, 0, 0, 1, xa.shape[-1], 1, half)[0]             # [1, dh]
+        theta = p[:, None] * f                                                 # [bt, dh]
+        cos, sin = jnp.cos(theta)[:, None, :], sign * jnp.sin(theta)[:, None, :]
+        _store_halves(o_ref, t0, valid, a0, b0, stride, xa * cos - xb * sin,
+                      xb * cos + xa * sin, st.interpret)
 
-    return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x2.shape, x2.dtype),
-                         grid=(C.cdiv(n_rows, br),), name="jaxfuse_rope_fwd" if sign > 0 else
+    return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x3.shape, x3.dtype),
+                         grid=(C.cdiv(n, bt),), name="jaxfuse_rope_fwd" if sign > 0 else
                          "jaxfuse_rope_bwd", interpret=st.interpret,
-                         num_warps=st.blocks.num_warps)(x2, pos, freq)
+                         num_warps=st.num_warps)(x3, pos, freq)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -79,16 +138,18 @@ _rope.defvjp(_rope_fwd, _rope_bwd)
 
 def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleaved: bool = True,
          interpret: bool | None = None, block_sizes: RowBlocks | None = None) -> jax.Array:
-    """Pallas rotary embedding of x [..., T, H, D]; see `jaxfuse.reference.rope`."""
+    """Pallas rotary embedding of x [..., T, H, D]; see `jaxfuse.reference.rope`.
+    `block_sizes=RowBlocks(block_rows=tokens per program, block_cols >= D, num_warps)`."""
     ref.validate(x, positions, base)
     interpret = C.resolve_interpret(interpret)
-    d = x.shape[-1]
-    x2 = _rows.as_rows(x)
-    blocks = _rows.resolve_blocks(block_sizes, x2.shape[0], d, interpret)
-    if blocks.block_cols < d:
-        raise ValueError(f"block_cols={blocks.block_cols} must cover the head dim D={d} (a row "
-                         "is rotated in one tile)")
-    # One position per row of the [..., T, H] view (4 bytes per row of D values).
-    pos = jnp.broadcast_to(positions[..., None], x.shape[:-1]).reshape(-1).astype(jnp.int32)
-    st = _Static(float(base), bool(interleaved), blocks, interpret)
-    return _rope(x2, pos, st).reshape(x.shape)
+    *_, h, d = x.shape
+    if block_sizes is not None:
+        block_sizes.validate(interpret)
+        if block_sizes.block_cols < d:
+            raise ValueError(f"block_cols={block_sizes.block_cols} must cover the head dim D={d} "
+                             "(a program rotates whole heads; block_rows counts tokens)")
+    x3 = x.reshape(-1, h, d)
+    bt, warps = _tokens_per_program(x3.shape[0], h, d, interpret, block_sizes)
+    pos = positions.reshape(-1).astype(jnp.int32)          # one position per token
+    st = _Static(float(base), bool(interleaved), bt, interpret, warps)
+    return _rope(x3, pos, st).reshape(x.shape)

@@ -139,7 +139,24 @@ def _with_cudnn_attention(fn):
     return swapped
 
 
-def train(name, cfg, b, t, impls, bar, reps, profile=False):
+def profile_attention(cfg, b, t):
+    """The model's attention alone (forward, and forward + backward), kernel by kernel: how many
+    launches one call makes, to set against the train step's profile."""
+    from benchmarks._profile import report
+    ks = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(ks[0], (b, t, cfg.n_heads, cfg.head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (b, t, cfg.n_kv_heads, cfg.head_dim), jnp.bfloat16)
+            for kk in ks[1:3])
+    import jaxfuse
+    fwd = jax.jit(lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True))
+    step = jax.jit(lambda q, k, v: jax.vjp(
+        lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True), q, k, v)[1](q))
+    report("attention", f"forward alone B{b} T{t} H{cfg.n_heads}/{cfg.n_kv_heads}", fwd,
+           (q, k, v), top=6)
+    report("attention", "forward + backward alone", step, (q, k, v), top=6)
+
+
+def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None):
     key = jax.random.key(0)
     params = M.init(key, cfg)
     tokens = jax.random.randint(jax.random.key(1), (b, t), 0, cfg.vocab_size)
@@ -170,6 +187,12 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False):
             if profile and impl != "reference":
                 from benchmarks._profile import report
                 bar.clear()
+                if profile_dir:   # the optimized HLO, to see which kernels sit where
+                    import gzip
+                    slug = impl.replace(" ", "_").replace(",", "").replace("+", "")
+                    with gzip.open(os.path.join(profile_dir, f"{name}_{slug}.hlo.txt.gz"),
+                                   "wt") as fh:
+                        fh.write(compiled.as_text())
                 report(name, f"{impl} kernels", compiled, (params, tokens, targets), top=25)
         guarded(name, f"{name} B{b} T{t} loss+grads", impl, run)
         bar.update()
@@ -297,7 +320,10 @@ def main(argv=None) -> None:
     tasks = {"train157": len(impls157), "train1b": 2, "decode": 4}
     bar = tqdm(total=sum(tasks[s] for s in args.sections), unit="run")
     if "train157" in args.sections:
-        train("157M", c157, *shapes["t157"], impls157, bar, shapes["reps"], args.profile)
+        if args.profile:
+            profile_attention(c157, *shapes["t157"])
+        train("157M", c157, *shapes["t157"], impls157, bar, shapes["reps"], args.profile,
+              args.out)
     if "train1b" in args.sections:
         train("1B", c1b, *shapes["t1b"], ("jaxfuse", "plain"), bar, max(2, shapes["reps"] // 4))
     if "decode" in args.sections:

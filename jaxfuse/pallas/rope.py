@@ -58,11 +58,12 @@ def _load_halves(ref, t0, full, valid, a0: int, b0: int, stride: int, half: int,
     bt, hp, w = full
     if interpret:
         x = pltriton.load(ref.at[pl.ds(t0, bt), pl.ds(0, hp), pl.ds(0, w)], mask=valid,
-                          other=0.0).astype(jnp.float32)
+                          other=None if valid is None else 0.0).astype(jnp.float32)
         pick = lambda c0: jax.lax.slice_in_dim(x, c0, c0 + stride * (half - 1) + 1, stride, -1)
         return pick(a0), pick(b0)
     load = lambda c0: pltriton.load(ref.at[pl.ds(t0, bt), pl.ds(0, hp), _cols(t0, c0, w, stride)],
-                                    mask=valid, other=0.0).astype(jnp.float32)
+                                    mask=valid, other=None if valid is None else 0.0
+                                    ).astype(jnp.float32)
     return load(a0), load(b0)
 
 

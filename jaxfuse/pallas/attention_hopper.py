@@ -292,4 +292,9 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
     f = plgpu.kernel(body, out_type=out_types, grid=(b * hq, n_q_tiles),
                      grid_names=("bh", "q"), num_threads=3, thread_name="wg",
                      compiler_params=params, kernel_name="jaxfuse_flash_fwd_hopper", **kw)
-    return f(q, k, v)
+    # The barrier keeps XLA from running the kernel twice. Inside a scanned, differentiated
+    # model, o is both used and stacked as a residual, and XLA's GPU dynamic-slice fusion
+    # cloned the custom call into a fusion that writes the residual stack, keeping the
+    # original for the other user: measured on the H200, 16 forward launches for 8 layers
+    # (0.235 ms each, 157M model). Behind the barrier the stack takes a copy of o instead.
+    return jax.lax.optimization_barrier(f(q, k, v))

@@ -194,6 +194,8 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None):
                                    "wt") as fh:
                         fh.write(compiled.as_text())
                 report(name, f"{impl} kernels", compiled, (params, tokens, targets), top=25)
+                from benchmarks._profile import report_ops
+                report_ops(name, impl, compiled, (params, tokens, targets), top=30)
         guarded(name, f"{name} B{b} T{t} loss+grads", impl, run)
         bar.update()
     base = next((k for k in results if k.startswith("plain")), None)
@@ -208,7 +210,7 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None):
 
 
 # ---------------------------------------------------------------- decoding
-def decode(cfg, b_greedy, b_beam, k, prompt, new, impls, bar, copy_bw):
+def decode(cfg, b_greedy, b_beam, k, prompt, new, impls, bar, copy_bw, profile=False):
     params = M.init(jax.random.key(0), cfg)
     # bf16 weights read per step: all but the embedding table (a gather of B rows), which is
     # read whole only as a tied unembedding.
@@ -244,6 +246,13 @@ def decode(cfg, b_greedy, b_beam, k, prompt, new, impls, bar, copy_bw):
                                  step_over_floor=step / floor)
                 record("decode", f"{mode} B{b}{f' K{k}' if mode == 'beam' else ''} P{prompt} "
                        f"new{new}", impl, t_full, tokens_per_s=b * new / t_full, **extra)
+                if profile:   # kernels of a 32-token call: prefill + 31 steps
+                    from benchmarks._profile import gaps, report
+                    bar.clear()
+                    g = lambda: f(params, prompts, lengths, 32)
+                    report("decode", f"{mode} {impl} kernels (prefill + 31 steps)", g, (),
+                           top=16)
+                    gaps(g, ())
             guarded("decode", f"{mode} B{b}", impl, run)
             bar.update()
     by = {(r["workload"], r["impl"]): r for r in _timing.ROWS
@@ -329,7 +338,8 @@ def main(argv=None) -> None:
     if "decode" in args.sections:
         dec = shapes["dec"]
         cfg = dataclasses.replace(c157, max_len=max(c157.max_len, dec[3] + dec[4]))
-        decode(cfg, dec[0], dec[1], dec[2], dec[3], dec[4], ("pallas", "reference"), bar, copy_bw)
+        decode(cfg, dec[0], dec[1], dec[2], dec[3], dec[4], ("pallas", "reference"), bar, copy_bw,
+               args.profile)
     bar.close()
     _timing.save(os.path.join(args.out, "model.json"))
     chart(os.path.join(args.out, "model.png"))

@@ -25,25 +25,29 @@ dQ, two ways (`AttnSpec.deterministic`):
   summation order, bitwise identical across runs, at the cost of recomputing S and dP
   (7 GEMMs per tile pair instead of 5).
 
-Counting (bf16/f16, per step of one CTA: 128 keys x 64 query rows, D = 128):
-* bytes in: Q and dO tiles 2 * 64 * 128 * 2 = 32 KiB + lse, delta 512 B; K, V (64 KiB)
-  once per CTA. FLOPs: 4 GEMMs of 2 * 128 * 64 * 128 = 2.1 MFLOP each (5 with the fused dQ):
-  8.4 (10.5) MFLOP per 32.5 KiB, ~260 FLOP/byte from HBM, above the H200's ~205
-  (989 TFLOP/s / 4.8 TB/s); the Q tiles of one head are read by every key-tile CTA in flight
-  together, mostly from L2. The fused dQ adds 2 * 64 * 128 * 4 = 64 KiB of reducing stores
-  per step (each warpgroup adds its own [64, D] partial).
-* shared memory (227 KiB, less ~8 for barriers and Mosaic GPU): K, V [128, D] 2 * 128 * D * 2
-  = 64 KiB at D = 128 (32 at D = 64); one ring stage (Q, dO [64, D] and lse, delta [64] f32)
-  256 * D + 512 B = 32.5 KiB (16.5); fused dQ: dS^T [2, 64, 64] 16 KiB and the float32 dQ
-  pieces [2 wg, 2 slots, 64, 32] 32 KiB. D = 128: 4 stages (194 KiB), 3 with the fused dQ
-  (210 KiB); D = 64: 4 stages either way (98 / 146 KiB).
-* registers (232 a consumer thread): dK and dV [64, D] float32 are 2 * D / 2 = 128 at
-  D = 128, S^T and dP^T [64, 64] 32 each; the fused dQ's [64, D] accumulator (64) lives only
+Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
+* bytes in per step: Q and dO tiles 2 * 64 * D * 2 (32 KiB at D = 128, 16 at 64) + lse and
+  delta 512 B; K and V (2 * 128 * D * 2: 64 KiB at D = 128) once per CTA.
+* FLOPs per step: each product is 2 * 128 * 64 * D (2.1 MFLOP at D = 128): 4 of them (S^T,
+  dV, dP^T, dK) = 8.4 MFLOP, 5 with the fused dQ = 10.5: ~250 FLOP per byte read at any
+  D, against the H200's ~205 (989 TFLOP/s / 4.8 TB/s); the Q tiles of one
+  head are read by every key-tile CTA of that head, which run together, mostly from L2.
+  The fused dQ stores 2 * 64 * D * 4 bytes per step with reducing TMA stores (each consumer
+  adds its own [64, D] partial: as many bytes as the step reads).
+* shared memory (227 KiB, less ~8 for barriers and Mosaic GPU's own = 219): K, V 64 KiB at
+  D = 128 (32 at 64); one ring stage (Q, dO [64, D], lse, delta [64] f32) 32.5 KiB (16.5);
+  fused dQ: dS^T [2, 64, 64] 16 KiB and the float32 dQ pieces [2 consumers, 2 slots, 64, 32]
+  32 KiB. D = 128: 4 stages (194 KiB), 3 with the fused dQ (209.5); D = 64: 4 stages
+  (98 / 146 KiB; the ring is capped at 4).
+* registers (232 per consumer thread): dK and dV [64, D] float32 take D / 2 each per thread
+  (128 at D = 128), S^T and dP^T [64, 64] 32 each; the fused dQ's [64, D] product (64) lives
   after S^T and dP^T are dead. D = 256 would need 256 for dK and dV alone: it falls back to
   the portable backward (`fits`).
-* dQ kernel (per consumer: 64 rows, keys in tiles of 64 at D = 128, 128 at D = 64): Q, dO
-  [2, 64, D] 32 KiB/warpgroup pair at D = 64... 64 KiB at D = 128, one K/V stage
-  2 * bk * D * 2 = 32 KiB: 4 stages; registers dQ [64, D] (64) + S, dP [64, bk] (32 + 32).
+* dQ kernel (per consumer 64 query rows; key tiles of 64 at D = 128, 128 at D = 64): Q, dO of
+  both consumers 4 * 64 * D * 2 (64 KiB at D = 128) + one K/V stage 2 * bk * D * 2 = 32 KiB:
+  4 stages (193 KiB; 161 at D = 64); registers dQ [64, D] (64 at D = 128) + S, dP [64, bk]
+  (32 + 32). Its 3 products per (64 rows x bk keys) tile recompute S and dP: 7 per tile pair
+  for both kernels against 5 fused, the price of a fixed summation order.
 
 No ping-pong between the consumers and no intra-warpgroup overlap of the softmax with the
 next GEMM yet (the forward has both): the first version is the simple schedule.
@@ -330,7 +334,8 @@ def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, interpret: bool):
 def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
              spec: AttnSpec, bk: int, stages: int, n_q_tiles: int):
     # As the forward (`attention_hopper`): a CTA per (batch * query head, 128 query rows),
-    # consumer wg on rows wg * 64.., the producer streaming the K and V tiles its rows see.
+    # consumer wg on rows wg * 64.., the producer streaming the K and V tiles its rows see;
+    # but the query tiles of one head run together (they read the same K and V).
     d, g = spec.head_dim, spec.groups
     dtype = q_gmem.dtype
     mma = _Mma(spec.interpret)
@@ -454,7 +459,9 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
     stages = tiles.dkv_stages(d, q.dtype.itemsize, fused)
     body = functools.partial(_dkv_body, spec=spec, tiles=tiles, stages=stages, fused_dq=fused)
     kv_types = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
-    grid, names = (b * hkv, tk // _KEYS), ("bh", "k")
+    # The first grid axis varies fastest: the CTAs that run together are the key tiles of one
+    # (batch, KV head), which read the same Q and dO tiles (L2 hits; FlashAttention-3's order).
+    grid, names = (tk // _KEYS, b * hkv), ("k", "bh")
     kw = _mesh_kw(spec)
     if not fused:
         dk, dv = plgpu.kernel(body, out_type=kv_types, grid=grid, grid_names=names,
@@ -466,7 +473,7 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
                                     stages=tiles.dq_stages(d, q.dtype.itemsize),
                                     n_q_tiles=tq // (2 * _ROWS))
         dq = plgpu.kernel(dq_body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-                          grid=(b * hq, tq // (2 * _ROWS)), grid_names=("bh", "q"),
+                          grid=(tq // (2 * _ROWS), b * hq), grid_names=("q", "bh"),
                           num_threads=3, thread_name="wg",
                           kernel_name="jaxfuse_flash_bwd_dq_hopper", **kw)(
             q, k, v, do, lse_u, delta)

@@ -6,6 +6,8 @@ Zero-size inputs (an empty batch, zero keys) take the reference and return what 
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from jaxfuse._dispatch import route
@@ -103,8 +105,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                     scale: float | None = None, q_segment_ids: jax.Array | None = None,
                     kv_segment_ids: jax.Array | None = None, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, return_lse: bool = False,
-                    dropout_rate: float = 0.0, dropout_key=None, impl: str = "pallas",
-                    interpret: bool | None = None, block_sizes=None):
+                    dropout_rate: float = 0.0, dropout_key=None, deterministic: bool = True,
+                    impl: str = "pallas", interpret: bool | None = None, block_sizes=None):
     """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D] (Hq % Hkv == 0: MHA/GQA/MQA).
 
     `scale` defaults to 1/sqrt(D). `causal` is bottom-right aligned: query i sees key j iff
@@ -112,7 +114,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     Segment ids (int [B, Tq] and [B, Tk]): a query sees only keys with the same id.
     `logits_soft_cap=c`: logits become c * tanh(s / c). Returns o [B, Tq, Hq, D] (and, with
     `return_lse`, the float32 log-sum-exp [B, Hq, Tq]); a query that sees no key gets zeros
-    and lse = -inf. Memory O(T); gradients recompute P and are deterministic. A NaN in q, k
+    and lse = -inf. Memory O(T); gradients recompute P (deterministic by default, see below). A NaN in q, k
     or v gives NaN in the rows that see it; `scale` and the soft cap must be finite. Keys and
     values that the masks hide may hold anything (NaN, inf: the padding of packed sequences):
     it reaches no output or gradient of a query that does not see it.
@@ -123,12 +125,19 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 
     On a Hopper GPU (sm90) with bf16/f16 inputs, head_dim 64/128/256, Tq a multiple of 128,
     Tk of 128 (64 for head_dim 256) and no segment ids, the forward runs a FlashAttention-3
-    style Mosaic GPU kernel (TMA ring, wgmma, ping-ponging warpgroups); everything else, and
-    the backward, runs the portable Triton kernels. `block_sizes=AttnBlocks(hopper=False)`
-    turns it off, `hopper=True` forces it (also in Mosaic GPU's interpreter on a CPU) and
-    raises where it does not fit. On the Hopper path, garbage in a masked key of a tile that
-    the causal edge or the window cuts is not yet guarded (segment ids, the packing case,
-    always take the portable path).
+    style Mosaic GPU kernel (TMA ring, wgmma, ping-ponging warpgroups), and the backward a
+    Mosaic GPU dK/dV kernel (plus a dQ kernel) where head_dim is 64 or 128 and Tk a multiple
+    of 128; everything else runs the portable Triton kernels. `block_sizes=AttnBlocks(
+    hopper=False)` turns both off, `hopper=True` forces them (also in Mosaic GPU's interpreter
+    on a CPU; the forward raises where it does not fit, the backward then falls back to the
+    portable one where it does not). On the Hopper path, garbage in a masked key of a tile
+    that the causal edge or the window cuts is not yet guarded (segment ids, the packing
+    case, always take the portable path).
+    `deterministic=True` (default): gradients are bitwise identical across runs. `False` lets
+    the Hopper backward fold dQ into its dK/dV kernel and add the partial dQ of each key tile
+    into a float32 buffer with reducing (atomic) TMA stores, in whatever order the tiles
+    finish: faster (5 matrix products per tile instead of 7), not bitwise reproducible, and
+    not batchable under `jax.vmap`. The portable kernels ignore it (always deterministic).
 
     Not a bug: dq and dk that are exactly zero in theory (one visible key, one-hot attention,
     v equal for every key) come out as rounding noise, about 1e-6 in float32 and 4e-3
@@ -140,7 +149,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 
     >>> o = jaxfuse.flash_attention(q, k, v, causal=True)
     """
-    return route(impl, _s_attn.flash_attention, _r_attn.attention, q, k, v, causal=causal,
+    pallas = functools.partial(_s_attn.flash_attention, deterministic=deterministic)
+    return route(impl, pallas, _r_attn.attention, q, k, v, causal=causal,
                  scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                  return_lse=return_lse, dropout_rate=dropout_rate, dropout_key=dropout_key,

@@ -104,21 +104,35 @@ def test_hopper_linear_cross_entropy_lowers(vmapped):
         assert name in module
 
 
-@pytest.mark.parametrize("d,opts", [
-    (64, dict(causal=True)), (128, dict(causal=True, sliding_window=200)),
-    (128, dict(logits_soft_cap=30.0)), (256, dict(causal=True)),
+_HOPPER_BWD = {True: ("jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper"),
+               False: ("jaxfuse_flash_bwd_dkv_dq_hopper",)}
+
+
+@pytest.mark.parametrize("d,opts,det", [
+    (64, dict(causal=True), True), (64, dict(causal=True), False),
+    (128, dict(causal=True, sliding_window=200), True),
+    (128, dict(causal=True, sliding_window=200), False),
+    (64, dict(sliding_window=100, logits_soft_cap=20.0), False),
+    (128, dict(logits_soft_cap=30.0), True), (128, dict(logits_soft_cap=30.0), False),
+    (256, dict(causal=True), True),
 ])
-def test_hopper_flash_attention_lowers(d, opts):
-    """The Hopper forward (TMA ring, wgmma with P from registers, ping-pong barriers) lowers
-    through Mosaic GPU for sm90 with every mask variant, GQA and its Triton backward; the
-    wgmma forms are not run by Mosaic GPU's interpreter, so this is where their layout rules
-    are checked on a CPU."""
+def test_hopper_flash_attention_lowers(d, opts, det):
+    """The Hopper forward (TMA ring, wgmma with P from registers, ping-pong barriers) and
+    backward (dK/dV kernel with GQA inside the CTA, S^T and dP^T from shared memory, P^T and
+    dS^T as register operands, dS^T read transposed for the fused dQ; the dQ kernel, or the
+    fused dQ's reducing TMA stores) lower through Mosaic GPU for sm90 with every mask variant
+    and GQA; the wgmma forms and reducing stores are not run by Mosaic GPU's interpreter, so
+    this is where their layout rules are checked on a CPU. D = 256 takes the Triton backward."""
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
-        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=True), **opts),
-        q, k, k).mlir_module()
+        q, k, v, interpret=False, deterministic=det,
+        block_sizes=jaxfuse.AttnBlocks(hopper=True), **opts), q, k, k).mlir_module()
     assert "jaxfuse_flash_fwd_hopper" in module
+    hopper_bwd = d <= 128
+    for name in _HOPPER_BWD[det]:
+        assert (name in module) == hopper_bwd, name
+    assert ('"jaxfuse_flash_bwd_dkv"' in module) == (not hopper_bwd)
 
 
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])

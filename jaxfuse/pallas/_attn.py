@@ -60,11 +60,16 @@ class AttnSpec:
     interpret: bool   # interpret the pallas_call (normally == folded; tests run the GPU layout
                       # in interpret mode by forcing AttnBlocks(folded=False))
     dropout: float = 0.0  # attention-probability dropout rate (0: none; the key is an input)
+    # Backward: gradients bitwise identical across runs (the Hopper backward's dQ in a fixed
+    # order; False lets it add dQ partials with reducing stores; the portable path is always
+    # deterministic).
+    deterministic: bool = True
 
     @classmethod
     def make(cls, *, n_q: int, n_k: int, head_dim: int, groups: int, dtype, scale, interpret: bool,
              folded: bool | None = None, causal: bool = False, window=None, softcap=None,
-             segments: bool = False, dropout: float = 0.0) -> "AttnSpec":
+             segments: bool = False, dropout: float = 0.0,
+             deterministic: bool = True) -> "AttnSpec":
         """The spec of a problem; `folded=None` folds in interpret mode and squeezes on the GPU,
         where the head dim is padded to a power of two of at least 16 (Triton's tile rules)."""
         folded = interpret if folded is None else folded
@@ -72,7 +77,8 @@ class AttnSpec:
         return cls(1.0 / math.sqrt(head_dim) if scale is None else float(scale), bool(causal),
                    None if window is None else int(window),
                    None if softcap is None else float(softcap), n_q, n_k, head_dim, dp, groups,
-                   segments, folded, jnp.dtype(dtype).itemsize, interpret, float(dropout))
+                   segments, folded, jnp.dtype(dtype).itemsize, interpret, float(dropout),
+                   bool(deterministic))
 
     @property
     def rows(self) -> int:

@@ -12,7 +12,8 @@ repeated in memory. In interpret mode the G query heads of a group are stacked i
 so each K/V tile is read once per group.
 
 Backward: `attention_bwd.py` (saves only q, k, v, o and lse_u, the log-sum-exp in the
-kernels' score units, see `_attn`; the public lse is the natural-log one).
+kernels' score units, see `_attn`; the public lse is the natural-log one), or after the Hopper
+forward `attention_hopper_bwd.py` where it takes the problem (`_backward`).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from jax.experimental import pallas as pl
 from jaxfuse import _philox
 from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _common as C
-from jaxfuse.pallas import attention_bwd, attention_hopper
+from jaxfuse.pallas import attention_bwd, attention_hopper, attention_hopper_bwd
 from jaxfuse.pallas._attn import AttnBlocks, AttnSpec
 from jaxfuse.reference import attention as ref
 
@@ -130,12 +131,24 @@ def _flash_fwd(q, k, v, qs, ks, key, spec, blocks):
 def _flash_bwd(spec, blocks, res, cts):
     q, k, v, qs, ks, key, o, lse_u = res
     do, dlse = cts
-    dq, dk, dv = attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks, key)
+    dq, dk, dv = _backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks, key)
     int_ct = lambda s: None if s is None else jnp.zeros(s.shape, jax.dtypes.float0)
     return dq, dk, dv, int_ct(qs), int_ct(ks), int_ct(key)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnBlocks,
+              key=None):
+    """(dq, dk, dv) in the kernels' layout: the Hopper backward after the Hopper forward (the
+    plan resolved `blocks.hopper` to its tiles) where it takes the problem, else the portable
+    kernels (which ignore `spec.deterministic`: they are always deterministic)."""
+    t = blocks.hopper
+    if (isinstance(t, attention_hopper.HopperAttnTiles) and t.backward
+            and attention_hopper_bwd.fits(q.dtype, spec)):
+        return attention_hopper_bwd.backward(q, k, v, o, lse_u, do, dlse, spec)
+    return attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks, key)
 
 
 def check_head_dim(d: int) -> None:
@@ -148,10 +161,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                     scale: float | None = None, q_segment_ids: jax.Array | None = None,
                     kv_segment_ids: jax.Array | None = None, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, return_lse: bool = False,
-                    dropout_rate: float = 0.0, dropout_key=None,
+                    dropout_rate: float = 0.0, dropout_key=None, deterministic: bool = True,
                     interpret: bool | None = None, block_sizes: AttnBlocks | None = None):
     """Pallas FlashAttention-2; same semantics as `jaxfuse.reference.attention.attention`.
-    With dropout the forward is the Triton kernel (the Hopper forward has no dropout)."""
+    With dropout the forward is the Triton kernel (the Hopper forward has no dropout).
+    `deterministic=False` lets the Hopper backward add dQ with reducing stores (see
+    `attention_hopper_bwd`)."""
     ref.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap, scale,
                  dropout_rate, dropout_key)
     check_head_dim(q.shape[-1])
@@ -159,7 +174,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     spec, blocks = plan(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
                         segments=q_segment_ids is not None, sliding_window=sliding_window,
                         logits_soft_cap=logits_soft_cap, interpret=interpret,
-                        block_sizes=block_sizes, dropout=rate)
+                        block_sizes=block_sizes, dropout=rate, deterministic=deterministic)
     lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
     qs, ks = _segs(q_segment_ids, kv_segment_ids)
     key = _philox.key_words(dropout_key) if rate else None
@@ -170,7 +185,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 
 
 def plan(q_shape, k_shape, dtype, *, causal, scale, segments, sliding_window, logits_soft_cap,
-         interpret, block_sizes, dropout: float = 0.0) -> tuple[AttnSpec, AttnBlocks]:
+         interpret, block_sizes, dropout: float = 0.0,
+         deterministic: bool = True) -> tuple[AttnSpec, AttnBlocks]:
     """The kernels' spec and blocks for these shapes (also used per shard by `sharding`). The
     blocks' `hopper` comes back resolved: the Hopper forward's tiles, or False (always False
     with dropout, which only the Triton kernels implement)."""
@@ -178,7 +194,8 @@ def plan(q_shape, k_shape, dtype, *, causal, scale, segments, sliding_window, lo
         AttnSpec.make, n_q=q_shape[1], n_k=k_shape[1], head_dim=q_shape[-1],
         groups=q_shape[2] // k_shape[2], dtype=dtype, scale=scale,
         interpret=C.resolve_interpret(interpret), causal=causal, window=sliding_window,
-        softcap=logits_soft_cap, segments=segments, dropout=dropout)
+        softcap=logits_soft_cap, segments=segments, dropout=dropout,
+        deterministic=deterministic)
     spec = make(folded=None if block_sizes is None else block_sizes.folded)
     requested = None if block_sizes is None else block_sizes.hopper
     hopper = attention_hopper.tiles_for(False if dropout else requested, dtype, q_shape,
@@ -267,7 +284,6 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, o, lse_u, do, dlse, spec: A
     cotangent dlse of its natural lse."""
     lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
     qs, ks = _segs(q_segment_ids, kv_segment_ids)
-    dq, dk, dv = attention_bwd.backward(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs),
-                                        lay.kv_seg(ks), lay.q(o), lay.lse(lse_u), lay.q(do),
-                                        lay.lse(dlse), spec, blocks)
+    dq, dk, dv = _backward(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs), lay.kv_seg(ks),
+                           lay.q(o), lay.lse(lse_u), lay.q(do), lay.lse(dlse), spec, blocks)
     return lay.o_back(dq), lay.kv_back(dk), lay.kv_back(dv)

@@ -142,6 +142,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
     A.store_rows(dv_ref, dv, 0, spec.n_k, spec, global_r0=k0)
 
 
+def delta(o, do, dlse, spec: AttnSpec):
+    """delta = rowsum(dO * O) - dlse in float32, in lse's layout (see `backward`): a cheap XLA
+    reduction before the kernels, which read it once per tile (shared with the Hopper
+    backward)."""
+    d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    if not spec.folded:
+        d = jnp.swapaxes(d, 1, 2)                            # [B, Tq, Hq] -> [B, Hq, Tq]
+    return d if dlse is None else d - dlse
+
+
 def backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnBlocks,
              key=None):
     """dq, dk, dv in the kernels' layout (see `_attn`).
@@ -152,12 +162,7 @@ def backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnBl
     `dlse`: the cotangent of the natural-log lse (or None). `key`: the dropout key words (with
     `spec.dropout`), from which both kernels regenerate the forward's mask."""
     dp, g = spec.head_dim_pad, spec.groups
-    # delta = rowsum(dO * O) - dlse, in lse's layout: a cheap XLA reduction, read once per kernel.
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
-    if not spec.folded:
-        delta = jnp.swapaxes(delta, 1, 2)                    # [B, Tq, Hq] -> [B, Hq, Tq]
-    if dlse is not None:
-        delta = delta - dlse
+    delta_rows = delta(o, do, dlse, spec)
     segs = [qs, ks] if spec.segments else []
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
     bq2, bk2 = blocks.block_q_dkv, blocks.block_k_dkv
@@ -192,7 +197,7 @@ def backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnBl
     keys = [key] if spec.dropout else []
     key_spec = [pl.BlockSpec((2,), lambda *_: (0,))] if spec.dropout else []
     dq_specs, dkv_specs = dq_specs + key_spec, dkv_specs + key_spec
-    args = (q, k, v, do, lse_u, delta, *keys, *segs)
+    args = (q, k, v, do, lse_u, delta_rows, *keys, *segs)
     call = functools.partial(C.pallas_call, interpret=spec.interpret,
                              num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd)
     dq = call(functools.partial(_dq_kernel, spec=spec, bq=bq, bk=bk),

@@ -22,8 +22,9 @@ first (the last query tiles, which see the most keys, get the first multiprocess
 short tiles fill in at the end of the wave.
 
 What it takes (`fits`): bf16/f16, D in {64, 128, 256}, Tq a multiple of 2 * block_q and Tk of
-block_k; no segment ids. Anything else runs the portable Triton kernels (`attention.py`),
-which also serve the backward.
+block_k; no segment ids. Anything else runs the portable Triton kernels (`attention.py`).
+The backward is `attention_hopper_bwd` where it takes the problem (D 64 or 128, Tk a multiple
+of 128), else the portable one.
 
 Regimes: compiled by Mosaic GPU on an sm90 GPU. On a CPU the same body runs in Mosaic GPU's
 interpreter (threads, TMA, barriers simulated), except the two matrix products, which that
@@ -54,10 +55,13 @@ _SMEM_BYTES = 227 * 1024 - 8192   # less the barriers and what Mosaic GPU reserv
 @dataclasses.dataclass(frozen=True)
 class HopperAttnTiles:
     """block_k: keys per step; stages: K/V ring depth (None: as many as shared memory holds,
-    at most 4); pingpong: the consumers take turns on the tensor cores (False: they run free)."""
+    at most 4); pingpong: the consumers take turns on the tensor cores (False: they run free);
+    backward: the Hopper backward (`attention_hopper_bwd`) follows where it takes the problem
+    (False: the portable backward after this forward)."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
+    backward: bool = True
 
     @classmethod
     def for_head_dim(cls, d: int) -> "HopperAttnTiles":

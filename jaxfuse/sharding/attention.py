@@ -84,14 +84,14 @@ def _flash_bwd(cfg, plan, q, k, v, *rest):
 
 @functools.lru_cache(maxsize=None)
 def _flash_op(hkv: int, groups: int, self_attention: bool, segments: bool, causal: bool, scale,
-              sliding_window, logits_soft_cap, interpret, block_sizes):
+              sliding_window, logits_soft_cap, interpret, block_sizes, deterministic=True):
     # Self-attention (Tq = Tk) names both sequence axes "t": split, it runs ring attention.
     # Otherwise only the queries may split, where no mask depends on their global position.
     ring_ok = self_attention and sliding_window is None
     cfg = dict(segments=segments, ring=ring_ok,
                kw=dict(causal=causal, scale=scale, sliding_window=sliding_window,
                        logits_soft_cap=logits_soft_cap, interpret=interpret,
-                       block_sizes=block_sizes))
+                       block_sizes=block_sizes, deterministic=deterministic))
     h = _heads(hkv, groups)
     q_dims, lse_dims = ("b", "t", h, "d"), ("b", h, "t")
     kv = ("b", "t" if self_attention else "s", "n", "d")
@@ -109,8 +109,8 @@ def _flash_op(hkv: int, groups: int, self_attention: bool, segments: bool, causa
 
 def flash_attention(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
                     kv_segment_ids=None, sliding_window=None, logits_soft_cap=None,
-                    return_lse=False, dropout_rate=0.0, dropout_key=None, interpret=None,
-                    block_sizes=None):
+                    return_lse=False, dropout_rate=0.0, dropout_key=None, deterministic=True,
+                    interpret=None, block_sizes=None):
     """`jaxfuse.pallas.flash_attention` partitioned over batch, KV heads and the sequence. With
     dropout it is the unpartitioned kernel: the mask is defined by global (batch, head, query)
     indices, which a shard does not know."""
@@ -119,14 +119,16 @@ def flash_attention(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
             q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap, return_lse=return_lse, dropout_rate=dropout_rate,
-            dropout_key=dropout_key, interpret=interpret, block_sizes=block_sizes)
+            dropout_key=dropout_key, deterministic=deterministic, interpret=interpret,
+            block_sizes=block_sizes)
     _r_attn.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap,
                      scale)
     _p_attn.check_head_dim(q.shape[-1])
     segs = () if q_segment_ids is None else (q_segment_ids.astype(jnp.int32),
                                              kv_segment_ids.astype(jnp.int32))
     op = _flash_op(k.shape[2], q.shape[2] // k.shape[2], q.shape[1] == k.shape[1], bool(segs), bool(causal),
-                   scale, sliding_window, logits_soft_cap, interpret, block_sizes)
+                   scale, sliding_window, logits_soft_cap, interpret, block_sizes,
+                   bool(deterministic))
     o, lse = op(q, k, v, *segs)
     return (o, lse) if return_lse else o
 

@@ -1,0 +1,144 @@
+"""GPU check and benchmark of the Hopper FlashAttention backward (`attention_hopper_bwd`), one
+section of gpu_check.py, designed to finish in a few minutes on an H200:
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py attention_bwd \
+        --out benchmarks/results/<date>-h200-attention-bwd.json
+
+check: compiles the Hopper forward + backward (forced, `AttnBlocks(hopper=True)`) on awkward
+shapes (bf16 and f16; causal with Tk > Tq and Tq > Tk (rows that see no key), windows, soft
+caps, GQA/MQA, D 64 and 128), with both `deterministic` settings, and compares o, lse, dq, dk,
+dv (through jax.vjp with random cotangents of o and lse) with the float32 reference; records
+which backward kernels ran; with deterministic=True a second run must be bitwise equal (with
+False it is reported, not required).
+perf: forward+backward time of B4 H32 T4096 D128 (causal and not) and D64 B8 H16 T2048 causal
+against cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`): jaxfuse with the
+Hopper backward (deterministic True and False), with the Triton backward after the Hopper
+forward, and the forward alone (so the backward's share is the difference).
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+from jaxfuse import AttnBlocks
+from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+from benchmarks._timing import bench, guarded, record, rel_err
+
+S = "attn_bwd"
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
+KERNELS = ("jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper",
+           "jaxfuse_flash_bwd_dkv_dq_hopper", "jaxfuse_flash_bwd_dkv")   # the last: Triton
+
+CASES = [   # (b, tq, tk, hq, hkv, d), options
+    ((2, 256, 256, 4, 4, 64), dict(causal=True)),
+    ((1, 384, 512, 8, 2, 128), dict(causal=True, sliding_window=100)),
+    ((1, 128, 640, 4, 1, 128), dict(logits_soft_cap=20.0)),
+    ((1, 256, 384, 6, 2, 64), dict(sliding_window=77, logits_soft_cap=10.0)),
+    ((2, 512, 512, 4, 2, 128), dict()),
+    ((1, 128, 384, 2, 2, 64), dict(causal=True)),
+    ((1, 384, 128, 2, 1, 128), dict(causal=True)),      # Tq > Tk: the first rows see no key
+]
+
+
+def _inputs(key, b, tq, tk, hq, hkv, d, dtype):
+    k = jax.random.split(key, 5)
+    return (jax.random.normal(k[0], (b, tq, hq, d), dtype),
+            jax.random.normal(k[1], (b, tk, hkv, d), dtype),
+            jax.random.normal(k[2], (b, tk, hkv, d), dtype),
+            jax.random.normal(k[3], (b, tq, hq, d), dtype),
+            jax.random.normal(k[4], (b, hq, tq), jnp.float32))
+
+
+def _check_case(i, shape, opts, dtype, det: bool):
+    name = f"check {shape} {opts} det={det}"
+
+    def run():
+        q, k, v, do, dlse = _inputs(jax.random.key(i), *shape, dtype)
+
+        def fb(impl, q, k, v, do, dlse):
+            kw = dict(opts, return_lse=True, impl=impl)
+            if impl == "pallas":
+                kw.update(deterministic=det, block_sizes=AttnBlocks(hopper=True))
+            f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, **kw)
+            (o, lse), vjp = jax.vjp(f, q, k, v)
+            # Rows that see no key have lse = -inf: no cotangent there (the reference's
+            # gradient of -inf is NaN-prone, ours is 0).
+            return o, lse, vjp((do, jnp.where(jnp.isfinite(lse), dlse, 0.0)))
+        args = (q, k, v, do, dlse)
+        jaxpr = str(jax.make_jaxpr(functools.partial(fb, "pallas"))(*args))
+        ran = [n for n in KERNELS if re.search(n + r"\b", jaxpr)]
+        run1 = jax.jit(functools.partial(fb, "pallas"))
+        o, lse, g = run1(*args)
+        f32 = [a.astype(jnp.float32) for a in args]
+        with jax.default_matmul_precision("highest"):
+            ro, rlse, rg = jax.jit(functools.partial(fb, "reference"))(*f32)
+        fin = jnp.isfinite(rlse)
+        errs = [rel_err(o, ro), rel_err(jnp.where(fin, lse, 0), jnp.where(fin, rlse, 0))]
+        errs += [rel_err(a, r) for a, r in zip(g, rg)]
+        nan = any(bool(jnp.isnan(x).any()) for x in (o, *g))
+        o2, _, g2 = run1(*args)
+        same = all(bool(jnp.array_equal(a, b)) for a, b in zip((o, *g), (o2, *g2)))
+        ok = max(errs) <= TOL[dtype] and not nan and (same or not det) and (
+            "jaxfuse_flash_bwd_dkv" not in ran)
+        record(S, name, jnp.dtype(dtype).name, max_rel_err=max(errs), dq_err=errs[2],
+               dk_err=errs[3], dv_err=errs[4], bitwise_repeat=same, kernels=",".join(ran),
+               status="ok" if ok else "FAIL")
+    guarded(S, name, jnp.dtype(dtype).name, run)
+
+
+def check():
+    for i, (shape, opts) in enumerate(CASES):
+        for det in (True, False):
+            _check_case(i, shape, opts, jnp.bfloat16, det)
+    for i, (shape, opts) in enumerate(CASES[:3]):
+        _check_case(i, shape, opts, jnp.float16, True)
+
+
+def _fns(causal: bool):
+    hop = lambda t: AttnBlocks(hopper=t)
+    return {
+        "jaxfuse det": functools.partial(jaxfuse.flash_attention, causal=causal),
+        "jaxfuse nondet": functools.partial(jaxfuse.flash_attention, causal=causal,
+                                            deterministic=False),
+        "jaxfuse hopper-fwd+triton-bwd": functools.partial(
+            jaxfuse.flash_attention, causal=causal,
+            block_sizes=hop(HopperAttnTiles(backward=False))),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                              implementation="cudnn"),
+    }
+
+
+def _time(label, shape, causal):
+    b, t, h, d = shape
+    flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0)
+    sets = [_inputs(jax.random.key(100 + i), b, t, t, h, h, d, jnp.bfloat16)[:4]
+            for i in range(2)]
+    times = {}
+    for impl, f in _fns(causal).items():
+        def step(q, k, v, do, f=f):
+            o, vjp = jax.vjp(f, q, k, v)
+            return o, vjp(do)
+
+        def run(impl=impl, f=f, step=step):
+            tm = bench(jax.jit(step), sets, reps=5, repeats=3)
+            times[impl] = tm
+            record(S, f"{label} fwd+bwd", impl, tm, TFLOPs=3.5 * flops / tm / 1e12)
+            if impl in ("jaxfuse det", "cudnn"):
+                tf = bench(jax.jit(f), [s[:3] for s in sets], reps=5, repeats=3)
+                record(S, f"{label} fwd", impl, tf, TFLOPs=flops / tf / 1e12)
+        guarded(S, f"{label} fwd+bwd", impl, run)
+    # cuDNN runs last in `_fns`; the ratios of the others, once its time is known.
+    if "cudnn" in times:
+        for impl, tm in times.items():
+            record(S, f"{label} fwd+bwd / cudnn", impl, None, ratio=tm / times["cudnn"])
+
+
+def perf(copy_bw: float, sweep: bool = True):
+    del copy_bw, sweep
+    for causal in (False, True):
+        _time(f"B4 H32 T4096 D128 {'causal' if causal else 'full'}", (4, 4096, 32, 128), causal)
+    _time("D64 B8 H16 T2048 causal", (8, 2048, 16, 64), True)

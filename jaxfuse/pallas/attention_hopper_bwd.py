@@ -1,0 +1,500 @@
+"""FlashAttention backward on a Hopper GPU (sm90) in Pallas Mosaic GPU: TMA ring, wgmma, a
+producer warpgroup and two consumer warpgroups (FlashAttention-3, Shah et al. 2024, sec. 3.3;
+the maths of FlashAttention-2's backward, lecture 5 sec. 7.3, as in `attention_bwd`):
+
+    P = exp2((u - lse_u) c2)  (recomputed in the forward's score units, `_attn`: exact),
+    dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta)  (* (1 - tanh^2) under a soft cap),
+    dK = scale dS^T Q,  dQ = scale dS K,   delta = rowsum(dO * O) - dlse (an XLA pre-pass).
+
+dK/dV kernel: one CTA per (batch * KV head, 128 keys); each consumer warpgroup keeps its 64
+keys' K and V in shared memory and dK, dV [64, D] in float32 registers, and walks the query
+tiles of 64 rows that see its keys, for every query head of the KV group (GQA/MQA reduced in
+the kernel: no K/V repeat, no sum over the group). The producer warpgroup streams Q, dO (and
+lse_u, delta) through a ring of `stages` slots with TMA. The scores are kept transposed
+(S^T = K Q^T, [64 keys, 64 queries]) so that P^T and dS^T are the register A operands of
+dV += P^T dO and dK += dS^T Q (as jax's `attention_mgpu` backward does). Causal/window tiles
+come from `_attn.query_blocks` (wholly masked tiles skipped, only edge tiles masked).
+
+dQ, two ways (`AttnSpec.deterministic`):
+* False: the dK/dV kernel also forms dQ_partial = dS K (the fifth GEMM; dS^T goes through
+  shared memory, read transposed as the A operand) and adds it into a float32 [B, Tq, Hq, D]
+  buffer with a reducing TMA store; the sum's order depends on which CTA comes first, so the
+  bits may differ between runs. Cast to the input dtype afterwards.
+* True (default): a separate dQ kernel, one CTA per (batch * query head, 128 rows), walks the
+  key tiles like the forward (S, dP and dQ += dS K: 3 GEMMs) and writes dQ once: a fixed
+  summation order, bitwise identical across runs, at the cost of recomputing S and dP
+  (7 GEMMs per tile pair instead of 5).
+
+Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
+* bytes in per step: Q and dO tiles 2 * 64 * D * 2 (32 KiB at D = 128, 16 at 64) + lse and
+  delta 512 B; K and V (2 * 128 * D * 2: 64 KiB at D = 128) once per CTA.
+* FLOPs per step: each product is 2 * 128 * 64 * D (2.1 MFLOP at D = 128): 4 of them (S^T,
+  dV, dP^T, dK) = 8.4 MFLOP, 5 with the fused dQ = 10.5: ~250 FLOP per byte read at any
+  D, against the H200's ~205 (989 TFLOP/s / 4.8 TB/s); the Q tiles of one
+  head are read by every key-tile CTA of that head, which run together, mostly from L2.
+  The fused dQ stores 2 * 64 * D * 4 bytes per step with reducing TMA stores (each consumer
+  adds its own [64, D] partial: as many bytes as the step reads).
+* shared memory (227 KiB, less ~8 for barriers and Mosaic GPU's own = 219): K, V 64 KiB at
+  D = 128 (32 at 64); one ring stage (Q, dO [64, D], lse, delta [64] f32) 32.5 KiB (16.5);
+  fused dQ: dS^T [2, 64, 64] 16 KiB and the float32 dQ pieces [2 consumers, 2 slots, 64, 32]
+  32 KiB. D = 128: 4 stages (194 KiB), 3 with the fused dQ (209.5); D = 64: 4 stages
+  (98 / 146 KiB; the ring is capped at 4).
+* registers (232 per consumer thread): dK and dV [64, D] float32 take D / 2 each per thread
+  (128 at D = 128), S^T and dP^T [64, 64] 32 each; the fused dQ's [64, D] product (64) lives
+  after S^T and dP^T are dead. D = 256 would need 256 for dK and dV alone: it falls back to
+  the portable backward (`fits`).
+* dQ kernel (per consumer 64 query rows; key tiles of 64 at D = 128, 128 at D = 64): Q, dO of
+  both consumers 4 * 64 * D * 2 (64 KiB at D = 128) + one K/V stage 2 * bk * D * 2 = 32 KiB:
+  4 stages (193 KiB; 161 at D = 64); registers dQ [64, D] (64 at D = 128) + S, dP [64, bk]
+  (32 + 32). Its 3 products per (64 rows x bk keys) tile recompute S and dP: 7 per tile pair
+  for both kernels against 5 fused, the price of a fixed summation order.
+
+No ping-pong between the consumers and no intra-warpgroup overlap of the softmax with the
+next GEMM yet (the forward has both): the first version is the simple schedule.
+
+What it takes (`fits`): what the Hopper forward takes (bf16/f16, no segment ids, Tq a multiple
+of 128) with D in {64, 128} and Tk a multiple of 128; anything else (and dropout, float32,
+D = 256) runs the portable kernels of `attention_bwd`. Garbage in masked keys: scores and dS
+of masked pairs are selected away on edge tiles; the K rows that multiply a zero dS in
+dQ = dS K are not cleaned (the portable path does), so a NaN/inf key hidden by the causal
+edge or a window may reach dQ here (as in the Hopper forward's P V, see `attention_hopper`).
+
+Regimes: compiled by Mosaic GPU on an sm90 GPU. In Mosaic GPU's interpreter (jax 0.10.2) the
+products are plain dots of the same tiles (it reads no register or transposed wgmma operand),
+and the fused dQ has no reducing TMA store: there each warpgroup reads, adds and writes a
+float32 buffer of its own ([2, B, Tq, Hq, D], summed after; the interpreter runs the grid
+sequentially, so nothing races).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxfuse.pallas import _attn as A
+from jaxfuse.pallas import _hopper as H
+from jaxfuse.pallas import attention_bwd
+from jaxfuse.pallas import attention_hopper as AH
+from jaxfuse.pallas._attn import AttnSpec
+
+_ROWS = AH._ROWS             # rows of one wgmma M: keys (dK/dV) or queries (dQ) per consumer
+_KEYS = 2 * _ROWS            # keys per dK/dV CTA (two consumers)
+_PIECE = 32                  # columns of the float32 dQ pieces of the reducing store
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperBwdTiles:
+    """block_q: query rows per dK/dV step (the N of S^T); block_k_dq: keys per dQ-kernel step
+    (None: 128 at D = 64, 64 above, for registers); stages: ring depth (None: as many as
+    shared memory holds, at most 4)."""
+    block_q: int = 64
+    block_k_dq: int | None = None
+    stages: int | None = None
+
+    def k_dq(self, d: int) -> int:
+        return self.block_k_dq or (128 if d <= 64 else 64)
+
+    def dkv_stages(self, d: int, itemsize: int, fused_dq: bool) -> int:
+        fixed = 2 * _KEYS * d * itemsize                        # K, V
+        if fused_dq:
+            fixed += 2 * _ROWS * self.block_q * itemsize         # dS^T per consumer
+            fixed += 2 * 2 * _ROWS * _PIECE * 4                  # dQ pieces
+        stage = 2 * self.block_q * d * itemsize + 2 * self.block_q * 4
+        return self._fit(fixed, stage)
+
+    def dq_stages(self, d: int, itemsize: int) -> int:
+        fixed = 2 * 2 * _ROWS * d * itemsize + 2 * 2 * _ROWS * 4   # Q, dO, lse, delta
+        return self._fit(fixed, 2 * self.k_dq(d) * d * itemsize)
+
+    def _fit(self, fixed: int, stage: int) -> int:
+        if self.stages is not None:
+            return self.stages
+        return max(1, min(4, (AH._SMEM_BYTES - fixed) // stage))
+
+
+def fits(dtype, spec: AttnSpec, tiles: HopperBwdTiles = HopperBwdTiles()) -> bool:
+    """Whether the Hopper backward takes this problem (its forward ran on `attention_hopper`)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and spec.head_dim in (64, 128) and not spec.segments and not spec.dropout
+            and not spec.folded and spec.n_q > 0 and spec.n_k > 0
+            and spec.n_q % _KEYS == 0 and spec.n_q % tiles.block_q == 0
+            and spec.n_k % _KEYS == 0 and spec.n_k % tiles.k_dq(spec.head_dim) == 0)
+
+
+class _Mma:
+    """The products of a step: wgmma on the GPU, plain dots of the same tiles in the
+    interpreter. `nt`: A B^T of two shared-memory tiles [m, d], [n, d] -> [m, n] float32;
+    `acc`: acc + A B with A in registers [m, k] and B [k, n] in shared memory; `tn`: A^T B of
+    shared-memory tiles [k, m], [k, n] -> [m, n]."""
+
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+
+    def nt(self, a_smem, b_smem):
+        if self.interpret:
+            return A.dot(a_smem[...], b_smem[...], "md,nd->mn")
+
+        def body(acc):
+            plgpu.wgmma(acc, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+            return acc[...]
+        return pl.run_scoped(body, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), _F32))
+
+    def acc(self, acc, a, b_smem):
+        if self.interpret:
+            return acc + A.dot(a, b_smem[...], "mk,kn->mn")
+
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, a, b_smem)
+        return pl.run_state(body)(plgpu.ACC.init(acc))
+
+    def tn(self, a_smem, b_smem):
+        if self.interpret:
+            return A.dot(a_smem[...], b_smem[...], "km,kn->mn")
+
+        def body(acc):
+            plgpu.wgmma(acc, plgpu.transpose_ref(a_smem, (1, 0)), b_smem)
+            return acc[...]
+        return pl.run_scoped(body, plgpu.ACC((a_smem.shape[1], b_smem.shape[1]), _F32))
+
+
+def _vec(smem, axis: int, n: int, interpret: bool):
+    """A float32 [64] vector from shared memory as a [64, n] tile: constant along `axis`
+    (1: one value per row, 0: one per column), in the wgmma layout when compiled."""
+    if interpret:
+        x = smem[...]
+    else:
+        x = plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(axis))
+    return lax.broadcast_in_dim(x, (x.shape[0], n) if axis == 1 else (n, x.shape[0]),
+                                (0,) if axis == 1 else (1,))
+
+
+def _probs(spec: AttnSpec, u, lse_u):
+    """P from the forward's lse_u (as `attention_bwd._probs`); lse_u = -inf (a row that saw
+    no key) gives P = 0."""
+    lse_u = jnp.where(lse_u == -jnp.inf, jnp.inf, lse_u)
+    return jnp.exp2(jnp.minimum(u - lse_u, 0.0) * spec.c2)
+
+
+def _ds(spec: AttnSpec, p, dp, delta, t, keep):
+    ds = p * (dp - delta)
+    if spec.softcap is not None:
+        ds = ds * (1.0 - t * t)
+    # Garbage in a masked key (dP = NaN there) reaches no gradient.
+    return ds if keep is None else jnp.where(keep, ds, 0.0)
+
+
+def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec: AttnSpec,
+              tiles: HopperBwdTiles, stages: int, fused_dq: bool):
+    # q/do [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], lse/delta [B, Hq, Tq]; refs: (dq float32
+    # [B, Tq, Hq, D] added into; [2, ...] one per consumer in the interpreter) if fused_dq,
+    # then the outputs dk, dv [B, Tk, Hkv, D].
+    dq_gmem, (dk_gmem, dv_gmem) = (refs[0], refs[1:]) if fused_dq else (None, refs)
+    bq, d, g = tiles.block_q, spec.head_dim, spec.groups
+    hkv = k_gmem.shape[2]
+    dtype = q_gmem.dtype
+    mma = _Mma(spec.interpret)
+    transforms = H._tma_transforms(dtype, d)
+
+    def scoped(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+               kv_full, q_full, do_full, empty):
+        bh = lax.axis_index("bh")
+        b, hk = bh // hkv, bh % hkv
+        k0 = lax.axis_index("k") * _KEYS
+        lo, f_lo, f_hi, hi = A.query_blocks(spec, k0, _KEYS, bq)
+        n = hi - lo
+        total = g * n                          # steps: (query head of the group, query tile)
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, total)
+            def _step(j):
+                slot = lax.rem(j, stages)
+                h = hk * g + j // n
+                rows = pl.ds((lo + lax.rem(j, n)) * bq, bq)
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(empty.at[slot])
+                plgpu.copy_gmem_to_smem(q_gmem.at[b, rows, h], q_smem.at[slot], q_full.at[slot])
+                plgpu.copy_gmem_to_smem(lse_gmem.at[b, h, rows], lse_smem.at[slot],
+                                        q_full.at[slot])
+                plgpu.copy_gmem_to_smem(do_gmem.at[b, rows, h], do_smem.at[slot],
+                                        do_full.at[slot])
+                plgpu.copy_gmem_to_smem(delta_gmem.at[b, h, rows], delta_smem.at[slot],
+                                        do_full.at[slot])
+
+            # Observe the last releases (every barrier completion is waited for, see the
+            # forward).
+            @pl.loop(jnp.maximum(total, stages), total + stages)
+            def _drain(j):
+                plgpu.barrier_wait(empty.at[lax.rem(j, stages)])
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            kr = k0 + wg * _ROWS
+            plgpu.copy_gmem_to_smem(k_gmem.at[b, pl.ds(kr, _ROWS), hk], k_smem.at[wg],
+                                    kv_full.at[wg])
+            plgpu.copy_gmem_to_smem(v_gmem.at[b, pl.ds(kr, _ROWS), hk], v_smem.at[wg],
+                                    kv_full.at[wg])
+            plgpu.barrier_wait(kv_full.at[wg])
+            k_pos = kr + AH._iota((_ROWS, bq), 0, spec.interpret)
+
+            def step(gi, i, j, carry, masked):
+                dk, dv = carry
+                slot = lax.rem(j, stages)
+                q0 = i * bq
+                plgpu.barrier_wait(q_full.at[slot])
+                st = mma.nt(k_smem.at[wg], q_smem.at[slot])                  # S^T [64, bq]
+                keep = None
+                if masked:
+                    q_pos = q0 + AH._iota((_ROWS, bq), 1, spec.interpret)
+                    keep = A.visible(spec, q_pos, k_pos, None, None)
+                u, t = A.transform(spec, st, keep)
+                p = _probs(spec, u, _vec(lse_smem.at[slot], 0, _ROWS, spec.interpret))
+                if masked:     # a NaN row (it saw garbage) leaks nothing into hidden keys
+                    p = jnp.where(keep, p, 0.0)
+                plgpu.barrier_wait(do_full.at[slot])
+                dv = mma.acc(dv, p.astype(dtype), do_smem.at[slot])            # += P^T dO
+                dpt = mma.nt(v_smem.at[wg], do_smem.at[slot])                # dP^T [64, bq]
+                ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot], 0, _ROWS, spec.interpret),
+                         t, keep)
+                ds = ds.astype(dtype)
+                dk = mma.acc(dk, ds, q_smem.at[slot])                         # += dS^T Q
+                if fused_dq:
+                    ds_smem[wg] = ds
+                    plgpu.commit_smem()
+                    dq = mma.tn(ds_smem.at[wg], k_smem.at[wg]) * spec.scale   # dS K [bq, D]
+                plgpu.barrier_arrive(empty.at[slot])
+                if fused_dq:
+                    _add_dq(dq, dq_smem.at[wg], dq_gmem, wg, b, q0, hk * g + gi, spec.interpret)
+                return dk, dv
+
+            def head(gi, carry):
+                j0 = gi * n - lo             # the running step of query tile i is j0 + i
+                run = lambda a, z, masked, c: lax.fori_loop(
+                    a, z, lambda i, c: step(gi, i, j0 + i, c, masked), c)
+                carry = run(lo, f_lo, True, carry)
+                carry = run(f_lo, f_hi, False, carry)
+                return run(f_hi, hi, True, carry)
+
+            zero = AH._zeros((_ROWS, d), spec.interpret)
+            dk, dv = lax.fori_loop(0, g, head, (zero, zero))
+            if fused_dq and not spec.interpret:
+                plgpu.wait_smem_to_gmem(0)
+            # K and V are done with: dK and dV leave through their tiles.
+            k_smem[wg] = (dk * spec.scale).astype(dtype)
+            v_smem[wg] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_gmem.at[b, pl.ds(kr, _ROWS), hk])
+            plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_gmem.at[b, pl.ds(kr, _ROWS), hk])
+            plgpu.wait_smem_to_gmem(0)
+
+    ds_type = (plgpu.SMEM((2, _ROWS, bq), dtype, transforms=H._tma_transforms(dtype, bq))
+               if fused_dq else plgpu.SMEM((1, 8), _F32))
+    dq_type = (plgpu.SMEM((2, 2, _ROWS, _PIECE), _F32,
+                          transforms=H._tma_transforms(_F32, _PIECE))
+               if fused_dq and not spec.interpret else plgpu.SMEM((1, 8), _F32))
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((2, _ROWS, d), dtype, transforms=transforms),
+        plgpu.SMEM((2, _ROWS, d), dtype, transforms=transforms),
+        plgpu.SMEM((stages, bq, d), dtype, transforms=transforms),
+        plgpu.SMEM((stages, bq, d), dtype, transforms=transforms),
+        plgpu.SMEM((stages, bq), _F32),
+        plgpu.SMEM((stages, bq), _F32),
+        ds_type,
+        dq_type,
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),              # K and V copies
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # Q and lse copies
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # dO and delta copies
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # both consumers done
+        collective_axes="wg")
+
+
+def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, interpret: bool):
+    """dq_gmem[b, q0:q0 + 64, h] += dq ([64, D] float32): a reducing TMA store in pieces;
+    in the interpreter (no reducing store) a read-add-write of this consumer's own buffer."""
+    if interpret:
+        dst = dq_gmem.at[wg, b, pl.ds(q0, dq.shape[0]), h]
+        dst[...] = dst[...] + dq
+        return
+    H.store_tile(dq, smem, dq_gmem.at[b, :, h, :], q0, 0, reduction_op="add")
+
+
+def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
+             spec: AttnSpec, bk: int, stages: int, n_q_tiles: int):
+    # As the forward (`attention_hopper`): a CTA per (batch * query head, 128 query rows),
+    # consumer wg on rows wg * 64.., the producer streaming the K and V tiles its rows see;
+    # but the query tiles of one head run together (they read the same K and V).
+    d, g = spec.head_dim, spec.groups
+    dtype = q_gmem.dtype
+    mma = _Mma(spec.interpret)
+    transforms = H._tma_transforms(dtype, d)
+
+    def scoped(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_full, k_full, v_full,
+               k_empty, v_empty):
+        bh = lax.axis_index("bh")
+        b, h = bh // q_gmem.shape[2], bh % q_gmem.shape[2]
+        tile = lax.axis_index("q")
+        if spec.causal:      # heaviest first: the last query tiles see the most keys
+            tile = n_q_tiles - 1 - tile
+        row0 = tile * (2 * _ROWS)
+        lo, f_lo, f_hi, hi = A.key_blocks(spec, row0, 2 * _ROWS, bk)
+        n = hi - lo
+        wg = lax.axis_index("wg")
+
+        def kv(ref, j):
+            return ref.at[b, pl.ds((lo + j) * bk, bk), h // g]
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, n)
+            def _step(j):
+                slot = lax.rem(j, stages)
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(k_empty.at[slot])
+                plgpu.copy_gmem_to_smem(kv(k_gmem, j), k_smem.at[slot], k_full.at[slot])
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(v_empty.at[slot])
+                plgpu.copy_gmem_to_smem(kv(v_gmem, j), v_smem.at[slot], v_full.at[slot])
+
+            @pl.loop(jnp.maximum(n, stages), n + stages)
+            def _drain(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_empty.at[slot])
+                plgpu.barrier_wait(v_empty.at[slot])
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            r0 = row0 + wg * _ROWS
+            rows = pl.ds(r0, _ROWS)
+            plgpu.copy_gmem_to_smem(q_gmem.at[b, rows, h], q_smem.at[wg], q_full.at[wg])
+            plgpu.copy_gmem_to_smem(do_gmem.at[b, rows, h], do_smem.at[wg], q_full.at[wg])
+            plgpu.copy_gmem_to_smem(lse_gmem.at[b, h, rows], lse_smem.at[wg], q_full.at[wg])
+            plgpu.copy_gmem_to_smem(delta_gmem.at[b, h, rows], delta_smem.at[wg],
+                                    q_full.at[wg])
+            plgpu.barrier_wait(q_full.at[wg])
+            lse = _vec(lse_smem.at[wg], 1, bk, spec.interpret)
+            delta = _vec(delta_smem.at[wg], 1, bk, spec.interpret)
+            q_pos = r0 + AH._iota((_ROWS, bk), 0, spec.interpret)
+
+            def step(j, dq, masked):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_full.at[slot])
+                s = mma.nt(q_smem.at[wg], k_smem.at[slot])                     # [64, bk]
+                keep = None
+                if masked:
+                    k_pos = (lo + j) * bk + AH._iota((_ROWS, bk), 1, spec.interpret)
+                    keep = A.visible(spec, q_pos, k_pos, None, None)
+                u, t = A.transform(spec, s, keep)
+                p = _probs(spec, u, lse)
+                plgpu.barrier_wait(v_full.at[slot])
+                dp = mma.nt(do_smem.at[wg], v_smem.at[slot])
+                plgpu.barrier_arrive(v_empty.at[slot])
+                ds = _ds(spec, p, dp, delta, t, keep)
+                dq = mma.acc(dq, ds.astype(dtype), k_smem.at[slot])               # += dS K
+                plgpu.barrier_arrive(k_empty.at[slot])
+                return dq
+
+            dq = AH._zeros((_ROWS, d), spec.interpret)
+            dq = lax.fori_loop(0, f_lo - lo, lambda j, c: step(j, c, True), dq)
+            dq = lax.fori_loop(f_lo - lo, f_hi - lo, lambda j, c: step(j, c, False), dq)
+            dq = lax.fori_loop(f_hi - lo, n, lambda j, c: step(j, c, True), dq)
+            q_smem[wg] = (dq * spec.scale).astype(dtype)          # Q is done with: dQ goes here
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_gmem.at[b, rows, h])
+            plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((2, _ROWS, d), dtype, transforms=transforms),
+        plgpu.SMEM((2, _ROWS, d), dtype, transforms=transforms),
+        plgpu.SMEM((2, _ROWS), _F32),
+        plgpu.SMEM((2, _ROWS), _F32),
+        plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
+        plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
+        plgpu.Barrier(num_arrivals=4, num_barriers=2),         # Q, dO, lse, delta copies
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg")
+
+
+def _mesh_kw(spec: AttnSpec) -> dict:
+    kw = dict(compiler_params=plgpu.CompilerParams(approx_math=True))
+    if spec.interpret:
+        kw["interpret"] = H._interpret_params()
+    return kw
+
+
+def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
+             tiles: HopperBwdTiles = HopperBwdTiles()):
+    """(dq, dk, dv) of q [B, Tq, Hq, D], k, v [B, Tk, Hkv, D] from the forward's o and lse_u
+    [B, Hq, Tq] (its score units, `_attn`) and the cotangents do and dlse (of the natural lse,
+    or None); the problem must `fit`. `spec.deterministic` picks the dQ scheme (module
+    docstring)."""
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    delta = attention_bwd.delta(o, do, dlse, spec)                     # [B, Hq, Tq] float32
+    lse_u = lse_u.astype(_F32)
+    fused = not spec.deterministic
+    stages = tiles.dkv_stages(d, q.dtype.itemsize, fused)
+    body = functools.partial(_dkv_body, spec=spec, tiles=tiles, stages=stages, fused_dq=fused)
+    kv_types = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    # The first grid axis varies fastest: the CTAs that run together are the key tiles of one
+    # (batch, KV head), which read the same Q and dO tiles (L2 hits; FlashAttention-3's order).
+    grid, names = (tk // _KEYS, b * hkv), ("k", "bh")
+    kw = _mesh_kw(spec)
+    if not fused:
+        dk, dv = plgpu.kernel(body, out_type=kv_types, grid=grid, grid_names=names,
+                              num_threads=3, thread_name="wg",
+                              kernel_name="jaxfuse_flash_bwd_dkv_hopper", **kw)(
+            q, k, v, do, lse_u, delta)
+        bk = tiles.k_dq(d)
+        dq_body = functools.partial(_dq_body, spec=spec, bk=bk,
+                                    stages=tiles.dq_stages(d, q.dtype.itemsize),
+                                    n_q_tiles=tq // (2 * _ROWS))
+        dq = plgpu.kernel(dq_body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                          grid=(tq // (2 * _ROWS), b * hq), grid_names=("q", "bh"),
+                          num_threads=3, thread_name="wg",
+                          kernel_name="jaxfuse_flash_bwd_dq_hopper", **kw)(
+            q, k, v, do, lse_u, delta)
+        return dq, dk, dv
+    mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=3, thread_name="wg",
+                      kernel_name="jaxfuse_flash_bwd_dkv_dq_hopper")
+    call = pl.kernel(body, out_type=kv_types, mesh=mesh, interpret=kw.pop("interpret", False),
+                     name="jaxfuse_flash_bwd_dkv_dq_hopper", **kw)
+
+    # The dQ buffer is a ref that the kernel adds into (aliased in and out), so it takes
+    # pl.kernel, which does not batch under vmap (see `_hopper.kernel`); a ref with a memory
+    # space (the interpreter's) only lives inside a jit.
+    @jax.jit
+    def fused(q, k, v, do, lse_u, delta):
+        if spec.interpret:     # one buffer per consumer (module docstring)
+            dq_ref = jax.new_ref(jnp.zeros((2,) + q.shape, _F32), memory_space=plgpu.GMEM)
+        else:
+            dq_ref = jax.new_ref(jnp.zeros(q.shape, _F32))
+        dk, dv = call(q, k, v, do, lse_u, delta, dq_ref)
+        dq = dq_ref[...]
+        if spec.interpret:
+            dq = dq[0] + dq[1]
+        return dq.astype(q.dtype), dk, dv
+    return fused(q, k, v, do, lse_u, delta)

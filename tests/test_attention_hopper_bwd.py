@@ -1,0 +1,83 @@
+"""The Hopper (sm90, Mosaic GPU) FlashAttention backward, run on a CPU in Mosaic GPU's interpreter.
+
+The interpreter runs the kernels' bodies (the producer's TMA ring of Q, dO, lse and delta, the
+barriers, the GQA loop inside a dK/dV CTA, the dQ kernel or the fused dQ); the products are
+plain dots there and the fused dQ's reducing TMA store a read-add-write
+(`attention_hopper_bwd` docstring). The wgmma forms, the reducing stores and every mask
+variant are checked by the sm90 lowering test (tests/test_gpu_lowering.py) and compiled on the
+GPU (benchmarks/attention.py `check`). No masked tiles here: with a causal edge or a window the
+interpreter's simulated threads stall on a 2-core machine (the producer of a later CTA never
+starts; see tests/test_attention_hopper.py for the forward's same limit).
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxfuse
+from jaxfuse import AttnBlocks
+from jaxfuse.reference import attention as ref
+
+from _util import keys, randn
+
+F32 = lambda x: x.astype(jnp.float32)
+DET = ("jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper")
+FUSED = ("jaxfuse_flash_bwd_dkv_dq_hopper",)
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,tk,deterministic,opts", [
+    (jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0)),   # GQA: the group in one CTA
+    (jnp.float16, 2, 2, 256, False, dict(scale=0.3)),             # fused dQ, two key tiles
+])
+def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, opts):
+    """dq, dk, dv of the Hopper backward against the float32 reference's, through jax.vjp
+    with random cotangents of o and of the returned lse (dlse enters as delta -= dlse); the
+    jaxpr must hold the Hopper backward's kernels, so a silent fallback fails the test."""
+    kq, kk, kv, kd, kl = keys(7, 5)
+    q = randn(kq, (1, 128, hq, 64), dtype)
+    k = randn(kk, (1, tk, hkv, 64), dtype)
+    v = randn(kv, (1, tk, hkv, 64), dtype)
+    do = randn(kd, (1, 128, hq, 64), dtype)
+    dlse = randn(kl, (1, hq, 128))
+    f = lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, return_lse=True, deterministic=deterministic,
+        block_sizes=AttnBlocks(hopper=True), **opts)
+    (o, lse), vjp = jax.vjp(f, q, k, v)
+    jaxpr = str(jax.make_jaxpr(vjp)((do, dlse)))
+    for name in DET if deterministic else FUSED:
+        assert name in jaxpr
+    g = vjp((do, dlse))
+    _, rvjp = jax.vjp(lambda q, k, v: ref.attention(q, k, v, return_lse=True, **opts),
+                      F32(q), F32(k), F32(v))
+    rg = rvjp((F32(do), dlse))
+    tol = 4e-2 if dtype == jnp.bfloat16 else 8e-3
+    for name, a, b in zip("qkv", g, rg):
+        assert a.dtype == dtype
+        err = float(jnp.abs(F32(a) - b).max() / jnp.abs(b).max())
+        assert err < tol, (name, err)
+
+
+def test_hopper_backward_falls_back_where_it_does_not_fit():
+    """head_dim 256 (dK and dV would not fit in a consumer's registers) and Tk not a multiple
+    of 128 run the portable backward after the Hopper forward; so does backward=False."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    cases = [((1, 128, 2, 256), 128, True), ((1, 128, 2, 64), 192, True),
+             ((1, 128, 2, 64), 128, HopperAttnTiles(backward=False))]
+    for shape, tk, hopper in cases:
+        q = jnp.zeros(shape, jnp.bfloat16)
+        k = jnp.zeros((1, tk, 2, shape[-1]), jnp.bfloat16)
+        hopper = HopperAttnTiles(block_k=64) if tk % 128 else hopper
+        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=AttnBlocks(hopper=hopper))
+        jaxpr = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, k))
+        assert "jaxfuse_flash_fwd_hopper" in jaxpr
+        assert "jaxfuse_flash_bwd_dkv" in jaxpr and not any(n in jaxpr for n in DET + FUSED)
+
+
+def test_deterministic_is_a_keyword_of_every_path():
+    """The reference and the portable kernels take `deterministic` and ignore it."""
+    kq, kk = keys(8, 2)
+    q = randn(kq, (1, 8, 2, 16))
+    k = randn(kk, (1, 8, 2, 16))
+    for impl in ("reference", "pallas"):
+        a = jaxfuse.flash_attention(q, k, k, deterministic=False, impl=impl)
+        b = jaxfuse.flash_attention(q, k, k, impl=impl)
+        assert jnp.array_equal(a, b)

@@ -457,11 +457,49 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
         collective_axes="wg")
 
 
-def _mesh_kw(spec: AttnSpec) -> dict:
-    kw = dict(compiler_params=plgpu.CompilerParams(approx_math=True))
-    if spec.interpret:
-        kw["interpret"] = H._interpret_params()
-    return kw
+def _kernel(body, out_type, grid, names, name: str, spec: AttnSpec, batchable: bool = True):
+    """A Mosaic GPU kernel of three warpgroups (two consumers, the producer), compiled or
+    interpreted. `batchable`: plgpu.kernel, which batches under vmap; else pl.kernel, which
+    takes JAX refs (aliased in and out; see `_hopper.kernel`)."""
+    params = plgpu.CompilerParams(approx_math=True)
+    interpret = H._interpret_params() if spec.interpret else None
+    mesh = dict(grid=grid, grid_names=names, num_threads=3, thread_name="wg", kernel_name=name)
+    if batchable:
+        return plgpu.kernel(body, out_type=out_type, compiler_params=params,
+                            **({"interpret": interpret} if interpret else {}), **mesh)
+    return pl.kernel(body, out_type=out_type, mesh=plgpu.Mesh(**mesh), compiler_params=params,
+                     interpret=interpret or False, name=name)
+
+
+def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
+    """The dK/dV kernel (with the fused dQ: taking the dQ ref last) for q's and k's shapes."""
+    b, _, _, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    stages = tiles.dkv_stages(d, q.dtype.itemsize, fused_dq)
+    body = functools.partial(_dkv_body, spec=spec, tiles=tiles, stages=stages,
+                             fused_dq=fused_dq)
+    # The first grid axis varies fastest: the CTAs that run together are the key tiles of one
+    # (batch, KV head), which read the same Q and dO tiles (L2 hits; FlashAttention-3's order).
+    name = "jaxfuse_flash_bwd_dkv_dq_hopper" if fused_dq else "jaxfuse_flash_bwd_dkv_hopper"
+    return _kernel(body, (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
+                   (tk // _KEYS, b * hkv), ("k", "bh"), name, spec, batchable=not fused_dq)
+
+
+def _fused(q, k, v, do, lse_u, delta, *, spec: AttnSpec, tiles: HopperBwdTiles):
+    """(dq, dk, dv) by the dK/dV kernel with the fused dQ (deterministic=False)."""
+    # A ref with a memory space (the interpreter's) only lives inside a jit.
+    @jax.jit
+    def run(q, k, v, do, lse_u, delta):
+        if spec.interpret:     # one buffer per consumer (module docstring)
+            dq_ref = jax.new_ref(jnp.zeros((2,) + q.shape, _F32), memory_space=plgpu.GMEM)
+        else:
+            dq_ref = jax.new_ref(jnp.zeros(q.shape, _F32))
+        dk, dv = _dkv(q, k, spec, tiles, True)(q, k, v, do, lse_u, delta, dq_ref)
+        dq = dq_ref[...]
+        if spec.interpret:
+            dq = dq[0] + dq[1]
+        return dq.astype(q.dtype), dk, dv
+    return run(q, k, v, do, lse_u, delta)
 
 
 def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
@@ -470,50 +508,28 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
     [B, Hq, Tq] (its score units, `_attn`) and the cotangents do and dlse (of the natural lse,
     or None); the problem must `fit`. `spec.deterministic` picks the dQ scheme (module
     docstring)."""
-    b, tq, hq, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
     delta = attention_bwd.delta(o, do, dlse, spec)                     # [B, Hq, Tq] float32
-    lse_u = lse_u.astype(_F32)
-    fused = not spec.deterministic
-    stages = tiles.dkv_stages(d, q.dtype.itemsize, fused)
-    body = functools.partial(_dkv_body, spec=spec, tiles=tiles, stages=stages, fused_dq=fused)
-    kv_types = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
-    # The first grid axis varies fastest: the CTAs that run together are the key tiles of one
-    # (batch, KV head), which read the same Q and dO tiles (L2 hits; FlashAttention-3's order).
-    grid, names = (tk // _KEYS, b * hkv), ("k", "bh")
-    kw = _mesh_kw(spec)
-    if not fused:
-        dk, dv = plgpu.kernel(body, out_type=kv_types, grid=grid, grid_names=names,
-                              num_threads=3, thread_name="wg",
-                              kernel_name="jaxfuse_flash_bwd_dkv_hopper", **kw)(
-            q, k, v, do, lse_u, delta)
-        bk = tiles.k_dq(d)
-        dq_body = functools.partial(_dq_body, spec=spec, bk=bk,
-                                    stages=tiles.dq_stages(d, q.dtype.itemsize),
-                                    n_q_tiles=tq // (2 * _ROWS))
-        dq = plgpu.kernel(dq_body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-                          grid=(tq // (2 * _ROWS), b * hq), grid_names=("q", "bh"),
-                          num_threads=3, thread_name="wg",
-                          kernel_name="jaxfuse_flash_bwd_dq_hopper", **kw)(
-            q, k, v, do, lse_u, delta)
+    args = (q, k, v, do, lse_u.astype(_F32), delta)
+    if spec.deterministic:
+        dk, dv = _dkv(q, k, spec, tiles, False)(*args)
+        b, tq, hq, d = q.shape
+        body = functools.partial(_dq_body, spec=spec, bk=tiles.k_dq(d),
+                                 stages=tiles.dq_stages(d, q.dtype.itemsize),
+                                 n_q_tiles=tq // (2 * _ROWS))
+        # Query tiles first: those of one head run together (they read the same K and V).
+        dq = _kernel(body, jax.ShapeDtypeStruct(q.shape, q.dtype), (tq // (2 * _ROWS), b * hq),
+                     ("q", "bh"), "jaxfuse_flash_bwd_dq_hopper", spec)(*args)
         return dq, dk, dv
-    mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=3, thread_name="wg",
-                      kernel_name="jaxfuse_flash_bwd_dkv_dq_hopper")
-    call = pl.kernel(body, out_type=kv_types, mesh=mesh, interpret=kw.pop("interpret", False),
-                     name="jaxfuse_flash_bwd_dkv_dq_hopper", **kw)
+    # The fused dQ is a ref that the kernel adds into, which pallas kernels do not batch:
+    # under vmap the mapped axis folds into the batch instead.
+    run = jax.custom_batching.custom_vmap(
+        H.discharged(functools.partial(_fused, spec=spec, tiles=tiles)))
 
-    # The dQ buffer is a ref that the kernel adds into (aliased in and out), so it takes
-    # pl.kernel, which does not batch under vmap (see `_hopper.kernel`); a ref with a memory
-    # space (the interpreter's) only lives inside a jit.
-    @jax.jit
-    def fused(q, k, v, do, lse_u, delta):
-        if spec.interpret:     # one buffer per consumer (module docstring)
-            dq_ref = jax.new_ref(jnp.zeros((2,) + q.shape, _F32), memory_space=plgpu.GMEM)
-        else:
-            dq_ref = jax.new_ref(jnp.zeros(q.shape, _F32))
-        dk, dv = call(q, k, v, do, lse_u, delta, dq_ref)
-        dq = dq_ref[...]
-        if spec.interpret:
-            dq = dq[0] + dq[1]
-        return dq.astype(q.dtype), dk, dv
-    return fused(q, k, v, do, lse_u, delta)
+    @run.def_vmap
+    def _folded(axis_size, in_batched, *args):
+        # Every operand has the batch first ([B, T, H, D] or [B, H, T]): [n, B, ...] -> [n B, ...].
+        args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                for a, b in zip(args, in_batched)]
+        outs = run(*[a.reshape((-1,) + a.shape[2:]) for a in args])
+        return tuple(o.reshape((axis_size, -1) + o.shape[1:]) for o in outs), (True,) * 3
+    return run(*args)

@@ -13,7 +13,8 @@ False it is reported, not required).
 perf: forward+backward time of B4 H32 T4096 D128 (causal and not) and D64 B8 H16 T2048 causal
 against cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`): jaxfuse with the
 Hopper backward (deterministic True and False), with the Triton backward after the Hopper
-forward, and the forward alone (so the backward's share is the difference).
+forward, and the forward alone (so the backward's share is the difference); unless
+--no-sweep, also a few `HopperBwdTiles` (ring depth, dQ key tile, 128-row query steps at D 64).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import jaxfuse
 from jaxfuse import AttnBlocks
 from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
 from benchmarks._timing import bench, guarded, record, rel_err
 
 S = "attn_bwd"
@@ -98,9 +100,15 @@ def check():
         _check_case(i, shape, opts, jnp.float16, True)
 
 
-def _fns(causal: bool):
+def _fns(causal: bool, sweep=()):
     hop = lambda t: AttnBlocks(hopper=t)
-    return {
+    tiles = {}
+    if sweep:     # backward tiles (`HopperBwdTiles`) to try besides the default
+        tiles = {f"jaxfuse det [{t}]": functools.partial(
+            jaxfuse.flash_attention, causal=causal,
+            block_sizes=hop(HopperAttnTiles(backward=t)))
+            for t in sweep}
+    return tiles | {
         "jaxfuse det": functools.partial(jaxfuse.flash_attention, causal=causal),
         "jaxfuse nondet": functools.partial(jaxfuse.flash_attention, causal=causal,
                                             deterministic=False),
@@ -112,13 +120,13 @@ def _fns(causal: bool):
     }
 
 
-def _time(label, shape, causal):
+def _time(label, shape, causal, sweep=()):
     b, t, h, d = shape
     flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0)
     sets = [_inputs(jax.random.key(100 + i), b, t, t, h, h, d, jnp.bfloat16)[:4]
             for i in range(2)]
     times = {}
-    for impl, f in _fns(causal).items():
+    for impl, f in _fns(causal, sweep).items():
         def step(q, k, v, do, f=f):
             o, vjp = jax.vjp(f, q, k, v)
             return o, vjp(do)
@@ -138,7 +146,12 @@ def _time(label, shape, causal):
 
 
 def perf(copy_bw: float, sweep: bool = True):
-    del copy_bw, sweep
+    del copy_bw
     for causal in (False, True):
-        _time(f"B4 H32 T4096 D128 {'causal' if causal else 'full'}", (4, 4096, 32, 128), causal)
-    _time("D64 B8 H16 T2048 causal", (8, 2048, 16, 64), True)
+        # The ring depth and the dQ kernel's key tile (S and dP of [64, 128]: more registers).
+        tiles = (HopperBwdTiles(stages=2), HopperBwdTiles(block_k_dq=128))
+        _time(f"B4 H32 T4096 D128 {'causal' if causal else 'full'}", (4, 4096, 32, 128), causal,
+              tiles if sweep and causal else ())
+    # D = 64 leaves registers for 128 query rows per dK/dV step (S^T [64, 128]).
+    _time("D64 B8 H16 T2048 causal", (8, 2048, 16, 64), True,
+          (HopperBwdTiles(block_q=128),) if sweep else ())

@@ -136,8 +136,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     `deterministic=True` (default): gradients are bitwise identical across runs. `False` lets
     the Hopper backward fold dQ into its dK/dV kernel and add the partial dQ of each key tile
     into a float32 buffer with reducing (atomic) TMA stores, in whatever order the tiles
-    finish: faster (5 matrix products per tile instead of 7), not bitwise reproducible, and
-    not batchable under `jax.vmap`. The portable kernels ignore it (always deterministic).
+    finish: faster (5 matrix products per tile instead of 7), not bitwise reproducible. The
+    portable kernels ignore it (always deterministic).
 
     Not a bug: dq and dk that are exactly zero in theory (one visible key, one-hot attention,
     v equal for every key) come out as rounding noise, about 1e-6 in float32 and 4e-3

@@ -9,6 +9,8 @@ GPU (benchmarks/attention.py `check`). No masked tiles here: with a causal edge 
 interpreter's simulated threads stall on a 2-core machine (the producer of a later CTA never
 starts; see tests/test_attention_hopper.py for the forward's same limit).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -24,31 +26,38 @@ DET = ("jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper")
 FUSED = ("jaxfuse_flash_bwd_dkv_dq_hopper",)
 
 
-@pytest.mark.parametrize("dtype,hq,hkv,tk,deterministic,opts", [
-    (jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0)),   # GQA: the group in one CTA
-    (jnp.float16, 2, 2, 256, False, dict(scale=0.3)),             # fused dQ, two key tiles
+@pytest.mark.parametrize("dtype,hq,hkv,tk,deterministic,opts,vmapped", [
+    (jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0), False),   # GQA in one CTA
+    (jnp.float16, 1, 1, 256, False, dict(scale=0.3), True),    # fused dQ, 2 key tiles, vmap
 ])
-def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, opts):
+def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, opts, vmapped):
     """dq, dk, dv of the Hopper backward against the float32 reference's, through jax.vjp
     with random cotangents of o and of the returned lse (dlse enters as delta -= dlse); the
-    jaxpr must hold the Hopper backward's kernels, so a silent fallback fails the test."""
+    jaxpr must hold the Hopper backward's kernels, so a silent fallback fails the test. The
+    fused dQ (a ref the kernel adds into) runs under jax.vmap (its rule folds the mapped
+    axis into the batch)."""
     kq, kk, kv, kd, kl = keys(7, 5)
-    q = randn(kq, (1, 128, hq, 64), dtype)
-    k = randn(kk, (1, tk, hkv, 64), dtype)
-    v = randn(kv, (1, tk, hkv, 64), dtype)
-    do = randn(kd, (1, 128, hq, 64), dtype)
-    dlse = randn(kl, (1, hq, 128))
+    lead = (2, 1) if vmapped else (1,)
+    q = randn(kq, lead + (128, hq, 64), dtype)
+    k = randn(kk, lead + (tk, hkv, 64), dtype)
+    v = randn(kv, lead + (tk, hkv, 64), dtype)
+    do = randn(kd, lead + (128, hq, 64), dtype)
+    dlse = randn(kl, lead + (hq, 128))
+
+    def grads(attn, *args):
+        (o, lse), vjp = jax.vjp(attn, *args[:3])
+        return vjp(args[3:])
     f = lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, return_lse=True, deterministic=deterministic,
         block_sizes=AttnBlocks(hopper=True), **opts)
-    (o, lse), vjp = jax.vjp(f, q, k, v)
-    jaxpr = str(jax.make_jaxpr(vjp)((do, dlse)))
+    r = lambda q, k, v: ref.attention(q, k, v, return_lse=True, **opts)
+    run, run_ref = jax.tree.map(lambda h: (jax.vmap(h) if vmapped else h),
+                                (functools.partial(grads, f), functools.partial(grads, r)))
+    jaxpr = str(jax.make_jaxpr(run)(q, k, v, do, dlse))
     for name in DET if deterministic else FUSED:
         assert name in jaxpr
-    g = vjp((do, dlse))
-    _, rvjp = jax.vjp(lambda q, k, v: ref.attention(q, k, v, return_lse=True, **opts),
-                      F32(q), F32(k), F32(v))
-    rg = rvjp((F32(do), dlse))
+    g = run(q, k, v, do, dlse)
+    rg = run_ref(F32(q), F32(k), F32(v), F32(do), dlse)
     tol = 4e-2 if dtype == jnp.bfloat16 else 8e-3
     for name, a, b in zip("qkv", g, rg):
         assert a.dtype == dtype

@@ -145,9 +145,11 @@ def _backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnB
     plan resolved `blocks.hopper` to its tiles) where it takes the problem, else the portable
     kernels (which ignore `spec.deterministic`: they are always deterministic)."""
     t = blocks.hopper
-    if (isinstance(t, attention_hopper.HopperAttnTiles) and t.backward
-            and attention_hopper_bwd.fits(q.dtype, spec)):
-        return attention_hopper_bwd.backward(q, k, v, o, lse_u, do, dlse, spec)
+    if isinstance(t, attention_hopper.HopperAttnTiles) and t.backward is not False:
+        bt = t.backward if isinstance(t.backward, attention_hopper_bwd.HopperBwdTiles) \
+            else attention_hopper_bwd.HopperBwdTiles()
+        if attention_hopper_bwd.fits(q.dtype, spec, bt):
+            return attention_hopper_bwd.backward(q, k, v, o, lse_u, do, dlse, spec, bt)
     return attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks, key)
 
 

@@ -56,12 +56,13 @@ _SMEM_BYTES = 227 * 1024 - 8192   # less the barriers and what Mosaic GPU reserv
 class HopperAttnTiles:
     """block_k: keys per step; stages: K/V ring depth (None: as many as shared memory holds,
     at most 4); pingpong: the consumers take turns on the tensor cores (False: they run free);
-    backward: the Hopper backward (`attention_hopper_bwd`) follows where it takes the problem
-    (False: the portable backward after this forward)."""
+    backward: the Hopper backward (`attention_hopper_bwd`) follows where it takes the problem,
+    with its default tiles (True) or with these (`attention_hopper_bwd.HopperBwdTiles`); False:
+    the portable backward after this forward."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
-    backward: bool = True
+    backward: object = True
 
     @classmethod
     def for_head_dim(cls, d: int) -> "HopperAttnTiles":

@@ -127,40 +127,56 @@ def fits(dtype, spec: AttnSpec, tiles: HopperBwdTiles = HopperBwdTiles()) -> boo
             and spec.n_k % _KEYS == 0 and spec.n_k % tiles.k_dq(spec.head_dim) == 0)
 
 
+def nt(a, b):
+    """A B^T of shared-memory tiles a [m, d], b [n, d] -> [m, n] (a product for `_Mma.run`)."""
+    return ("nt", None, a, b)
+
+
+def rs(acc, a, b):
+    """acc + A B with A [m, k] in registers (the input dtype), B [k, n] in shared memory."""
+    return ("rs", acc, a, b)
+
+
+def tn(a, b):
+    """A^T B of shared-memory tiles a [k, m], b [k, n] -> [m, n]."""
+    return ("tn", None, a, b)
+
+
 class _Mma:
     """The products of a step: wgmma on the GPU, plain dots of the same tiles in the
-    interpreter. `nt`: A B^T of two shared-memory tiles [m, d], [n, d] -> [m, n] float32;
-    `acc`: acc + A B with A in registers [m, k] and B [k, n] in shared memory; `tn`: A^T B of
-    shared-memory tiles [k, m], [k, n] -> [m, n]."""
+    interpreter (which reads no register or transposed wgmma operand)."""
+
+    _CONTRACT = {"nt": "md,nd->mn", "rs": "mk,kn->mn", "tn": "km,kn->mn"}
 
     def __init__(self, interpret: bool):
         self.interpret = interpret
 
-    def nt(self, a_smem, b_smem):
+    def run(self, *products):
+        """The float32 results of `products` (`nt`, `rs`, `tn`), issued together and waited
+        for once: independent products share one wgmma wait (jax's `attention_mgpu`
+        backward does the same for dV and dP^T)."""
         if self.interpret:
-            return A.dot(a_smem[...], b_smem[...], "md,nd->mn")
+            outs = []
+            for form, acc, a, b in products:
+                r = A.dot(a if form == "rs" else a[...], b[...], self._CONTRACT[form])
+                outs.append(r if acc is None else acc + r)
+            return tuple(outs)
 
-        def body(acc):
-            plgpu.wgmma(acc, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
-            return acc[...]
-        return pl.run_scoped(body, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), _F32))
+        def shape(form, a, b):
+            return ((a.shape[0], b.shape[0]) if form == "nt" else
+                    (a.shape[0], b.shape[1]) if form == "rs" else (a.shape[1], b.shape[1]))
 
-    def acc(self, acc, a, b_smem):
-        if self.interpret:
-            return acc + A.dot(a, b_smem[...], "mk,kn->mn")
-
-        def body(acc_ref):
-            plgpu.wgmma(acc_ref, a, b_smem)
-        return pl.run_state(body)(plgpu.ACC.init(acc))
-
-    def tn(self, a_smem, b_smem):
-        if self.interpret:
-            return A.dot(a_smem[...], b_smem[...], "km,kn->mn")
-
-        def body(acc):
-            plgpu.wgmma(acc, plgpu.transpose_ref(a_smem, (1, 0)), b_smem)
-            return acc[...]
-        return pl.run_scoped(body, plgpu.ACC((a_smem.shape[1], b_smem.shape[1]), _F32))
+        def body(refs):
+            for ref, (form, _, a, b) in zip(refs, products):
+                if form == "nt":
+                    plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
+                elif form == "tn":
+                    plgpu.wgmma(ref, plgpu.transpose_ref(a, (1, 0)), b)
+                else:
+                    plgpu.wgmma(ref, a, b)
+        inits = tuple(plgpu.ACC.init(AH._zeros(shape(f, a, b), False) if acc is None else acc)
+                      for f, acc, a, b in products)
+        return pl.run_state(body)(inits)
 
 
 def _vec(smem, axis: int, n: int, interpret: bool):
@@ -254,7 +270,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 slot = lax.rem(j, stages)
                 q0 = i * bq
                 plgpu.barrier_wait(q_full.at[slot])
-                st = mma.nt(k_smem.at[wg], q_smem.at[slot])                  # S^T [64, bq]
+                (st,) = mma.run(nt(k_smem.at[wg], q_smem.at[slot]))            # S^T [64, bq]
                 keep = None
                 if masked:
                     q_pos = q0 + AH._iota((_ROWS, bq), 1, spec.interpret)
@@ -264,19 +280,22 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 if masked:     # a NaN row (it saw garbage) leaks nothing into hidden keys
                     p = jnp.where(keep, p, 0.0)
                 plgpu.barrier_wait(do_full.at[slot])
-                dv = mma.acc(dv, p.astype(dtype), do_smem.at[slot])            # += P^T dO
-                dpt = mma.nt(v_smem.at[wg], do_smem.at[slot])                # dP^T [64, bq]
+                dv, dpt = mma.run(rs(dv, p.astype(dtype), do_smem.at[slot]),     # += P^T dO
+                                  nt(v_smem.at[wg], do_smem.at[slot]))          # dP^T [64, bq]
                 ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot], 0, _ROWS, spec.interpret),
                          t, keep)
                 ds = ds.astype(dtype)
-                dk = mma.acc(dk, ds, q_smem.at[slot])                         # += dS^T Q
                 if fused_dq:
                     ds_smem[wg] = ds
                     plgpu.commit_smem()
-                    dq = mma.tn(ds_smem.at[wg], k_smem.at[wg]) * spec.scale   # dS K [bq, D]
+                    dk, dq = mma.run(rs(dk, ds, q_smem.at[slot]),                # += dS^T Q
+                                     tn(ds_smem.at[wg], k_smem.at[wg]))          # dS K [bq, D]
+                else:
+                    (dk,) = mma.run(rs(dk, ds, q_smem.at[slot]))
                 plgpu.barrier_arrive(empty.at[slot])
                 if fused_dq:
-                    _add_dq(dq, dq_smem.at[wg], dq_gmem, wg, b, q0, hk * g + gi, spec.interpret)
+                    _add_dq(dq * spec.scale, dq_smem.at[wg], dq_gmem, wg, b, q0, hk * g + gi,
+                            spec.interpret)
                 return dk, dv
 
             def head(gi, carry):
@@ -398,18 +417,18 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             def step(j, dq, masked):
                 slot = lax.rem(j, stages)
                 plgpu.barrier_wait(k_full.at[slot])
-                s = mma.nt(q_smem.at[wg], k_smem.at[slot])                     # [64, bk]
+                plgpu.barrier_wait(v_full.at[slot])
+                s, dp = mma.run(nt(q_smem.at[wg], k_smem.at[slot]),             # S [64, bk]
+                                nt(do_smem.at[wg], v_smem.at[slot]))            # dP
+                plgpu.barrier_arrive(v_empty.at[slot])
                 keep = None
                 if masked:
                     k_pos = (lo + j) * bk + AH._iota((_ROWS, bk), 1, spec.interpret)
                     keep = A.visible(spec, q_pos, k_pos, None, None)
                 u, t = A.transform(spec, s, keep)
                 p = _probs(spec, u, lse)
-                plgpu.barrier_wait(v_full.at[slot])
-                dp = mma.nt(do_smem.at[wg], v_smem.at[slot])
-                plgpu.barrier_arrive(v_empty.at[slot])
                 ds = _ds(spec, p, dp, delta, t, keep)
-                dq = mma.acc(dq, ds.astype(dtype), k_smem.at[slot])               # += dS K
+                (dq,) = mma.run(rs(dq, ds.astype(dtype), k_smem.at[slot]))        # += dS K
                 plgpu.barrier_arrive(k_empty.at[slot])
                 return dq
 
@@ -438,11 +457,49 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
         collective_axes="wg")
 
 
-def _mesh_kw(spec: AttnSpec) -> dict:
-    kw = dict(compiler_params=plgpu.CompilerParams(approx_math=True))
-    if spec.interpret:
-        kw["interpret"] = H._interpret_params()
-    return kw
+def _kernel(body, out_type, grid, names, name: str, spec: AttnSpec, batchable: bool = True):
+    """A Mosaic GPU kernel of three warpgroups (two consumers, the producer), compiled or
+    interpreted. `batchable`: plgpu.kernel, which batches under vmap; else pl.kernel, which
+    takes JAX refs (aliased in and out; see `_hopper.kernel`)."""
+    params = plgpu.CompilerParams(approx_math=True)
+    interpret = H._interpret_params() if spec.interpret else None
+    mesh = dict(grid=grid, grid_names=names, num_threads=3, thread_name="wg", kernel_name=name)
+    if batchable:
+        return plgpu.kernel(body, out_type=out_type, compiler_params=params,
+                            **({"interpret": interpret} if interpret else {}), **mesh)
+    return pl.kernel(body, out_type=out_type, mesh=plgpu.Mesh(**mesh), compiler_params=params,
+                     interpret=interpret or False, name=name)
+
+
+def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
+    """The dK/dV kernel (with the fused dQ: taking the dQ ref last) for q's and k's shapes."""
+    b, _, _, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    stages = tiles.dkv_stages(d, q.dtype.itemsize, fused_dq)
+    body = functools.partial(_dkv_body, spec=spec, tiles=tiles, stages=stages,
+                             fused_dq=fused_dq)
+    # The first grid axis varies fastest: the CTAs that run together are the key tiles of one
+    # (batch, KV head), which read the same Q and dO tiles (L2 hits; FlashAttention-3's order).
+    name = "jaxfuse_flash_bwd_dkv_dq_hopper" if fused_dq else "jaxfuse_flash_bwd_dkv_hopper"
+    return _kernel(body, (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
+                   (tk // _KEYS, b * hkv), ("k", "bh"), name, spec, batchable=not fused_dq)
+
+
+def _fused(q, k, v, do, lse_u, delta, *, spec: AttnSpec, tiles: HopperBwdTiles):
+    """(dq, dk, dv) by the dK/dV kernel with the fused dQ (deterministic=False)."""
+    # A ref with a memory space (the interpreter's) only lives inside a jit.
+    @jax.jit
+    def run(q, k, v, do, lse_u, delta):
+        if spec.interpret:     # one buffer per consumer (module docstring)
+            dq_ref = jax.new_ref(jnp.zeros((2,) + q.shape, _F32), memory_space=plgpu.GMEM)
+        else:
+            dq_ref = jax.new_ref(jnp.zeros(q.shape, _F32))
+        dk, dv = _dkv(q, k, spec, tiles, True)(q, k, v, do, lse_u, delta, dq_ref)
+        dq = dq_ref[...]
+        if spec.interpret:
+            dq = dq[0] + dq[1]
+        return dq.astype(q.dtype), dk, dv
+    return run(q, k, v, do, lse_u, delta)
 
 
 def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
@@ -451,50 +508,28 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
     [B, Hq, Tq] (its score units, `_attn`) and the cotangents do and dlse (of the natural lse,
     or None); the problem must `fit`. `spec.deterministic` picks the dQ scheme (module
     docstring)."""
-    b, tq, hq, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
     delta = attention_bwd.delta(o, do, dlse, spec)                     # [B, Hq, Tq] float32
-    lse_u = lse_u.astype(_F32)
-    fused = not spec.deterministic
-    stages = tiles.dkv_stages(d, q.dtype.itemsize, fused)
-    body = functools.partial(_dkv_body, spec=spec, tiles=tiles, stages=stages, fused_dq=fused)
-    kv_types = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
-    # The first grid axis varies fastest: the CTAs that run together are the key tiles of one
-    # (batch, KV head), which read the same Q and dO tiles (L2 hits; FlashAttention-3's order).
-    grid, names = (tk // _KEYS, b * hkv), ("k", "bh")
-    kw = _mesh_kw(spec)
-    if not fused:
-        dk, dv = plgpu.kernel(body, out_type=kv_types, grid=grid, grid_names=names,
-                              num_threads=3, thread_name="wg",
-                              kernel_name="jaxfuse_flash_bwd_dkv_hopper", **kw)(
-            q, k, v, do, lse_u, delta)
-        bk = tiles.k_dq(d)
-        dq_body = functools.partial(_dq_body, spec=spec, bk=bk,
-                                    stages=tiles.dq_stages(d, q.dtype.itemsize),
-                                    n_q_tiles=tq // (2 * _ROWS))
-        dq = plgpu.kernel(dq_body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-                          grid=(tq // (2 * _ROWS), b * hq), grid_names=("q", "bh"),
-                          num_threads=3, thread_name="wg",
-                          kernel_name="jaxfuse_flash_bwd_dq_hopper", **kw)(
-            q, k, v, do, lse_u, delta)
+    args = (q, k, v, do, lse_u.astype(_F32), delta)
+    if spec.deterministic:
+        dk, dv = _dkv(q, k, spec, tiles, False)(*args)
+        b, tq, hq, d = q.shape
+        body = functools.partial(_dq_body, spec=spec, bk=tiles.k_dq(d),
+                                 stages=tiles.dq_stages(d, q.dtype.itemsize),
+                                 n_q_tiles=tq // (2 * _ROWS))
+        # Query tiles first: those of one head run together (they read the same K and V).
+        dq = _kernel(body, jax.ShapeDtypeStruct(q.shape, q.dtype), (tq // (2 * _ROWS), b * hq),
+                     ("q", "bh"), "jaxfuse_flash_bwd_dq_hopper", spec)(*args)
         return dq, dk, dv
-    mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=3, thread_name="wg",
-                      kernel_name="jaxfuse_flash_bwd_dkv_dq_hopper")
-    call = pl.kernel(body, out_type=kv_types, mesh=mesh, interpret=kw.pop("interpret", False),
-                     name="jaxfuse_flash_bwd_dkv_dq_hopper", **kw)
+    # The fused dQ is a ref that the kernel adds into, which pallas kernels do not batch:
+    # under vmap the mapped axis folds into the batch instead.
+    run = jax.custom_batching.custom_vmap(
+        H.discharged(functools.partial(_fused, spec=spec, tiles=tiles)))
 
-    # The dQ buffer is a ref that the kernel adds into (aliased in and out), so it takes
-    # pl.kernel, which does not batch under vmap (see `_hopper.kernel`); a ref with a memory
-    # space (the interpreter's) only lives inside a jit.
-    @jax.jit
-    def fused(q, k, v, do, lse_u, delta):
-        if spec.interpret:     # one buffer per consumer (module docstring)
-            dq_ref = jax.new_ref(jnp.zeros((2,) + q.shape, _F32), memory_space=plgpu.GMEM)
-        else:
-            dq_ref = jax.new_ref(jnp.zeros(q.shape, _F32))
-        dk, dv = call(q, k, v, do, lse_u, delta, dq_ref)
-        dq = dq_ref[...]
-        if spec.interpret:
-            dq = dq[0] + dq[1]
-        return dq.astype(q.dtype), dk, dv
-    return fused(q, k, v, do, lse_u, delta)
+    @run.def_vmap
+    def _folded(axis_size, in_batched, *args):
+        # Every operand has the batch first ([B, T, H, D] or [B, H, T]): [n, B, ...] -> [n B, ...].
+        args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                for a, b in zip(args, in_batched)]
+        outs = run(*[a.reshape((-1,) + a.shape[2:]) for a in args])
+        return tuple(o.reshape((axis_size, -1) + o.shape[1:]) for o in outs), (True,) * 3
+    return run(*args)

@@ -93,6 +93,22 @@ def test_three_steps_equal_one_device(axes, one_device):
         assert "all-gather" in hlo and ("reduce-scatter" in hlo or "all-reduce" in hlo)
 
 
+def test_dropout_training_on_a_mesh_equals_one_device():
+    """With dropout every shard draws the one-device masks (global element indices), so even
+    dropout training on a mesh is the one-device run."""
+    cfg = M.Config(**{**CFG.__dict__, "dropout": 0.2})
+    key = jax.random.key(5)
+    one = train(lambda p, s, a, b: M.train_step(p, s, a, b, jax.random.fold_in(key, 0),
+                                                cfg=cfg, opt=OPT), lambda p, s: (p, s))
+    mesh = mesh_of(data=2, fsdp=2, seq=2)
+    step = M.sharded_train_step(cfg, OPT, mesh)
+    many = train(lambda p, s, a, b: step(p, s, *M.sharding.shard_batch((a, b), mesh),
+                                         jax.random.fold_in(key, 0)),
+                 lambda p, s: M.sharding.shard_train_state(p, s, cfg, OPT, mesh))
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, many), jax.tree.map(np.asarray, one),
+                                **TOL)
+
+
 def test_decoding_on_a_mesh_equals_one_device():
     params = M.init(jax.random.key(3), CFG)
     prompts = jax.random.randint(jax.random.key(4), (4, 6), 1, CFG.vocab_size)

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxfuse import model as M
+from tests.multidevice.test_ops_sharded import gathered_shapes
 
 # Tiny, float32; every mesh below divides it (heads and d_ff by tensor=4, d_model by fsdp=8,
 # the batch by data x fsdp = 8, T by 2 x seq = 8). V = 56 differs from every other dimension,
@@ -62,6 +63,22 @@ def logits_shaped(hlo: str, rows: int) -> list[str]:
     return found
 
 
+def layer_weight_shapes(mesh):
+    """Per-device shapes of the stacked weights [L, a, b] once gathered over fsdp (still split
+    over tensor)."""
+    sizes = dict(mesh.shape)
+    shapes = jax.eval_shape(lambda k: M.init(k, CFG), jax.random.key(0))["blocks"]
+    specs = M.sharding.param_specs(CFG, mesh)["blocks"]
+    out = []
+    for name in ("wq", "wk", "wv", "wo", "w1", "w3", "w2"):
+        dims = []
+        for n, entry in zip(shapes[name].shape, tuple(specs[name]) + (None,) * 3):
+            axes = (entry,) if isinstance(entry, str) else entry or ()
+            dims.append(n // int(np.prod([sizes[a] for a in axes if a != "fsdp"])))
+        out.append(tuple(dims))
+    return out
+
+
 @pytest.mark.parametrize("axes", [dict(data=8), dict(fsdp=8), dict(data=2, tensor=4),
                                   dict(data=2, fsdp=2, tensor=2), dict(data=2, seq=4)],
                          ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()))
@@ -73,7 +90,7 @@ def test_three_steps_equal_one_device(axes, one_device):
     def run(p, s, a, b):
         a, b = M.sharding.shard_batch((a, b), mesh)
         if not compiled:             # one compile, whose HLO is also inspected
-            compiled.append(step.jitted.lower(p, s, a, b, None).compile())
+            compiled.append(step.lower(p, s, a, b, None).compile())
         return compiled[0](p, s, a, b, None)
 
     many = train(run, lambda p, s: M.sharding.shard_train_state(p, s, CFG, OPT, mesh))
@@ -90,7 +107,10 @@ def test_three_steps_equal_one_device(axes, one_device):
         # tiles of the smaller local blocks are padded up to such shapes: checked here only.)
         assert logits_shaped(hlo, min(B * T // 2, CFG.d_model)) == []
     if axes.get("fsdp"):
-        assert "all-gather" in hlo and ("reduce-scatter" in hlo or "all-reduce" in hlo)
+        # FSDP: the scan gathers one layer's weights at a time, never a whole stack [L, ...]
+        layer = {s[1:] for s in layer_weight_shapes(mesh)}
+        gathered = [s for s in gathered_shapes(hlo) if s[1:] in layer]
+        assert gathered and all(s[0] == 1 for s in gathered), gathered
 
 
 def test_dropout_training_on_a_mesh_equals_one_device():

@@ -6,7 +6,9 @@ Mesh axes (any subset may be present; a missing axis counts as size 1):
 * `fsdp`   fully sharded data parallel (ZeRO-3): the batch splits over `data` x `fsdp` and the
            parameters (and with them AdamW's moments) split their d_model dimension over `fsdp`;
            the scan over layers gathers one layer's weights at a time (`gather_layer`), and the
-           backward reduce-scatters their gradients (the transpose of that gather).
+           backward reduces their gradients back to the shards (the transpose of that gather).
+           Without `Config.remat` the scan keeps each layer's gathered weights for the backward
+           (its residuals); with remat the backward recomputes the layer, gather included.
 * `tensor` Megatron tensor parallel: wq/wk/wv/w1/w3 split their output columns (whole heads,
            slices of d_ff), wo/w2 their input rows, the embedding and unembedding the
            vocabulary; attention runs on each device's heads, the loss is the vocab-parallel

@@ -46,8 +46,8 @@ def mulhi_u32(a, b):
 def philox4x32(ctr, key, *, rounds: int = ROUNDS, mulhi=mulhi_u32):
     """Philox-4x32-`rounds` of a 4-word counter under a 2-word key (uint32 arrays that broadcast).
 
-    `mulhi(a, b)`: the high 32 bits of the 64-bit product; `mulhi_u32` in jax.numpy
-    and in interpret mode, a one-instruction `mul.hi.u32` in a compiled Triton kernel (`pallas._rng`).
+    `mulhi(a, b)`: the high 32 bits of the 64-bit product; `mulhi_u32` in jax.numpy,
+    `lax.mulhi` in interpret mode, a one-instruction `mul.hi.u32` in a compiled Triton kernel (`pallas._rng`).
     """
     # One shape for all four words: a constant word (the stream) must still be a tile in a kernel.
     c0, c1, c2, c3 = jnp.broadcast_arrays(*(jnp.asarray(c, jnp.uint32) for c in ctr))

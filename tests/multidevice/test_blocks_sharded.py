@@ -92,3 +92,16 @@ def test_embedding_positions_and_d_model_split():
     one, many, hlo = run_both(f, (tokens, table, pos_table, positions), specs, diff=(1, 2))
     assert_same(one, many)
     assert gathered_shapes(hlo) == []
+
+
+def test_flash_attention_dropout_batch_heads_split():
+    """Attention-probability dropout with batch and KV heads split (GQA): each shard's kernel
+    drops the one-device entries of its (batch, head) slabs, forward and backward."""
+    k = keys(45, 3)
+    q, kk, v = randn(k[0], (4, 16, 8, 8)), randn(k[1], (4, 16, 4, 8)), randn(k[2], (4, 16, 4, 8))
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, dropout_rate=0.3,
+                                                dropout_key=KEY, return_lse=True)
+    one, many, hlo = run_both(f, (q, kk, v), [P("data", None, ("tensor", "seq"))] * 3,
+                              diff=(0, 1, 2))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []

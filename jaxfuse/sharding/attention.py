@@ -1,7 +1,8 @@
 """Partitioning rules of `flash_attention` and `decode_attention`.
 
 flash_attention: batch and KV heads split freely (a query head goes with its KV head, so GQA
-groups stay whole: q's head axis is the compound (n, g) and only n splits). Self-attention
+groups stay whole: q's head axis is the compound (n, g) and only n splits). With dropout only
+they split, and each shard's kernel draws the one-device mask at its (batch, head) rows. Self-attention
 (Tq = Tk) with the sequence split runs ring attention (`ring.py`: K/V chunks pass around the
 devices, causal work balanced by a zigzag layout; not with a sliding window). Cross-attention
 (Tq != Tk) without a causal mask or window splits the queries only (each device attends its

@@ -68,11 +68,15 @@ def main(argv=None) -> float:
                          devices=jax.devices()[:n_devices])
 
     world, test_world = World(n_facts=4, n_questions=2), World(n_facts=4, n_questions=2)
-    cfg = M.preset("likesworld", max_len=world.seq_len + 8)
+    # sequence parallel: causal ring attention needs T % (2 x seq) == 0; pad the episodes'
+    # ends (pad tokens, no targets: causal attention keeps them out of every real position)
+    chunk = 2 * axes.get("seq", 1)
+    seq_len = -(-world.seq_len // chunk) * chunk
+    cfg = M.preset("likesworld", max_len=seq_len + 8)
     params = M.init(jax.random.key(args.seed), cfg)
     opt = M.optimizer(args.lr, args.steps, warmup_steps=100, weight_decay=0.01)
     step = M.sharded_train_step(cfg, opt, mesh, impl=args.impl, batch=args.batch,
-                                seq_len=world.seq_len)
+                                seq_len=seq_len)
     params, opt_state = M.sharding.shard_train_state(params, opt.init(params), cfg, opt, mesh)
     print(f"LikesWorld on mesh {dict(mesh.shape)} ({n_devices} {jax.default_backend()} "
           f"devices), jax {jax.__version__}, impl={args.impl}")
@@ -82,7 +86,10 @@ def main(argv=None) -> float:
 
     t0 = time.time()
     for i in range(1, args.steps + 1):
-        batch = M.sharding.shard_batch(make_targets(*world.sample(rng, args.batch)), mesh)
+        tokens, targets = make_targets(*world.sample(rng, args.batch))
+        pad = ((0, 0), (0, seq_len - tokens.shape[1]))
+        batch = M.sharding.shard_batch((np.pad(tokens, pad, constant_values=world.tok("<pad>")),
+                                        np.pad(targets, pad, constant_values=-100)), mesh)
         params, opt_state, loss = step(params, opt_state, *batch)
         if i % 250 == 0 or i == args.steps:
             print(f"step {i:5d}  loss {float(loss):.3f}  ({time.time() - t0:.0f}s)", flush=True)

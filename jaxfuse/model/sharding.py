@@ -89,16 +89,18 @@ def check(cfg: Config, mesh, batch: int | None = None, seq_len: int | None = Non
             ("fsdp", "d_model", cfg.d_model)]
     if batch is not None:
         need.append((("data", "fsdp"), "the batch", batch))
-    if seq_len is not None:
-        # causal ring attention cuts the sequence into 2 x seq chunks (zigzag balance)
-        need.append((("seq",), "the sequence length / 2", seq_len / 2))
     for axes, what, n in need:
         axes = (axes,) if isinstance(axes, str) else axes
         k = math.prod(sizes[a] for a in axes)
-        if k > 1 and (n != int(n) or int(n) % k):
+        if k > 1 and n % k:
             name = " x ".join(f"{a}={sizes[a]}" for a in axes)
-            raise ValueError(f"mesh axis {name} (size {k}) does not divide {what} = {n:g}: "
+            raise ValueError(f"mesh axis {name} (size {k}) does not divide {what} = {n}: "
                              f"pick a mesh whose {'/'.join(axes)} size divides it")
+    # causal ring attention cuts the sequence into 2 x seq chunks (zigzag balance)
+    if seq_len is not None and sizes["seq"] > 1 and seq_len % (2 * sizes["seq"]):
+        raise ValueError(f"mesh axis seq={sizes['seq']} needs the sequence length {seq_len} to "
+                         f"be a multiple of 2 x {sizes['seq']} (causal ring attention): pad "
+                         "the sequence (targets -100) or pick another seq size")
 
 
 def param_specs(cfg: Config, mesh) -> dict:
@@ -150,7 +152,8 @@ def shard_batch(arrays, mesh):
                              f"do not divide the batch {b}: pick a batch that is a multiple")
         if t is not None and t % (2 * sizes["seq"]) and sizes["seq"] > 1:
             raise ValueError(f"mesh axis seq={sizes['seq']} needs the sequence length {t} to be "
-                             f"a multiple of 2 x {sizes['seq']} (causal ring attention)")
+                             f"a multiple of 2 x {sizes['seq']} (causal ring attention): pad "
+                             "the sequence (targets -100) or pick another seq size")
         out.append(jax.device_put(a, NamedSharding(mesh, batch_spec(mesh, a.ndim))))
     return tuple(out)
 
@@ -177,16 +180,16 @@ def _current_sizes():
 
 def constrain(x: jax.Array, *names) -> jax.Array:
     """x pinned to the logical layout `names` (one per dimension) on the current mesh; a mesh
-    axis that does not divide its dimension (a decoding batch of 1) leaves it whole. A no-op
-    without a mesh."""
+    axis that does not divide its dimension (a decoding batch of 1; a time axis that causal
+    ring attention cannot cut into 2 x seq chunks) leaves it whole. A no-op without a mesh."""
     sizes = _current_sizes()
     if sizes is None:
         return x
     entries = []
     for n, d in zip(names, x.shape):
         axes = _mesh_axes(n, sizes)
-        entries.append(_entry(axes) if axes and d % math.prod(sizes[a] for a in axes) == 0
-                       else None)
+        k = math.prod(sizes[a] for a in axes) * (2 if n == "seq" else 1)
+        entries.append(_entry(axes) if axes and d % k == 0 else None)
     return jax.lax.with_sharding_constraint(x, P(*entries))
 
 

@@ -10,7 +10,6 @@ import jax
 
 from jaxfuse._dispatch import route
 from jaxfuse.pallas import attention as _p_attn
-from jaxfuse.pallas import beam_top_k as _p_topk
 from jaxfuse.pallas import cross_entropy as _p_ce
 from jaxfuse.pallas import decode_attention as _p_dec
 from jaxfuse.pallas import layer_norm as _p_ln
@@ -186,7 +185,7 @@ def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *, impl: st
 
     >>> scores, parent, token = jaxfuse.beam_top_k(log_probs, beam_scores, beam_size)
     """
-    return route(impl, _p_topk.beam_top_k, _r_topk.beam_top_k, log_probs, beam_scores, k,
+    return route(impl, _s_blocks.beam_top_k, _r_topk.beam_top_k, log_probs, beam_scores, k,
                  interpret=interpret, block_sizes=block_sizes)
 
 

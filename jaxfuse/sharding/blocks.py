@@ -1,5 +1,5 @@
 """Partitioning rules of the block ops: swiglu, rope, add_norm, the dropout family (dropout,
-bias_dropout_add, bias_act_dropout) and embedding.
+bias_dropout_add, bias_act_dropout), embedding, and beam search's beam_top_k (over the batch).
 
 All of them are row-wise (or elementwise): their leading axes split freely and nothing crosses
 devices, except the gradients of the weights shared by every row (norm weight and bias, the
@@ -29,18 +29,20 @@ from jaxfuse import _philox
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _dropout, _norm, _rng, _rows
 from jaxfuse.pallas import add_norm as _p_an
+from jaxfuse.pallas import beam_top_k as _p_topk
 from jaxfuse.pallas import embedding as _p_emb
 from jaxfuse.pallas import rope as _p_rope
 from jaxfuse.pallas import swiglu as _p_swiglu
 from jaxfuse.pallas._rows import RowBlocks, as_rows
 from jaxfuse.reference import add_norm as _r_an
+from jaxfuse.reference import beam_top_k as _r_topk
 from jaxfuse.reference import bias_act_dropout as _r_bad
 from jaxfuse.reference import bias_dropout_add as _r_bda
 from jaxfuse.reference import dropout as _r_drop
 from jaxfuse.reference import embedding as _r_emb
 from jaxfuse.reference import rope as _r_rope
 from jaxfuse.reference import swiglu as _r_swiglu
-from jaxfuse.sharding._core import Layout, lead, present, vjp_op
+from jaxfuse.sharding._core import Layout, lead, partitioned, present, vjp_op
 from jaxfuse.sharding.rows import psum_over, size
 
 KEY = ("k",)         # Philox key words: never split
@@ -340,3 +342,16 @@ def embedding(tokens, table, *, scale=1.0, pos_table=None, positions=None, rate=
     key_w = _philox.key_words(key) if rate else None
     op = _embedding_op(tokens.ndim, table.shape[0], cfg)
     return op(*present(tokens.astype(jnp.int32), table, pos_table, positions, key_w))[0]
+
+
+# ---- beam_top_k ------------------------------------------------------------------------------
+
+def beam_top_k(log_probs, beam_scores, k, *, interpret=None, block_sizes=None, capacity=None):
+    """`jaxfuse.pallas.beam_top_k` partitioned over the batch (each row's beams and vocabulary
+    stay whole: its top-k needs all of them). Not differentiable (a selection)."""
+    _r_topk.validate(log_probs, beam_scores, k)
+    local = lambda plan, lp, bs: _p_topk.beam_top_k(lp, bs, k, interpret=interpret,
+                                                    block_sizes=block_sizes, capacity=capacity)
+    out = ("b", "j")
+    layout = Layout((("b", "n", "v"), ("b", "n")), (out, out, out), ("b",))
+    return partitioned(local, layout, (log_probs, beam_scores))

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxfuse
 from tests._util import keys, randn
-from tests.multidevice.test_ops_sharded import assert_same, gathered_shapes, run_both
+from tests.multidevice.test_ops_sharded import AUTO, assert_same, gathered_shapes, run_both
 
 KEY = jax.random.key(7)
 
@@ -104,4 +104,20 @@ def test_flash_attention_dropout_batch_heads_split():
     one, many, hlo = run_both(f, (q, kk, v), [P("data", None, ("tensor", "seq"))] * 3,
                               diff=(0, 1, 2))
     assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
+def test_beam_top_k_batch_split():
+    k = keys(46, 2)
+    lp = jax.nn.log_softmax(randn(k[0], (8, 3, 37)), axis=-1)
+    scores = randn(k[1], (8, 3))
+    f = jax.jit(lambda lp, s: jaxfuse.beam_top_k(lp, s, 4))
+    one = f(lp, scores)
+    with jax.set_mesh(AUTO):
+        placed = [jax.device_put(a, NamedSharding(AUTO, P(("data", "tensor", "seq"))))
+                  for a in (lp, scores)]
+        many = f(*placed)
+        hlo = f.lower(*placed).compile().as_text()
+    for a, b in zip(many, one):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert gathered_shapes(hlo) == []

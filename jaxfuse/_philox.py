@@ -22,7 +22,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 # Random123's constants: the multipliers and the Weyl key increments (golden ratio, sqrt(3) - 1).
 M0, M1 = np.uint32(0xD2511F53), np.uint32(0xCD9E8D57)
@@ -31,11 +30,24 @@ ROUNDS = 10
 KEEP_BITS = 24            # keep iff the top 24 bits of a word fall below the threshold
 
 
-def philox4x32(ctr, key, *, rounds: int = ROUNDS, mulhi=lax.mulhi):
+def mulhi_u32(a, b):
+    """The high 32 bits of the 64-bit product of uint32 a and b, from 16-bit halves (exact, in
+    uint32 arithmetic). `lax.mulhi` does it in one op, but jax 0.10.2 cannot lower it inside a
+    computation XLA partitions (a sharded jit: "failed to legalize operation 'mhlo.unknown'"),
+    which is where the references run on a mesh."""
+    a, b = jnp.asarray(a, jnp.uint32), jnp.asarray(b, jnp.uint32)
+    lo16 = np.uint32(0xFFFF)
+    a_lo, a_hi, b_lo, b_hi = a & lo16, a >> 16, b & lo16, b >> 16
+    hi_lo = a_hi * b_lo
+    cross = ((a_lo * b_lo) >> 16) + (hi_lo & lo16) + a_lo * b_hi      # < 2^32: no overflow
+    return a_hi * b_hi + (hi_lo >> 16) + (cross >> 16)
+
+
+def philox4x32(ctr, key, *, rounds: int = ROUNDS, mulhi=mulhi_u32):
     """Philox-4x32-`rounds` of a 4-word counter under a 2-word key (uint32 arrays that broadcast).
 
-    `mulhi(a, b)`: the high 32 bits of the 64-bit product; `lax.mulhi` in jax.numpy and in
-    interpret mode, a one-instruction `mul.hi.u32` in a compiled Triton kernel (`pallas._rng`).
+    `mulhi(a, b)`: the high 32 bits of the 64-bit product; `mulhi_u32` in jax.numpy,
+    `lax.mulhi` in interpret mode, a one-instruction `mul.hi.u32` in a compiled Triton kernel (`pallas._rng`).
     """
     # One shape for all four words: a constant word (the stream) must still be a tile in a kernel.
     c0, c1, c2, c3 = jnp.broadcast_arrays(*(jnp.asarray(c, jnp.uint32) for c in ctr))
@@ -65,7 +77,7 @@ def threshold(rate: float) -> int:
     return int(round((1.0 - float(rate)) * (1 << KEEP_BITS)))
 
 
-def keep(key_w, rows, cols, n_cols: int, rate: float, *, stream=0, mulhi=lax.mulhi):
+def keep(key_w, rows, cols, n_cols: int, rate: float, *, stream=0, mulhi=mulhi_u32):
     """The keep-mask (bool) of elements (rows, cols) of a [*, n_cols] view: int32 index arrays
     that broadcast; `key_w` the two words of `key_words` (each may be a [1] array in a kernel)."""
     q = -(-n_cols // 4)

@@ -11,21 +11,13 @@ import functools
 import jax
 
 from jaxfuse._dispatch import route
-from jaxfuse.pallas import add_norm as _p_an
 from jaxfuse.pallas import attention as _p_attn
-from jaxfuse.pallas import beam_top_k as _p_topk
-from jaxfuse.pallas import bias_act_dropout as _p_bad
-from jaxfuse.pallas import bias_dropout_add as _p_bda
-from jaxfuse.pallas import dropout as _p_drop
-from jaxfuse.pallas import embedding as _p_emb
 from jaxfuse.pallas import cross_entropy as _p_ce
 from jaxfuse.pallas import decode_attention as _p_dec
 from jaxfuse.pallas import layer_norm as _p_ln
 from jaxfuse.pallas import linear_cross_entropy as _p_lce
 from jaxfuse.pallas import rms_norm as _p_rms
-from jaxfuse.pallas import rope as _p_rope
 from jaxfuse.pallas import softmax as _p_softmax
-from jaxfuse.pallas import swiglu as _p_swiglu
 from jaxfuse.reference import add_norm as _r_an
 from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import beam_top_k as _r_topk
@@ -42,6 +34,7 @@ from jaxfuse.reference import rope as _r_rope
 from jaxfuse.reference import softmax as _r_softmax
 from jaxfuse.reference import swiglu as _r_swiglu
 from jaxfuse.sharding import attention as _s_attn
+from jaxfuse.sharding import blocks as _s_blocks
 from jaxfuse.sharding import linear_cross_entropy as _s_lce
 from jaxfuse.sharding import rows as _s_rows
 
@@ -204,7 +197,7 @@ def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *, impl: st
 
     >>> scores, parent, token = jaxfuse.beam_top_k(log_probs, beam_scores, beam_size)
     """
-    return route(impl, _p_topk.beam_top_k, _r_topk.beam_top_k, log_probs, beam_scores, k,
+    return route(impl, _s_blocks.beam_top_k, _r_topk.beam_top_k, log_probs, beam_scores, k,
                  interpret=interpret, block_sizes=block_sizes)
 
 
@@ -216,7 +209,7 @@ def dropout(x: jax.Array, rate: float, key, *, impl: str = "pallas",
 
     >>> y = jaxfuse.dropout(x, 0.1, jax.random.fold_in(key, step))
     """
-    return route(impl, _p_drop.dropout, _r_drop.dropout, x, rate, key, interpret=interpret,
+    return route(impl, _s_blocks.dropout, _r_drop.dropout, x, rate, key, interpret=interpret,
                  block_sizes=block_sizes)
 
 
@@ -227,7 +220,7 @@ def bias_dropout_add(x: jax.Array, bias: jax.Array | None, residual: jax.Array, 
 
     >>> h = jaxfuse.bias_dropout_add(attn_out, b_o, h, rate=0.1, key=k)
     """
-    return route(impl, _p_bda.bias_dropout_add, _r_bda.bias_dropout_add, x, bias, residual,
+    return route(impl, _s_blocks.bias_dropout_add, _r_bda.bias_dropout_add, x, bias, residual,
                  rate=rate, key=key, interpret=interpret, block_sizes=block_sizes)
 
 
@@ -239,7 +232,7 @@ def bias_act_dropout(x: jax.Array, bias: jax.Array | None, *, activation: str = 
 
     >>> a = jaxfuse.bias_act_dropout(x @ w1, b1, activation="gelu", rate=0.1, key=k)
     """
-    return route(impl, _p_bad.bias_act_dropout, _r_bad.bias_act_dropout, x, bias,
+    return route(impl, _s_blocks.bias_act_dropout, _r_bad.bias_act_dropout, x, bias,
                  activation=activation, rate=rate, key=key, interpret=interpret,
                  block_sizes=block_sizes)
 
@@ -255,7 +248,7 @@ def add_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | None,
 
     >>> h, y = jaxfuse.add_norm(attn_out, h, w_norm, rate=0.1, key=k)   # then mlp(y)
     """
-    return route(impl, _p_an.add_norm, _r_an.add_norm, x, residual, weight, bias, norm=norm,
+    return route(impl, _s_blocks.add_norm, _r_an.add_norm, x, residual, weight, bias, norm=norm,
                  eps=eps, rate=rate, key=key, interpret=interpret, block_sizes=block_sizes)
 
 
@@ -266,7 +259,7 @@ def swiglu(gate: jax.Array, up: jax.Array, *, impl: str = "pallas",
 
     >>> a = jaxfuse.swiglu(x @ w_gate, x @ w_up)
     """
-    return route(impl, _p_swiglu.swiglu, _r_swiglu.swiglu, gate, up, interpret=interpret,
+    return route(impl, _s_blocks.swiglu, _r_swiglu.swiglu, gate, up, interpret=interpret,
                  block_sizes=block_sizes)
 
 
@@ -279,7 +272,7 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleav
 
     >>> q = jaxfuse.rope(q, positions)
     """
-    return route(impl, _p_rope.rope, _r_rope.rope, x, positions, base=base,
+    return route(impl, _s_blocks.rope, _r_rope.rope, x, positions, base=base,
                  interleaved=interleaved, interpret=interpret, block_sizes=block_sizes)
 
 
@@ -294,6 +287,6 @@ def embedding(tokens: jax.Array, table: jax.Array, *, scale: float = 1.0,
 
     >>> x = jaxfuse.embedding(tokens, w_emb, scale=d_model ** 0.5, rate=0.1, key=k)
     """
-    return route(impl, _p_emb.embedding, _r_emb.embedding, tokens, table, scale=scale,
+    return route(impl, _s_blocks.embedding, _r_emb.embedding, tokens, table, scale=scale,
                  pos_table=pos_table, positions=positions, rate=rate, key=key,
                  interpret=interpret, block_sizes=block_sizes)

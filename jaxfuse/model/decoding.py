@@ -19,6 +19,7 @@ import jaxfuse
 from jaxfuse.model import _block_ops as ops
 from jaxfuse.model import transformer as T
 from jaxfuse.model.config import Config
+from jaxfuse.model.sharding import constrain
 
 
 def init_cache(cfg: Config, batch: int, max_len: int | None = None, dtype=None) -> dict:
@@ -26,7 +27,9 @@ def init_cache(cfg: Config, batch: int, max_len: int | None = None, dtype=None) 
     s = cfg.max_len if max_len is None else max_len
     dt = cfg.compute_dtype if dtype is None else jnp.dtype(dtype)
     shape = (batch, s, cfg.n_kv_heads, cfg.head_dim)
-    zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(cfg.n_layers))
+    # on a mesh: rows over data x fsdp, KV heads over tensor (as the projections that fill it)
+    zeros = lambda: tuple(constrain(jnp.zeros(shape, dt), "batch", None, "kv_heads", None)
+                          for _ in range(cfg.n_layers))
     return {"k": zeros(), "v": zeros(), "lengths": jnp.zeros((batch,), jnp.int32)}
 
 

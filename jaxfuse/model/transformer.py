@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 import jaxfuse
 from jaxfuse.model import _block_ops as ops
+from jaxfuse.model.sharding import constrain, gather_layer
 from jaxfuse.model.config import Config
 
 
@@ -89,9 +90,9 @@ def qkv(blk: dict, y: jax.Array, positions: jax.Array, cfg: Config, impl: str):
         q, k, v = jnp.split(y @ blk["wqkv"], [nq, nq + nk], axis=-1)
     else:
         q, k, v = y @ blk["wq"], y @ blk["wk"], y @ blk["wv"]
-    q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
-    k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-    v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    q = constrain(q.reshape(b, t, cfg.n_heads, cfg.head_dim), "batch", "seq", "heads", None)
+    k = constrain(k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), "batch", "seq", "kv_heads", None)
+    v = constrain(v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), "batch", "seq", "kv_heads", None)
     rope = functools.partial(ops.rope, positions=positions, base=cfg.rope_base, impl=impl)
     return rope(q), rope(k), v
 
@@ -100,6 +101,7 @@ def attn_out(blk: dict, o: jax.Array, head_mask: jax.Array | None) -> jax.Array:
     """o [..., H, hd] -> [..., d_model]; `head_mask` [H] zeroes heads (ablations)."""
     if head_mask is not None:
         o = o * head_mask[:, None].astype(o.dtype)
+    o = constrain(o, "batch", "seq", "heads", None)
     return o.reshape(*o.shape[:-2], -1) @ blk["wo"]
 
 
@@ -108,6 +110,7 @@ def mlp(blk: dict, y: jax.Array, impl: str) -> jax.Array:
         gate, up = jnp.split(y @ blk["w13"], 2, axis=-1)
     else:
         gate, up = y @ blk["w1"], y @ blk["w3"]
+    gate, up = (constrain(x, "batch", "seq", "ff") for x in (gate, up))
     return ops.swiglu(gate, up, impl=impl) @ blk["w2"]
 
 
@@ -122,7 +125,13 @@ def block(blk: dict, h: jax.Array, delta: jax.Array, positions: jax.Array, cfg: 
     q, k, v = qkv(blk, y, positions, cfg, impl)
     h, y = add_norm(blk["mlp_norm"], attn_out(blk, attend(q, k, v, keys[1]), head_mask), h, cfg,
                     impl, keys[2])
-    return h, mlp(blk, y, impl), (q, k, v)
+    return h, _stream(mlp(blk, y, impl)), (q, k, v)
+
+
+def _stream(x: jax.Array) -> jax.Array:
+    """The residual stream's layout on a mesh: rows split over batch and sequence, d_model
+    whole on every tensor-parallel device (Megatron: wo and w2's partial sums are reduced)."""
+    return constrain(x, "batch", "seq", None)
 
 
 def _remat(fn, cfg: Config):
@@ -142,9 +151,10 @@ def hidden(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas"
     `key` turns dropout on (cfg.dropout > 0); without it the pass is deterministic."""
     p = cast(params, cfg)
     b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    positions = constrain(jnp.broadcast_to(jnp.arange(t), (b, t)), "batch", "seq")
     k_embed, k_layers, k_final = (None,) * 3 if key is None else jax.random.split(key, 3)
     h = ops.embedding(tokens, p["embed"], rate=cfg.dropout, key=k_embed, impl=impl)  # [B, T, D]
+    h = _stream(h)
 
     def attend(q, k, v, key):
         return ops.attention(q, k, v, causal=True, dropout_rate=cfg.dropout, dropout_key=key,
@@ -152,10 +162,11 @@ def hidden(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas"
 
     def body(carry, xs):
         blk, i, mask = xs
+        blk = gather_layer(blk)          # FSDP: this layer's weights whole, one layer at a time
         layer_key = None if k_layers is None else jax.random.fold_in(k_layers, i)
         h, delta, qkv_i = block(blk, *carry, positions, cfg, attend, impl=impl, key=layer_key,
                                 head_mask=mask)
-        return (h, delta), (qkv_i if collect_qkv else None)
+        return (_stream(h), delta), (qkv_i if collect_qkv else None)
 
     body = _remat(body, cfg)
     xs = (p["blocks"], jnp.arange(cfg.n_layers), head_mask)
@@ -169,7 +180,7 @@ def hidden(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas"
             outs.append(out)
         qkvs = jax.tree.map(lambda *a: jnp.stack(a), *outs) if collect_qkv else None
     _, y = add_norm(p["final_norm"], carry[1], carry[0], cfg, impl, k_final)
-    return y, qkvs
+    return _stream(y), qkvs
 
 
 def apply(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas",

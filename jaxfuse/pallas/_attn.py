@@ -170,11 +170,12 @@ def split_refs(refs, spec: AttnSpec, n_out: int):
 
 
 def take_key(refs, spec: AttnSpec):
-    """(the two Philox key words, or None; the other refs): with dropout the key is the first
-    input after the kernel's fixed ones."""
+    """(the Philox key words, or None; the other refs): with dropout the key is the first
+    input after the kernel's fixed ones (two words, or five with a shard's row map: the
+    probabilities' [B * Hq * Tq, Tk] view split over batch and heads, `_rng.global_rows`)."""
     if not spec.dropout:
         return None, refs
-    return (refs[0][0], refs[0][1]), refs[1:]
+    return tuple(refs[0][i] for i in range(refs[0].shape[0])), refs[1:]
 
 
 def prob_rows(spec: AttnSpec, lead_shape: tuple, head=None):

@@ -178,10 +178,11 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def apply(x, bias, residual, *, activation: str | None, rate: float, key, name: str,
-          interpret: bool | None, block_sizes: RowBlocks | None) -> jax.Array:
-    """Shared wrapper (inputs already validated): rows view, blocks, key words, run."""
+          interpret: bool | None, block_sizes: RowBlocks | None, key_w=None) -> jax.Array:
+    """Shared wrapper (inputs already validated): rows view, blocks, key words, run. `key_w`
+    instead of `key`: the key's words, with a shard's row map (`_rng.shard_rows`)."""
     interpret = C.resolve_interpret(interpret)
-    rate = float(rate) if _philox.active(rate, key) else 0.0
+    rate = float(rate) if _philox.active(rate, key if key_w is None else key_w) else 0.0
     x2 = _rows.as_rows(x)
     n_rows, n_cols = x2.shape
     quarters = bool(rate) and n_cols % 4 == 0
@@ -191,6 +192,7 @@ def apply(x, bias, residual, *, activation: str | None, rate: float, key, name: 
                                accumulate_rows=bias is not None)
     st = _Static(activation, rate, bias is not None, residual is not None, quarters, fwd, bwd,
                  interpret, name)
-    key_w = _philox.key_words(key) if rate else None
+    if key_w is None:
+        key_w = _philox.key_words(key) if rate else None
     res2 = None if residual is None else _rows.as_rows(residual)
     return _fused(x2, bias, res2, key_w, st).reshape(x.shape)

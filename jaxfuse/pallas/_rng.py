@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
@@ -27,9 +28,40 @@ def _mulhi_ptx(a, b):
 
 
 def mulhi(interpret: bool):
+    # Interpreted, a kernel always runs inside its op's partitioning rule (`jaxfuse.sharding`:
+    # on the local shard, no sharding annotations), where `lax.mulhi` lowers; the references
+    # take `_philox.mulhi_u32`, which also lowers in a computation XLA partitions.
     return lax.mulhi if interpret else _mulhi_ptx
 
 
 def keep(key_w, rows, cols, n_cols: int, rate: float, interpret: bool, stream=0):
     """`_philox.keep` for a tile of absolute (rows, cols) indices, in the kernel's regime."""
-    return _philox.keep(key_w, rows, cols, n_cols, rate, stream=stream, mulhi=mulhi(interpret))
+    return _philox.keep(key_w, global_rows(key_w, rows), cols, n_cols, rate, stream=stream,
+                        mulhi=mulhi(interpret))
+
+
+def global_rows(key_w, rows):
+    """The rows of a kernel's [rows, cols] view as rows of the whole array it is a shard of.
+
+    A mask is defined by global element indices (`jaxfuse._philox`), so a kernel that runs on
+    one device's shard (`jaxfuse.sharding.blocks`) must draw the whole array's mask at its own
+    rows. Its key then carries three more words (l, g, base) = `shard_rows`: local row r is
+    global row (r // l) * g + r % l + base (leading axes (outer, inner...) split on the first two:
+    l and g the local and global sizes of the inner ones). Two words: the array is whole."""
+    if len(key_w) < 5:
+        return rows
+    l, g, base = key_w[2], key_w[3], key_w[4]
+    r = rows.astype(jnp.uint32)
+    return (r // l) * g + r % l + base
+
+
+def shard_rows(key_w, local_lead, global_lead, offsets):
+    """`key_w` extended with the row map of a shard (see `global_rows`): the shard's leading
+    dimensions `local_lead` start at `offsets` (traced ints) in the array's `global_lead`; only
+    the first two may differ from the whole (`jaxfuse.sharding.blocks` splits no other)."""
+    inner = lambda dims: int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+    rest = int(np.prod(global_lead[2:], dtype=np.int64)) if len(global_lead) > 2 else 1
+    base = offsets[0] * inner(global_lead) + (offsets[1] * rest if len(offsets) > 1 else 0)
+    extra = jnp.stack([jnp.uint32(inner(local_lead)), jnp.uint32(inner(global_lead)),
+                       jnp.asarray(base).astype(jnp.uint32)])
+    return jnp.concatenate([key_w, extra])

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 
 from jaxfuse import _philox
 from jaxfuse.pallas import _common as C
+from jaxfuse.pallas import _rng
 
 _GPU_MAX_TILE_COLS = 16384      # longest row held in registers at once
 _GPU_TILE_ELEMS = 4096          # elements per program for short rows
@@ -185,7 +186,7 @@ def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Seque
     has_key = key is not None
 
     def kernel(*refs):
-        key_w = (refs[0][0], refs[0][1]) if has_key else ()
+        key_w = tuple(refs[0][i] for i in range(key.shape[0])) if has_key else ()
         refs = refs[1:] if has_key else refs
         t_refs, r_refs = refs[:n_in[0]], refs[n_in[0]:n_in[0] + n_in[1]]
         c_refs = refs[n_in[0] + n_in[1]:sum(n_in)]
@@ -246,7 +247,7 @@ def quarter_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_col: S
     n_t, n_c, n_o = len(tiled), len(per_col), len(out_dtypes)
 
     def kernel(key_ref, *refs):
-        key_w = (key_ref[0], key_ref[1])
+        key_w = tuple(key_ref[i] for i in range(key.shape[0]))
         t_refs, c_refs = refs[:n_t], refs[n_t:n_t + n_c]
         o_refs, cs_refs = refs[n_t + n_c:n_t + n_c + n_o], refs[n_t + n_c + n_o:]
         group, j = pl.program_id(0), pl.program_id(1)
@@ -259,8 +260,9 @@ def quarter_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_col: S
         def chunk(c, sums):
             row0 = group * rpp + c * b.block_rows
             rows, cols, valid = C.tile_index(row0, col0, b.block_rows, b.block_cols, n_rows, q)
-            words = _philox.philox4x32((cols.astype(jnp.uint32), rows.astype(jnp.uint32), 0, 0),
-                                       key_w, mulhi=mulhi)
+            words = _philox.philox4x32((cols.astype(jnp.uint32),
+                                        _rng.global_rows(key_w, rows).astype(jnp.uint32), 0, 0),
+                                       key_w[:2], mulhi=mulhi)
             new = []
             for w in range(4):
                 xs = tuple(C.load_tile(r, row0, col0, b.block_rows, b.block_cols, n_rows, q,

@@ -76,7 +76,8 @@ def _key_spec(spec: AttnSpec, key):
     """(the key as an extra input, its BlockSpec): whole, in every program; none without dropout."""
     if not spec.dropout:
         return [], []
-    return [key], [pl.BlockSpec((2,), lambda *_: (0,))]
+    # two words, or five with a shard's row map (`_rng.shard_rows`)
+    return [key], [pl.BlockSpec((key.shape[0],), lambda *_: (0,))]
 
 
 def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks, key=None):
@@ -269,23 +270,25 @@ class _Layout:
         return x.reshape(self.b, self.hq, self.tq)
 
 
-def forward(q, k, v, q_segment_ids, kv_segment_ids, spec: AttnSpec, blocks: AttnBlocks):
+def forward(q, k, v, q_segment_ids, kv_segment_ids, spec: AttnSpec, blocks: AttnBlocks,
+            key=None):
     """(o, natural lse, lse_u) in the user layout, no custom_vjp: the forward half for
-    `sharding`; lse_u (the kernels' units, `_attn`) is the residual `backward` takes."""
+    `sharding`; lse_u (the kernels' units, `_attn`) is the residual `backward` takes. `key`:
+    the dropout key words (spec.dropout > 0)."""
     lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
     qs, ks = _segs(q_segment_ids, kv_segment_ids)
     o, lse_u = _forward(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs), lay.kv_seg(ks), spec,
-                        blocks)
+                        blocks, key)
     lse_u = lay.lse_back(lse_u)
     return lay.o_back(o), A.lse_natural(lse_u, spec), lse_u
 
 
 def backward(q, k, v, q_segment_ids, kv_segment_ids, o, lse_u, do, dlse, spec: AttnSpec,
-             blocks: AttnBlocks):
+             blocks: AttnBlocks, key=None):
     """(dq, dk, dv) in the user layout: the backward half of `forward`, from its lse_u and the
     cotangent dlse of its natural lse."""
     lay = _Layout(q.shape, k.shape[1], k.shape[2], spec.folded)
     qs, ks = _segs(q_segment_ids, kv_segment_ids)
     dq, dk, dv = _backward(lay.q(q), lay.kv(k), lay.kv(v), lay.q_seg(qs), lay.kv_seg(ks),
-                           lay.q(o), lay.lse(lse_u), lay.q(do), lay.lse(dlse), spec, blocks)
+                           lay.q(o), lay.lse(lse_u), lay.q(do), lay.lse(dlse), spec, blocks, key)
     return lay.o_back(dq), lay.kv_back(dk), lay.kv_back(dv)

@@ -195,7 +195,7 @@ def backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnBl
                    pl.BlockSpec((None, bk2), lambda j, b_, h: (b_, j))]
         dq_grid, dkv_grid = (C.cdiv(spec.n_q, bq), b, hq), (C.cdiv(spec.n_k, bk2), b, hkv)
     keys = [key] if spec.dropout else []
-    key_spec = [pl.BlockSpec((2,), lambda *_: (0,))] if spec.dropout else []
+    key_spec = [pl.BlockSpec((key.shape[0],), lambda *_: (0,))] if spec.dropout else []
     dq_specs, dkv_specs = dq_specs + key_spec, dkv_specs + key_spec
     args = (q, k, v, do, lse_u, delta_rows, *keys, *segs)
     call = functools.partial(C.pallas_call, interpret=spec.interpret,

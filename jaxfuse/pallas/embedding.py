@@ -49,7 +49,8 @@ def _drop_row(key_w, n, cols, d: int, st: _Static):
 
 def _key(refs, st: _Static):
     """(key words or (), remaining refs): the key, when there is one, is the first input."""
-    return ((refs[0][0], refs[0][1]), refs[1:]) if st.rate else ((), refs)
+    n = refs[0].shape[0] if st.rate else 0
+    return (tuple(refs[0][i] for i in range(n)), refs[1:]) if st.rate else ((), refs)
 
 
 def _forward(tok, pos, table, pos_table, key_w, st: _Static):

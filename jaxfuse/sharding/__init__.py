@@ -2,7 +2,8 @@
 
 `_core` holds the mechanism (custom_partitioning in automatic mode, shard_map in explicit mode,
 a custom_vjp joining the partitioned forward and backward, custom_vmap for jax.vmap); `rows`,
-`attention`, `ring` and `linear_cross_entropy` hold the per-op rules. `jaxfuse.<op>`
+`attention`, `ring`, `linear_cross_entropy` and `blocks` (add_norm, swiglu, rope, the dropout
+family, embedding) hold the per-op rules. `jaxfuse.<op>`
 (impl="pallas") goes through them; `jaxfuse.pallas.<op>` is the bare kernel.
 
 A rule for a new op is a few lines: name each dimension of each operand and result by a factor

@@ -1,7 +1,8 @@
 """Partitioning rules of `flash_attention` and `decode_attention`.
 
 flash_attention: batch and KV heads split freely (a query head goes with its KV head, so GQA
-groups stay whole: q's head axis is the compound (n, g) and only n splits). Self-attention
+groups stay whole: q's head axis is the compound (n, g) and only n splits). With dropout only
+they split, and each shard's kernel draws the one-device mask at its (batch, head) rows. Self-attention
 (Tq = Tk) with the sequence split runs ring attention (`ring.py`: K/V chunks pass around the
 devices, causal work balanced by a zigzag layout; not with a sliding window). Cross-attention
 (Tq != Tk) without a causal mask or window splits the queries only (each device attends its
@@ -19,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxfuse import _philox
 from jaxfuse.pallas import _attn
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import attention as _p_attn
@@ -29,6 +31,7 @@ from jaxfuse.reference import decode_attention as _r_dec
 from jaxfuse.reference.attention import merge_many
 from jaxfuse.sharding import ring
 from jaxfuse.sharding._core import Layout, partitioned, present, vjp_op
+from jaxfuse.sharding.blocks import shard_key
 
 def _heads(hkv: int, groups: int):
     """Factor of q's head axis: KV head n major, group member g minor. Shardy takes no size-1
@@ -40,7 +43,25 @@ def _heads(hkv: int, groups: int):
 
 def _flash_plan(cfg, q, k, causal=None):
     kw = dict(cfg["kw"]) if causal is None else dict(cfg["kw"], causal=causal)
-    return _p_attn.plan(q.shape, k.shape, q.dtype, segments=cfg["segments"], **kw)
+    return _p_attn.plan(q.shape, k.shape, q.dtype, segments=cfg["segments"],
+                        dropout=cfg["dropout"], **kw)
+
+
+def _split_rest(cfg, rest):
+    """(q segment ids, kv segment ids, dropout key words with this shard's row map or None,
+    the remaining operands)."""
+    n = 2 if cfg["segments"] else 0
+    qs, ks = rest[:n] if n else (None, None)
+    key = rest[n] if cfg["dropout"] else None
+    return qs, ks, key, rest[n + bool(cfg["dropout"]):]
+
+
+def _shard_key(key, plan, q):
+    """The mask is `jaxfuse.dropout`'s over the probabilities' [B * Hq * Tq, Tk] view: with
+    batch and heads split, this shard's rows of it (`blocks.shard_key`)."""
+    if key is None:
+        return None
+    return shard_key(key, plan, (q.shape[0], q.shape[2], q.shape[1]), ("b", "n", "_t"))
 
 
 def _ring_plans(cfg, plan, q, k):
@@ -60,23 +81,24 @@ def _ring_plans(cfg, plan, q, k):
     return axes, cfg["kw"]["causal"], (mk(False), mk(True))
 
 
-def _flash_fwd(cfg, plan, q, k, v, *segs):
-    qs, ks = segs if segs else (None, None)
+def _flash_fwd(cfg, plan, q, k, v, *rest):
+    qs, ks, key, _ = _split_rest(cfg, rest)
     if cfg["ring"] and plan.get("t"):
         axes, causal, plans = _ring_plans(cfg, plan, q, k)
         o, lse = ring.forward(axes, causal, plans, q, k, v, qs, ks)
         # The ring's lse is merged from partials in natural units: its residual is converted
         # (exact up to one rounding, see `_attn.residual_from_lse`).
         return o, lse, _attn.residual_from_lse(lse, plans[0][0])
-    return _p_attn.forward(q, k, v, qs, ks, *_flash_plan(cfg, q, k))
+    return _p_attn.forward(q, k, v, qs, ks, *_flash_plan(cfg, q, k),
+                           key=_shard_key(key, plan, q))
 
 
 def _flash_bwd(cfg, plan, q, k, v, *rest):
-    segs, (o, lse, lse_u, do, dlse) = rest[:-5], rest[-5:]
-    qs, ks = segs if segs else (None, None)
+    qs, ks, key, (o, lse, lse_u, do, dlse) = _split_rest(cfg, rest)
     if cfg["ring"] and plan.get("t"):
         return ring.backward(*_ring_plans(cfg, plan, q, k), q, k, v, qs, ks, o, lse, do, dlse)
-    dq, dk, dv = _p_attn.backward(q, k, v, qs, ks, o, lse_u, do, dlse, *_flash_plan(cfg, q, k))
+    dq, dk, dv = _p_attn.backward(q, k, v, qs, ks, o, lse_u, do, dlse, *_flash_plan(cfg, q, k),
+                                  key=_shard_key(key, plan, q))
     if plan.get("t"):        # queries split, keys whole: dK and dV sum over every query
         dk, dv = (jax.lax.psum(x, plan["t"]) for x in (dk, dv))
     return dq, dk, dv
@@ -84,27 +106,31 @@ def _flash_bwd(cfg, plan, q, k, v, *rest):
 
 @functools.lru_cache(maxsize=None)
 def _flash_op(hkv: int, groups: int, self_attention: bool, segments: bool, causal: bool, scale,
-              sliding_window, logits_soft_cap, interpret, block_sizes, deterministic=True):
+              sliding_window, logits_soft_cap, interpret, block_sizes, dropout: float = 0.0,
+              deterministic: bool = True):
     # Self-attention (Tq = Tk) names both sequence axes "t": split, it runs ring attention.
     # Otherwise only the queries may split, where no mask depends on their global position.
-    ring_ok = self_attention and sliding_window is None
-    cfg = dict(segments=segments, ring=ring_ok,
+    # With dropout only batch and heads split (the mask's rows map to the global ones).
+    ring_ok = self_attention and sliding_window is None and not dropout
+    cfg = dict(segments=segments, ring=ring_ok, dropout=dropout,
                kw=dict(causal=causal, scale=scale, sliding_window=sliding_window,
                        logits_soft_cap=logits_soft_cap, interpret=interpret,
                        block_sizes=block_sizes, deterministic=deterministic))
     h = _heads(hkv, groups)
     q_dims, lse_dims = ("b", "t", h, "d"), ("b", h, "t")
     kv = ("b", "t" if self_attention else "s", "n", "d")
-    q_split = ring_ok or (not self_attention and not causal and sliding_window is None)
+    q_split = ring_ok or (not self_attention and not causal and sliding_window is None
+                          and not dropout)
     splittable = ("b", "n") + (("t",) if q_split else ())
     segs = (("b", "t"), ("b", kv[1])) if segments else ()
+    segs += (("k",),) if dropout else ()                     # the key words: never split
     sizes = (("g", groups),) if isinstance(h, tuple) else ()
     # Outputs o and the natural lse, then lse_u: the backward's residual (`pallas.attention`).
     fwd = Layout((q_dims, kv, kv, *segs), (q_dims, lse_dims, lse_dims), splittable, sizes)
     bwd = Layout((q_dims, kv, kv, *segs, q_dims, lse_dims, lse_dims, q_dims, lse_dims),
                  (q_dims, kv, kv), splittable, sizes)
     return vjp_op(functools.partial(_flash_fwd, cfg), functools.partial(_flash_bwd, cfg), fwd,
-                  bwd, n_out=2, diff=(True, True, True) + (False, False)[:len(segs)])
+                  bwd, n_out=2, diff=(True, True, True) + (False,) * len(segs))
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
@@ -112,24 +138,19 @@ def flash_attention(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
                     return_lse=False, dropout_rate=0.0, dropout_key=None, deterministic=True,
                     interpret=None, block_sizes=None):
     """`jaxfuse.pallas.flash_attention` partitioned over batch, KV heads and the sequence. With
-    dropout it is the unpartitioned kernel: the mask is defined by global (batch, head, query)
-    indices, which a shard does not know."""
-    if dropout_rate and dropout_key is not None:
-        return _p_attn.flash_attention(
-            q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
-            kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap, return_lse=return_lse, dropout_rate=dropout_rate,
-            dropout_key=dropout_key, deterministic=deterministic, interpret=interpret,
-            block_sizes=block_sizes)
+    dropout over batch and KV heads only: the mask is defined by global (batch, head, query)
+    indices, which each shard's kernel gets as a row map with its key (`blocks.shard_key`)."""
     _r_attn.validate(q, k, v, q_segment_ids, kv_segment_ids, sliding_window, logits_soft_cap,
-                     scale)
+                     scale, dropout_rate, dropout_key)
+    rate = float(dropout_rate) if _philox.active(dropout_rate, dropout_key) else 0.0
     _p_attn.check_head_dim(q.shape[-1])
     segs = () if q_segment_ids is None else (q_segment_ids.astype(jnp.int32),
                                              kv_segment_ids.astype(jnp.int32))
-    op = _flash_op(k.shape[2], q.shape[2] // k.shape[2], q.shape[1] == k.shape[1], bool(segs), bool(causal),
-                   scale, sliding_window, logits_soft_cap, interpret, block_sizes,
-                   bool(deterministic))
-    o, lse = op(q, k, v, *segs)
+    keys = (_philox.key_words(dropout_key),) if rate else ()
+    op = _flash_op(k.shape[2], q.shape[2] // k.shape[2], q.shape[1] == k.shape[1], bool(segs),
+                   bool(causal), scale, sliding_window, logits_soft_cap, interpret, block_sizes,
+                   rate, bool(deterministic))
+    o, lse = op(q, k, v, *segs, *keys)
     return (o, lse) if return_lse else o
 
 

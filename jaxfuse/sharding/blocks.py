@@ -1,0 +1,357 @@
+"""Partitioning rules of the block ops: swiglu, rope, add_norm, the dropout family (dropout,
+bias_dropout_add, bias_act_dropout), embedding, and beam search's beam_top_k (over the batch).
+
+All of them are row-wise (or elementwise): their leading axes split freely and nothing crosses
+devices, except the gradients of the weights shared by every row (norm weight and bias, the
+dropout ops' bias, the embedding tables: a psum over the axes that split the rows).
+
+Dropout masks are those of the whole array on one device: the mask is defined by global
+element indices (`jaxfuse._philox`), so each shard's kernel gets its key words extended with
+its row map (`pallas._rng.shard_rows`: the global index of its local rows) and draws exactly
+the one-device mask on its rows. The map covers a split of the first two leading axes (e.g.
+[batch, time] of [B, T, D] activations); with dropout on, the others and the last axis stay
+whole (a sharding there is gathered at the op's boundary). Without dropout every axis but a
+norm's or RoPE's last one may split (SwiGLU and the dropout family are elementwise there).
+
+embedding: rows split freely; the table's vocabulary splits over devices (tensor parallel:
+each device looks up the tokens in its slice and adds zero for the others, then one psum of the
+output; the backward's table gradient stays split) when there is no position table, and its
+d_model when there is no dropout.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse import _philox
+from jaxfuse.pallas import _common as C
+from jaxfuse.pallas import _dropout, _norm, _rng, _rows
+from jaxfuse.pallas import add_norm as _p_an
+from jaxfuse.pallas import beam_top_k as _p_topk
+from jaxfuse.pallas import embedding as _p_emb
+from jaxfuse.pallas import rope as _p_rope
+from jaxfuse.pallas import swiglu as _p_swiglu
+from jaxfuse.pallas._rows import RowBlocks, as_rows
+from jaxfuse.reference import add_norm as _r_an
+from jaxfuse.reference import beam_top_k as _r_topk
+from jaxfuse.reference import bias_act_dropout as _r_bad
+from jaxfuse.reference import bias_dropout_add as _r_bda
+from jaxfuse.reference import dropout as _r_drop
+from jaxfuse.reference import embedding as _r_emb
+from jaxfuse.reference import rope as _r_rope
+from jaxfuse.reference import swiglu as _r_swiglu
+from jaxfuse.sharding._core import Layout, lead, partitioned, present, vjp_op
+from jaxfuse.sharding.rows import psum_over, size
+
+KEY = ("k",)         # Philox key words: never split
+
+
+def shard_key(key_w, plan, lead_shape, rows):
+    """The key words with this shard's row map when the plan splits its rows (only the first
+    two leading factors are ever split with dropout on)."""
+    split = [plan.get(f, ()) for f in rows]
+    if not any(split):
+        return key_w
+    glob = tuple(d * size(a) for d, a in zip(lead_shape, split))
+    offsets = [jax.lax.axis_index(a) * d if a else 0 for a, d in zip(split[:2], lead_shape[:2])]
+    return _rng.shard_rows(key_w, lead_shape, glob, offsets)
+
+
+def _row_splittable(rows, dropout: bool):
+    return rows[:2] if dropout else rows
+
+
+def _vjp_local(local, n_args: int, diff, summed=()):
+    """A backward pass for `local(plan, *args) -> outputs`: its own jax.vjp on the shard (the
+    kernels' custom_vjp; the recomputed forward is dead code where its residuals are inputs),
+    the gradients of the operands in `summed` (shared by every row) psum'd over `summed[i]`."""
+    def bwd(plan, *rest):
+        args, cts = rest[:n_args], rest[n_args + len(rest[n_args:]) // 2:]
+        idx = [i for i in range(n_args) if diff[i]]
+
+        def f(*d):
+            full = list(args)
+            for i, x in zip(idx, d):
+                full[i] = x
+            return tuple(local(plan, *full))
+
+        grads = jax.vjp(f, *[args[i] for i in idx])[1](tuple(cts))
+        return tuple(psum_over(g, plan, summed[i]) if summed and summed[i] else g
+                     for g, i in zip(grads, idx))
+    return bwd
+
+
+def _simple_op(local, operands, results, splittable, diff, summed=()):
+    """A differentiable op whose backward is `_vjp_local` (no residuals but its inputs)."""
+    n = len(operands)
+    fwd = Layout(operands, results, splittable)
+    bwd = Layout((*operands, *results, *results),
+                 tuple(d for d, ok in zip(operands, diff) if ok), splittable)
+    return vjp_op(local, _vjp_local(local, n, diff, summed), fwd, bwd, n_out=len(results),
+                  diff=diff)
+
+
+# ---- swiglu ----------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _swiglu_op(ndim: int, interpret, block_sizes):
+    x = (*lead(ndim - 1), "f")
+    local = lambda plan, g, u: (_p_swiglu.swiglu(g, u, interpret=interpret,
+                                                 block_sizes=block_sizes),)
+    return _simple_op(local, (x, x), (x,), x, (True, True))
+
+
+def swiglu(gate, up, *, interpret=None, block_sizes=None):
+    """`jaxfuse.pallas.swiglu` partitioned over every axis (elementwise)."""
+    _r_swiglu.validate(gate, up)
+    return _swiglu_op(gate.ndim, interpret, block_sizes)(gate, up)[0]
+
+
+# ---- rope ------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _rope_op(ndim: int, base: float, interleaved: bool, interpret, block_sizes):
+    rows = lead(ndim - 3)
+    x, pos = (*rows, "t", "h", "d"), (*rows, "t")
+    local = lambda plan, x, p: (_p_rope.rope(x, p, base=base, interleaved=interleaved,
+                                             interpret=interpret, block_sizes=block_sizes),)
+    return _simple_op(local, (x, pos), (x,), (*rows, "t", "h"), (True, False))
+
+
+def rope(x, positions, *, base=10000.0, interleaved=True, interpret=None, block_sizes=None):
+    """`jaxfuse.pallas.rope` partitioned over batch, time and heads (positions go with their
+    rows, so a time-split shard rotates by its global positions)."""
+    _r_rope.validate(x, positions, base)
+    positions = jnp.broadcast_to(positions, x.shape[:-2])
+    return _rope_op(x.ndim, float(base), bool(interleaved), interpret, block_sizes)(
+        x, positions.astype(jnp.int32))[0]
+
+
+# ---- dropout, bias_dropout_add, bias_act_dropout ---------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _dropout_op(ndim: int, has_bias: bool, has_res: bool, activation, rate: float, name: str,
+                interpret, block_sizes):
+    rows = lead(ndim - 1)
+    x = (*rows, "d")
+    operands = (x, *((("d",),) if has_bias else ()), *((x,) if has_res else ()),
+                *((KEY,) if rate else ()))
+    splittable = _row_splittable(rows, bool(rate)) + (() if rate else ("d",))
+
+    def local(plan, x, *rest):
+        it = iter(rest)
+        bias = next(it) if has_bias else None
+        res = next(it) if has_res else None
+        key_w = shard_key(next(it), plan, x.shape[:-1], rows) if rate else None
+        return (_dropout.apply(x, bias, res, activation=activation, rate=rate, key=None,
+                               key_w=key_w, name=name, interpret=interpret,
+                               block_sizes=block_sizes),)
+
+    diff = (True,) * (1 + has_bias + has_res) + ((False,) if rate else ())
+    summed = ((), rows if has_bias else ()) + (((),) * (len(operands) - 2))
+    return _simple_op(local, operands, (x,), splittable, diff, summed[:len(operands)])
+
+
+def _dropout_family(x, bias, residual, activation, rate, key, name, interpret, block_sizes):
+    rate = float(rate) if _philox.active(rate, key) else 0.0
+    key_w = _philox.key_words(key) if rate else None
+    op = _dropout_op(x.ndim, bias is not None, residual is not None, activation, rate, name,
+                     interpret, block_sizes)
+    return op(*present(x, bias, residual, key_w))[0]
+
+
+def dropout(x, rate, key, *, interpret=None, block_sizes=None):
+    """`jaxfuse.pallas.dropout` partitioned; the one-device mask (see the module docstring)."""
+    _r_drop.validate(x, rate, key)
+    return _dropout_family(x, None, None, None, rate, key, "dropout", interpret, block_sizes)
+
+
+def bias_dropout_add(x, bias, residual, *, rate=0.0, key=None, interpret=None,
+                     block_sizes=None):
+    """`jaxfuse.pallas.bias_dropout_add` partitioned; dbias is psum'd over the split rows."""
+    _r_bda.validate(x, bias, residual, rate, key)
+    return _dropout_family(x, bias, residual, None, rate, key, "bias_dropout_add", interpret,
+                           block_sizes)
+
+
+def bias_act_dropout(x, bias, *, activation="gelu", rate=0.0, key=None, interpret=None,
+                     block_sizes=None):
+    """`jaxfuse.pallas.bias_act_dropout` partitioned; dbias is psum'd over the split rows."""
+    _r_bad.validate(x, bias, activation, rate, key)
+    return _dropout_family(x, bias, None, activation, rate, key, "bias_act_dropout", interpret,
+                           block_sizes)
+
+
+# ---- add_norm --------------------------------------------------------------------------------
+
+def _an_static(cfg, x2):
+    norm, eps, has_w, has_b, rate, interpret, block_sizes = cfg
+    interpret = C.resolve_interpret(interpret)
+    n_rows, n_cols = x2.shape
+    fwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret)
+    bwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret, accumulate_rows=True)
+    return _p_an._Static(_norm._Static(norm == "layer", eps, has_w, has_b, fwd, bwd, interpret),
+                         rate)
+
+
+def _an_unpack(cfg, rest):
+    it = iter(rest)
+    w = next(it) if cfg[2] else None
+    b = next(it) if cfg[3] else None
+    key_w = next(it) if cfg[4] else None
+    return w, b, key_w, list(it)
+
+
+def _an_fwd(cfg, plan, x, res, *rest):
+    w, b, key_w, _ = _an_unpack(cfg, rest)
+    rows = lead(x.ndim - 1)
+    key_w = shard_key(key_w, plan, x.shape[:-1], rows) if cfg[4] else None
+    x2 = as_rows(x)
+    h2, y2, mean, rstd = _p_an._forward(x2, as_rows(res), w, b, key_w, _an_static(cfg, x2))
+    return (h2.reshape(x.shape), y2.reshape(x.shape), mean.reshape(x.shape[:-1]),
+            rstd.reshape(x.shape[:-1]))
+
+
+def _an_bwd(cfg, plan, x, res, *rest):
+    w, b, key_w, (h, _, mean, rstd, dh, dy) = _an_unpack(cfg, rest)
+    rows = lead(x.ndim - 1)
+    key_w = shard_key(key_w, plan, x.shape[:-1], rows) if cfg[4] else None
+    x2 = as_rows(x)
+    dx, dres, dw, db, _ = _p_an._add_norm_bwd(
+        _an_static(cfg, x2), (as_rows(h), w, b, mean.reshape(-1), rstd.reshape(-1), key_w),
+        (as_rows(dh), as_rows(dy)))
+    params = tuple(psum_over(g, plan, rows) for g in (dw, db) if g is not None)
+    return (dx.reshape(x.shape), dres.reshape(x.shape), *params)
+
+
+@functools.lru_cache(maxsize=None)
+def _add_norm_op(ndim: int, cfg):
+    rows = lead(ndim - 1)
+    x, vec = (*rows, "d"), ("d",)
+    params = (vec,) * (int(cfg[2]) + int(cfg[3]))
+    keys = (KEY,) if cfg[4] else ()
+    operands = (x, x, *params, *keys)
+    splittable = _row_splittable(rows, bool(cfg[4]))
+    fwd = Layout(operands, (x, x, rows, rows), splittable)
+    bwd = Layout((*operands, x, x, rows, rows, x, x), (x, x, *params), splittable)
+    return vjp_op(functools.partial(_an_fwd, cfg), functools.partial(_an_bwd, cfg), fwd, bwd,
+                  n_out=2, diff=(True,) * (2 + len(params)) + (False,) * len(keys))
+
+
+def add_norm(x, residual, weight, bias=None, *, norm="rms", eps=None, rate=0.0, key=None,
+             interpret=None, block_sizes=None):
+    """`jaxfuse.pallas.add_norm` partitioned over the rows; dweight and dbias are psum'd."""
+    _r_an.validate(x, residual, weight, bias, norm, rate, key)
+    eps = _r_an.resolve_eps(norm, eps)
+    rate = float(rate) if _philox.active(rate, key) else 0.0
+    cfg = (norm, float(eps), weight is not None, bias is not None, rate, interpret, block_sizes)
+    key_w = _philox.key_words(key) if rate else None
+    h, y = _add_norm_op(x.ndim, cfg)(*present(x, residual, weight, bias, key_w))
+    return h, y
+
+
+# ---- embedding -------------------------------------------------------------------------------
+
+def _emb_static(cfg, n_rows, table, pos_table):
+    scale, rate, has_pos, interpret, block_sizes = cfg
+    interpret = C.resolve_interpret(interpret)
+    d = table.shape[1]
+    if block_sizes is None and not interpret:     # as `pallas.embedding`: one row per program
+        block_sizes = RowBlocks(1, min(C.next_pow2(d), 16384), max(1, min(8, d // 512)))
+    fwd = _rows.resolve_blocks(block_sizes, n_rows, d, interpret)
+    bwd = _rows.resolve_blocks(block_sizes, table.shape[0], d, interpret)
+    return _p_emb._Static(scale, rate, has_pos, table.shape[0],
+                          0 if pos_table is None else pos_table.shape[0], fwd, bwd, interpret)
+
+
+def _emb_unpack(cfg, rest):
+    it = iter(rest)
+    pos_table, positions = (next(it), next(it)) if cfg[2] else (None, None)
+    key_w = next(it) if cfg[1] else None
+    return pos_table, positions, key_w, list(it)
+
+
+def _emb_local_tokens(plan, tok, table):
+    """Tokens in this device's vocabulary slice (others out of its range), the offset."""
+    axes = plan.get("v", ())
+    tok1 = tok.reshape(-1).astype(jnp.int32)
+    if not axes:
+        return tok1
+    return tok1 - jax.lax.axis_index(axes) * table.shape[0]
+
+
+def _emb_fwd(cfg, n_vocab, plan, tok, table, *rest):
+    pos_table, positions, key_w, _ = _emb_unpack(cfg, rest)
+    rows = lead(tok.ndim)
+    key_w = shard_key(key_w, plan, tok.shape, rows) if cfg[1] else None
+    st = _emb_static(cfg, tok.size, table, pos_table)
+    pos1 = None if positions is None else positions.reshape(-1).astype(jnp.int32)
+    local = _emb_local_tokens(plan, tok, table)
+    axes = plan.get("v", ())
+    if not axes:
+        out = _p_emb._forward(local, pos1, table, pos_table, key_w, st)
+    else:   # vocab split (no position table): this slice's rows, zeros elsewhere, summed
+        inside = (local >= 0) & (local < table.shape[0])
+        out = _p_emb._forward(jnp.where(inside, local, 0), None, table, None, key_w, st)
+        out = jax.lax.psum(jnp.where(inside[:, None], out, 0), axes)
+        tok1 = tok.reshape(-1)
+        out = jnp.where(((tok1 >= 0) & (tok1 < n_vocab))[:, None], out, jnp.nan)
+    return (out.reshape(*tok.shape, table.shape[1]),)
+
+
+def _emb_bwd(cfg, n_vocab, plan, tok, table, *rest):
+    pos_table, positions, key_w, (_, dy) = _emb_unpack(cfg, rest)
+    rows = lead(tok.ndim)
+    key_w = shard_key(key_w, plan, tok.shape, rows) if cfg[1] else None
+    st = _emb_static(cfg, tok.size, table, pos_table)
+    pos1 = None if positions is None else positions.reshape(-1).astype(jnp.int32)
+    # Tokens outside the slice are outside [0, n_local): the kernel leaves them out of the sums.
+    local = _emb_local_tokens(plan, tok, table)
+    grads = _p_emb._embedding_bwd(st, (local, pos1, key_w), dy.reshape(-1, dy.shape[-1]))
+    return tuple(psum_over(g, plan, rows) for g in grads[2:4] if g is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def _embedding_op(ndim: int, n_vocab: int, cfg):
+    rows = lead(ndim)
+    scale, rate, has_pos = cfg[:3]
+    out = (*rows, "e")
+    operands = (rows, ("v", "e"), *((("p", "e"), rows) if has_pos else ()),
+                *((KEY,) if rate else ()))
+    splittable = (_row_splittable(rows, bool(rate)) + (() if has_pos else ("v",))
+                  + (() if rate else ("e",)))
+    fwd = Layout(operands, (out,), splittable)
+    bwd = Layout((*operands, out, out), (("v", "e"), *((("p", "e"),) if has_pos else ())),
+                 splittable)
+    diff = (False, True) + ((True, False) if has_pos else ()) + ((False,) if rate else ())
+    return vjp_op(functools.partial(_emb_fwd, cfg, n_vocab),
+                  functools.partial(_emb_bwd, cfg, n_vocab), fwd, bwd, n_out=1, diff=diff)
+
+
+def embedding(tokens, table, *, scale=1.0, pos_table=None, positions=None, rate=0.0, key=None,
+              interpret=None, block_sizes=None):
+    """`jaxfuse.pallas.embedding` partitioned over the tokens, the vocabulary and d_model."""
+    _r_emb.validate(tokens, table, scale, pos_table, positions, rate, key)
+    rate = float(rate) if _philox.active(rate, key) else 0.0
+    positions = _r_emb.resolve_positions(tokens, pos_table, positions)
+    if positions is not None:
+        positions = jnp.broadcast_to(positions, tokens.shape).astype(jnp.int32)
+    cfg = (float(scale), rate, pos_table is not None, interpret, block_sizes)
+    key_w = _philox.key_words(key) if rate else None
+    op = _embedding_op(tokens.ndim, table.shape[0], cfg)
+    return op(*present(tokens.astype(jnp.int32), table, pos_table, positions, key_w))[0]
+
+
+# ---- beam_top_k ------------------------------------------------------------------------------
+
+def beam_top_k(log_probs, beam_scores, k, *, interpret=None, block_sizes=None, capacity=None):
+    """`jaxfuse.pallas.beam_top_k` partitioned over the batch (each row's beams and vocabulary
+    stay whole: its top-k needs all of them). Not differentiable (a selection)."""
+    _r_topk.validate(log_probs, beam_scores, k)
+    local = lambda plan, lp, bs: _p_topk.beam_top_k(lp, bs, k, interpret=interpret,
+                                                    block_sizes=block_sizes, capacity=capacity)
+    out = ("b", "j")
+    layout = Layout((("b", "n", "v"), ("b", "n")), (out, out, out), ("b",))
+    return partitioned(local, layout, (log_probs, beam_scores))

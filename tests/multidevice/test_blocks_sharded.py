@@ -1,0 +1,123 @@
+"""The block ops under jax.sharding (`jaxfuse.sharding.blocks`): outputs and gradients equal the
+one-device run, dropout masks included (each shard draws the whole array's mask at its global
+rows), and nothing the rule splits is gathered."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxfuse
+from tests._util import keys, randn
+from tests.multidevice.test_ops_sharded import AUTO, assert_same, gathered_shapes, run_both
+
+KEY = jax.random.key(7)
+
+
+def test_dropout_family_rows_split_same_masks():
+    """[B, T, D] split over batch and time (D % 4 == 0: one Philox call per four elements),
+    and [rows, 13] over rows (a Philox call per element)."""
+    k = keys(40, 4)
+    x, res, bias = randn(k[0], (4, 8, 12)), randn(k[1], (4, 8, 12)), randn(k[2], (12,))
+    x2 = randn(k[3], (24, 13))
+
+    def f(x, bias, res, x2):
+        return (jaxfuse.dropout(x, 0.3, KEY),
+                jaxfuse.bias_dropout_add(x, bias, res, rate=0.5, key=KEY),
+                jaxfuse.bias_act_dropout(x, bias, activation="gelu", rate=0.2, key=KEY),
+                jaxfuse.dropout(x2, 0.4, jax.random.fold_in(KEY, 1)))
+
+    specs = [P("data", ("tensor", "seq")), P(), P("data", ("tensor", "seq")),
+             P(("data", "tensor", "seq"))]
+    one, many, hlo = run_both(f, (x, bias, res, x2), specs, diff=(0, 1, 2, 3))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+    # the masks are real: about rate of the elements dropped, on every shard alike
+    assert 0.2 < float(jnp.mean(many[0][0] == 0)) < 0.4
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_add_norm_rows_split_with_dropout(norm):
+    k = keys(41, 4)
+    x, res = randn(k[0], (4, 8, 16)), randn(k[1], (4, 8, 16), shift=1.0)
+    w, b = randn(k[2], (16,)), randn(k[3], (16,))
+    if norm == "rms":
+        f, args = (lambda x, r, w: jaxfuse.add_norm(x, r, w, rate=0.25, key=KEY)), (x, res, w)
+    else:
+        f = lambda x, r, w, b: jaxfuse.add_norm(x, r, w, b, norm="layer", rate=0.25, key=KEY)
+        args = (x, res, w, b)
+    specs = [P("data", "seq"), P("data", "seq"), P(), P()][:len(args)]
+    one, many, hlo = run_both(f, args, specs, diff=tuple(range(len(args))))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+    assert "all-reduce" in hlo          # dweight (and dbias): psum of per-device row sums
+
+
+def test_swiglu_and_rope_split_everywhere():
+    k = keys(42, 4)
+    g, u = randn(k[0], (4, 8, 24)), randn(k[1], (4, 8, 24))
+    q = randn(k[2], (4, 8, 4, 8))                       # [B, T, H, D]
+    pos = jax.random.randint(k[3], (4, 8), 0, 1000)     # global positions travel with the rows
+
+    def f(g, u, q, pos):
+        return jaxfuse.swiglu(g, u), jaxfuse.rope(q, pos, interleaved=False)
+
+    specs = [P("data", "seq", "tensor")] * 3 + [P("data", "seq")]
+    one, many, hlo = run_both(f, (g, u, q, pos), specs, diff=(0, 1, 2))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
+def test_embedding_vocab_parallel_with_dropout():
+    """Table split over the vocabulary (tensor parallel): each device looks up its slice; a
+    token out of range still gives a NaN row, and no gradient."""
+    k = keys(43, 2)
+    table = randn(k[0], (20, 12))
+    tokens = jax.random.randint(k[1], (4, 8), 0, 20).at[1, 3].set(20)
+    f = lambda tokens, table: jaxfuse.embedding(tokens, table, scale=2.0, rate=0.3, key=KEY)
+    one, many, hlo = run_both(f, (tokens, table), [P("data", "seq"), P("tensor")], diff=(1,))
+    assert np.isnan(np.asarray(many[0][1, 3])).all()
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []                   # the table never travels
+
+
+def test_embedding_positions_and_d_model_split():
+    k = keys(44, 4)
+    table, pos_table = randn(k[0], (20, 16)), randn(k[1], (10, 16))
+    tokens = jax.random.randint(k[2], (4, 8), 0, 20)
+    positions = jax.random.randint(k[3], (4, 8), 0, 10)
+    f = lambda tokens, table, pos_table, positions: jaxfuse.embedding(
+        tokens, table, pos_table=pos_table, positions=positions)
+    specs = [P("data"), P(None, ("tensor", "seq")), P(None, ("tensor", "seq")), P("data")]
+    one, many, hlo = run_both(f, (tokens, table, pos_table, positions), specs, diff=(1, 2))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
+def test_flash_attention_dropout_batch_heads_split():
+    """Attention-probability dropout with batch and KV heads split (GQA): each shard's kernel
+    drops the one-device entries of its (batch, head) slabs, forward and backward."""
+    k = keys(45, 3)
+    q, kk, v = randn(k[0], (4, 16, 8, 8)), randn(k[1], (4, 16, 4, 8)), randn(k[2], (4, 16, 4, 8))
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, dropout_rate=0.3,
+                                                dropout_key=KEY, return_lse=True)
+    one, many, hlo = run_both(f, (q, kk, v), [P("data", None, ("tensor", "seq"))] * 3,
+                              diff=(0, 1, 2))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
+def test_beam_top_k_batch_split():
+    k = keys(46, 2)
+    lp = jax.nn.log_softmax(randn(k[0], (8, 3, 37)), axis=-1)
+    scores = randn(k[1], (8, 3))
+    f = jax.jit(lambda lp, s: jaxfuse.beam_top_k(lp, s, 4))
+    one = f(lp, scores)
+    with jax.set_mesh(AUTO):
+        placed = [jax.device_put(a, NamedSharding(AUTO, P(("data", "tensor", "seq"))))
+                  for a in (lp, scores)]
+        many = f(*placed)
+        hlo = f.lower(*placed).compile().as_text()
+    for a, b in zip(many, one):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert gathered_shapes(hlo) == []

@@ -30,6 +30,25 @@ def mulhi(interpret: bool):
     return lax.mulhi if interpret else _mulhi_ptx
 
 
-def keep(key_w, rows, cols, n_cols: int, rate: float, interpret: bool, stream=0):
-    """`_philox.keep` for a tile of absolute (rows, cols) indices, in the kernel's regime."""
-    return _philox.keep(key_w, rows, cols, n_cols, rate, stream=stream, mulhi=mulhi(interpret))
+def keep(key_w, rows, cols, rate: float, interpret: bool, stream=0):
+    """`_philox.keep` for absolute (rows, cols) indices, in the kernel's regime."""
+    return _philox.keep(key_w, rows, cols, rate, stream=stream, mulhi=mulhi(interpret))
+
+
+def keep_tile(key_w, rows, col0, n_cols: int, rate: float, interpret: bool, stream=0):
+    """The keep-mask of a [..., br, n_cols] tile: rows `rows` (int32 [..., br, 1]), columns
+    col0 .. col0 + n_cols - 1 (col0 a multiple of n_cols). One Philox call per
+    `_philox.GROUP` elements when the tile holds whole groups (`_philox.keep_block`), else one
+    per element (narrow tiles; the same bits)."""
+    if n_cols % _philox.GROUP == 0:
+        return _philox.keep_block(key_w, rows, col0, n_cols, rate, stream=stream,
+                                  mulhi=mulhi(interpret))
+    cols = col0 + lax.broadcasted_iota(jnp.int32, (1,) * (jnp.ndim(rows) - 1) + (n_cols,),
+                                       jnp.ndim(rows) - 1)
+    return keep(key_w, rows, cols, rate, interpret, stream)
+
+
+def scale_tile(key_w, rows, col0, n_cols: int, rate: float, interpret: bool, stream=0):
+    """where(keep, 1 / keep probability, 0) for that tile (the kernels' inverted dropout)."""
+    return jnp.where(keep_tile(key_w, rows, col0, n_cols, rate, interpret, stream),
+                     _philox.scale(rate), 0.0)

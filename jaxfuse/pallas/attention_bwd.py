@@ -71,7 +71,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Att
         p = _probs(spec, u, lse_u)                                            # [..., bq, bk]
         dp = A.dot(do, v, "...qd,...kd->...qk")
         if spec.dropout:   # dO V^T is the gradient of the dropped P: dP = that * Z
-            dp = dp * A.dropout_scale(spec, key, base, r, k_pos)
+            dp = dp * A.dropout_scale(spec, key, base, r, k0, bk)
         ds = _ds(spec, p, dp, delta, t)
         if masked:     # garbage in masked keys reaches no gradient (`_attn.finite_rows`)
             ds = jnp.where(keep, ds, 0.0)
@@ -121,9 +121,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
             if masked:     # a NaN row (it saw garbage) leaks nothing into keys it does not see
                 p = jnp.where(keep, p, 0.0)
             dp = A.dot(do, v, "...qd,...kd->...qk")
-            if spec.dropout:   # dV = (P * Z)^T dO and dP = (dO V^T) * Z, Z = keep / (1 - rate)
+            if spec.dropout:   # dV = (P * Z)^T dO and dP = (dO V^T) * Z, Z = keep / P(keep)
                 z = A.dropout_scale(spec, key, base0 + g * spec.rows,
-                                    q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0), k_pos)
+                                    q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0), k0, bk)
                 dv = dv + A.dot((p * z).astype(do.dtype), do, "...qk,...qd->...kd")
                 dp = dp * z
             else:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxfuse import _philox
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _rng
 
@@ -142,6 +143,11 @@ class AttnBlocks:
             bq, bk, w, st = (64, 64, 4, 2) if wide else (128, 128, 4 if dp <= 64 else 8, 3)
         else:
             bq, bk, w, st = (32, 32, 4, 2) if wide else (64, 32, 8, 3)
+        if spec.dropout:
+            # The mask goes from the generator's registers to the matmul's layout through
+            # shared memory (a bq x bk bool tile): compiled for sm90 the bf16 128 x 128 forward
+            # asked for 245760 bytes in 3 stages (227 KiB is the limit), 180224 in 2.
+            st = min(st, 2)
         bwd = 32 if dp > 128 else 64
         return cls(small(bq, spec.n_q), small(bk, spec.n_k), small(bwd, spec.n_q),
                    small(bwd, spec.n_k), small(bwd, spec.n_k), small(bwd, spec.n_q), w, st, 4, 2)
@@ -186,14 +192,25 @@ def prob_rows(spec: AttnSpec, lead_shape: tuple, head=None):
     return lead * spec.rows
 
 
-def dropout_scale(spec: AttnSpec, key, base, r, k0, bk: int):
-    """where(keep, 1 / keep probability, 0) for query rows r [bq, 1] (slab-local) and keys
-    k0 .. k0 + bk - 1: the mask of `jaxfuse.dropout` over the probabilities' [B * Hq * Tq, Tk]
+def dropout(spec: AttnSpec, key, base, r, k0, x):
+    """where(keep, x / keep probability, 0) for x [..., bq, bk] at query rows r [bq, 1]
+    (slab-local) and keys k0 .. k0 + bk - 1: the mask of `jaxfuse.dropout` over the probabilities' [B * Hq * Tq, Tk]
     view, so `jaxfuse.reference.attention` drops exactly the same entries (FlashAttention-2
     likewise regenerates its dropout mask from a counter-based generator in the backward). One
     Philox call per 8 entries of P (`_rng.keep_tile`): one per entry cost 2.5x the attention
     itself on an H200."""
-    return _rng.scale_tile(key, base + r, k0, bk, spec.dropout, spec.interpret)
+    return drop(spec, dropout_keep(spec, key, base, r, k0, x.shape[-1]), x)
+
+
+def dropout_keep(spec: AttnSpec, key, base, r, k0, bk: int):
+    """The keep-mask (bool [..., bq, bk]) that `dropout` applies."""
+    return _rng.keep_tile(key, base + r, k0, bk, spec.dropout, spec.interpret)
+
+
+def drop(spec: AttnSpec, keep, x):
+    # Select after scaling: the compiled kernel then moves only the boolean mask (not a float32
+    # tile) from the generator's register layout into the matmul's, through shared memory.
+    return jnp.where(keep, x * _philox.scale(spec.dropout), 0.0)
 
 
 def row_positions(spec: AttnSpec, r0, n: int):

@@ -56,7 +56,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
             nan_v = A.sees(keep, bad_v)
         u, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), keep)    # [..., bq, bk]
         # Dropout acts on P after the normalizer l has summed it (l counts every kept score).
-        drop = (lambda p: p * A.dropout_scale(spec, key, base, r, k0, bk)) if spec.dropout \
+        drop = (lambda p: A.dropout(spec, key, base, r, k0, p)) if spec.dropout \
             else (lambda p: p)
 
         def pv_of(p):

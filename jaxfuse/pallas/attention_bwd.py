@@ -71,7 +71,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Att
         p = _probs(spec, u, lse_u)                                            # [..., bq, bk]
         dp = A.dot(do, v, "...qd,...kd->...qk")
         if spec.dropout:   # dO V^T is the gradient of the dropped P: dP = that * Z
-            dp = dp * A.dropout_scale(spec, key, base, r, k0, bk)
+            dp = A.dropout(spec, key, base, r, k0, dp)
         ds = _ds(spec, p, dp, delta, t)
         if masked:     # garbage in masked keys reaches no gradient (`_attn.finite_rows`)
             ds = jnp.where(keep, ds, 0.0)
@@ -122,10 +122,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
                 p = jnp.where(keep, p, 0.0)
             dp = A.dot(do, v, "...qd,...kd->...qk")
             if spec.dropout:   # dV = (P * Z)^T dO and dP = (dO V^T) * Z, Z = keep / P(keep)
-                z = A.dropout_scale(spec, key, base0 + g * spec.rows,
-                                    q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0), k0, bk)
-                dv = dv + A.dot((p * z).astype(do.dtype), do, "...qk,...qd->...kd")
-                dp = dp * z
+                z = A.dropout_keep(spec, key, base0 + g * spec.rows,
+                                   q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0), k0, bk)
+                dv = dv + A.dot(A.drop(spec, z, p).astype(do.dtype), do, "...qk,...qd->...kd")
+                dp = A.drop(spec, z, dp)
             else:
                 dv = dv + A.dot(p.astype(do.dtype), do, "...qk,...qd->...kd")
             ds = _ds(spec, p, dp, delta, t)

@@ -7,25 +7,32 @@ any element from its index alone, so no mask is ever stored and a backward kerne
 forward's mask (LightSeq generates its masks in-kernel with cuRAND's Philox, lecture 10 sec. 2.3).
 
 The mask of a `[rows, cols]` view (every op flattens its leading axes into rows) is defined per
-element, independently of any tiling: one Philox call feeds GROUP = 8 neighbouring elements of a
-row, each taking 16 bits of the call's 128,
+element, independently of any tiling: one Philox call feeds GROUP = 8 elements of a row, each
+taking 16 of the call's 128 bits. In every block of 32 columns, call p (p < 4) feeds the column
+pairs (2p, 2p + 1) of the four 8-column slices, word k the pair of slice k, the low half the even
+column:
 
-    counter = (col // 8, row, stream, 0);  words = philox4x32_10(counter, key)
-    j = col % 8;  u = (words[j // 2] >> (16 * (j % 2))) & 0xFFFF
+    counter = (4 * (col // 32) + (col % 8) // 2, row, stream, 0);  words = philox4x32_10(counter, key)
+    u = (words[(col % 32) // 8] >> (16 * (col % 2))) & 0xFFFF
     keep = u < t,   t = round((1 - rate) * 2^16)
 
-and a kept element is scaled by 2^16 / t, the inverse of the keep probability actually used, so
+This odd-looking order is the register layout of a tensor-core matmul's result: mma.sync (m16n8)
+and wgmma both give a thread 2 adjacent columns of every 8-column slice, so a thread holding its
+columns of 32 computes exactly its own calls, and attention drops P where P lives (a mask in plain
+column order had to cross to that layout through shared memory: 16 KiB more per 128 x 128 tile,
+and more instructions than the generator). A kernel that holds whole 32-column blocks makes one
+call per 8 elements and places the halves with joins and a transpose (`keep_block`); one that
+does not computes the call per element and keeps its half (`keep`): the same bits either way.
+Per element that is 1/8 of a Philox call (~10 integer instructions) instead of a whole one (~80):
+on an H200, a whole call per element of attention's P cost 2.5x the attention itself.
+
+A kept element is scaled by 2^16 / t, the inverse of the keep probability actually used, so
 dropout stays unbiased (E[out] = x exactly) although the keep probability t / 2^16 is 1 - rate
 rounded to a multiple of 2^-16 (off by at most 2^-17; a rate that rounds to keep probability 0
-raises ValueError). A kernel that loads a tile of whole groups (8 aligned columns, what a
-vectorized 16-byte load of bf16 gives a thread) makes one call per 8 elements and interleaves the
-halves (`keep_block`); one that does not computes the call per element and keeps its half
-(`keep`): the same bits either way. Per element that is 1/8 of a Philox call (~10 integer ops)
-instead of a whole one (~80): on an H200, a whole call per element of attention's P cost more
-than the attention itself. FlashAttention-2 draws 8-bit slices (16 elements per call, the rate
-quantized to 1/256); 16 bits keep the quantization (<= 2^-17) far below what a test of 10^6
-elements can see (5 sigma ~ 1.5e-3 at rate 0.1). `stream` separates the masks of different
-tensors under one key. `key` words come from `jax.random.key_data`.
+raises ValueError). FlashAttention-2 draws 8-bit slices (16 elements per call, the rate quantized
+to 1/256); 16 bits keep the quantization far below what a test of 10^6 elements can see
+(5 sigma ~ 1.5e-3 at rate 0.1, against 1.6e-3 for 8 bits at that rate). `stream` separates the
+masks of different tensors under one key. `key` words come from `jax.random.key_data`.
 """
 from __future__ import annotations
 
@@ -39,7 +46,8 @@ M0, M1 = np.uint32(0xD2511F53), np.uint32(0xCD9E8D57)
 W0, W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
 ROUNDS = 10
 KEEP_BITS = 16            # bits per element: a Philox call's 128 bits feed GROUP elements
-GROUP = 128 // KEEP_BITS  # 8 consecutive columns of a row share one call
+GROUP = 128 // KEEP_BITS  # elements of a row that share one call
+BLOCK = 4 * GROUP         # columns over which a call's elements are spread (pairs, 8 apart)
 
 
 def philox4x32(ctr, key, *, rounds: int = ROUNDS, mulhi=lax.mulhi):
@@ -87,54 +95,47 @@ def scale(rate: float) -> float:
     return float(1 << KEEP_BITS) / threshold(rate)
 
 
-def _halves(words):
-    """The GROUP 16-bit values of one call, in column order (as int32 in [0, 2^16))."""
-    out = []
-    for w in words:
-        out += [(w & np.uint32(0xFFFF)).astype(jnp.int32), (w >> np.uint32(16)).astype(jnp.int32)]
-    return out
-
-
-def interleave(vals):
-    """[..., n] arrays v_0..v_{2^k - 1} -> [..., 2^k n] with out[..., 2^k m + j] = v_j[..., m].
-
-    Pairwise joins along a new last axis and a reshape: what Pallas's Triton lowering turns into
-    `tt.join` and an order-keeping `tt.reshape`, which leaves each thread's group in its own
-    registers (the layout of a vectorized load of the tile)."""
-    if len(vals) == 1:
-        return vals[0]
-    a, b = interleave(vals[0::2]), interleave(vals[1::2])
-    pair = jnp.concatenate([a.reshape(a.shape + (1,)), b.reshape(b.shape + (1,))], axis=-1)
-    return pair.reshape(a.shape[:-1] + (2 * a.shape[-1],))
-
-
 def keep(key_w, rows, cols, rate: float, *, stream=0, mulhi=lax.mulhi):
     """The keep-mask (bool) of elements (rows, cols), any int32 index arrays that broadcast
     (one Philox call per element, keeping its 16 bits); `key_w` the two words of `key_words`."""
     rows, cols = jnp.broadcast_arrays(jnp.asarray(rows, jnp.int32), jnp.asarray(cols, jnp.int32))
-    ctr = ((cols // GROUP).astype(jnp.uint32), rows.astype(jnp.uint32),
+    call = 4 * (cols // BLOCK) + (cols % 8) // 2
+    ctr = (call.astype(jnp.uint32), rows.astype(jnp.uint32),
            jnp.asarray(stream).astype(jnp.uint32), np.uint32(0))
     words = philox4x32(ctr, (key_w[0], key_w[1]), mulhi=mulhi)
-    j = cols % GROUP
-    w = jnp.where(j < 4, jnp.where(j < 2, words[0], words[1]),
-                  jnp.where(j < 6, words[2], words[3]))
-    u = (w >> (np.uint32(KEEP_BITS) * (j % 2).astype(jnp.uint32))) & np.uint32(0xFFFF)
+    k = (cols % BLOCK) // 8
+    w = jnp.where(k < 2, jnp.where(k == 0, words[0], words[1]),
+                  jnp.where(k == 2, words[2], words[3]))
+    u = (w >> (np.uint32(KEEP_BITS) * (cols % 2).astype(jnp.uint32))) & np.uint32(0xFFFF)
     return u.astype(jnp.int32) < threshold(rate)
+
+
+def _join(a, b):
+    """[..., n] x 2 -> [..., n, 2] (`tt.join` in Pallas's Triton lowering)."""
+    return jnp.concatenate([a.reshape(a.shape + (1,)), b.reshape(b.shape + (1,))], axis=-1)
 
 
 def keep_block(key_w, rows, col0, n_cols: int, rate: float, *, stream=0, mulhi=lax.mulhi):
     """The keep-mask (bool [..., br, n_cols]) of columns col0 .. col0 + n_cols - 1 of rows `rows`
-    (int32 [..., br, 1]), one Philox call per GROUP elements. `col0` (int, maybe traced) must be
-    a multiple of GROUP and `n_cols` (static) too; the same bits as `keep`."""
-    assert n_cols % GROUP == 0, n_cols
-    n = n_cols // GROUP
+    (int32 [..., br, 1]), one Philox call per GROUP elements. `col0` (int, maybe traced) and
+    `n_cols` (static) must be multiples of BLOCK; the same bits as `keep`."""
+    assert n_cols % BLOCK == 0, n_cols
     rows = jnp.asarray(rows, jnp.int32)
-    shape = rows.shape[:-1] + (n,)
-    groups = col0 // GROUP + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
-    ctr = (groups.astype(jnp.uint32), jnp.broadcast_to(rows, shape).astype(jnp.uint32),
+    lead, n = rows.shape[:-1], n_cols // GROUP        # n calls, 4 per block of 32 columns
+    shape = lead + (n,)
+    calls = col0 // GROUP + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+    ctr = (calls.astype(jnp.uint32), jnp.broadcast_to(rows, shape).astype(jnp.uint32),
            jnp.asarray(stream).astype(jnp.uint32), np.uint32(0))
     words = philox4x32(ctr, (key_w[0], key_w[1]), mulhi=mulhi)
-    return interleave(_halves(words)) < threshold(rate)
+    halves = [((w & np.uint32(0xFFFF)).astype(jnp.int32), (w >> np.uint32(16)).astype(jnp.int32))
+              for w in words]
+    # Word k: [..., blocks, p, h] (call 4 * block + p, half h); then the words as (a, b) with
+    # k = 2a + b, moved before p: [..., blocks, a, b, p, h] is column 32 block + 8k + 2p + h.
+    x = [_join(lo, hi).reshape(lead + (n // 4, 4, 2)) for lo, hi in halves]
+    y = _join(_join(x[0], x[2]), _join(x[1], x[3]))       # [..., blocks, p, h, a, b]
+    nd = len(lead)
+    y = jnp.transpose(y, tuple(range(nd + 1)) + (nd + 3, nd + 4, nd + 1, nd + 2))
+    return y.reshape(lead + (n_cols,)) < threshold(rate)
 
 
 def check_rate(rate) -> None:

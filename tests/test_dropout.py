@@ -20,11 +20,17 @@ KAT = [
     ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
-# One row; a prime width with rows split over two programs and columns over 8-wide tiles (one
+# One row; a prime width with rows split over two programs and columns over 32-wide tiles (one
 # Philox call per 8 elements, a tail tile hanging over); 3-D with 4-wide tiles (a call per
 # element), rows split over programs.
-CASES = [((1, 7), None), ((5, 37), RowBlocks(2, 8, rows_per_program=4)),
+CASES = [((1, 7), None), ((5, 37), RowBlocks(2, 32, rows_per_program=4)),
          ((2, 3, 16), RowBlocks(2, 4, rows_per_program=4))]
+
+
+def _slice_cols(n_cols, k, h):
+    """The columns that take half h of word k of their Philox call."""
+    c = np.arange(n_cols)
+    return c[((c % 32) // 8 == k) & (c % 2 == h)]
 
 
 def _u32(words):
@@ -59,34 +65,37 @@ def test_keep_fraction_of_a_million(rate):
     m = np.asarray(keep_mask(jax.random.key(11), (1000, 1000), rate))
     p = 1.0 - rate
     assert abs(m.mean() - p) < 5 * np.sqrt(p * (1 - p) / m.size)
-    # Per position in a group of 8 (each takes a different 16 bits of the same Philox call).
-    for j in range(_philox.GROUP):
-        q = m[:, j::_philox.GROUP]
-        assert abs(q.mean() - p) < 5 * np.sqrt(p * (1 - p) / q.size)
+    # Per 16-bit slice of the Philox call (word k, half h).
+    for k in range(4):
+        for h in range(2):
+            q = m[:, _slice_cols(m.shape[1], k, h)]
+            assert abs(q.mean() - p) < 5 * np.sqrt(p * (1 - p) / q.size)
 
 
 def test_mask_definition_known_bits():
-    """Element (r, c) keeps iff the 16 bits j = c % 8 of Philox((c // 8, r, stream, 0)) fall
-    below round((1 - rate) 2^16): spelled out here with numpy's bit operations."""
+    """Element (r, c) keeps iff half c % 2 of word (c % 32) // 8 of
+    Philox((4 (c // 32) + (c % 8) // 2, r, stream, 0)) falls below round((1 - rate) 2^16):
+    spelled out here with Python integers."""
     key = jax.random.key(3)
     kw = np.asarray(_philox.key_words(key))
     rate = 0.37
-    m = np.asarray(keep_mask(key, (3, 21), rate, stream=2))
+    m = np.asarray(keep_mask(key, (3, 45), rate, stream=2))
     t = int(round((1 - rate) * 65536))
     for r in range(3):
-        for c in range(21):
-            words = _philox.philox4x32(_u32((c // 8, r, 2, 0)), _u32(kw))
-            w = int(words[(c % 8) // 2])
+        for c in range(45):
+            words = _philox.philox4x32(_u32((4 * (c // 32) + (c % 8) // 2, r, 2, 0)), _u32(kw))
+            w = int(words[(c % 32) // 8])
             assert m[r, c] == (((w >> (16 * (c % 2))) & 0xFFFF) < t), (r, c)
 
 
 def test_per_element_and_grouped_masks_agree_bitwise():
-    """`keep` (a call per element, any tile) and `keep_block` (a call per 8, aligned tiles)."""
+    """`keep` (a call per element, any tile) and `keep_block` (a call per 8, aligned tiles),
+    also with leading axes (attention's folded slabs)."""
     kw = _philox.key_words(jax.random.key(8))
-    rows = jnp.array([[0], [5], [1 << 20]], jnp.int32)
-    for col0 in (0, 8, 4096):
-        block = _philox.keep_block(kw, rows, col0, 24, 0.3, stream=1)
-        cols = col0 + jnp.arange(24, dtype=jnp.int32)[None, :]
+    rows = jnp.array([[[0], [5], [1 << 20]], [[7], [8], [9]]], jnp.int32)
+    for col0, n in ((0, 32), (32, 64), (4096, 96)):
+        block = _philox.keep_block(kw, rows, col0, n, 0.3, stream=1)
+        cols = col0 + jnp.arange(n, dtype=jnp.int32)[None, None, :]
         np.testing.assert_array_equal(block, _philox.keep(kw, rows, cols, 0.3, stream=1))
 
 
@@ -120,9 +129,10 @@ def test_masks_of_keys_rows_and_group_members_are_uncorrelated():
     m = np.asarray(keep_mask(key, (1000, 1000), 1 - p))
     assert _agreement_ok(m[:-1], m[1:], p)                   # neighbouring rows
     assert _agreement_ok(m[:, :-1], m[:, 1:], p)             # neighbouring columns
-    assert _agreement_ok(m[:, 0::8], m[:, 1::8], p)          # two halves of one word
-    assert _agreement_ok(m[:, 1::8], m[:, 2::8], p)          # two words of one Philox call
-    assert _agreement_ok(m[:, 0::8], m[:, 6::8], p)
+    n = m.shape[1] // 32 * 32                               # whole blocks of 32 columns
+    assert _agreement_ok(m[:, 0::2], m[:, 1::2], p)          # two halves of one word
+    for k in (1, 2, 3):                                      # two words of one Philox call
+        assert _agreement_ok(m[:, _slice_cols(n, 0, 0)], m[:, _slice_cols(n, k, 0)], p)
     for other in (jax.random.key(6), jax.random.fold_in(key, 1)):
         assert _agreement_ok(m, keep_mask(other, (1000, 1000), 1 - p), p)
     assert _agreement_ok(keep_mask(jax.random.fold_in(key, 1), (1000, 1000), 1 - p),
@@ -179,9 +189,9 @@ class DropoutOpsTest(chex.TestCase):
 
     def test_kernel_mask_is_the_reference_mask_bitwise(self):
         key = jax.random.key(2)
-        # 131 columns whole (interpret mode): Philox per element; 136: one call per 8; tiles
-        # of 32 and 16 columns: per 8, the last tile hanging over; 4: per element.
-        for n_cols in (131, 136):
+        # 131 columns whole (interpret mode): Philox per element; 160: one call per 8; tiles
+        # of 32 columns: per 8, the last tile hanging over; 16 and 4: per element.
+        for n_cols in (131, 160):
             x = jnp.ones((37, n_cols), jnp.float32)
             for blocks in (None, RowBlocks(4, 32), RowBlocks(1, 16, rows_per_program=2),
                            RowBlocks(3, 4)):

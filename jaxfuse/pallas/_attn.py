@@ -179,7 +179,7 @@ def take_key(refs, spec: AttnSpec):
 
 def prob_rows(spec: AttnSpec, lead_shape: tuple, head=None):
     """Index of each (batch, query head) slab in the [B, Hq, Tq, Tk] probabilities, times the
-    slab's rows, for `dropout_scale`: on the GPU the program's (batch, head) from the grid
+    slab's rows, for `dropout`: on the GPU the program's (batch, head) from the grid
     (`head` overrides the head: the dK/dV kernel walks a group's heads itself); folded, the
     leading axis b * Hkv + kv_head, whose rows already stack the group's heads."""
     if spec.folded:
@@ -208,8 +208,6 @@ def dropout_keep(spec: AttnSpec, key, base, r, k0, bk: int):
 
 
 def drop(spec: AttnSpec, keep, x):
-    # Select after scaling: the compiled kernel then moves only the boolean mask (not a float32
-    # tile) from the generator's register layout into the matmul's, through shared memory.
     return jnp.where(keep, x * _philox.scale(spec.dropout), 0.0)
 
 

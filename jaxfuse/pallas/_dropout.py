@@ -93,12 +93,11 @@ class _Static:
     name: str
 
 
-def dropout_scale(tile: _rows.Tile, rate: float, interpret: bool):
-    """where(keep, 1 / keep probability, 0) for the tile's elements (the kernels' inverted
-    dropout): one Philox call per 8 elements of a tile of whole groups (`_rng.keep_tile`)."""
-    br, bc = tile.x[0].shape[-2:]
-    rows = tile.row0 + jax.lax.broadcasted_iota(jnp.int32, (br, 1), 0)
-    return _rng.scale_tile(tile.key, rows, tile.col0, bc, rate, interpret)
+def drop(tile: _rows.Tile, x, rate: float, interpret: bool):
+    """Inverted dropout of x [br, bc], the values of the tile's elements: one Philox call per 8
+    elements of a tile of whole 32-column blocks (`_rng.keep_tile`)."""
+    rows = tile.row0 + jax.lax.broadcasted_iota(jnp.int32, (x.shape[-2], 1), 0)
+    return _rng.drop_tile(x, tile.key, rows, tile.col0, rate, interpret)
 
 
 def _forward(x2, bias, res2, key_w, st: _Static):
@@ -108,7 +107,7 @@ def _forward(x2, bias, res2, key_w, st: _Static):
         z = tile.x[0] + tile.per_col[0] if st.has_bias else tile.x[0]
         z = act(st.activation, z)
         if st.rate:
-            z = z * dropout_scale(tile, st.rate, st.interpret)
+            z = drop(tile, z, st.rate, st.interpret)
         if st.has_residual:
             z = z + tile.x[1]
         return (z,), (), ()
@@ -129,7 +128,7 @@ def _backward(x2, bias, key_w, dy2, st: _Static):
     def emit(tile):
         g = tile.x[0]
         if st.rate:
-            g = g * dropout_scale(tile, st.rate, st.interpret)
+            g = drop(tile, g, st.rate, st.interpret)
         if st.activation:
             z = tile.x[1] + tile.per_col[0] if st.has_bias else tile.x[1]
             g = g * act_grad(st.activation, z)

@@ -38,9 +38,9 @@ def keep(key_w, rows, cols, rate: float, interpret: bool, stream=0):
 def keep_tile(key_w, rows, col0, n_cols: int, rate: float, interpret: bool, stream=0):
     """The keep-mask of a [..., br, n_cols] tile: rows `rows` (int32 [..., br, 1]), columns
     col0 .. col0 + n_cols - 1 (col0 a multiple of n_cols). One Philox call per
-    `_philox.GROUP` elements when the tile holds whole groups (`_philox.keep_block`), else one
-    per element (narrow tiles; the same bits)."""
-    if n_cols % _philox.GROUP == 0:
+    `_philox.GROUP` elements when the tile holds whole 32-column blocks (`_philox.keep_block`),
+    else one per element (narrow tiles; the same bits)."""
+    if n_cols % _philox.BLOCK == 0:
         return _philox.keep_block(key_w, rows, col0, n_cols, rate, stream=stream,
                                   mulhi=mulhi(interpret))
     cols = col0 + lax.broadcasted_iota(jnp.int32, (1,) * (jnp.ndim(rows) - 1) + (n_cols,),
@@ -48,7 +48,9 @@ def keep_tile(key_w, rows, col0, n_cols: int, rate: float, interpret: bool, stre
     return keep(key_w, rows, cols, rate, interpret, stream)
 
 
-def scale_tile(key_w, rows, col0, n_cols: int, rate: float, interpret: bool, stream=0):
-    """where(keep, 1 / keep probability, 0) for that tile (the kernels' inverted dropout)."""
-    return jnp.where(keep_tile(key_w, rows, col0, n_cols, rate, interpret, stream),
-                     _philox.scale(rate), 0.0)
+def drop_tile(x, key_w, rows, col0, rate: float, interpret: bool, stream=0):
+    """where(keep, x / keep probability, 0) for x [..., br, bc] at rows `rows` [..., br, 1] and
+    columns col0 .. col0 + bc - 1 (the kernels' inverted dropout). Selecting after scaling
+    lets the compiled kernel move only the boolean mask, when it moves one between layouts."""
+    keep = keep_tile(key_w, rows, col0, x.shape[-1], rate, interpret, stream)
+    return jnp.where(keep, x * _philox.scale(rate), 0.0)

@@ -45,7 +45,7 @@ def _forward(x2, res2, weight, bias, key_w, st: _Static):
     def emit(tile):
         x, res = tile.x
         if st.rate:
-            x = x * _dropout.dropout_scale(tile, st.rate, ns.interpret)
+            x = _dropout.drop(tile, x, st.rate, ns.interpret)
         # y normalizes h as stored (rounded to the output dtype), as the unfused ops would.
         h = (res + x).astype(x2.dtype).astype(jnp.float32)
         h = jnp.where(tile.valid, h, 0.0)

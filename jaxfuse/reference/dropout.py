@@ -43,7 +43,7 @@ def keep_mask(key, shape, rate: float, *, stream=0) -> jax.Array:
     n_cols = shape[-1]
     n_rows = math.prod(shape[:-1])
     rows = jax.lax.broadcasted_iota(jnp.int32, (n_rows, 1), 0)
-    padded = -(-n_cols // _philox.GROUP) * _philox.GROUP     # whole groups, then cut
+    padded = -(-n_cols // _philox.BLOCK) * _philox.BLOCK     # whole blocks, then cut
     keep = _philox.keep_block(_philox.key_words(key), rows, 0, padded, rate, stream=stream)
     return keep[:, :n_cols].reshape(shape)
 

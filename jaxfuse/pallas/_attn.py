@@ -143,11 +143,6 @@ class AttnBlocks:
             bq, bk, w, st = (64, 64, 4, 2) if wide else (128, 128, 4 if dp <= 64 else 8, 3)
         else:
             bq, bk, w, st = (32, 32, 4, 2) if wide else (64, 32, 8, 3)
-        if spec.dropout:
-            # The mask goes from the generator's registers to the matmul's layout through
-            # shared memory (a bq x bk bool tile): compiled for sm90 the bf16 128 x 128 forward
-            # asked for 245760 bytes in 3 stages (227 KiB is the limit), 180224 in 2.
-            st = min(st, 2)
         bwd = 32 if dp > 128 else 64
         return cls(small(bq, spec.n_q), small(bk, spec.n_k), small(bwd, spec.n_q),
                    small(bwd, spec.n_k), small(bwd, spec.n_k), small(bwd, spec.n_q), w, st, 4, 2)

@@ -127,15 +127,22 @@ def keep_block(key_w, rows, col0, n_cols: int, rate: float, *, stream=0, mulhi=l
     ctr = (calls.astype(jnp.uint32), jnp.broadcast_to(rows, shape).astype(jnp.uint32),
            jnp.asarray(stream).astype(jnp.uint32), np.uint32(0))
     words = philox4x32(ctr, (key_w[0], key_w[1]), mulhi=mulhi)
-    halves = [((w & np.uint32(0xFFFF)).astype(jnp.int32), (w >> np.uint32(16)).astype(jnp.int32))
-              for w in words]
     # Word k: [..., blocks, p, h] (call 4 * block + p, half h); then the words as (a, b) with
     # k = 2a + b, moved before p: [..., blocks, a, b, p, h] is column 32 block + 8k + 2p + h.
-    x = [_join(lo, hi).reshape(lead + (n // 4, 4, 2)) for lo, hi in halves]
+    x = [_join(*_keep_halves(w, threshold(rate))).reshape(lead + (n // 4, 4, 2)) for w in words]
     y = _join(_join(x[0], x[2]), _join(x[1], x[3]))       # [..., blocks, p, h, a, b]
     nd = len(lead)
     y = jnp.transpose(y, tuple(range(nd + 1)) + (nd + 3, nd + 4, nd + 1, nd + 2))
-    return y.reshape(lead + (n_cols,)) < threshold(rate)
+    return y.reshape(lead + (n_cols,))
+
+
+def _keep_halves(w, t: int):
+    """(low half < t, high half < t) of uint32 words; the high half compares the whole word
+    against t * 2^16, one instruction fewer than shifting it down."""
+    lo = (w & np.uint32(0xFFFF)).astype(jnp.int32) < t
+    if t >= 1 << KEEP_BITS:
+        return lo, jnp.full(w.shape, True)
+    return lo, w < np.uint32(t << KEEP_BITS)
 
 
 def check_rate(rate) -> None:

@@ -187,14 +187,16 @@ def prob_rows(spec: AttnSpec, lead_shape: tuple, head=None):
     return lead * spec.rows
 
 
-def dropout(spec: AttnSpec, key, base, r, k0, x):
+def dropout(spec: AttnSpec, key, base, r, k0, x, *, scaled: bool = True):
     """where(keep, x / keep probability, 0) for x [..., bq, bk] at query rows r [bq, 1]
-    (slab-local) and keys k0 .. k0 + bk - 1: the mask of `jaxfuse.dropout` over the probabilities' [B * Hq * Tq, Tk]
-    view, so `jaxfuse.reference.attention` drops exactly the same entries (FlashAttention-2
-    likewise regenerates its dropout mask from a counter-based generator in the backward). One
-    Philox call per 8 entries of P (`_rng.keep_tile`): one per entry cost 2.5x the attention
-    itself on an H200."""
-    return drop(spec, dropout_keep(spec, key, base, r, k0, x.shape[-1]), x)
+    (slab-local) and keys k0 .. k0 + bk - 1 (`scaled=False`: where(keep, x, 0), for a caller
+    that scales a sum once instead): the mask of `jaxfuse.dropout` over the probabilities'
+    [B * Hq * Tq, Tk] view, so `jaxfuse.reference.attention` drops exactly the same entries
+    (FlashAttention-2 likewise regenerates its dropout mask from a counter-based generator in the
+    backward). One Philox call per 8 entries of P (`_rng.keep_tile`): one per entry cost 2.5x
+    the attention itself on an H200."""
+    keep = dropout_keep(spec, key, base, r, k0, x.shape[-1])
+    return drop(spec, keep, x) if scaled else jnp.where(keep, x, 0.0)
 
 
 def dropout_keep(spec: AttnSpec, key, base, r, k0, bk: int):

@@ -282,8 +282,39 @@ def perf_attention():
         guarded(S, "flash_attention dropout", f"rate={rate} hopper={hopper}", run)
 
 
-def perf(copy_bw: float, sweep: bool = True):
-    del sweep
+def perf_sweep(copy_bw: float):
+    """Row tiles of the dropout kernels (`RowBlocks`: rows, columns, warps), forward and
+    forward+backward of dropout and bias_act_dropout: the default is the softmax's measured best
+    (1 x 4096, 4 warps), unmeasured for these ops."""
+    sh = _shapes()
+    tiles = [(1, 4096, 2), (1, 4096, 4), (1, 4096, 8), (2, 4096, 8), (1, 2048, 2), (1, 2048, 4)]
+    if SMALL:
+        tiles = [(1, 256, 1), (2, 256, 1)]
+    for name in ("dropout", "bias_act_dropout"):
+        sets = [_args(name, jax.random.key(10 + i), jnp.bfloat16, **sh) for i in range(3)]
+        nbytes = _FWD_UNITS[name] * sets[0][2].size * sets[0][2].dtype.itemsize
+        for br, bc, w in tiles:
+            blocks = jaxfuse.RowBlocks(br, bc, w)
+            if name == "dropout":
+                f = lambda x, key: jaxfuse.dropout(x, RATE, key, block_sizes=blocks)
+            else:
+                f = lambda x, b, key: jaxfuse.bias_act_dropout(
+                    x, b, activation="gelu", rate=RATE, key=key, block_sizes=blocks)
+            label = f"{name} {tuple(sets[0][2].shape)} bf16"
+
+            def run(f=f, label=label, tile=(br, bc, w)):
+                fwd = jax.jit(lambda diff, other: _call(name, f, diff, other))
+                t = bench(fwd, [(d, o) for d, o, _ in sets])
+                record(S, f"{label} fwd", f"jaxfuse tile {tile}", t, TBps=nbytes / t / 1e12,
+                       frac_copy=nbytes / t / copy_bw)
+                t = bench(jax.jit(_fwd_bwd(name, f)), sets, reps=10)
+                record(S, f"{label} fwd+bwd", f"jaxfuse tile {tile}", t)
+            guarded(S, f"sweep {name}", str((br, bc, w)), run)
+
+
+def perf(copy_bw: float, sweep: bool = False):
+    if sweep:
+        perf_sweep(copy_bw)
     if _wanted("attention"):
         perf_attention()
     sh = _shapes()
@@ -319,6 +350,7 @@ def main() -> None:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated ops, e.g. rope,swiglu,attention")
+    ap.add_argument("--sweep", action="store_true", help="also time dropout's row tiles")
     args = ap.parse_args()
     SMALL = args.small
     ONLY = set(args.only.split(",")) if args.only else None
@@ -327,7 +359,7 @@ def main() -> None:
     record("ceiling", "copy 1 GiB f32 (read+write)", "xla", None, TBps=copy_bw / 1e12)
     if not args.no_check:
         check()
-    perf(copy_bw)
+    perf(copy_bw, sweep=args.sweep)
     _timing.save(args.out)
 
 

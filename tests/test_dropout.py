@@ -81,11 +81,12 @@ def test_mask_definition_known_bits():
     rate = 0.37
     m = np.asarray(keep_mask(key, (3, 45), rate, stream=2))
     t = int(round((1 - rate) * 65536))
-    for r in range(3):
-        for c in range(45):
-            words = _philox.philox4x32(_u32((4 * (c // 32) + (c % 8) // 2, r, 2, 0)), _u32(kw))
-            w = int(words[(c % 32) // 8])
-            assert m[r, c] == (((w >> (16 * (c % 2))) & 0xFFFF) < t), (r, c)
+    r, c = np.meshgrid(np.arange(3), np.arange(45), indexing="ij")
+    words = np.stack([np.asarray(w) for w in _philox.philox4x32(
+        (np.uint32(4 * (c // 32) + (c % 8) // 2), np.uint32(r), np.uint32(2), np.uint32(0)),
+        _u32(kw))])                                                    # [4 words, 3, 45]
+    w = np.take_along_axis(words, ((c % 32) // 8)[None], axis=0)[0].astype(np.int64)
+    np.testing.assert_array_equal(m, ((w >> (16 * (c % 2))) & 0xFFFF) < t)
 
 
 def test_per_element_and_grouped_masks_agree_bitwise():
@@ -93,10 +94,11 @@ def test_per_element_and_grouped_masks_agree_bitwise():
     also with leading axes (attention's folded slabs)."""
     kw = _philox.key_words(jax.random.key(8))
     rows = jnp.array([[[0], [5], [1 << 20]], [[7], [8], [9]]], jnp.int32)
-    for col0, n in ((0, 32), (32, 64), (4096, 96)):
-        block = _philox.keep_block(kw, rows, col0, n, 0.3, stream=1)
-        cols = col0 + jnp.arange(n, dtype=jnp.int32)[None, None, :]
-        np.testing.assert_array_equal(block, _philox.keep(kw, rows, cols, 0.3, stream=1))
+    block = jax.jit(lambda col0: _philox.keep_block(kw, rows, col0, 96, 0.3, stream=1))
+    each = jax.jit(lambda col0: _philox.keep(
+        kw, rows, col0 + jnp.arange(96, dtype=jnp.int32)[None, None, :], 0.3, stream=1))
+    for col0 in (0, 32, 4096):            # a traced start, as in a kernel
+        np.testing.assert_array_equal(block(col0), each(col0))
 
 
 def test_rate_is_quantized_to_sixteen_bits_and_scaled_unbiased():

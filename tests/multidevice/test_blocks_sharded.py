@@ -15,10 +15,10 @@ KEY = jax.random.key(7)
 
 
 def test_dropout_family_rows_split_same_masks():
-    """[B, T, D] split over batch and time (D % 4 == 0: one Philox call per four elements),
-    and [rows, 13] over rows (a Philox call per element)."""
+    """[B, T, D] split over batch and time (D = 32, whole 32-column blocks: one Philox call per
+    eight elements, `_philox.keep_block`), and [rows, 13] over rows (a Philox call per element)."""
     k = keys(40, 4)
-    x, res, bias = randn(k[0], (4, 8, 12)), randn(k[1], (4, 8, 12)), randn(k[2], (12,))
+    x, res, bias = randn(k[0], (4, 8, 32)), randn(k[1], (4, 8, 32)), randn(k[2], (32,))
     x2 = randn(k[3], (24, 13))
 
     def f(x, bias, res, x2):
@@ -98,7 +98,8 @@ def test_flash_attention_dropout_batch_heads_split():
     """Attention-probability dropout with batch and KV heads split (GQA): each shard's kernel
     drops the one-device entries of its (batch, head) slabs, forward and backward."""
     k = keys(45, 3)
-    q, kk, v = randn(k[0], (4, 16, 8, 8)), randn(k[1], (4, 16, 4, 8)), randn(k[2], (4, 16, 4, 8))
+    # Tk = 32: whole 32-key blocks, so the kernels draw P's mask with `_philox.keep_block`
+    q, kk, v = randn(k[0], (4, 32, 8, 8)), randn(k[1], (4, 32, 4, 8)), randn(k[2], (4, 32, 4, 8))
     f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, dropout_rate=0.3,
                                                 dropout_key=KEY, return_lse=True)
     one, many, hlo = run_both(f, (q, kk, v), [P("data", None, ("tensor", "seq"))] * 3,

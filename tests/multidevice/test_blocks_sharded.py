@@ -39,8 +39,8 @@ def test_dropout_family_rows_split_same_masks():
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 def test_add_norm_rows_split_with_dropout(norm):
     k = keys(41, 4)
-    x, res = randn(k[0], (4, 8, 16)), randn(k[1], (4, 8, 16), shift=1.0)
-    w, b = randn(k[2], (16,)), randn(k[3], (16,))
+    x, res = randn(k[0], (4, 8, 32)), randn(k[1], (4, 8, 32), shift=1.0)   # 32: `keep_block`
+    w, b = randn(k[2], (32,)), randn(k[3], (32,))
     if norm == "rms":
         f, args = (lambda x, r, w: jaxfuse.add_norm(x, r, w, rate=0.25, key=KEY)), (x, res, w)
     else:
@@ -72,7 +72,7 @@ def test_embedding_vocab_parallel_with_dropout():
     """Table split over the vocabulary (tensor parallel): each device looks up its slice; a
     token out of range still gives a NaN row, and no gradient."""
     k = keys(43, 2)
-    table = randn(k[0], (20, 12))
+    table = randn(k[0], (20, 32))                       # 32: `keep_block`
     tokens = jax.random.randint(k[1], (4, 8), 0, 20).at[1, 3].set(20)
     f = lambda tokens, table: jaxfuse.embedding(tokens, table, scale=2.0, rate=0.3, key=KEY)
     one, many, hlo = run_both(f, (tokens, table), [P("data", "seq"), P("tensor")], diff=(1,))

@@ -259,21 +259,70 @@ def perf_attention():
         k = jax.random.split(jax.random.key(20 + i), 5)
         sets.append(tuple(jax.random.normal(k[j], (b, t, h, d), jnp.bfloat16) for j in range(4))
                     + (k[4],))
-    for rate in (0.0, RATE):
-        def run(rate=rate):
+    # The forward with dropout is the portable Triton kernel (the Hopper forward has none), so
+    # dropout=0.0 also runs with hopper=False: the gap between the two rate-0 rows is the part
+    # of the dropout overhead that is the forward kernel, not the mask.
+    for rate, hopper in ((0.0, None), (0.0, False), (RATE, None)):
+        def run(rate=rate, hopper=hopper):
+            blocks = None if hopper is None else jaxfuse.AttnBlocks(hopper=hopper)
+
+            def fwd(q, kk, v, key):
+                return jaxfuse.flash_attention(q, kk, v, causal=True, dropout_rate=rate,
+                                               dropout_key=key, block_sizes=blocks)
+
             def step(q, kk, v, do, key):
-                f = lambda q, kk, v: jaxfuse.flash_attention(q, kk, v, causal=True,
-                                                             dropout_rate=rate, dropout_key=key)
-                o, vjp = jax.vjp(f, q, kk, v)
+                o, vjp = jax.vjp(lambda q, kk, v: fwd(q, kk, v, key), q, kk, v)
                 return o, vjp(do)
-            t_ = bench(jax.jit(step), sets, reps=5)
-            record(S, f"flash_attention causal fwd+bwd B{b} T{t} H{h} D{d} bf16",
-                   f"jaxfuse dropout={rate}", t_)
-        guarded(S, "flash_attention dropout", f"rate={rate}", run)
+            name = f"jaxfuse dropout={rate}" + ("" if hopper is None else " hopper=False")
+            wl = f"B{b} T{t} H{h} D{d} bf16"
+            record(S, f"flash_attention causal fwd+bwd {wl}", name,
+                   bench(jax.jit(step), sets, reps=5))
+            record(S, f"flash_attention causal fwd {wl}", name,
+                   bench(jax.jit(fwd), [(q, kk, v, key) for q, kk, v, _, key in sets], reps=5))
+        guarded(S, "flash_attention dropout", f"rate={rate} hopper={hopper}", run)
 
 
-def perf(copy_bw: float, sweep: bool = True):
-    del sweep
+def perf_sweep(copy_bw: float):
+    """Row tiles of the dropout kernels (`RowBlocks`: rows, columns, warps), forward and
+    forward+backward of dropout, bias_act_dropout and embedding: the defaults (1 x 4096 with 4
+    warps; embedding 1 row, 8 warps) are the softmax's measured best, unmeasured for these ops."""
+    sh = _shapes()
+    tiles = [(1, 4096, 2), (1, 4096, 4), (1, 4096, 8), (2, 4096, 8), (1, 2048, 2), (1, 2048, 4)]
+    if SMALL:
+        tiles = [(1, 256, 1), (2, 256, 1)]
+    # embedding: block_rows is the tokens (forward) and table rows (backward) of one program.
+    emb_tiles = [(1, 4096, 8), (1, 4096, 4), (4, 4096, 8), (16, 4096, 8)]
+    if SMALL:
+        emb_tiles = [(1, 256, 1), (4, 256, 1)]
+    for name in ("dropout", "bias_act_dropout", "embedding"):
+        sets = [_args(name, jax.random.key(10 + i), jnp.bfloat16, **sh) for i in range(3)]
+        nbytes = _FWD_UNITS[name] * sets[0][2].size * sets[0][2].dtype.itemsize
+        for br, bc, w in (emb_tiles if name == "embedding" else tiles):
+            blocks = jaxfuse.RowBlocks(br, bc, w)
+            if name == "dropout":
+                f = lambda x, key, blocks=blocks: jaxfuse.dropout(x, RATE, key,
+                                                                  block_sizes=blocks)
+            elif name == "embedding":
+                f = lambda tok, table, key, blocks=blocks: jaxfuse.embedding(
+                    tok, table, scale=64.0, rate=RATE, key=key, block_sizes=blocks)
+            else:
+                f = lambda x, b, key, blocks=blocks: jaxfuse.bias_act_dropout(
+                    x, b, activation="gelu", rate=RATE, key=key, block_sizes=blocks)
+            label = f"{name} {tuple(sets[0][2].shape)} bf16"
+
+            def run(f=f, label=label, tile=(br, bc, w)):
+                fwd = jax.jit(lambda diff, other: _call(name, f, diff, other))
+                t = bench(fwd, [(d, o) for d, o, _ in sets])
+                record(S, f"{label} fwd", f"jaxfuse tile {tile}", t, TBps=nbytes / t / 1e12,
+                       frac_copy=nbytes / t / copy_bw)
+                t = bench(jax.jit(_fwd_bwd(name, f)), sets, reps=10)
+                record(S, f"{label} fwd+bwd", f"jaxfuse tile {tile}", t)
+            guarded(S, f"sweep {name}", str((br, bc, w)), run)
+
+
+def perf(copy_bw: float, sweep: bool = False):
+    if sweep:
+        perf_sweep(copy_bw)
     if _wanted("attention"):
         perf_attention()
     sh = _shapes()
@@ -309,6 +358,7 @@ def main() -> None:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated ops, e.g. rope,swiglu,attention")
+    ap.add_argument("--sweep", action="store_true", help="also time dropout's row tiles")
     args = ap.parse_args()
     SMALL = args.small
     ONLY = set(args.only.split(",")) if args.only else None
@@ -317,7 +367,7 @@ def main() -> None:
     record("ceiling", "copy 1 GiB f32 (read+write)", "xla", None, TBps=copy_bw / 1e12)
     if not args.no_check:
         check()
-    perf(copy_bw)
+    perf(copy_bw, sweep=args.sweep)
     _timing.save(args.out)
 
 

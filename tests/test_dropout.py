@@ -20,11 +20,17 @@ KAT = [
     ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
-# One row; a prime width with rows split over two programs and columns over tiles (Philox per
-# element); 3-D with a width of 4 quarters (one Philox call per four elements), rows and quarter
-# columns split over programs.
-CASES = [((1, 7), None), ((5, 37), RowBlocks(2, 8, rows_per_program=4)),
-         ((2, 3, 16), RowBlocks(2, 2, rows_per_program=4))]
+# One row; a prime width with rows split over two programs and columns over 32-wide tiles (one
+# Philox call per 8 elements, a tail tile hanging over); 3-D with 4-wide tiles (a call per
+# element), rows split over programs.
+CASES = [((1, 7), None), ((5, 37), RowBlocks(2, 32, rows_per_program=4)),
+         ((2, 3, 16), RowBlocks(2, 4, rows_per_program=4))]
+
+
+def _slice_cols(n_cols, k, h):
+    """The columns that take half h of word k of their Philox call."""
+    c = np.arange(n_cols)
+    return c[((c % 32) // 8 == k) & (c % 2 == h)]
 
 
 def _u32(words):
@@ -59,9 +65,57 @@ def test_keep_fraction_of_a_million(rate):
     m = np.asarray(keep_mask(jax.random.key(11), (1000, 1000), rate))
     p = 1.0 - rate
     assert abs(m.mean() - p) < 5 * np.sqrt(p * (1 - p) / m.size)
-    # Per quarter of the row (each quarter takes a different word of the same Philox call).
-    for q in np.split(m, 4, axis=1):
-        assert abs(q.mean() - p) < 5 * np.sqrt(p * (1 - p) / q.size)
+    # Per 16-bit slice of the Philox call (word k, half h).
+    for k in range(4):
+        for h in range(2):
+            q = m[:, _slice_cols(m.shape[1], k, h)]
+            assert abs(q.mean() - p) < 5 * np.sqrt(p * (1 - p) / q.size)
+
+
+def test_mask_definition_known_bits():
+    """Element (r, c) keeps iff half c % 2 of word (c % 32) // 8 of
+    Philox((4 (c // 32) + (c % 8) // 2, r, stream, 0)) falls below round((1 - rate) 2^16):
+    spelled out here with Python integers."""
+    key = jax.random.key(3)
+    kw = np.asarray(_philox.key_words(key))
+    rate = 0.37
+    m = np.asarray(keep_mask(key, (3, 45), rate, stream=2))
+    t = int(round((1 - rate) * 65536))
+    r, c = np.meshgrid(np.arange(3), np.arange(45), indexing="ij")
+    words = np.stack([np.asarray(w) for w in _philox.philox4x32(
+        (np.uint32(4 * (c // 32) + (c % 8) // 2), np.uint32(r), np.uint32(2), np.uint32(0)),
+        _u32(kw))])                                                    # [4 words, 3, 45]
+    w = np.take_along_axis(words, ((c % 32) // 8)[None], axis=0)[0].astype(np.int64)
+    np.testing.assert_array_equal(m, ((w >> (16 * (c % 2))) & 0xFFFF) < t)
+
+
+def test_per_element_and_grouped_masks_agree_bitwise():
+    """`keep` (a call per element, any tile) and `keep_block` (a call per 8, aligned tiles),
+    also with leading axes (attention's folded slabs)."""
+    kw = _philox.key_words(jax.random.key(8))
+    rows = jnp.array([[[0], [5], [1 << 20]], [[7], [8], [9]]], jnp.int32)
+    block = jax.jit(lambda col0: _philox.keep_block(kw, rows, col0, 96, 0.3, stream=1))
+    each = jax.jit(lambda col0: _philox.keep(
+        kw, rows, col0 + jnp.arange(96, dtype=jnp.int32)[None, None, :], 0.3, stream=1))
+    for col0 in (0, 32, 4096):            # a traced start, as in a kernel
+        np.testing.assert_array_equal(block(col0), each(col0))
+
+
+def test_rate_is_quantized_to_sixteen_bits_and_scaled_unbiased():
+    for rate in (0.1, 0.3, 1e-6, 0.99999):
+        p = _philox.keep_prob(rate)
+        assert abs(p - (1 - rate)) <= 2.0 ** -17 and p * 65536 == round(p * 65536)
+        assert _philox.scale(rate) == 1.0 / p
+    assert _philox.keep_prob(1e-6) == 1.0           # rounds to keep-all: scale 1, no bias
+    with pytest.raises(ValueError, match="rate=0.999999 rounds to keep probability 0"):
+        jaxfuse.dropout(jnp.ones((2, 8)), 0.999999, jax.random.key(0))
+    # E[dropout(1)] = 1 exactly in expectation: the mean over 10^6 elements within 5 sigma.
+    rate = 0.1
+    y = np.asarray(jaxfuse.dropout(jnp.ones((1000, 1000)), rate, jax.random.key(4),
+                                   impl="reference"), np.float64)
+    p = _philox.keep_prob(rate)
+    assert abs(y.mean() - 1.0) < 5 * np.sqrt((1 - p) / p / y.size)
+    np.testing.assert_array_equal(np.unique(y), np.float32([0.0, 1.0 / p]))
 
 
 def _agreement_ok(a, b, p):
@@ -71,13 +125,16 @@ def _agreement_ok(a, b, p):
     return abs(np.mean(a == b) - e) < 5 * np.sqrt(e * (1 - e) / a.size)
 
 
-def test_masks_of_keys_rows_and_quarters_are_uncorrelated():
+def test_masks_of_keys_rows_and_group_members_are_uncorrelated():
     p = 0.5
     key = jax.random.key(5)
     m = np.asarray(keep_mask(key, (1000, 1000), 1 - p))
     assert _agreement_ok(m[:-1], m[1:], p)                   # neighbouring rows
     assert _agreement_ok(m[:, :-1], m[:, 1:], p)             # neighbouring columns
-    assert _agreement_ok(m[:, :250], m[:, 250:500], p)       # two words of one Philox call
+    n = m.shape[1] // 32 * 32                               # whole blocks of 32 columns
+    assert _agreement_ok(m[:, 0::2], m[:, 1::2], p)          # two halves of one word
+    for k in (1, 2, 3):                                      # two words of one Philox call
+        assert _agreement_ok(m[:, _slice_cols(n, 0, 0)], m[:, _slice_cols(n, k, 0)], p)
     for other in (jax.random.key(6), jax.random.fold_in(key, 1)):
         assert _agreement_ok(m, keep_mask(other, (1000, 1000), 1 - p), p)
     assert _agreement_ok(keep_mask(jax.random.fold_in(key, 1), (1000, 1000), 1 - p),
@@ -134,10 +191,12 @@ class DropoutOpsTest(chex.TestCase):
 
     def test_kernel_mask_is_the_reference_mask_bitwise(self):
         key = jax.random.key(2)
-        # 131 columns: Philox per element; 132: one call per four elements (quarters of 33).
-        for n_cols in (131, 132):
+        # 131 columns whole (interpret mode): Philox per element; 160: one call per 8; tiles
+        # of 32 columns: per 8, the last tile hanging over; 16 and 4: per element.
+        for n_cols in (131, 160):
             x = jnp.ones((37, n_cols), jnp.float32)
-            for blocks in (None, RowBlocks(4, 32), RowBlocks(1, 16, rows_per_program=2)):
+            for blocks in (None, RowBlocks(4, 32), RowBlocks(1, 16, rows_per_program=2),
+                           RowBlocks(3, 4)):
                 y = jaxfuse.dropout(x, 0.25, key, block_sizes=blocks)
                 np.testing.assert_array_equal(np.asarray(y) != 0,
                                               np.asarray(keep_mask(key, x.shape, 0.25)))

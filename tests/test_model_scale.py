@@ -178,7 +178,11 @@ class DropoutTest(chex.TestCase):
         y = _block_ops.dropout(x, 0.3, jax.random.key(0))
         kept = float(jnp.mean(y != 0))
         self.assertLess(abs(kept - 0.7), 5 * (0.3 * 0.7 / x.size) ** 0.5)
-        np.testing.assert_allclose(np.unique(np.asarray(y)), [0.0, 1 / 0.7], rtol=1e-6)
+        # Kept elements are scaled by 1 / P(keep), P(keep) being 0.7 to 16 bits (`_philox`).
+        from jaxfuse import _philox
+        np.testing.assert_allclose(np.unique(np.asarray(y)), [0.0, 1 / _philox.keep_prob(0.3)],
+                                   rtol=1e-6)
+        self.assertLess(abs(_philox.keep_prob(0.3) - 0.7), 2.0 ** -17)
         with self.assertRaisesRegex(ValueError, "rate=1.0"):
             _block_ops.dropout(x, 1.0, jax.random.key(0))
 

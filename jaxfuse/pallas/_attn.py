@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxfuse import _philox
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _rng
 
@@ -180,7 +181,7 @@ def take_key(refs, spec: AttnSpec):
 
 def prob_rows(spec: AttnSpec, lead_shape: tuple, head=None):
     """Index of each (batch, query head) slab in the [B, Hq, Tq, Tk] probabilities, times the
-    slab's rows, for `dropout_scale`: on the GPU the program's (batch, head) from the grid
+    slab's rows, for `dropout`: on the GPU the program's (batch, head) from the grid
     (`head` overrides the head: the dK/dV kernel walks a group's heads itself); folded, the
     leading axis b * Hkv + kv_head, whose rows already stack the group's heads."""
     if spec.folded:
@@ -193,13 +194,25 @@ def prob_rows(spec: AttnSpec, lead_shape: tuple, head=None):
     return lead * spec.rows
 
 
-def dropout_scale(spec: AttnSpec, key, base, r, k_pos):
-    """where(keep, 1 / (1 - rate), 0) for query rows r [bq, 1] (slab-local) and keys k_pos
-    [1, bk]: the mask of `jaxfuse.dropout` over the probabilities' [B * Hq * Tq, Tk] view, so
-    `jaxfuse.reference.attention` drops exactly the same entries (FlashAttention-2 likewise
-    regenerates its dropout mask from a counter-based generator in the backward)."""
-    keep = _rng.keep(key, base + r, k_pos, spec.n_k, spec.dropout, spec.interpret)
-    return jnp.where(keep, 1.0 / (1.0 - spec.dropout), 0.0)
+def dropout(spec: AttnSpec, key, base, r, k0, x, *, scaled: bool = True):
+    """where(keep, x / keep probability, 0) for x [..., bq, bk] at query rows r [bq, 1]
+    (slab-local) and keys k0 .. k0 + bk - 1 (`scaled=False`: where(keep, x, 0), for a caller
+    that scales a sum once instead): the mask of `jaxfuse.dropout` over the probabilities'
+    [B * Hq * Tq, Tk] view, so `jaxfuse.reference.attention` drops exactly the same entries
+    (FlashAttention-2 likewise regenerates its dropout mask from a counter-based generator in the
+    backward). One Philox call per 8 entries of P (`_rng.keep_tile`): one per entry cost 2.5x
+    the attention itself on an H200."""
+    keep = dropout_keep(spec, key, base, r, k0, x.shape[-1])
+    return drop(spec, keep, x) if scaled else jnp.where(keep, x, 0.0)
+
+
+def dropout_keep(spec: AttnSpec, key, base, r, k0, bk: int):
+    """The keep-mask (bool [..., bq, bk]) that `dropout` applies."""
+    return _rng.keep_tile(key, base + r, k0, bk, spec.dropout, spec.interpret)
+
+
+def drop(spec: AttnSpec, keep, x):
+    return jnp.where(keep, x * _philox.scale(spec.dropout), 0.0)
 
 
 def row_positions(spec: AttnSpec, r0, n: int):

@@ -8,7 +8,7 @@ residual and bias + activation + dropout kernels, lecture 10 sec. 2.3 and 3; unf
 three to four kernels and two to three stored intermediates, plus the mask).
 
 Backward (`custom_vjp`, saves x only when there is an activation to differentiate): one kernel
-regenerates the mask and writes dx = dy * keep / (1 - rate) * act'(x + bias), summing dbias over
+regenerates the mask and writes dx = dy * keep / p * act'(x + bias), summing dbias over
 rows in the same pass (per-group float32 partial rows, as the norms' dweight: no atomics);
 d residual = dy needs no kernel.
 """
@@ -87,53 +87,40 @@ class _Static:
     rate: float            # 0.0: no dropout, no RNG work
     has_bias: bool
     has_residual: bool
-    quarters: bool         # rate > 0, n_cols % 4 == 0: `quarter_pass`, blocks over n_cols / 4
     fwd_blocks: RowBlocks
     bwd_blocks: RowBlocks
     interpret: bool
     name: str
 
 
-def dropout_scale(tile: _rows.Tile, n_cols: int, rate: float, interpret: bool):
-    """where(keep, 1 / (1 - rate), 0) for the tile's elements (the kernels' inverted dropout),
-    from the tile's Philox words when the pass computed them (`_rows.quarter_pass`)."""
-    if tile.bits is not None:
-        keep = _philox.keep_bits(tile.bits, rate)
-    else:
-        keep = _rng.keep(tile.key, tile.rows, tile.cols, n_cols, rate, interpret)
-    return jnp.where(keep, 1.0 / (1.0 - rate), 0.0)
+def drop(tile: _rows.Tile, x, rate: float, interpret: bool):
+    """Inverted dropout of x [br, bc], the values of the tile's elements: one Philox call per 8
+    elements of a tile of whole 32-column blocks (`_rng.keep_tile`)."""
+    rows = tile.row0 + jax.lax.broadcasted_iota(jnp.int32, (x.shape[-2], 1), 0)
+    return _rng.drop_tile(x, tile.key, rows, tile.col0, rate, interpret)
 
 
 def _forward(x2, bias, res2, key_w, st: _Static):
-    n_cols = x2.shape[1]
     tiled = [x2] + ([res2] if st.has_residual else [])
 
     def emit(tile):
         z = tile.x[0] + tile.per_col[0] if st.has_bias else tile.x[0]
         z = act(st.activation, z)
         if st.rate:
-            z = z * dropout_scale(tile, n_cols, st.rate, st.interpret)
+            z = drop(tile, z, st.rate, st.interpret)
         if st.has_residual:
             z = z + tile.x[1]
         return (z,), (), ()
 
-    (out,) = _pass(st)(
+    (out,) = _rows.map_pass(
         emit, tiled=tiled, fills=[0.0] * len(tiled), per_col=[bias] if st.has_bias else [],
         out_dtypes=(x2.dtype,), blocks=st.fwd_blocks, name=f"jaxfuse_{st.name}_fwd",
         interpret=st.interpret, key=key_w if st.rate else None)
     return out
 
 
-def _pass(st: _Static):
-    """The row pass for these settings: Philox once per four elements when it can."""
-    if st.quarters:
-        return functools.partial(_rows.quarter_pass, mulhi=_rng.mulhi(st.interpret))
-    return _rows.map_pass
-
-
 def _backward(x2, bias, key_w, dy2, st: _Static):
     """(dx, dbias or None)."""
-    n_cols = dy2.shape[1]
     if not (st.rate or st.activation or st.has_bias):
         return dy2, None
     tiled = [dy2] + ([x2] if st.activation else [])
@@ -141,14 +128,14 @@ def _backward(x2, bias, key_w, dy2, st: _Static):
     def emit(tile):
         g = tile.x[0]
         if st.rate:
-            g = g * dropout_scale(tile, n_cols, st.rate, st.interpret)
+            g = drop(tile, g, st.rate, st.interpret)
         if st.activation:
             z = tile.x[1] + tile.per_col[0] if st.has_bias else tile.x[1]
             g = g * act_grad(st.activation, z)
         return (g,), (), ((g,) if st.has_bias else ())
 
     needs_x = bool(st.activation)
-    dx, *sums = _pass(st)(
+    dx, *sums = _rows.map_pass(
         emit, tiled=tiled, fills=[0.0] * len(tiled),
         per_col=[bias] if (st.has_bias and needs_x) else [], out_dtypes=(dy2.dtype,),
         n_col_sums=int(st.has_bias), blocks=st.bwd_blocks, name=f"jaxfuse_{st.name}_bwd",
@@ -185,13 +172,11 @@ def apply(x, bias, residual, *, activation: str | None, rate: float, key, name: 
     rate = float(rate) if _philox.active(rate, key if key_w is None else key_w) else 0.0
     x2 = _rows.as_rows(x)
     n_rows, n_cols = x2.shape
-    quarters = bool(rate) and n_cols % 4 == 0
-    tiled_cols = n_cols // 4 if quarters else n_cols
-    fwd = _rows.resolve_blocks(block_sizes, n_rows, tiled_cols, interpret)
-    bwd = _rows.resolve_blocks(block_sizes, n_rows, tiled_cols, interpret,
+    fwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret)
+    bwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret,
                                accumulate_rows=bias is not None)
-    st = _Static(activation, rate, bias is not None, residual is not None, quarters, fwd, bwd,
-                 interpret, name)
+    st = _Static(activation, rate, bias is not None, residual is not None, fwd, bwd, interpret,
+                 name)
     if key_w is None:
         key_w = _philox.key_words(key) if rate else None
     res2 = None if residual is None else _rows.as_rows(residual)

@@ -167,7 +167,7 @@ def _backward(x2, weight, mean, rstd, g2, st: _Static, dh2=None, rate: float = 0
         dres = dx + tile.x[2]
         outs = (dres,)
         if rate:
-            outs += (dres * _dropout.dropout_scale(tile, n_cols, rate, st.interpret),)
+            outs += (_dropout.drop(tile, dres, rate, st.interpret),)
         return outs, (), col_sums
 
     tiled = [x2, g2] + ([] if dh2 is None else [dh2])

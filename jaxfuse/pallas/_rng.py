@@ -34,10 +34,32 @@ def mulhi(interpret: bool):
     return lax.mulhi if interpret else _mulhi_ptx
 
 
-def keep(key_w, rows, cols, n_cols: int, rate: float, interpret: bool, stream=0):
-    """`_philox.keep` for a tile of absolute (rows, cols) indices, in the kernel's regime."""
-    return _philox.keep(key_w, global_rows(key_w, rows), cols, n_cols, rate, stream=stream,
+def keep(key_w, rows, cols, rate: float, interpret: bool, stream=0):
+    """`_philox.keep` for absolute (rows, cols) indices of the kernel's view, in the kernel's
+    regime; rows are mapped to the whole array's rows first (`global_rows`)."""
+    return _philox.keep(key_w, global_rows(key_w, rows), cols, rate, stream=stream,
                         mulhi=mulhi(interpret))
+
+
+def keep_tile(key_w, rows, col0, n_cols: int, rate: float, interpret: bool, stream=0):
+    """The keep-mask of a [..., br, n_cols] tile: rows `rows` (int32 [..., br, 1]), columns
+    col0 .. col0 + n_cols - 1 (col0 a multiple of n_cols). One Philox call per
+    `_philox.GROUP` elements when the tile holds whole 32-column blocks (`_philox.keep_block`),
+    else one per element (narrow tiles; the same bits)."""
+    if n_cols % _philox.BLOCK == 0:
+        return _philox.keep_block(key_w, global_rows(key_w, rows), col0, n_cols, rate,
+                                  stream=stream, mulhi=mulhi(interpret))
+    cols = col0 + lax.broadcasted_iota(jnp.int32, (1,) * (jnp.ndim(rows) - 1) + (n_cols,),
+                                       jnp.ndim(rows) - 1)
+    return keep(key_w, rows, cols, rate, interpret, stream)     # keep maps the rows itself
+
+
+def drop_tile(x, key_w, rows, col0, rate: float, interpret: bool, stream=0):
+    """where(keep, x / keep probability, 0) for x [..., br, bc] at rows `rows` [..., br, 1] and
+    columns col0 .. col0 + bc - 1 (the kernels' inverted dropout). Selecting after scaling
+    lets the compiled kernel move only the boolean mask, when it moves one between layouts."""
+    keep = keep_tile(key_w, rows, col0, x.shape[-1], rate, interpret, stream)
+    return jnp.where(keep, x * _philox.scale(rate), 0.0)
 
 
 def global_rows(key_w, rows):

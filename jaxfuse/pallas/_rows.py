@@ -25,9 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxfuse import _philox
 from jaxfuse.pallas import _common as C
-from jaxfuse.pallas import _rng
 
 _GPU_MAX_TILE_COLS = 16384      # longest row held in registers at once
 _GPU_TILE_ELEMS = 4096          # elements per program for short rows
@@ -99,7 +97,8 @@ class Tile(NamedTuple):
     cols: jax.Array  # int32 [br, bc] absolute column index
     valid: jax.Array  # bool [br, bc] inside the array
     key: tuple = ()  # the two uint32 Philox key words (scalars) when the pass was given a key
-    bits: jax.Array | None = None  # uint32 [br, bc] Philox words of these elements (quarter_pass)
+    row0: jax.Array | int = 0  # absolute index of the tile's first row (dropout masks)
+    col0: jax.Array | int = 0  # ... and of its first column
 
 
 def _load(refs, fills, per_row, per_col, row0, col0, b: RowBlocks, n_rows, n_cols, key=()):
@@ -108,7 +107,7 @@ def _load(refs, fills, per_row, per_col, row0, col0, b: RowBlocks, n_rows, n_col
     tiles = [C.load_tile(ref, row0, col0, b.block_rows, b.block_cols, n_rows, n_cols,
                          other=fill)[0].astype(jnp.float32) for ref, fill in zip(refs, fills)]
     rows, cols, valid = C.tile_index(row0, col0, b.block_rows, b.block_cols, n_rows, n_cols)
-    return Tile(tuple(tiles), per_row, per_col, rows, cols, valid, key)
+    return Tile(tuple(tiles), per_row, per_col, rows, cols, valid, key, row0, col0)
 
 
 def _per_row(refs, row0, b: RowBlocks, n_rows):
@@ -222,73 +221,6 @@ def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Seque
                          interpret=interpret, num_warps=b.num_warps,
                          input_output_aliases={int(has_key): 0} if in_place else None)(
         *([key] if has_key else []), *tiled, *per_row, *per_col)
-
-
-def quarter_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_col: Sequence = (),
-                 out_dtypes: Sequence, n_col_sums: int = 0, blocks: RowBlocks, name: str,
-                 interpret: bool, key: jax.Array, mulhi):
-    """`map_pass` for elementwise ops with dropout, one Philox call per four elements.
-
-    The mask's definition (`jaxfuse._philox`) gives the four elements (row, c + w q), w < 4,
-    q = n_cols / 4, the four words of one Philox call. Here the [rows, n_cols] inputs are viewed
-    (for free) as [rows, 4, q], `blocks` tile the [rows, q] space, and each program loads the
-    four quarter tiles of its rows, computes Philox once for them and calls `emit(tile)` once
-    per quarter with `tile.bits` set to that quarter's word (a quarter of the integer work of
-    computing Philox per element, which on an H200 costs several times the memory traffic of
-    these ops). Needs n_cols % 4 == 0; no per-row inputs or outputs.
-    """
-    n_rows, n_cols = tiled[0].shape
-    q = n_cols // 4
-    b = blocks
-    rpp = b.rows_per_program or b.block_rows
-    n_groups, n_chunks = C.cdiv(n_rows, rpp), rpp // b.block_rows
-    tiled3 = [t.reshape(n_rows, 4, q) for t in tiled]
-    per_col = [p.reshape(4, q) for p in per_col]
-    n_t, n_c, n_o = len(tiled), len(per_col), len(out_dtypes)
-
-    def kernel(key_ref, *refs):
-        key_w = tuple(key_ref[i] for i in range(key.shape[0]))
-        t_refs, c_refs = refs[:n_t], refs[n_t:n_t + n_c]
-        o_refs, cs_refs = refs[n_t + n_c:n_t + n_c + n_o], refs[n_t + n_c + n_o:]
-        group, j = pl.program_id(0), pl.program_id(1)
-        col0 = j * b.block_cols
-        # Quarter indices as traced int32: interpret mode cannot index a ref with a Python int.
-        quarter = [group * 0 + w for w in range(4)]
-        cols_in = [tuple(C.load_tile(r, quarter[w], col0, 1, b.block_cols, 4, q)[0].astype(
-            jnp.float32) for r in c_refs) for w in range(4)]
-
-        def chunk(c, sums):
-            row0 = group * rpp + c * b.block_rows
-            rows, cols, valid = C.tile_index(row0, col0, b.block_rows, b.block_cols, n_rows, q)
-            words = _philox.philox4x32((cols.astype(jnp.uint32),
-                                        _rng.global_rows(key_w, rows).astype(jnp.uint32), 0, 0),
-                                       key_w[:2], mulhi=mulhi)
-            new = []
-            for w in range(4):
-                xs = tuple(C.load_tile(r, row0, col0, b.block_rows, b.block_cols, n_rows, q,
-                                       other=f, head=quarter[w])[0].astype(jnp.float32)
-                           for r, f in zip(t_refs, fills))
-                tile = Tile(xs, (), cols_in[w], rows, cols + w * q, valid, key_w, words[w])
-                out_tiles, _, col_sums = emit(tile)
-                for ref, val in zip(o_refs, out_tiles):
-                    C.store_tile(ref, val, row0, col0, n_rows, q, head=quarter[w])
-                new.append(tuple(s + jnp.sum(jnp.where(rows < n_rows, v, 0.0), axis=0,
-                                             keepdims=True)
-                                 for s, v in zip(sums[w], col_sums)))
-            return tuple(new)
-
-        zero = tuple(jnp.zeros((1, b.block_cols), jnp.float32) for _ in range(n_col_sums))
-        sums = C.reduce_tiles(n_chunks, chunk, (zero,) * 4)
-        for w in range(4):
-            for ref, val in zip(cs_refs, sums[w]):
-                C.store_tile(ref, val, group, col0, n_groups, q, head=quarter[w])
-
-    out_shape = ([jax.ShapeDtypeStruct((n_rows, 4, q), d) for d in out_dtypes]
-                 + [jax.ShapeDtypeStruct((n_groups, 4, q), jnp.float32)] * n_col_sums)
-    outs = C.pallas_call(kernel, out_shape=out_shape, grid=(n_groups, C.cdiv(q, b.block_cols)),
-                         name=name, interpret=interpret, num_warps=b.num_warps)(
-        key, *tiled3, *per_col)
-    return [o.reshape(o.shape[0], n_cols) for o in outs]
 
 
 def as_rows(x: jax.Array) -> jax.Array:

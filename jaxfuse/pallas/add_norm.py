@@ -37,7 +37,7 @@ def _forward(x2, res2, weight, bias, key_w, st: _Static):
     b = ns.fwd_blocks
     n_cols = x2.shape[1]
     if C.cdiv(n_cols, b.block_cols) > 1:
-        d_st = _dropout._Static(None, st.rate, False, True, False, b, b, ns.interpret,
+        d_st = _dropout._Static(None, st.rate, False, True, b, b, ns.interpret,
                                 "add_norm_add")
         h2 = _dropout._forward(x2, None, res2, key_w, d_st)
         return (h2, *_norm._forward(h2, weight, bias, ns))
@@ -45,7 +45,7 @@ def _forward(x2, res2, weight, bias, key_w, st: _Static):
     def emit(tile):
         x, res = tile.x
         if st.rate:
-            x = x * _dropout.dropout_scale(tile, n_cols, st.rate, ns.interpret)
+            x = _dropout.drop(tile, x, st.rate, ns.interpret)
         # y normalizes h as stored (rounded to the output dtype), as the unfused ops would.
         h = (res + x).astype(x2.dtype).astype(jnp.float32)
         h = jnp.where(tile.valid, h, 0.0)

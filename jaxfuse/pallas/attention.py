@@ -57,7 +57,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
             nan_v = A.sees(keep, bad_v)
         u, _ = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), keep)    # [..., bq, bk]
         # Dropout acts on P after the normalizer l has summed it (l counts every kept score).
-        drop = (lambda p: p * A.dropout_scale(spec, key, base, r, k_pos)) if spec.dropout \
+        drop = (lambda p: A.dropout(spec, key, base, r, k0, p, scaled=False)) if spec.dropout \
             else (lambda p: p)
 
         def pv_of(p):
@@ -68,6 +68,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, spec: AttnSpec, bq: int, bk: int):
     carry = A.split_loop(A.key_blocks(spec, r0, bq, bk), step,
                          A.online_init(q.shape[:-2], bq, spec))
     o, lse_u = A.online_finish(carry, spec.c2)
+    if spec.dropout:   # the keep probability's inverse, once per row instead of per entry of P
+        o = o * _philox.scale(spec.dropout)
     A.store_rows(o_ref, o, 0, spec.rows, spec, global_r0=r0)
     C.store_vec(lse_ref, lse_u, 0, spec.rows, global_row0=r0)
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxfuse import _philox
 from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas._attn import AttnBlocks, AttnSpec
@@ -71,7 +72,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Att
         p = _probs(spec, u, lse_u)                                            # [..., bq, bk]
         dp = A.dot(do, v, "...qd,...kd->...qk")
         if spec.dropout:   # dO V^T is the gradient of the dropped P: dP = that * Z
-            dp = dp * A.dropout_scale(spec, key, base, r, k_pos)
+            dp = A.dropout(spec, key, base, r, k0, dp)
         ds = _ds(spec, p, dp, delta, t)
         if masked:     # garbage in masked keys reaches no gradient (`_attn.finite_rows`)
             ds = jnp.where(keep, ds, 0.0)
@@ -121,11 +122,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
             if masked:     # a NaN row (it saw garbage) leaks nothing into keys it does not see
                 p = jnp.where(keep, p, 0.0)
             dp = A.dot(do, v, "...qd,...kd->...qk")
-            if spec.dropout:   # dV = (P * Z)^T dO and dP = (dO V^T) * Z, Z = keep / (1 - rate)
-                z = A.dropout_scale(spec, key, base0 + g * spec.rows,
-                                    q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0), k_pos)
-                dv = dv + A.dot((p * z).astype(do.dtype), do, "...qk,...qd->...kd")
-                dp = dp * z
+            if spec.dropout:   # dV = (P * Z)^T dO and dP = (dO V^T) * Z, Z = keep / P(keep)
+                z = A.dropout_keep(spec, key, base0 + g * spec.rows,
+                                   q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0), k0, bk)
+                # dV's 1 / keep probability is applied once, to the sum (below the loop).
+                dv = dv + A.dot(jnp.where(z, p, 0.0).astype(do.dtype), do, "...qk,...qd->...kd")
+                dp = A.drop(spec, z, dp)
             else:
                 dv = dv + A.dot(p.astype(do.dtype), do, "...qk,...qd->...kd")
             ds = _ds(spec, p, dp, delta, t)
@@ -139,6 +141,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
     n_heads = 1 if spec.folded else spec.groups
     dk, dv = C.reduce_tiles(n_heads, head, carry)
     A.store_rows(dk_ref, dk * spec.scale, 0, spec.n_k, spec, global_r0=k0)
+    if spec.dropout:
+        dv = dv * _philox.scale(spec.dropout)
     A.store_rows(dv_ref, dv, 0, spec.n_k, spec, global_r0=k0)
 
 

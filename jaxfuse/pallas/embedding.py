@@ -41,10 +41,9 @@ class _Static:
     interpret: bool
 
 
-def _drop_row(key_w, n, cols, d: int, st: _Static):
-    """where(keep, 1 / (1 - rate), 0) for columns `cols` [1, bc] of output row n."""
-    keep = _rng.keep(key_w, jnp.full(cols.shape, n, jnp.int32), cols, d, st.rate, st.interpret)
-    return jnp.where(keep, 1.0 / (1.0 - st.rate), 0.0)
+def _drop_row(x, key_w, n, col0, st: _Static):
+    """Inverted dropout of x [1, bc], columns col0 .. col0 + bc - 1 of output row n."""
+    return _rng.drop_tile(x, key_w, jnp.full((1, 1), n, jnp.int32), col0, st.rate, st.interpret)
 
 
 def _key(refs, st: _Static):
@@ -79,7 +78,7 @@ def _forward(tok, pos, table, pos_table, key_w, st: _Static):
                 val = val + C.load_tile(p_ref, jnp.clip(p, 0, n_pos - 1), col0, 1, bc, n_pos,
                                         d)[0].astype(jnp.float32)
             if st.rate:
-                val = val * _drop_row(key, n, cols, d, st)
+                val = _drop_row(val, key, n, col0, st)
             val = jnp.where(ok, val, jnp.nan)
             C.store_tile(o_ref, val, n, col0, n_rows, d, mask=cols < d)
             return carry
@@ -121,7 +120,7 @@ def _segment_sum(order, bounds, dy2, key_w, factor: float, n_table: int, dtype, 
                 g, _, cols, _ = C.load_tile(dy_ref, n, col0, 1, bc, n_rows, d)
                 g = g.astype(jnp.float32)
                 if st.rate:
-                    g = g * _drop_row(key, n, cols, d, st)
+                    g = _drop_row(g, key, n, col0, st)
                 return acc + g * factor
 
             acc = jax.lax.fori_loop(bounds_ref[v_in], bounds_ref[v_in + 1], add,

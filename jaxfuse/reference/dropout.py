@@ -1,6 +1,9 @@
 """Reference dropout with the counter-based mask every jaxfuse kernel regenerates.
 
-    dropout(x) = where(keep, x / (1 - rate), 0)   (inverted dropout: E[dropout(x)] = x)
+    dropout(x) = where(keep, x / p, 0)   (inverted dropout: E[dropout(x)] = x)
+
+with p = P(keep) = 1 - rate rounded to a multiple of 2^-16 (`jaxfuse._philox.keep_prob`; within
+2^-17 of 1 - rate).
 
 `keep` is `jaxfuse._philox.keep` over the `[rows, x.shape[-1]]` view of x: a pure function of
 (key, shape, element index), computed here with jax.numpy integer ops, so a kernel and this
@@ -39,10 +42,10 @@ def keep_mask(key, shape, rate: float, *, stream=0) -> jax.Array:
     """bool `shape`: the elements that dropout keeps (over the [rows, shape[-1]] view)."""
     n_cols = shape[-1]
     n_rows = math.prod(shape[:-1])
-    rows = jax.lax.broadcasted_iota(jnp.int32, (n_rows, n_cols), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (n_rows, n_cols), 1)
-    return _philox.keep(_philox.key_words(key), rows, cols, n_cols, rate,
-                        stream=stream).reshape(shape)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (n_rows, 1), 0)
+    padded = -(-n_cols // _philox.BLOCK) * _philox.BLOCK     # whole blocks, then cut
+    keep = _philox.keep_block(_philox.key_words(key), rows, 0, padded, rate, stream=stream)
+    return keep[:, :n_cols].reshape(shape)
 
 
 def apply(v: jax.Array, rate: float, key) -> jax.Array:
@@ -50,7 +53,7 @@ def apply(v: jax.Array, rate: float, key) -> jax.Array:
     composition of this family calls."""
     if not _philox.active(rate, key):
         return v
-    return jnp.where(keep_mask(key, v.shape, rate), v * (1.0 / (1.0 - float(rate))), 0.0)
+    return jnp.where(keep_mask(key, v.shape, rate), v * _philox.scale(rate), 0.0)
 
 
 def dropout(x: jax.Array, rate: float, key) -> jax.Array:

@@ -15,10 +15,10 @@ KEY = jax.random.key(7)
 
 
 def test_dropout_family_rows_split_same_masks():
-    """[B, T, D] split over batch and time (D % 4 == 0: one Philox call per four elements),
-    and [rows, 13] over rows (a Philox call per element)."""
+    """[B, T, D] split over batch and time (D = 32, whole 32-column blocks: one Philox call per
+    eight elements, `_philox.keep_block`), and [rows, 13] over rows (a Philox call per element)."""
     k = keys(40, 4)
-    x, res, bias = randn(k[0], (4, 8, 12)), randn(k[1], (4, 8, 12)), randn(k[2], (12,))
+    x, res, bias = randn(k[0], (4, 8, 32)), randn(k[1], (4, 8, 32)), randn(k[2], (32,))
     x2 = randn(k[3], (24, 13))
 
     def f(x, bias, res, x2):
@@ -39,8 +39,8 @@ def test_dropout_family_rows_split_same_masks():
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 def test_add_norm_rows_split_with_dropout(norm):
     k = keys(41, 4)
-    x, res = randn(k[0], (4, 8, 16)), randn(k[1], (4, 8, 16), shift=1.0)
-    w, b = randn(k[2], (16,)), randn(k[3], (16,))
+    x, res = randn(k[0], (4, 8, 32)), randn(k[1], (4, 8, 32), shift=1.0)   # 32: `keep_block`
+    w, b = randn(k[2], (32,)), randn(k[3], (32,))
     if norm == "rms":
         f, args = (lambda x, r, w: jaxfuse.add_norm(x, r, w, rate=0.25, key=KEY)), (x, res, w)
     else:
@@ -72,7 +72,7 @@ def test_embedding_vocab_parallel_with_dropout():
     """Table split over the vocabulary (tensor parallel): each device looks up its slice; a
     token out of range still gives a NaN row, and no gradient."""
     k = keys(43, 2)
-    table = randn(k[0], (20, 12))
+    table = randn(k[0], (20, 32))                       # 32: `keep_block`
     tokens = jax.random.randint(k[1], (4, 8), 0, 20).at[1, 3].set(20)
     f = lambda tokens, table: jaxfuse.embedding(tokens, table, scale=2.0, rate=0.3, key=KEY)
     one, many, hlo = run_both(f, (tokens, table), [P("data", "seq"), P("tensor")], diff=(1,))
@@ -98,7 +98,8 @@ def test_flash_attention_dropout_batch_heads_split():
     """Attention-probability dropout with batch and KV heads split (GQA): each shard's kernel
     drops the one-device entries of its (batch, head) slabs, forward and backward."""
     k = keys(45, 3)
-    q, kk, v = randn(k[0], (4, 16, 8, 8)), randn(k[1], (4, 16, 4, 8)), randn(k[2], (4, 16, 4, 8))
+    # Tk = 32: whole 32-key blocks, so the kernels draw P's mask with `_philox.keep_block`
+    q, kk, v = randn(k[0], (4, 32, 8, 8)), randn(k[1], (4, 32, 4, 8)), randn(k[2], (4, 32, 4, 8))
     f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, dropout_rate=0.3,
                                                 dropout_key=KEY, return_lse=True)
     one, many, hlo = run_both(f, (q, kk, v), [P("data", None, ("tensor", "seq"))] * 3,

@@ -38,6 +38,7 @@ S = "block"
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 RATE = 0.1
 SMALL = False
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)   # --dtypes: those the checks run
 ONLY: set | None = None   # --only: the ops to check and time ("attention" for its dropout)
 
 
@@ -177,7 +178,7 @@ def check():
               dict(rows=(33, 1000), rope=(3, 33, 4, 64), vocab=1, tokens=(33,))]
     if not SMALL:
         shapes.append(dict(rows=(1000, 4096), rope=(2, 300, 8, 128), vocab=5000, tokens=(4, 250)))
-    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+    for dtype in DTYPES:
         for sh in shapes:
             for name in filter(_wanted, ours):
                 label = f"check {name} {sh['rows'] if name not in ('rope',) else sh['rope']}"
@@ -352,16 +353,19 @@ def perf(copy_bw: float, sweep: bool = False):
 
 
 def main() -> None:
-    global SMALL, ONLY
+    global SMALL, ONLY, DTYPES
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--dtypes", default=None, help="comma-separated check dtypes, e.g. bfloat16")
     ap.add_argument("--only", default=None, help="comma-separated ops, e.g. rope,swiglu,attention")
     ap.add_argument("--sweep", action="store_true", help="also time dropout's row tiles")
     args = ap.parse_args()
     SMALL = args.small
     ONLY = set(args.only.split(",")) if args.only else None
+    if args.dtypes:
+        DTYPES = tuple(jnp.dtype(d).type for d in args.dtypes.split(","))
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
     copy_bw = _timing.copy_ceiling() if not SMALL else 1e11
     record("ceiling", "copy 1 GiB f32 (read+write)", "xla", None, TBps=copy_bw / 1e12)

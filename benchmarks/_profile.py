@@ -41,32 +41,6 @@ def kernel_times(fn, args, reps: int = 3) -> list[tuple[str, int, float]]:
     return sorted(rows, key=lambda r: -r[2])
 
 
-def hlo_op_times(fn, args, reps: int = 3) -> list[tuple[str, int, float]]:
-    """[(HLO op name, runs per call, ms per call)], largest first: the "XLA Ops" line, which
-    names the HLO instruction behind each kernel or copy (a memcpy's op, a fusion's name)."""
-    total = collections.defaultdict(float)
-    count = collections.Counter()
-    for plane in _gpu_planes(fn, args, reps):
-        for line in plane.lines:
-            if line.name != "XLA Ops":
-                continue
-            for ev in line.events:
-                name = re.sub(r"\s+", " ", ev.name)[:90]
-                total[name] += ev.duration_ns
-                count[name] += 1
-    rows = [(k, count[k] // reps, total[k] / reps / 1e6) for k in total]
-    return sorted(rows, key=lambda r: -r[2])
-
-
-def report_ops(section: str, workload: str, fn, args, top: int = 25, reps: int = 3,
-               match: str = "") -> None:
-    """The largest HLO ops of one call (those whose name contains `match`)."""
-    rows = [r for r in hlo_op_times(fn, args, reps) if match in r[0]]
-    print(f"{section:10s} {workload}: HLO ops{f' matching {match!r}' if match else ''}")
-    for name, n, ms in rows[:top]:
-        print(f"{'':12s}{ms:8.3f} ms  x{n:<5d} {name}")
-
-
 def report(section: str, workload: str, fn, args, top: int = 14, reps: int = 3) -> None:
     rows = kernel_times(fn, args, reps)
     busy = sum(r[2] for r in rows)

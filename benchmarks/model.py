@@ -194,8 +194,6 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None):
                                    "wt") as fh:
                         fh.write(compiled.as_text())
                 report(name, f"{impl} kernels", compiled, (params, tokens, targets), top=25)
-                from benchmarks._profile import report_ops
-                report_ops(name, impl, compiled, (params, tokens, targets), top=30)
         guarded(name, f"{name} B{b} T{t} loss+grads", impl, run)
         bar.update()
     base = next((k for k in results if k.startswith("plain")), None)

@@ -142,6 +142,42 @@ def _row_vec(x, n: int):
     return lax.broadcast_in_dim(x, (x.shape[0], n), (0,))
 
 
+def query_tile(spec: AttnSpec, hq: int, n_q_tiles: int, bk: int):
+    """(b, h, row0, key block bounds `A.key_blocks`) of this CTA's 2 x 64 query rows, grid
+    ("bh", "q"); causal: heaviest first (the last query tiles see the most keys)."""
+    bh = lax.axis_index("bh")
+    tile = lax.axis_index("q")
+    if spec.causal:
+        tile = n_q_tiles - 1 - tile
+    row0 = tile * (2 * _ROWS)
+    return bh // hq, bh % hq, row0, A.key_blocks(spec, row0, 2 * _ROWS, bk)
+
+
+def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full, empty):
+    """The producer warpgroup of a kernel that walks n key blocks from block lo: K and V of
+    (b, h_kv) through a ring of `stages` shared-memory slots, (k, v) pairs of smem refs,
+    'full' barriers it arrives on and 'empty' barriers the consumers release."""
+    plgpu.set_max_registers(40, action="decrease")
+    kv = lambda ref, j: ref.at[b, pl.ds((lo + j) * bk, bk), h_kv]
+
+    @pl.loop(0, n)
+    def _step(j):
+        slot = lax.rem(j, stages)
+        for src, dst, f, e in zip((k_gmem, v_gmem), smem, full, empty):
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(e.at[slot])
+            plgpu.copy_gmem_to_smem(kv(src, j), dst.at[slot], f.at[slot])
+
+    # Observe the last releases, so every barrier completion is waited for before the kernel
+    # ends (the interpreter checks it; on the GPU it costs nothing).
+    @pl.loop(jnp.maximum(n, stages), n + stages)
+    def _drain(j):
+        slot = lax.rem(j, stages)
+        for e in empty:
+            plgpu.barrier_wait(e.at[slot])
+
+
 def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                   tiles: HopperAttnTiles, stages: int, n_q_tiles: int):
     bk, d, g = tiles.block_k, spec.head_dim, spec.groups
@@ -151,44 +187,14 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
 
     def scoped(q_smem, k_smem, v_smem, lse_smem, k_full, v_full, q_full, k_empty, v_empty,
                turn):
-        bh = lax.axis_index("bh")
-        b, h = bh // q_gmem.shape[2], bh % q_gmem.shape[2]
-        tile = lax.axis_index("q")
-        if spec.causal:      # heaviest first: the last query tiles see the most keys
-            tile = n_q_tiles - 1 - tile
-        row0 = tile * (2 * _ROWS)
-        lo, f_lo, f_hi, hi = A.key_blocks(spec, row0, 2 * _ROWS, bk)
+        b, h, row0, (lo, f_lo, f_hi, hi) = query_tile(spec, q_gmem.shape[2], n_q_tiles, bk)
         n = hi - lo
         wg = lax.axis_index("wg")
 
-        def kv(ref, j):
-            return ref.at[b, pl.ds((lo + j) * bk, bk), h // g]
-
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
-
-            @pl.loop(0, n)
-            def _step(j):
-                slot = lax.rem(j, stages)
-
-                @pl.when(j >= stages)
-                def _():
-                    plgpu.barrier_wait(k_empty.at[slot])
-                plgpu.copy_gmem_to_smem(kv(k_gmem, j), k_smem.at[slot], k_full.at[slot])
-
-                @pl.when(j >= stages)
-                def _():
-                    plgpu.barrier_wait(v_empty.at[slot])
-                plgpu.copy_gmem_to_smem(kv(v_gmem, j), v_smem.at[slot], v_full.at[slot])
-
-            # Observe the last releases, so every barrier completion is waited for before the
-            # kernel ends (the interpreter checks it; on the GPU it costs nothing).
-            @pl.loop(jnp.maximum(n, stages), n + stages)
-            def _drain(j):
-                slot = lax.rem(j, stages)
-                plgpu.barrier_wait(k_empty.at[slot])
-                plgpu.barrier_wait(v_empty.at[slot])
+            produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
+                       (k_full, v_full), (k_empty, v_empty))
 
         @pl.when(wg < 2)
         def _consumer():

@@ -362,42 +362,14 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
 
     def scoped(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_full, k_full, v_full,
                k_empty, v_empty):
-        bh = lax.axis_index("bh")
-        b, h = bh // q_gmem.shape[2], bh % q_gmem.shape[2]
-        tile = lax.axis_index("q")
-        if spec.causal:      # heaviest first: the last query tiles see the most keys
-            tile = n_q_tiles - 1 - tile
-        row0 = tile * (2 * _ROWS)
-        lo, f_lo, f_hi, hi = A.key_blocks(spec, row0, 2 * _ROWS, bk)
+        b, h, row0, (lo, f_lo, f_hi, hi) = AH.query_tile(spec, q_gmem.shape[2], n_q_tiles, bk)
         n = hi - lo
         wg = lax.axis_index("wg")
 
-        def kv(ref, j):
-            return ref.at[b, pl.ds((lo + j) * bk, bk), h // g]
-
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
-
-            @pl.loop(0, n)
-            def _step(j):
-                slot = lax.rem(j, stages)
-
-                @pl.when(j >= stages)
-                def _():
-                    plgpu.barrier_wait(k_empty.at[slot])
-                plgpu.copy_gmem_to_smem(kv(k_gmem, j), k_smem.at[slot], k_full.at[slot])
-
-                @pl.when(j >= stages)
-                def _():
-                    plgpu.barrier_wait(v_empty.at[slot])
-                plgpu.copy_gmem_to_smem(kv(v_gmem, j), v_smem.at[slot], v_full.at[slot])
-
-            @pl.loop(jnp.maximum(n, stages), n + stages)
-            def _drain(j):
-                slot = lax.rem(j, stages)
-                plgpu.barrier_wait(k_empty.at[slot])
-                plgpu.barrier_wait(v_empty.at[slot])
+            AH.produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
+                          (k_full, v_full), (k_empty, v_empty))
 
         @pl.when(wg < 2)
         def _consumer():

@@ -23,8 +23,18 @@ def _gpu_planes(fn, args, reps: int):
     return [p for p in ProfileData.from_file(path).planes if p.name.startswith("/device:GPU")]
 
 
-def kernel_times(fn, args, reps: int = 3) -> list[tuple[str, int, float]]:
-    """[(kernel name, launches per call, ms per call)], largest first, over `reps` calls."""
+def _hlo_op(ev) -> str:
+    """The HLO instruction that launched a kernel (the runtime tags each launch with it)."""
+    for name, value in ev.stats:
+        if name == "hlo_op":
+            return str(value)
+    return "?"
+
+
+def kernel_times(fn, args, reps: int = 3, ops: dict | None = None
+                 ) -> list[tuple[str, int, float]]:
+    """[(kernel name, launches per call, ms per call)], largest first, over `reps` calls.
+    `ops`, if given, is filled with {kernel name: Counter(HLO op -> ns)}."""
     total = collections.defaultdict(float)
     count = collections.Counter()
     for plane in _gpu_planes(fn, args, reps):
@@ -37,16 +47,27 @@ def kernel_times(fn, args, reps: int = 3) -> list[tuple[str, int, float]]:
                 name = re.sub(r"\s+", " ", ev.name)[:90]
                 total[name] += ev.duration_ns
                 count[name] += 1
+                if ops is not None:
+                    ops.setdefault(name, collections.Counter())[_hlo_op(ev)] += ev.duration_ns
     rows = [(k, count[k] // reps, total[k] / reps / 1e6) for k in total]
     return sorted(rows, key=lambda r: -r[2])
 
 
-def report(section: str, workload: str, fn, args, top: int = 14, reps: int = 3) -> None:
-    rows = kernel_times(fn, args, reps)
+def report(section: str, workload: str, fn, args, top: int = 14, reps: int = 3,
+           explain: tuple[str, ...] = ()) -> None:
+    """Prints the `top` kernels by time; for kernels whose name contains one of `explain`, also
+    the HLO instructions that launched them (which copy is which)."""
+    ops: dict = {}
+    rows = kernel_times(fn, args, reps, ops)
     busy = sum(r[2] for r in rows)
     print(f"{section:10s} {workload}: {busy:.3f} ms of kernels per call, {len(rows)} kinds")
     for name, n, ms in rows[:top]:
         print(f"{'':12s}{ms:8.3f} ms  x{n:<5d} {name}")
+    for name, n, ms in rows:
+        if any(e in name for e in explain):
+            print(f"{'':12s}{name}: launched by")
+            for op, ns in ops[name].most_common(40):
+                print(f"{'':16s}{ns / reps / 1e6:8.3f} ms  {op}")
 
 
 def gaps(fn, args, reps: int = 3, top: int = 12) -> None:

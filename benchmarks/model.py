@@ -93,7 +93,11 @@ def plain_loss(params, tokens, targets, cfg, attn_impl="cudnn"):
     if cfg.remat != "none":
         policy = None if cfg.remat == "block" else getattr(jax.checkpoint_policies, cfg.remat)
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, p["blocks"])
+    if cfg.scan_layers:
+        x, _ = jax.lax.scan(body, x, p["blocks"])
+    else:
+        for i in range(cfg.n_layers):
+            x, _ = body(x, jax.tree.map(lambda a: a[i], p["blocks"]))
     logits = _plain_norm(x, p["final_norm"], cfg) @ T.unembedding(p, cfg)
     valid = targets != -100
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
@@ -193,7 +197,8 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None):
                     with gzip.open(os.path.join(profile_dir, f"{name}_{slug}.hlo.txt.gz"),
                                    "wt") as fh:
                         fh.write(compiled.as_text())
-                report(name, f"{impl} kernels", compiled, (params, tokens, targets), top=25)
+                report(name, f"{impl} kernels", compiled, (params, tokens, targets), top=40,
+                       explain=("memcpy",))
         guarded(name, f"{name} B{b} T{t} loss+grads", impl, run)
         bar.update()
     base = next((k for k in results if k.startswith("plain")), None)
@@ -305,6 +310,11 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--swap-attention", action="store_true",
                     help="also time jaxfuse with cuDNN attention swapped in (157M)")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="skip the impl=\"reference\" train row (slow; a diagnostic run)")
+    ap.add_argument("--no-scan", action="store_true",
+                    help="run the layers as a Python loop (Config.scan_layers=False) in every "
+                         "train row, jaxfuse and plain alike")
     ap.add_argument("--profile", action="store_true",
                     help="print each train row's largest GPU kernels (jax.profiler trace)")
     args = ap.parse_args(argv)
@@ -322,8 +332,10 @@ def main(argv=None) -> None:
     else:
         c157, c1b = M.preset("157m"), M.preset("1b", remat="block")
         shapes = dict(t157=(8, 2048), t1b=(2, 8192), dec=(32, 8, 4, 512, 256), reps=10)
-    impls157 = ("jaxfuse", "plain", "reference") + (("jaxfuse, cuDNN",) if args.swap_attention
-                                                     else ())
+    if args.no_scan:
+        c157, c1b = (dataclasses.replace(c, scan_layers=False) for c in (c157, c1b))
+    impls157 = ("jaxfuse", "plain") + (() if args.no_reference else ("reference",)) + (
+        ("jaxfuse, cuDNN",) if args.swap_attention else ())
     tasks = {"train157": len(impls157), "train1b": 2, "decode": 4}
     bar = tqdm(total=sum(tasks[s] for s in args.sections), unit="run")
     if "train157" in args.sections:

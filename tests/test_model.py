@@ -77,6 +77,26 @@ class ModelTest(chex.TestCase):
             if len(hits):
                 self.assertTrue(np.all(row[hits[0]:] == 10))
 
+    def test_steps_per_sync_does_not_change_the_result(self):
+        """Bursts of fixed trip count between early-stop checks (1 = check every step, 16 >
+        max_new_tokens = one remainder loop) decode the same tokens, early eos included."""
+        params = _params(seed=6)
+        prompts = jax.random.randint(keys(6, 1)[0], (3, 5), 0, 11)
+        lengths = jnp.array([5, 2, 4], jnp.int32)
+        kw = dict(max_new_tokens=7, eos_id=int(jnp.argmax(  # an eos that some row emits early
+            M.prefill(params, M.init_cache(CFG, 3), prompts, lengths, CFG)[0][1])))
+        g = [M.greedy(params, CFG, prompts, lengths, steps_per_sync=n, **kw) for n in (1, 3, 16)]
+        self.assertTrue(bool(jnp.any(g[0] == kw["eos_id"])))
+        b = [M.beam_search(params, CFG, prompts, lengths, beam_size=3, steps_per_sync=n, **kw)
+             for n in (1, 3, 16)]
+        for i in (1, 2):
+            np.testing.assert_array_equal(g[i], g[0])
+            np.testing.assert_array_equal(b[i][0], b[0][0])
+            np.testing.assert_array_equal(b[i][1], b[0][1])
+        for bad in (0, 2.0):
+            with self.assertRaisesRegex(ValueError, "steps_per_sync"):
+                M.greedy(params, CFG, prompts, lengths, steps_per_sync=bad, **kw)
+
     def test_beam_search_matches_brute_force(self):
         cfg = M.Config(vocab_size=5, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=16,
                        max_len=8)

@@ -102,7 +102,11 @@ def attn_out(blk: dict, o: jax.Array, head_mask: jax.Array | None) -> jax.Array:
     if head_mask is not None:
         o = o * head_mask[:, None].astype(o.dtype)
     o = constrain(o, "batch", "seq", "heads", None)
-    return o.reshape(*o.shape[:-2], -1) @ blk["wo"]
+    # Contract (heads, head_dim) directly rather than over o.reshape(..., H * hd): the matmul
+    # then keeps o itself for its backward, the array flash attention already keeps. A reshaped
+    # copy is another residual, under lax.scan another [layers, B, T, d] stack filled by a copy.
+    h, hd = o.shape[-2:]
+    return jnp.einsum("...hd,hde->...e", o, blk["wo"].reshape(h, hd, -1))
 
 
 def mlp(blk: dict, y: jax.Array, impl: str) -> jax.Array:

@@ -164,13 +164,19 @@ def _auto(local: Callable, layout: Layout):
 
 
 def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
-           n_out: int, diff: Sequence[bool]) -> Callable:
+           n_out: int, diff: Sequence[bool], saved: Sequence[bool] | None = None) -> Callable:
     """A differentiable op of which both passes run per shard.
 
     `fwd(plan, *args)` returns its `n_out` outputs followed by extra residuals; the backward's
     operands are `args + outputs + extras + cotangents` (bwd_layout.operands in that order) and
     `bwd(plan, ...)` returns one gradient per differentiable argument (`diff[i]`); the others
     (integer labels, segment ids) get no cotangent.
+
+    `saved` (one flag per arg, output and extra; default all) keeps only the flagged ones as
+    residuals, and the backward's operands are then those, in order, then the cotangents. Keep
+    only what the backward reads: every residual is held from the forward to the backward, and
+    under `lax.scan` over layers it is also copied into and out of a stacked [layers, ...]
+    buffer (a kernel's output cannot be written into the stack in place).
     """
     @jax.custom_vjp
     def op(*args):
@@ -178,11 +184,14 @@ def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
 
     def op_fwd(*args):
         outs = partitioned(fwd, fwd_layout, args)
-        return outs[:n_out], (args, outs)
+        res = (*args, *outs)
+        keep = (True,) * len(res) if saved is None else tuple(saved)
+        if len(keep) != len(res):
+            raise ValueError(f"saved has {len(keep)} flags for {len(res)} args and outputs")
+        return outs[:n_out], tuple(r for r, k in zip(res, keep) if k)
 
     def op_bwd(res, cts):
-        args, outs = res
-        grads = iter(partitioned(bwd, bwd_layout, (*args, *outs, *cts)))
+        grads = iter(partitioned(bwd, bwd_layout, (*res, *cts)))
         return tuple(next(grads) if d else None for d in diff)
 
     op.defvjp(op_fwd, op_bwd)

@@ -66,9 +66,10 @@ def _row_splittable(rows, dropout: bool):
 def _vjp_local(local, n_args: int, diff, summed=()):
     """A backward pass for `local(plan, *args) -> outputs`: its own jax.vjp on the shard (the
     kernels' custom_vjp; the recomputed forward is dead code where its residuals are inputs),
-    the gradients of the operands in `summed` (shared by every row) psum'd over `summed[i]`."""
+    the gradients of the operands in `summed` (shared by every row) psum'd over `summed[i]`.
+    Its operands are the args and the cotangents (the outputs are not saved)."""
     def bwd(plan, *rest):
-        args, cts = rest[:n_args], rest[n_args + len(rest[n_args:]) // 2:]
+        args, cts = rest[:n_args], rest[n_args:]
         idx = [i for i in range(n_args) if diff[i]]
 
         def f(*d):
@@ -87,10 +88,10 @@ def _simple_op(local, operands, results, splittable, diff, summed=()):
     """A differentiable op whose backward is `_vjp_local` (no residuals but its inputs)."""
     n = len(operands)
     fwd = Layout(operands, results, splittable)
-    bwd = Layout((*operands, *results, *results),
-                 tuple(d for d, ok in zip(operands, diff) if ok), splittable)
+    bwd = Layout((*operands, *results), tuple(d for d, ok in zip(operands, diff) if ok),
+                 splittable)
     return vjp_op(local, _vjp_local(local, n, diff, summed), fwd, bwd, n_out=len(results),
-                  diff=diff)
+                  diff=diff, saved=(True,) * n + (False,) * len(results))
 
 
 # ---- swiglu ----------------------------------------------------------------------------------
@@ -117,7 +118,16 @@ def _rope_op(ndim: int, base: float, interleaved: bool, interpret, block_sizes):
     x, pos = (*rows, "t", "h", "d"), (*rows, "t")
     local = lambda plan, x, p: (_p_rope.rope(x, p, base=base, interleaved=interleaved,
                                              interpret=interpret, block_sizes=block_sizes),)
-    return _simple_op(local, (x, pos), (x,), (*rows, "t", "h"), (True, False))
+
+    def bwd(plan, p, dy):
+        # A rotation is linear in x: its vjp is the same at every x, so the cotangent stands in
+        # for the primal (whose forward is dead code) and x is not kept for the backward.
+        return jax.vjp(lambda x: local(plan, x, p)[0], dy)[1](dy)
+
+    splittable = (*rows, "t", "h")
+    return vjp_op(local, bwd, Layout((x, pos), (x,), splittable),
+                  Layout((pos, x), (x,), splittable), n_out=1, diff=(True, False),
+                  saved=(False, True, False))
 
 
 def rope(x, positions, *, base=10000.0, interleaved=True, interpret=None, block_sizes=None):
@@ -214,16 +224,18 @@ def _an_fwd(cfg, plan, x, res, *rest):
             rstd.reshape(x.shape[:-1]))
 
 
-def _an_bwd(cfg, plan, x, res, *rest):
-    w, b, key_w, (h, _, mean, rstd, dh, dy) = _an_unpack(cfg, rest)
-    rows = lead(x.ndim - 1)
-    key_w = shard_key(key_w, plan, x.shape[:-1], rows) if cfg[4] else None
-    x2 = as_rows(x)
+def _an_bwd(cfg, plan, *rest):
+    # Operands: the weights and key words, then h, mean, rstd (the residuals the kernel's
+    # backward reads; not x, residual or y) and the cotangents dh, dy.
+    w, b, key_w, (h, mean, rstd, dh, dy) = _an_unpack(cfg, rest)
+    rows = lead(h.ndim - 1)
+    key_w = shard_key(key_w, plan, h.shape[:-1], rows) if cfg[4] else None
+    h2 = as_rows(h)
     dx, dres, dw, db, _ = _p_an._add_norm_bwd(
-        _an_static(cfg, x2), (as_rows(h), w, b, mean.reshape(-1), rstd.reshape(-1), key_w),
+        _an_static(cfg, h2), (h2, w, b, mean.reshape(-1), rstd.reshape(-1), key_w),
         (as_rows(dh), as_rows(dy)))
     params = tuple(psum_over(g, plan, rows) for g in (dw, db) if g is not None)
-    return (dx.reshape(x.shape), dres.reshape(x.shape), *params)
+    return (dx.reshape(h.shape), dres.reshape(h.shape), *params)
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,9 +247,12 @@ def _add_norm_op(ndim: int, cfg):
     operands = (x, x, *params, *keys)
     splittable = _row_splittable(rows, bool(cfg[4]))
     fwd = Layout(operands, (x, x, rows, rows), splittable)
-    bwd = Layout((*operands, x, x, rows, rows, x, x), (x, x, *params), splittable)
+    bwd = Layout((*params, *keys, x, rows, rows, x, x), (x, x, *params), splittable)
+    # Saved: the weights, key words, h, mean and rstd; not x, residual (the backward needs
+    # neither) or y (the next matmul keeps its own).
+    saved = (False, False) + (True,) * (len(params) + len(keys)) + (True, False, True, True)
     return vjp_op(functools.partial(_an_fwd, cfg), functools.partial(_an_bwd, cfg), fwd, bwd,
-                  n_out=2, diff=(True,) * (2 + len(params)) + (False,) * len(keys))
+                  n_out=2, diff=(True,) * (2 + len(params)) + (False,) * len(keys), saved=saved)
 
 
 def add_norm(x, residual, weight, bias=None, *, norm="rms", eps=None, rate=0.0, key=None,

@@ -12,7 +12,7 @@ from jaxfuse.pallas import beam_top_k as P
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.reference import beam_top_k as R
 
-KINDS = ("normal", "ties", "equal", "neginf", "nonfinite")
+KINDS = ("normal", "ties", "equal", "neginf", "nonfinite", "zeros")
 _LOWEST_NAN = np.uint32(0xFFFFFFFF).view(np.float32)   # last in lax.top_k's order
 
 
@@ -31,12 +31,14 @@ def _log_probs(seed: int, shape, kind: str) -> np.ndarray:
                              np.uint32(0x7FC00123).view(np.float32)], np.float32)
         pick = rng.random(shape) < 0.6
         x[pick] = rng.choice(specials, pick.sum())
+    elif kind == "zeros":       # lax.top_k ranks +0 above -0: only the sign breaks these ties
+        x = rng.choice(np.array([-0.0, 0.0], np.float32), shape)
     return x
 
 
 def _beam_scores(seed: int, shape, kind: str) -> np.ndarray:
-    if kind == "nonfinite":     # +0: the candidates keep log_probs' bits, signed zeros included
-        return np.zeros(shape, np.float32)
+    if kind in ("nonfinite", "zeros"):    # x + -0 is x bit for bit, so the candidates keep -0 and +0
+        return np.full(shape, -0.0, np.float32)
     return np.random.default_rng(seed).integers(-1, 2, shape).astype(np.float32)
 
 

@@ -91,8 +91,9 @@ def group_top_k(flat: jax.Array, k: int, *, interpret: bool,
             idx, top_key, top_idx = carry
             live = idx != _RETIRED
             m = jnp.max(jnp.where(live, key, _KEY_MIN), axis=-1, keepdims=True)   # [br, 1]
-            # The live test matters: retired entries may share the key _KEY_MIN.
-            first = jnp.min(jnp.where(live & (key == m), idx, _RETIRED), axis=-1, keepdims=True)
+            # Retired entries may share the key m (_KEY_MIN) but carry the index _RETIRED, above
+            # every live one, so the first index of the max is a live entry's.
+            first = jnp.min(jnp.where(key == m, idx, _RETIRED), axis=-1, keepdims=True)
             return (jnp.where(idx == first, _RETIRED, idx), jnp.where(slots == i, m, top_key),
                     jnp.where(slots == i, first, top_idx))
 

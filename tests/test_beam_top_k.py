@@ -37,7 +37,7 @@ def _log_probs(seed: int, shape, kind: str) -> np.ndarray:
 
 
 def _beam_scores(seed: int, shape, kind: str) -> np.ndarray:
-    if kind in ("nonfinite", "zeros"):    # x + -0 is x bit for bit, so the candidates keep -0 and +0
+    if kind in ("nonfinite", "zeros"):    # x + -0 is x bit for bit: the candidates keep -0
         return np.full(shape, -0.0, np.float32)
     return np.random.default_rng(seed).integers(-1, 2, shape).astype(np.float32)
 

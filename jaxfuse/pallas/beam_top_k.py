@@ -2,8 +2,8 @@
 
 Selecting the best k of beam_size x V candidates is a large sort. HARS replaces it by a cheap
 retrieval followed by an exact re-rank of the few candidates retrieved. Here the retrieval keeps
-enough that the re-rank is always exact, with no overflow check and so no branch on the data
-(the old overflow fallback branched on the data: a device-to-host sync every decoding step):
+enough that the re-rank is always exact: no overflow check, so no branch on the data (a fallback
+taken on overflow cost a device-to-host sync every step of beam search's decoding loop):
 
 1. Retrieve (the Pallas kernel): split each batch row's beam_size * V flat candidates into G
    contiguous groups of `width` (one kernel tile each) and keep every group's own top k, best

@@ -74,9 +74,12 @@ def test_linear_cross_entropy_lowers(opts):
     _fwd_bwd(lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, interpret=False, **opts), x, w)
 
 
-def test_beam_top_k_lowers():
-    lp = jnp.zeros((2, 4, 1000), jnp.float32)
-    _lower(lambda lp, s: jaxfuse.beam_top_k(lp, s, 4, interpret=False), lp, jnp.zeros((2, 4)))
+@pytest.mark.parametrize("shape,k", [((2, 4, 1000), 4), ((2, 8, 50257), 5)])
+def test_beam_top_k_lowers(shape, k):
+    # 2 groups of 2048 columns; 50 groups of 8192 with k padded to a power of two in the tile.
+    lp = jnp.zeros(shape, jnp.bfloat16)
+    _lower(lambda lp, s: jaxfuse.beam_top_k(lp, s, k, interpret=False), lp,
+           jnp.zeros(shape[:2]))
 
 
 @pytest.mark.parametrize("vmapped", [False, True])

@@ -278,7 +278,8 @@ class TestLargeLogits:
 
 class TestBeamTopKNaN:
     """Class 5: NaN candidates follow `lax.top_k`'s order in both implementations (+NaN above
-    +inf, -NaN below -inf), so one NaN no longer poisons the HARS threshold of its row."""
+    +inf, -NaN below -inf): HARS retrieves by a key in that order, so a NaN neither poisons its
+    row nor hides a candidate that ranks below it."""
 
     @pytest.mark.parametrize("where", [[(0, 1, 3)], [(0, 0, 0), (1, 2, 9)], [(1, 1, 5), (1, 1, 6)]])
     @pytest.mark.parametrize("neg", [False, True])

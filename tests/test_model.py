@@ -153,8 +153,8 @@ class BeamTopKTest(chex.TestCase):
         for a, b in zip(out, ref):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    def test_capacity_overflow_falls_back_exactly(self):
-        log_probs = jnp.zeros((2, 3, 50))       # every candidate ties
+    def test_all_tie(self):
+        log_probs = jnp.zeros((2, 3, 50))       # every candidate ties: the lowest indices win
         scores = jnp.zeros((2, 3))
         out = jaxfuse.beam_top_k(log_probs, scores, 4)
         ref = jaxfuse.beam_top_k(log_probs, scores, 4, impl="reference")

@@ -121,12 +121,16 @@ def _per_col(refs, col0, b: RowBlocks, n_cols):
 
 def reduce_pass(init: Callable, step: Callable, finalize: Callable, *, tiled: Sequence,
                 fills: Sequence, per_row: Sequence = (), per_col: Sequence = (),
-                out_dtypes: Sequence, blocks: RowBlocks, name: str, interpret: bool):
+                out_dtypes: Sequence, blocks: RowBlocks, name: str, interpret: bool,
+                out_cols: Sequence[int | None] | None = None):
     """Per-row results of folding every column tile of the rows.
 
     `init(per_row) -> state`; `step(state, tile) -> state`; `finalize(state, per_row) -> tuple
     of [br, 1] arrays`, one per entry of `out_dtypes`. Returns `[n_rows]` arrays.
+    `out_cols[i] = w` makes output i a short row per row instead: finalize gives [br, w] and the
+    pass returns [n_rows, w] (beam top-k's k best of each row; w a power of two on the GPU).
     """
+    out_cols = tuple(out_cols) if out_cols is not None else (None,) * len(out_dtypes)
     n_rows, n_cols = tiled[0].shape
     b = blocks
     n_tiles = C.cdiv(n_cols, b.block_cols)
@@ -147,10 +151,14 @@ def reduce_pass(init: Callable, step: Callable, finalize: Callable, *, tiled: Se
             return step(state, tile)
 
         state = C.reduce_tiles(n_tiles, body, init(rows_in))
-        for ref, val in zip(out_refs, finalize(state, rows_in)):
-            C.store_vec(ref, val[:, 0], row0, n_rows)
+        for ref, val, w in zip(out_refs, finalize(state, rows_in), out_cols):
+            if w is None:
+                C.store_vec(ref, val[:, 0], row0, n_rows)
+            else:
+                C.store_tile(ref, val, row0, 0, n_rows, w)
 
-    out_shape = [jax.ShapeDtypeStruct((n_rows,), d) for d in out_dtypes]
+    out_shape = [jax.ShapeDtypeStruct((n_rows,) if w is None else (n_rows, w), d)
+                 for d, w in zip(out_dtypes, out_cols)]
     return C.pallas_call(kernel, out_shape=out_shape, grid=(C.cdiv(n_rows, b.block_rows),),
                          name=name, interpret=interpret, num_warps=b.num_warps)(
         *tiled, *per_row, *per_col)

@@ -1,17 +1,26 @@
 """Beam top-k by hierarchical retrieval and re-ranking (HARS; LightSeq, lecture 10 sec. 6.1).
 
-Selecting the best k of beam_size x V candidates is a large sort. HARS replaces it by:
+Selecting the best k of beam_size x V candidates is a large sort. HARS replaces it by a cheap
+retrieval followed by an exact re-rank of the few candidates retrieved. Here the retrieval keeps
+enough that the re-rank is always exact: no overflow check, so no branch on the data (a fallback
+taken on overflow cost a device-to-host sync every step of beam search's decoding loop):
 
-1. Retrieve (the Pallas kernel): split each beam's V candidates into k groups and take each
-   group's maximum; R_beam = min of the k group maxima is a rough k-th largest of that beam, since
-   that beam alone has k candidates >= R_beam. The global k-th largest is therefore >= R =
-   max over beams of R_beam: every candidate that can make the top k is >= R, so none is missed.
-2. Re-rank: keep the candidates >= R (usually a few times k) and sort only those exactly.
+1. Retrieve (the Pallas kernel): split each batch row's beam_size * V flat candidates into G
+   contiguous groups of `width` (one kernel tile each) and keep every group's own top k, best
+   first, ties to the lower flat index.
+2. Re-rank: `lax.top_k` over the G * k survivors, laid out group after group.
 
-The group maxima are a row-wise max over [B * beam_size * k, V / k], computed with the shared
-row-reduction pass (`_rows.reduce_pass`). Compaction keeps candidates in flat-index order, so the
-exact sort breaks ties by the lower flat index like `lax.top_k`; if ties push more than the
-buffer's capacity over R, the op falls back to a full `lax.top_k`, so the result is always exact.
+Exact by construction: a candidate in the global top k has fewer than k candidates ranked above
+it anywhere, so fewer than k in its own group, so it survives. Survivors that tie are laid out in
+flat-index order (lower group first, and within a group the passes take the lower index first),
+so `lax.top_k`'s tie rule on the survivors is its tie rule on the whole row.
+
+Both steps rank by an int32 key that orders floats as `lax.top_k` does (a total order: -NaN
+below -inf, -0 below +0, +NaN above +inf), so ties in the key are exactly ties in `lax.top_k`;
+the returned scores are the candidates themselves, gathered at the winning flat indices. The
+group's top k are k passes over the tile in registers (max, first index of the max, retire it);
+a k beyond `_MAX_PASSES` would make that a slow sort of the whole row, so such a k (a static
+property of the call, not of the data) takes `lax.top_k` of the row directly.
 """
 from __future__ import annotations
 
@@ -23,25 +32,79 @@ from jaxfuse.pallas import _rows
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.reference import beam_top_k as ref
 
+_GPU_GROUP_COLS = 2048   # one group per tile, held in registers by one program
+_MAX_SURVIVORS = 512     # per batch row: the re-rank stays a small top-k
+_MAX_PASSES = 64         # beam widths are far below this; larger k are a sort anyway
+_KEY_MIN = jnp.iinfo(jnp.int32).min   # below every key but -NaN with all payload bits set
+_RETIRED = jnp.iinfo(jnp.int32).max   # flat index of an entry already taken by a pass
 
-def group_maxima(total: jax.Array, k: int, *, interpret: bool,
-                 block_sizes: RowBlocks | None = None) -> jax.Array:
-    """Maxima of k equal groups of each beam's candidates: total [B, K, V] -> [B, K, k]."""
-    b, n_beams, v = total.shape
-    size = C.cdiv(v, k)
-    padded = jnp.pad(total, ((0, 0), (0, 0), (0, k * size - v)), constant_values=-jnp.inf)
-    groups = padded.reshape(b * n_beams * k, size)
+
+def order_key(x: jax.Array) -> jax.Array:
+    """float32 -> int32, monotone in `lax.top_k`'s total order: negative floats are sign and
+    magnitude, so flipping their magnitude bits makes larger magnitudes smaller integers."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def group_width(n: int, k: int, *, interpret: bool, block_sizes: RowBlocks | None) -> int:
+    """Columns per group: the tile's. In interpret mode one group is the whole row (a step costs
+    its operands, so one big step is cheapest); on the GPU 2048 columns, wider (up to the
+    longest tile a program holds) where that many groups would leave more than _MAX_SURVIVORS
+    survivors, and never fewer than k: a group must hold k entries for its top k to be real
+    candidates."""
+    if block_sizes is not None:
+        if block_sizes.block_cols < k:
+            raise ValueError(f"block_sizes.block_cols={block_sizes.block_cols} is the group "
+                             f"width and must be >= k={k}")
+        return block_sizes.block_cols
+    if interpret:
+        return n
+    width = min(max(_GPU_GROUP_COLS, C.next_pow2(C.cdiv(n * k, _MAX_SURVIVORS))),
+                _rows._GPU_MAX_TILE_COLS)
+    return max(min(C.next_pow2(n), width), C.next_pow2(k))
+
+
+def group_top_k(flat: jax.Array, k: int, *, interpret: bool,
+                block_sizes: RowBlocks | None = None) -> tuple[jax.Array, jax.Array]:
+    """Every group's k best: flat [B, n] float32 -> (keys, flat indices), both int32 [B, G * k],
+    group after group, each group's list best first."""
+    b, n = flat.shape
+    width = group_width(n, k, interpret=interpret, block_sizes=block_sizes)
+    n_groups = C.cdiv(n, width)
+    # Padding sits only at the end of a batch row: past every real candidate in flat order, so
+    # a padded survivor (key _KEY_MIN, like the lowest real key) loses every tie it could enter.
+    groups = jnp.pad(flat, ((0, 0), (0, n_groups * width - n))).reshape(b * n_groups, width)
     blocks = _rows.resolve_blocks(block_sizes, *groups.shape, interpret)
+    out_w = k if interpret else C.next_pow2(k)   # Triton tiles are powers of two
 
-    def step(m, tile):
-        return jnp.maximum(m, jnp.max(jnp.where(tile.valid, tile.x[0], C.NEG_INF), axis=-1,
-                                      keepdims=True))
+    def init(_):
+        return (jnp.full((blocks.block_rows, out_w), _KEY_MIN, jnp.int32),
+                jnp.full((blocks.block_rows, out_w), _RETIRED, jnp.int32))
 
-    init = lambda _: jnp.full((blocks.block_rows, 1), C.NEG_INF, jnp.float32)
-    (m,) = _rows.reduce_pass(init, step, lambda m, _: (m,), tiled=[groups], fills=[C.NEG_INF],
-                             out_dtypes=(jnp.float32,), blocks=blocks,
-                             name="jaxfuse_beam_group_max", interpret=interpret)
-    return m.reshape(b, n_beams, k)
+    def step(state, tile):
+        # A group is one tile, so the fold over tiles is this one step.
+        idx = (tile.rows % n_groups) * width + tile.cols                   # [br, width]
+        key = jnp.where(idx < n, order_key(tile.x[0]), _KEY_MIN)            # [br, width]
+        slots = jax.lax.broadcasted_iota(jnp.int32, state[0].shape, 1)     # [br, out_w]
+
+        def take_best(i, carry):
+            idx, top_key, top_idx = carry
+            live = idx != _RETIRED
+            m = jnp.max(jnp.where(live, key, _KEY_MIN), axis=-1, keepdims=True)   # [br, 1]
+            # Retired entries may share the key m (_KEY_MIN) but carry the index _RETIRED, above
+            # every live one, so the first index of the max is a live entry's.
+            first = jnp.min(jnp.where(key == m, idx, _RETIRED), axis=-1, keepdims=True)
+            return (jnp.where(idx == first, _RETIRED, idx), jnp.where(slots == i, m, top_key),
+                    jnp.where(slots == i, first, top_idx))
+
+        _, top_key, top_idx = C.reduce_tiles(k, take_best, (idx, *state))
+        return top_key, top_idx
+
+    top_key, top_idx = _rows.reduce_pass(
+        init, step, lambda s, _: s, tiled=[groups], fills=[0.0], out_dtypes=(jnp.int32,) * 2,
+        out_cols=(out_w, out_w), blocks=blocks, name="jaxfuse_beam_group_top_k",
+        interpret=interpret)
+    return (top_key[:, :k].reshape(b, n_groups * k), top_idx[:, :k].reshape(b, n_groups * k))
 
 
 def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *,
@@ -49,35 +112,19 @@ def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *,
                capacity: int | None = None):
     """Pallas HARS beam top-k; identical results to `jaxfuse.reference.beam_top_k`.
 
-    `capacity`: candidates kept for the exact sort (default 4 k, at least 2 beam_size)."""
+    `block_sizes.block_cols` is the group width (at least k). `capacity` is ignored: it sized
+    the re-rank buffer of an earlier scheme whose overflow needed a fallback; the survivors now
+    always fit. It is still accepted so that callers passing it keep working."""
+    del capacity
     ref.validate(log_probs, beam_scores, k)
     interpret = C.resolve_interpret(interpret)
-    b, n_beams, v = log_probs.shape
+    v = log_probs.shape[-1]
     flat = ref.candidates(log_probs, beam_scores)                           # [B, K * V]
-    # lax.top_k orders NaN too: +NaN above +inf, -NaN below -inf. The retrieval ranks by a key
-    # that maps them to +-inf (monotone in that order, so the threshold argument holds), and
-    # the exact sort below sees the candidates themselves: NaN comes out where lax.top_k puts
-    # it instead of poisoning the group maxima and the threshold of its row.
-    key = jnp.where(jnp.isnan(flat), jnp.where(jnp.signbit(flat), -jnp.inf, jnp.inf), flat)
-    # 1. Retrieve: rough threshold per batch row.
-    m = group_maxima(key.reshape(b, n_beams, v), k, interpret=interpret,
-                     block_sizes=block_sizes)
-    threshold = jnp.max(jnp.min(m, axis=-1), axis=-1)                      # [B]
-    keep = key >= threshold[:, None]
-    cap = min(n_beams * v, capacity or max(4 * k, 2 * n_beams))
-
-    # 2. Re-rank the few: compact in flat-index order, then an exact (stable) sort of `cap`.
-    def rerank(_):
-        def one(row, keep_row):
-            (idx,) = jnp.nonzero(keep_row, size=cap, fill_value=0)
-            vals = jnp.where(jnp.arange(cap) < jnp.sum(keep_row), row[idx], -jnp.inf)
-            s, pos = jax.lax.top_k(vals, k)
-            return s, idx[pos]
-        return jax.vmap(one)(flat, keep)
-
-    def full_sort(_):
-        return tuple(jax.lax.top_k(flat, k))
-
-    fits = jnp.all(jnp.sum(keep, axis=-1) <= cap)
-    scores, idx = jax.lax.cond(fits, rerank, full_sort, None)
+    if k > _MAX_PASSES:
+        scores, idx = jax.lax.top_k(flat, k)
+    else:
+        keys, survivors = group_top_k(flat, k, interpret=interpret, block_sizes=block_sizes)
+        _, pos = jax.lax.top_k(keys, k)                                     # [B, k]
+        idx = jnp.take_along_axis(survivors, pos, axis=-1)
+        scores = jnp.take_along_axis(flat, idx, axis=-1)
     return scores, (idx // v).astype(jnp.int32), (idx % v).astype(jnp.int32)

@@ -15,8 +15,10 @@ it anywhere, so fewer than k in its own group, so it survives. Survivors that ti
 flat-index order (lower group first, and within a group the passes take the lower index first),
 so `lax.top_k`'s tie rule on the survivors is its tie rule on the whole row.
 
-Both steps rank by an int32 key that orders floats as `lax.top_k` does (a total order: -NaN
-below -inf, -0 below +0, +NaN above +inf), so ties in the key are exactly ties in `lax.top_k`;
+Both steps rank by an int32 key that orders floats as `lax.top_k` does on a CPU (a total order:
+-NaN below -inf, -0 below +0, +NaN above +inf), so ties in the key are exactly ties in `lax.top_k`;
+(on the GPU, XLA's TopK kernel for long rows ranks +inf above +NaN, measured on an H200: there the
+reference and this kernel differ for NaN candidates only, and this kernel keeps the total order);
 the returned scores are the candidates themselves, gathered at the winning flat indices. The
 group's top k are k passes over the tile in registers (max, first index of the max, retire it);
 a k beyond `_MAX_PASSES` would make that a slow sort of the whole row, so such a k (a static

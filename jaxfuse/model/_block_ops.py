@@ -12,9 +12,12 @@ One exception, for CPU runs only: where the Pallas kernels are interpreted (a CP
 `JAXFUSE_INTERPRET=1`), `embedding` and `rope` take their references, which compute the same
 function (the same Philox masks). Their kernels walk rows one at a time, which the interpreter
 turns into one loop step per row: measured on 2 CPU cores, they took LikesWorld's training step
-from about 0.13 to 0.37 s, past its 3-minute budget. Compiled, every op is the kernel.
+from about 0.13 to 0.37 s, past its 3-minute budget. Compiled, every op is the kernel, but for
+RoPE and SwiGLU on a decoding step's few rows (`FEW_ROWS`, below).
 """
 from __future__ import annotations
+
+import math
 
 import jax
 
@@ -22,17 +25,37 @@ import jaxfuse
 from jaxfuse.pallas import _common
 
 add_norm = jaxfuse.add_norm          # (x, residual, weight, bias=None, *, norm, eps, rate, key)
-swiglu = jaxfuse.swiglu              # (gate, up) -> silu(gate) * up
 dropout = jaxfuse.dropout            # (x, rate, key): inverted dropout
+
+# A decoding step's few rows (one token per sequence): there RoPE and SwiGLU go to XLA, which
+# fuses each with the slice of the fused q/k/v or gate/up projection that feeds it, where a
+# kernel call needs its operand copied out first (a custom call takes whole arrays). The step is
+# a chain of ~2-7 us launches, so launches are what count (157M model on the H200, B = 32: this
+# and the one-split decode attention took the step from 0.40 to 0.36 ms). Above this many rows
+# (prefill, training) the kernels are the faster ones.
+FEW_ROWS = 64
 
 
 def _unless_interpreted(impl: str) -> str:
     return "reference" if impl == "pallas" and _common.resolve_interpret(None) else impl
 
 
+def _unless_few(impl: str, rows: int) -> str:
+    """"reference" for a compiled call on at most FEW_ROWS rows (see above), else impl."""
+    if impl == "pallas" and rows <= FEW_ROWS and not _common.resolve_interpret(None):
+        return "reference"
+    return impl
+
+
+def swiglu(gate: jax.Array, up: jax.Array, *, impl: str = "pallas") -> jax.Array:
+    """silu(gate) * up (`jaxfuse.swiglu`)."""
+    return jaxfuse.swiglu(gate, up, impl=_unless_few(impl, math.prod(gate.shape[:-1])))
+
+
 def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleaved: bool = True,
          impl: str = "pallas") -> jax.Array:
     """x [..., T, H, D] rotated by positions [..., T] (`jaxfuse.rope`)."""
+    impl = _unless_few(impl, math.prod(x.shape[:-2]))
     return jaxfuse.rope(x, positions, base=base, interleaved=interleaved,
                         impl=_unless_interpreted(impl))
 

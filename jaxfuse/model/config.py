@@ -26,7 +26,9 @@ class Config:
     dtype: str = "float32"          # activations, matmul inputs and the KV cache
     param_dtype: str = "float32"    # stored parameters (optax's master weights)
     dropout: float = 0.0            # residual, embedding and attention-probability dropout
-    scan_layers: bool = True        # run the stacked layers with lax.scan (else a Python loop)
+    scan_layers: bool = True        # run the stacked layers with lax.scan (else a Python loop:
+                                    # compiles per layer, but keeps no [n_layers, ...] copies of
+                                    # the residuals; 13% faster on the 157M model, BENCHMARKS.md)
     remat: str = "none"             # "none", "block" (save only each block's input) or the name
                                     # of a jax.checkpoint_policies policy
     tie_embeddings: bool = False    # unembed with embed.T (no separate unembedding matrix)

@@ -112,7 +112,9 @@ def group_top_k(flat: jax.Array, k: int, *, interpret: bool,
 def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *,
                interpret: bool | None = None, block_sizes: RowBlocks | None = None,
                capacity: int | None = None):
-    """Pallas HARS beam top-k; identical results to `jaxfuse.reference.beam_top_k`.
+    """Pallas HARS beam top-k; identical results to `jaxfuse.reference.beam_top_k`, NaN
+    candidates included where `lax.top_k` keeps its total order (a CPU; on a GPU XLA's TopK for
+    long rows puts +inf above +NaN, and this kernel keeps the total order: module docstring).
 
     `block_sizes.block_cols` is the group width (at least k). `capacity` is ignored: it sized
     the re-rank buffer of an earlier scheme whose overflow needed a fallback; the survivors now

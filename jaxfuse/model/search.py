@@ -5,8 +5,9 @@ The loop runs `steps_per_sync` decoding steps per iteration as a `lax.fori_loop`
 count: on a GPU a while loop's condition is read back by the host every iteration (a device ->
 host sync, measured at 0.25 ms of idle GPU per 157M step, about half the step), a loop of known
 trip count is not. The early stop is checked every `steps_per_sync` steps, and the last
-max_new_tokens % steps_per_sync steps run as one more fixed loop; steps taken after every
-sequence has ended are no-ops (an ended sequence emits eos at log-prob 0).
+max_new_tokens % steps_per_sync steps run as one more fixed loop (at most max_new_tokens <=
+steps_per_sync is one fixed loop alone); steps taken after every sequence has ended are no-ops
+(an ended sequence emits eos at log-prob 0).
 
 Beam search (lecture 10, sec. 6): every step scores beam_size x V continuations and keeps the best
 beam_size with `jaxfuse.beam_top_k` (HARS with impl="pallas"); the cache rows are then gathered
@@ -41,6 +42,8 @@ def _loop(step, state, max_new_tokens: int, steps_per_sync: int):
     """Runs `step` on `state` (t first, done last) max_new_tokens times or until every sequence
     is done, in bursts of `steps_per_sync` steps of fixed trip count (see above)."""
     repeat = lambda n, s: jax.lax.fori_loop(0, n, lambda _, s: step(s), s) if n else s
+    if max_new_tokens <= steps_per_sync:   # one burst: no early stop to check, one loop body
+        return repeat(max_new_tokens, state)
     bursts = max_new_tokens - max_new_tokens % steps_per_sync
     state = jax.lax.while_loop(_running(bursts), lambda s: repeat(steps_per_sync, s), state)
     return repeat(max_new_tokens % steps_per_sync, state)

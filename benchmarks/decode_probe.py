@@ -1,7 +1,8 @@
-"""The small ops of a decoding step on the GPU (diagnostic): jaxfuse.rope at decoding shapes
-(B=32 tokens, one position each) and at the training shape, across tiles and positions,
-against the same rotation written in jax.numpy under jax.jit; and beam_top_k (HARS) against
-lax.top_k at beam search's shape: time, and bitwise agreement on random, tied and NaN input.
+"""The small ops of a decoding step on the GPU (diagnostic), timed as kernel time from the
+profiler: jaxfuse.rope at decoding shapes (B=32 tokens, one position each) and at the training
+shapes, across tiles, against the same rotation written in jax.numpy under jax.jit; and
+beam_top_k (HARS) against lax.top_k at beam search's shapes: time, and bitwise agreement on
+random, tied and NaN input (with how lax.top_k orders NaN, +-inf and +-0 on this backend).
 
     PYTHONPATH=. python benchmarks/decode_probe.py
 """

@@ -30,8 +30,6 @@ from jaxfuse.reference import rope as ref
 # against 26.9 us; a program's strided loads and per-(token, pair) angles are latency-bound,
 # so many small programs beat few large ones.
 _GPU_TILE_ELEMS = 1024
-# Programs a call spreads its tokens over before it fills tiles: one per SM of an H100/H200.
-_MIN_PROGRAMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +49,9 @@ def _tokens_per_program(n: int, h: int, d: int, interpret: bool,
         return max(1, min(n, _rows._INTERPRET_TILE_ELEMS // (h * d))), 1
     per_token = C.next_pow2(h) * 2 * C.next_pow2(d // 2)
     bt = max(1, min(C.next_pow2(n), _GPU_TILE_ELEMS // per_token))
-    # Few tokens (a decoding step: one per sequence) go one or a few per program, so that the
-    # call takes one small program's latency instead of one big program's.
-    bt = min(bt, C.next_pow2(C.cdiv(n, _MIN_PROGRAMS)))
+    # Few tokens (a decoding step: one per sequence) go one or a few per program, at least one
+    # program per SM, so that the call takes one small program's latency, not a big one's.
+    bt = min(bt, C.next_pow2(C.cdiv(n, C.num_multiprocessors())))
     return bt, 4
 
 

@@ -2,9 +2,10 @@
 profiler: jaxfuse.rope at decoding shapes (B=32 tokens, one position each) and at the training
 shapes, across tiles, against the same rotation written in jax.numpy under jax.jit; and
 beam_top_k (HARS) against lax.top_k at beam search's shapes: time, and bitwise agreement on
-random, tied and NaN input (with how lax.top_k orders NaN, +-inf and +-0 on this backend).
+random, tied and NaN input (with how lax.top_k orders NaN, +-inf and +-0 on this backend); and
+decode_attention at decoding shapes across tiles and split counts.
 
-    PYTHONPATH=. python benchmarks/decode_probe.py
+    PYTHONPATH=. python benchmarks/decode_probe.py [top_k_order beam_top_k rope decode_attention]
 """
 from __future__ import annotations
 
@@ -72,11 +73,98 @@ def rope_kernels():
             print(f"rope {str(shape):18s} {name:26s} {kernel_us(f, (x, pos)):8.2f} us of kernels")
 
 
+def decode_attention_kernels():
+    """decode_attention at the 157M model's decoding shapes (32 rows, 4 KV heads of 64, a cache
+    of 768 holding 640 on average) across tiles and split counts: a step's attention is one
+    program per (row, KV head) reading ~140 KB, latency- rather than bandwidth-bound."""
+    from jaxfuse.pallas.decode_attention import DecodeBlocks
+    for b, s, n, hq, hkv in ((32, 768, 640, 16, 4), (8, 4096, 3000, 16, 4)):
+        ks = jax.random.split(jax.random.key(3), 3)
+        q = jax.random.normal(ks[0], (b, hq, 64), jnp.bfloat16)
+        kc = jax.random.normal(ks[1], (b, s, hkv, 64), jnp.bfloat16)
+        vc = jax.random.normal(ks[2], (b, s, hkv, 64), jnp.bfloat16)
+        lengths = jnp.full((b,), n, jnp.int32)
+        want = jaxfuse.decode_attention(q, kc, vc, lengths, impl="reference")
+        print(f"decode_attention B{b} S{s} len{n} Hq{hq} Hkv{hkv} D64: bytes "
+              f"{2 * b * n * hkv * 64 * 2 / 1e6:.1f} MB")
+        rows = [("xla", None, None)]
+        rows += [(f"splits={sp} bk={bk} warps={nw} stages={st}", sp,
+                  DecodeBlocks(block_k=bk, num_warps=nw, num_stages=st))
+                 for sp in (None, 1, 2, 4) for bk in (64, 128) for nw in (2, 4, 8)
+                 for st in (2, 3, 4) if not (sp is None and (bk, nw, st) != (64, 4, 3))]
+        for name, sp, blk in rows:
+            if blk is None:
+                f = jax.jit(lambda *a: jaxfuse.decode_attention(*a, impl="reference"))
+            else:
+                f = jax.jit(lambda *a, sp=sp, blk=blk: jaxfuse.decode_attention(
+                    *a, num_splits=sp, block_sizes=blk))
+            try:
+                err = float(jnp.max(jnp.abs(f(q, kc, vc, lengths).astype(jnp.float32)
+                                            - want.astype(jnp.float32))))
+                from benchmarks._profile import kernel_times
+                kt = kernel_times(f, (q, kc, vc, lengths), reps=20)
+                us = sum(ms for _, _, ms in kt) * 1e3
+                launches = sum(c for _, c, _ in kt)
+                print(f"  {name:36s} {us:8.2f} us of kernels in {launches} launches, "
+                      f"max err {err:.2e}")
+            except Exception as e:   # a tile that does not compile is a result, not a stop
+                print(f"  {name:36s} failed: {type(e).__name__}: {str(e)[:120]}")
+
+
+def decode_append():
+    """A decoding step's attention with the new K/V appended: in the kernel (k_new/v_new,
+    in place) against XLA's scatter into each cache then the kernel. Checks the GPU result
+    against the reference (caches bitwise) and times both as kernel time."""
+    b, s, n, hq, hkv = 32, 768, 640, 16, 4
+    ks = jax.random.split(jax.random.key(4), 5)
+    q = jax.random.normal(ks[0], (b, hq, 64), jnp.bfloat16)
+    kc = jax.random.normal(ks[1], (b, s, hkv, 64), jnp.bfloat16)
+    vc = jax.random.normal(ks[2], (b, s, hkv, 64), jnp.bfloat16)
+    kn = jax.random.normal(ks[3], (b, hkv, 64), jnp.bfloat16)
+    vn = jax.random.normal(ks[4], (b, hkv, 64), jnp.bfloat16)
+    lengths = jnp.arange(b, dtype=jnp.int32) * (s // b) + 7          # every split, and row 0
+    lengths = lengths.at[-1].set(s)                                   # a full cache
+    want = jaxfuse.decode_attention(q, kc, vc, lengths, k_new=kn, v_new=vn, impl="reference")
+    for splits in (None, 3):
+        got = jax.jit(lambda *a, sp=splits: jaxfuse.decode_attention(
+            *a[:4], k_new=a[4], v_new=a[5], num_splits=sp))(q, kc, vc, lengths, kn, vn)
+        err = float(jnp.max(jnp.abs(got[0].astype(jnp.float32) - want[0].astype(jnp.float32))))
+        same = all(bool(jnp.array_equal(a, w)) for a, w in zip(got[1:], want[1:]))
+        print(f"decode append splits={splits}: o max err {err:.2e}, caches bitwise equal to "
+              f"the reference: {same}")
+
+    def scatter_then_attend(q, kc, vc, n, kn, vn):
+        rows = jnp.arange(b)
+        kc = kc.at[rows, n].set(kn, mode="drop", unique_indices=True)
+        vc = vc.at[rows, n].set(vn, mode="drop", unique_indices=True)
+        return jaxfuse.decode_attention(q, kc, vc, jnp.minimum(n + 1, s)), kc, vc
+
+    def steps(one, q, kc, vc, n, kn, vn, count=16):
+        # As in a decoding loop: the caches are loop state, updated in place (the copy of the
+        # undonated inputs on entry is the same for both and shows as its own kernel).
+        def body(i, c):
+            o, kc, vc = one(q, c[1], c[2], n + i, kn, vn)
+            return c[0] + o.astype(jnp.float32), kc, vc
+        return jax.lax.fori_loop(0, count, body, (jnp.zeros(q.shape, jnp.float32), kc, vc))
+    args = (q, kc, vc, jnp.full((b,), n, jnp.int32), kn, vn)
+    from benchmarks._profile import kernel_times
+    for name, one in (("fused append", lambda *a: jaxfuse.decode_attention(
+            *a[:4], k_new=a[4], v_new=a[5])), ("scatter + attend", scatter_then_attend)):
+        kt = kernel_times(jax.jit(lambda *a, one=one: steps(one, *a)), args, reps=5)
+        print(f"decode step attention B{b} S{s} len{n}, 16 steps: {name:18s} "
+              f"{sum(ms for _, _, ms in kt) * 1e3:7.2f} us of kernels in "
+              f"{sum(c for _, c, _ in kt)} launches: "
+              + ", ".join(f"{k[:40]} x{c} {ms * 1e3:.1f}" for k, c, ms in kt[:5]))
+
+
+SECTIONS = {"top_k_order": top_k_order, "beam_top_k": beam_top_k, "rope": rope_kernels,
+            "decode_attention": decode_attention_kernels, "decode_append": decode_append}
+
+
 def main():
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
-    top_k_order()
-    beam_top_k()
-    rope_kernels()
+    for name in sys.argv[1:] or list(SECTIONS):
+        SECTIONS[name]()
 
 
 if __name__ == "__main__":

@@ -213,7 +213,8 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None):
 
 
 # ---------------------------------------------------------------- decoding
-def decode(cfg, b_greedy, b_beam, k, prompt, new, impls, bar, copy_bw, profile=False):
+def decode(cfg, b_greedy, b_beam, k, prompt, new, impls, bar, copy_bw, profile=False,
+           profile_dir=None):
     params = M.init(jax.random.key(0), cfg)
     # bf16 weights read per step: all but the embedding table (a gather of B rows), which is
     # read whole only as a tied unembedding.
@@ -256,6 +257,13 @@ def decode(cfg, b_greedy, b_beam, k, prompt, new, impls, bar, copy_bw, profile=F
                     report("decode", f"{mode} {impl} kernels (prefill + 31 steps)", g, (),
                            top=16)
                     gaps(g, ())
+                    if profile_dir and impl == "pallas":   # which fusions a step holds
+                        import gzip
+                        text = jax.jit(lambda p, x, l: f(p, x, l, 32)).lower(
+                            params, prompts, lengths).compile().as_text()
+                        with gzip.open(os.path.join(profile_dir, f"decode_{mode}.hlo.txt.gz"),
+                                       "wt") as fh:
+                            fh.write(text)
             guarded("decode", f"{mode} B{b}", impl, run)
             bar.update()
     by = {(r["workload"], r["impl"]): r for r in _timing.ROWS
@@ -349,7 +357,7 @@ def main(argv=None) -> None:
         dec = shapes["dec"]
         cfg = dataclasses.replace(c157, max_len=max(c157.max_len, dec[3] + dec[4]))
         decode(cfg, dec[0], dec[1], dec[2], dec[3], dec[4], ("pallas", "reference"), bar, copy_bw,
-               args.profile)
+               args.profile, args.out)
     bar.close()
     _timing.save(os.path.join(args.out, "model.json"))
     chart(os.path.join(args.out, "model.png"))

@@ -153,7 +153,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      kv_lengths: jax.Array, *, scale: float | None = None,
                      num_splits: int | None = None, logits_soft_cap: float | None = None,
-                     return_lse: bool = False, impl: str = "pallas",
+                     return_lse: bool = False, k_new: jax.Array | None = None,
+                     v_new: jax.Array | None = None, impl: str = "pallas",
                      interpret: bool | None = None, block_sizes=None):
     """One new query per sequence, q [B, Hq, D], over KV caches [B, S, Hkv, D] that hold
     `kv_lengths[b]` valid positions (int [B], clipped to [0, S]; whatever lies beyond is never
@@ -161,12 +162,21 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     Returns o [B, Hq, D] (and float32 lse [B, Hq] with `return_lse`); a sequence of length 0
     (or a cache of S = 0) gives zeros and lse = -inf. `num_splits=None` picks the split-KV count to fill the GPU.
 
+    A decoding step in one launch: with `k_new` and `v_new` ([B, Hkv, D], the new token's key
+    and value, in the cache's dtype) the kernel first writes them at position kv_lengths[b]
+    and then attends over kv_lengths[b] + 1 positions; it returns (o, k_cache, v_cache), or
+    (o, lse, k_cache, v_cache), with the caches updated in place (the Pallas kernel aliases
+    them: donate the caches, or update them inside a jitted loop, and no copy is made). A full
+    cache (kv_lengths[b] >= S) takes no new row and attends over its S positions.
+
     >>> o = jaxfuse.decode_attention(q, k_cache, v_cache, lengths)
+    >>> o, k_cache, v_cache = jaxfuse.decode_attention(q, k_cache, v_cache, lengths,
+    ...                                                k_new=k, v_new=v)   # then lengths + 1
     """
     return route(impl, _s_attn.decode_attention, _r_dec.decode_attention, q, k_cache, v_cache,
                  kv_lengths, scale=scale, num_splits=num_splits,
-                 logits_soft_cap=logits_soft_cap, return_lse=return_lse, interpret=interpret,
-                 block_sizes=block_sizes)
+                 logits_soft_cap=logits_soft_cap, return_lse=return_lse, k_new=k_new,
+                 v_new=v_new, interpret=interpret, block_sizes=block_sizes)
 
 
 def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,

@@ -103,5 +103,82 @@ class DecodeAttentionTest(chex.TestCase):
             jaxfuse.decode_attention(q, kc, kc, jnp.zeros((2,), jnp.int32), num_splits=11)
 
 
+class AppendTest(chex.TestCase):
+    """decode_attention(..., k_new=, v_new=): the new token's key and value are written at
+    kv_lengths[b] inside the kernel, then attended over kv_lengths[b] + 1 positions."""
+
+    @chex.variants(with_jit=True)
+    @parameterized.product(case=CASES, dtype=[jnp.float32, jnp.bfloat16], layout=list(LAYOUTS))
+    def test_matches_reference(self, case, dtype, layout):
+        b, s, hq, hkv, d = case
+        q, kc, vc, lengths = _make(case, dtype, sum(case) + 1, float("nan"))
+        # The slot the new row goes to holds NaN before the call, and so does everything past
+        # it: only the appended row may reach o. One sequence's cache is full (length S):
+        # nothing is written for it and it attends over its S positions.
+        k = keys(sum(case) + 2, 2)
+        k_new, v_new = randn(k[0], (b, hkv, d), dtype), randn(k[1], (b, hkv, d), dtype)
+        want = jaxfuse.decode_attention(q, kc, vc, lengths, k_new=k_new, v_new=v_new,
+                                        return_lse=True, impl="reference")
+        self.assertFalse(bool(jnp.isnan(want[0].astype(jnp.float32)).any()))
+        # The reference is the two-step composition: write, then attend one position more.
+        rows = jnp.arange(b)
+        k_set = kc.at[rows, lengths].set(k_new, mode="drop")
+        v_set = vc.at[rows, lengths].set(v_new, mode="drop")
+        np.testing.assert_array_equal(np.asarray(want[2], np.float32), np.asarray(k_set, np.float32))
+        np.testing.assert_array_equal(np.asarray(want[3], np.float32), np.asarray(v_set, np.float32))
+        two_step = jaxfuse.decode_attention(q, k_set, v_set, jnp.minimum(lengths + 1, s),
+                                            return_lse=True, impl="reference")
+        assert_close(want[:2], two_step, jnp.float32)
+        # One split (o written directly) and three (the appended row may sit in any split).
+        for n in sorted({1, 3} & set(range(1, s + 1))):
+            f = self.variant(lambda *a: jaxfuse.decode_attention(
+                *a[:4], k_new=a[4], v_new=a[5], num_splits=n, return_lse=True,
+                block_sizes=LAYOUTS[layout]))
+            o, lse, k_out, v_out = f(q, kc, vc, lengths, k_new, v_new)
+            assert_close(o, want[0], dtype)
+            np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want[1]))
+            # The caches come back bitwise: the new rows written, every other entry untouched
+            # (NaN past each length included).
+            np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(want[2], np.float32))
+            np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(want[3], np.float32))
+
+    def test_decoding_loop_equals_attention_over_the_whole_sequence(self):
+        # Appending token by token from an empty cache, each step's o equals causal attention's
+        # row at that position.
+        b, t, hq, hkv, d, s = 2, 9, 4, 2, 8, 12
+        k = keys(11, 3)
+        q, kk, vv = randn(k[0], (b, t, hq, d)), randn(k[1], (b, t, hkv, d)), randn(k[2], (b, t, hkv, d))
+        full = jaxfuse.flash_attention(q, kk, vv, causal=True, impl="reference")
+        step = jax.jit(lambda q, kc, vc, n, kn, vn: jaxfuse.decode_attention(
+            q, kc, vc, n, k_new=kn, v_new=vn), donate_argnums=(1, 2))
+        kc, vc = jnp.full((b, s, hkv, d), jnp.nan), jnp.full((b, s, hkv, d), jnp.nan)
+        for i in range(t):
+            o, kc, vc = step(q[:, i], kc, vc, jnp.full((b,), i, jnp.int32), kk[:, i], vv[:, i])
+            assert_close(o, full[:, i], jnp.float32)
+        assert_close(kc[:, :t], kk, jnp.float32)
+
+    def test_vmap(self):
+        k = keys(12, 4)
+        q, kc = randn(k[0], (2, 3, 4, 8)), randn(k[1], (2, 3, 10, 2, 8))
+        new = randn(k[2], (2, 3, 2, 8))
+        lengths = jnp.array([[0, 4, 10], [1, 9, 3]], jnp.int32)
+        f = lambda impl: jax.vmap(lambda q, kc, n, kn: jaxfuse.decode_attention(
+            q, kc, kc, n, k_new=kn, v_new=-kn, num_splits=2, impl=impl))
+        got, want = jax.jit(f("pallas"))(q, kc, lengths, new), f("reference")(q, kc, lengths, new)
+        assert_close(got[0], want[0], jnp.float32)
+        for a, w in zip(got[1:], want[1:]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+
+    def test_bad_input(self):
+        q, kc = jnp.zeros((2, 4, 16)), jnp.zeros((2, 10, 2, 16))
+        n, new = jnp.zeros((2,), jnp.int32), jnp.zeros((2, 2, 16))
+        with self.assertRaisesRegex(ValueError, "k_new and v_new go together"):
+            jaxfuse.decode_attention(q, kc, kc, n, k_new=new)
+        with self.assertRaisesRegex(ValueError, r"k_new \(2, 16\) float32 must be \[B, Hkv, D\]"):
+            jaxfuse.decode_attention(q, kc, kc, n, k_new=new[:, 0], v_new=new)
+        with self.assertRaisesRegex(ValueError, "v_new .* bfloat16 must be .* float32"):
+            jaxfuse.decode_attention(q, kc, kc, n, k_new=new, v_new=new.astype(jnp.bfloat16))
+
+
 if __name__ == "__main__":
     pytest.main([__file__])

@@ -65,6 +65,10 @@ def test_decode_attention_lowers(hq, hkv, splits):
     lens = jnp.array([0, 10, 1000], jnp.int32)
     _lower(lambda q, kc, lens: jaxfuse.decode_attention(q, kc, kc, lens, interpret=False,
                                                         num_splits=splits), q, kc, lens)
+    new = jnp.zeros((3, hkv, 128), jnp.bfloat16)     # and with the new token appended in place
+    _lower(lambda q, kc, lens, new: jaxfuse.decode_attention(
+        q, kc, kc, lens, k_new=new, v_new=new, interpret=False, num_splits=splits),
+        q, kc, lens, new)
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, logits_soft_cap=30.0)])

@@ -13,7 +13,7 @@ One exception, for CPU runs only: where the Pallas kernels are interpreted (a CP
 function (the same Philox masks). Their kernels walk rows one at a time, which the interpreter
 turns into one loop step per row: measured on 2 CPU cores, they took LikesWorld's training step
 from about 0.13 to 0.37 s, past its 3-minute budget. Compiled, every op is the kernel, but for
-RoPE and SwiGLU on a decoding step's few rows (`FEW_ROWS`, below).
+add + norm, RoPE and SwiGLU on a decoding step's few rows (`FEW_ROWS`, below).
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ import jax
 import jaxfuse
 from jaxfuse.pallas import _common
 
-add_norm = jaxfuse.add_norm          # (x, residual, weight, bias=None, *, norm, eps, rate, key)
 dropout = jaxfuse.dropout            # (x, rate, key): inverted dropout
 
-# A decoding step's few rows (one token per sequence): there RoPE and SwiGLU go to XLA, which
-# fuses each with the slice of the fused q/k/v or gate/up projection that feeds it, where a
-# kernel call needs its operand copied out first (a custom call takes whole arrays). The step is
+# A decoding step's few rows (one token per sequence): there add + norm, RoPE and SwiGLU go to
+# XLA, which fuses each with its neighbours: RoPE and SwiGLU with the slice of the fused q/k/v or
+# gate/up projection that feeds them (a custom call takes whole arrays, so a kernel needs its
+# operand copied out first), add + norm with the split-K reduction of the matmul before it. The step is
 # a chain of ~2-7 us launches, so launches are what count (157M model on the H200, B = 32: this
 # and the one-split decode attention took the step from 0.40 to 0.36 ms). Above this many rows
 # (prefill, training) the kernels are the faster ones.
@@ -45,6 +45,14 @@ def _unless_few(impl: str, rows: int) -> str:
     if impl == "pallas" and rows <= FEW_ROWS and not _common.resolve_interpret(None):
         return "reference"
     return impl
+
+
+def add_norm(x: jax.Array, residual: jax.Array, weight: jax.Array, bias: jax.Array | None = None,
+             *, norm: str = "rms", rate: float = 0.0, key: jax.Array | None = None,
+             impl: str = "pallas") -> tuple[jax.Array, jax.Array]:
+    """(h, norm(h)) with h = residual + dropout(x) (`jaxfuse.add_norm`)."""
+    return jaxfuse.add_norm(x, residual, weight, bias, norm=norm, rate=rate, key=key,
+                            impl=_unless_few(impl, math.prod(x.shape[:-1])))
 
 
 def swiglu(gate: jax.Array, up: jax.Array, *, impl: str = "pallas") -> jax.Array:

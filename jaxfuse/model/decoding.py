@@ -5,7 +5,8 @@ The cache is a dict: k and v, each a tuple of n_layers arrays [B, S, Hkv, hd] in
 (preallocated, S = max_len), and lengths [B], the number of valid positions per sequence. One
 array per layer rather than one stacked [n_layers, ...] array: `decode_attention` then reads a
 layer's cache where it lies (a slice of a stacked cache is copied before a custom call), and
-the new token's K/V is scattered into it in place inside the decoding loop. Every layer computes
+the new token's K/V is written into it in place by the attention kernel itself
+(`decode_attention(..., k_new=, v_new=)`). Every layer computes
 where to write the new token from the `lengths` it is given, never from another layer's cache
 (lecture 5, sec. 8.2: reading layer 0's length after layer 0 has appended shifted every later
 layer by one).
@@ -80,19 +81,20 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
     donate_argnums=1)` updates the cache in place (greedy and beam search do it in their loop)."""
     p = decode_params(params, cfg)
     lengths = cache["lengths"]                              # [B], the same for every layer
-    rows = jnp.arange(tokens.shape[0])
     h = ops.embedding(tokens[:, None], p["embed"], impl=impl)                # [B, 1, D]
     delta = jnp.zeros_like(h)
     k_out, v_out = [], []
     for i, blk in enumerate(p["blocks"]):
         def attend(q, k, v, _key, i=i):
-            # One position per row: unique indices let XLA store without atomics, in place.
-            put = lambda c, new: c.at[rows, lengths].set(new[:, 0].astype(c.dtype),
-                                                         unique_indices=True)
-            k_c, v_c = put(cache["k"][i], k), put(cache["v"][i], v)
+            # The new token's K/V go into the cache inside the attention kernel (in place, one
+            # launch where an XLA scatter per cache would add two to a step of small launches).
+            k_c, v_c = cache["k"][i], cache["v"][i]
+            o, k_c, v_c = jaxfuse.decode_attention(q[:, 0], k_c, v_c, lengths,
+                                                   k_new=k[:, 0].astype(k_c.dtype),
+                                                   v_new=v[:, 0].astype(v_c.dtype), impl=impl)
             k_out.append(k_c)
             v_out.append(v_c)
-            return jaxfuse.decode_attention(q[:, 0], k_c, v_c, lengths + 1, impl=impl)[:, None]
+            return o[:, None]
         h, delta, _ = T.block(blk, h, delta, lengths[:, None], cfg, attend, impl=impl,
                               head_mask=None if head_mask is None else head_mask[i])
     _, y = T.add_norm(p["final_norm"], delta, h, cfg, impl)

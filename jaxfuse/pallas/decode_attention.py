@@ -32,7 +32,10 @@ from jaxfuse.reference.attention import merge_many
 class DecodeBlocks:
     """`block_k` keys per inner step; `num_*` only matter on the GPU. `folded=None` folds batch
     and KV heads into the block in interpret mode and squeezes them on the GPU."""
-    block_k: int = 64      # 64 measured as fast as 128 on an H200 and fits float32 in shared memory
+    # None: 128 keys where a key row is at most 128 bytes (D = 64 in bf16), else 64 (float32
+    # and D = 128 in shared memory). Measured on an H200 at the 157M model's decoding shape
+    # (B = 32, 640 of 768 positions, 4 KV heads of 64, bf16): 128 keys 7.3 us, 64 keys 8.5 us.
+    block_k: int | None = None
     num_warps: int = 4
     num_stages: int = 3
     folded: bool | None = None
@@ -40,9 +43,11 @@ class DecodeBlocks:
     def validate(self, folded: bool) -> None:
         for name in ("block_k", "num_warps", "num_stages"):
             v = getattr(self, name)
+            if name == "block_k" and v is None:
+                continue
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"DecodeBlocks({name}={v!r}): {name} must be a positive int")
-        if not folded and self.block_k != C.next_pow2(self.block_k):
+        if not folded and self.block_k and self.block_k != C.next_pow2(self.block_k):
             raise ValueError(f"DecodeBlocks(block_k={self.block_k}) must be a power of two on "
                              "the GPU (e.g. 64)")
 
@@ -63,21 +68,46 @@ def choose_splits(units: int, seq_len: int, sms: int, min_keys: int = 512) -> in
 _SPLIT_AXIS = {True: 0, False: 2}   # grid axis of the split: (splits,) folded, (B, Hkv, splits)
 
 
-def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, *, spec: A.AttnSpec, bh: int,
-            bk: int, split_len: int):
+def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: int,
+            split_len: int, append: bool):
     # GPU: q_ref [G, Dp] (the group's heads), k_ref/v_ref [S, Dp], len_ref a scalar.
     # Interpret: q_ref [B*Hkv, G, D], k_ref [B*Hkv, S, D], len_ref [B*Hkv].
+    # append: pos_ref (where the new row goes, like len_ref), kn_ref/vn_ref [(B*Hkv,) 1, Dp]
+    # the new rows, and ko_ref/vo_ref the caches again (aliased to k_ref/v_ref: in place).
+    if append:
+        pos_ref, kn_ref, vn_ref, o_ref, lse_ref, ko_ref, vo_ref = refs
+    else:
+        o_ref, lse_ref = refs
     g = spec.groups
     s0 = pl.program_id(_SPLIT_AXIS[spec.folded]) * split_len
     length = jnp.clip(len_ref[...], 0, spec.n_k)
     n = length[..., None, None]                                              # [..., 1, 1]
     q = A.load_rows(q_ref, 0, bh, g, spec)                                   # [..., bh, Dp]
     end = jnp.minimum(s0 + split_len, jnp.max(length))
+    if append:
+        pos = pos_ref[...][..., None, None]                                  # [..., 1, 1]
+        k_new, v_new = (A.load_rows(r, 0, 1, 1, spec) for r in (kn_ref, vn_ref))
 
     def step(j, carry):
         k0 = j * bk
         k = A.load_rows(k_ref, k0, bk, n, spec)                               # [..., bk, Dp]
         v = A.load_rows(v_ref, k0, bk, n, spec)
+        if append:
+            # The new row is taken from k_new/v_new, not read back from the cache: the
+            # program stores it below and may load this tile before the store lands. Only
+            # the program whose tile holds the position stores it (positions are disjoint
+            # across programs), so nothing races.
+            row = k0 + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)       # [bk, 1]
+            mine = (row == pos) & (row < n)        # [..., bk, 1]; a full cache: no row
+            k, v = jnp.where(mine, k_new, k), jnp.where(mine, v_new, v)
+
+            here = ((pos >= k0) & (pos < k0 + bk)).astype(jnp.int32)
+            @pl.when(jnp.max(here) > 0)        # (Triton lowers no reduce_or: any as a max)
+            def _store():
+                for ref, new in ((ko_ref, k_new), (vo_ref, v_new)):
+                    tile = jnp.broadcast_to(new, k.shape)
+                    C.store_tile(ref, tile, k0, 0, spec.n_k, spec.head_dim,
+                                 mask=jnp.broadcast_to(mine, k.shape))
         if bh == 1:   # one query row (MHA): a 2-D multiply-reduce, no 16-row matmul tile
             s = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=-1)[..., None, :]
             pv_of = lambda p: jnp.sum(jnp.swapaxes(p, -1, -2) * v.astype(jnp.float32),
@@ -99,21 +129,27 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, *, spec: A.AttnSpec, b
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      kv_lengths: jax.Array, *, scale: float | None = None,
                      num_splits: int | None = None, logits_soft_cap: float | None = None,
-                     return_lse: bool = False, interpret: bool | None = None,
+                     return_lse: bool = False, k_new: jax.Array | None = None,
+                     v_new: jax.Array | None = None, interpret: bool | None = None,
                      block_sizes: DecodeBlocks | None = None):
     """Pallas Flash-Decoding; same semantics as `jaxfuse.reference.decode_attention`.
 
     Inference only: it has no gradient (train with `flash_attention`)."""
-    ref.validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale)
+    ref.validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
+                 v_new)
     check_head_dim(q.shape[-1])
     interpret = C.resolve_interpret(interpret)
     blocks = block_sizes or DecodeBlocks()
     blocks.validate(interpret if blocks.folded is None else blocks.folded)
     run = functools.partial(_decode, scale=scale, num_splits=num_splits,
                             logits_soft_cap=logits_soft_cap, interpret=interpret, blocks=blocks)
-    lengths = ref.clip_lengths(kv_lengths, k_cache.shape[1])
-    o, lse = _inference_op(run)(q, k_cache, v_cache, lengths)
-    return (o, lse) if return_lse else o
+    if k_new is None:
+        o, lse = _inference_op(run)(q, k_cache, v_cache, ref.clip_lengths(kv_lengths,
+                                                                         k_cache.shape[1]))
+        return (o, lse) if return_lse else o
+    pos, lengths = ref.append_positions(kv_lengths, k_cache.shape[1])
+    o, lse, k_cache, v_cache = _inference_op(run)(q, k_cache, v_cache, lengths, pos, k_new, v_new)
+    return (o, lse, k_cache, v_cache) if return_lse else (o, k_cache, v_cache)
 
 
 def _inference_op(run):
@@ -122,16 +158,16 @@ def _inference_op(run):
     gradient that fails loudly rather than silently."""
     @jax.custom_jvp
     @jax.custom_batching.custom_vmap
-    def op(q, k_cache, v_cache, lengths):
-        return run(q, k_cache, v_cache, lengths)
+    def op(q, k_cache, v_cache, lengths, *append):
+        return run(q, k_cache, v_cache, lengths, *append)
 
     @op.fun.def_vmap
     def _fold(axis_size, in_batched, *args):
         args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
                 for a, batched in zip(args, in_batched)]
-        o, lse = op.fun(*[a.reshape(-1, *a.shape[2:]) for a in args])
+        outs = op.fun(*[a.reshape(-1, *a.shape[2:]) for a in args])
         unfold = lambda x: x.reshape(axis_size, -1, *x.shape[1:])
-        return (unfold(o), unfold(lse)), (True, True)
+        return tuple(unfold(x) for x in outs), (True,) * len(outs)
 
     @op.defjvp
     def _no_gradient(primals, tangents):
@@ -141,61 +177,79 @@ def _inference_op(run):
     return op
 
 
-def _decode(q, k_cache, v_cache, lengths, *, scale, num_splits, logits_soft_cap, interpret,
-            blocks: DecodeBlocks):
-    """(o [B, Hq, D] in q's dtype, float32 lse [B, Hq])."""
+def _decode(q, k_cache, v_cache, lengths, pos=None, k_new=None, v_new=None, *, scale,
+            num_splits, logits_soft_cap, interpret, blocks: DecodeBlocks):
+    """(o [B, Hq, D] in q's dtype, float32 lse [B, Hq]), and with `pos` (where each row's
+    k_new/v_new [B, Hkv, D] go; out of [0, S): nothing) the caches with them written in place."""
     b, hq, d = q.shape
     s_len, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
+    append = pos is not None
     spec = A.AttnSpec.make(n_q=1, n_k=s_len, head_dim=d, groups=g, dtype=q.dtype, scale=scale,
                            interpret=interpret, folded=blocks.folded, softcap=logits_soft_cap)
     folded, dp = spec.folded, spec.head_dim_pad
     if num_splits is None:
         num_splits = 1 if folded else choose_splits(b * hkv, s_len, C.num_multiprocessors())
-    bk = min(blocks.block_k, max(16, C.next_pow2(s_len))) if not folded else \
-        min(blocks.block_k, s_len)
+    block_k = blocks.block_k or (128 if dp * q.dtype.itemsize <= 128 else 64)
+    bk = min(block_k, max(16, C.next_pow2(s_len))) if not folded else min(block_k, s_len)
     split_len = bk * C.cdiv(C.cdiv(s_len, num_splits), bk)   # whole tiles; trailing splits may be empty
     # One query row needs no matmul tile; G >= 2 rows are padded to Triton's 16-row minimum.
     bh = g if folded else (1 if g == 1 else max(16, C.next_pow2(g)))
-    kernel = functools.partial(_kernel, spec=spec, bh=bh, bk=bk, split_len=split_len)
+    kernel = functools.partial(_kernel, spec=spec, bh=bh, bk=bk, split_len=split_len,
+                               append=append)
     # One split (a short cache, or enough sequences to fill the GPU without splitting): its
     # result is final (merging one part is the identity, bitwise), so the kernel writes o in
     # q's dtype and no merge runs: two reductions and a cast fewer per call, in a decoding step
     # made of microsecond launches (measured on the 157M model: 3 of ~18 kernels per layer).
     o_dtype = q.dtype if num_splits == 1 else jnp.float32
     if folded:
-        qc = q.reshape(b * hkv, g, d)
-        kc = k_cache.transpose(0, 2, 1, 3).reshape(b * hkv, s_len, d)
-        vc = v_cache.transpose(0, 2, 1, 3).reshape(b * hkv, s_len, d)
-        lc = jnp.repeat(lengths, hkv)
         n = b * hkv
+        heads_major = lambda c: c.transpose(0, 2, 1, 3).reshape(n, s_len, d)
+        qc, kc, vc = q.reshape(n, g, d), heads_major(k_cache), heads_major(v_cache)
         grid = (num_splits,)
-        in_specs = [pl.BlockSpec((n, g, d), lambda s: (0, 0, 0)),
-                    pl.BlockSpec((n, s_len, d), lambda s: (0, 0, 0)),
-                    pl.BlockSpec((n, s_len, d), lambda s: (0, 0, 0)),
-                    pl.BlockSpec((n,), lambda s: (0,))]
+        whole = lambda *shape: pl.BlockSpec(shape, lambda s: (0,) * len(shape))
+        in_specs = [whole(n, g, d), whole(n, s_len, d), whole(n, s_len, d), whole(n)]
         out_specs = [pl.BlockSpec((n, None, g, d), lambda s: (0, s, 0, 0)),
                      pl.BlockSpec((n, None, g), lambda s: (0, s, 0))]
         out_shape = [jax.ShapeDtypeStruct((n, num_splits, g, d), o_dtype),
                      jax.ShapeDtypeStruct((n, num_splits, g), jnp.float32)]
-        args = (qc, kc, vc, lc)
+        args = [qc, kc, vc, jnp.repeat(lengths, hkv)]
+        if append:
+            in_specs += [whole(n), whole(n, 1, d), whole(n, 1, d)]
+            out_specs += [whole(n, s_len, d)] * 2
+            out_shape += [jax.ShapeDtypeStruct(kc.shape, kc.dtype)] * 2
+            args += [jnp.repeat(pos, hkv), k_new.reshape(n, 1, d), v_new.reshape(n, 1, d)]
     else:
         grid = (b, hkv, num_splits)
+        cache_spec = pl.BlockSpec((None, s_len, None, dp), lambda b_, h, s: (b_, 0, h, 0))
+        row_spec = pl.BlockSpec((None,), lambda b_, h, s: (b_,))
         in_specs = [pl.BlockSpec((None, g, dp), lambda b_, h, s: (b_, h, 0)),
-                    pl.BlockSpec((None, s_len, None, dp), lambda b_, h, s: (b_, 0, h, 0)),
-                    pl.BlockSpec((None, s_len, None, dp), lambda b_, h, s: (b_, 0, h, 0)),
-                    pl.BlockSpec((None,), lambda b_, h, s: (b_,))]
+                    cache_spec, cache_spec, row_spec]
         out_specs = [pl.BlockSpec((None, None, g, dp), lambda b_, h, s: (b_, s, h, 0)),
                      pl.BlockSpec((None, None, g), lambda b_, h, s: (b_, s, h))]
         out_shape = [jax.ShapeDtypeStruct((b, num_splits, hq, d), o_dtype),
                      jax.ShapeDtypeStruct((b, num_splits, hq), jnp.float32)]
-        args = (q, k_cache, v_cache, lengths)
-    o_parts, lse_parts = C.pallas_call(
+        args = [q, k_cache, v_cache, lengths]
+        if append:
+            new_spec = pl.BlockSpec((None, None, 1, dp), lambda b_, h, s: (b_, h, 0, 0))
+            in_specs += [row_spec, new_spec, new_spec]
+            out_specs += [cache_spec] * 2
+            out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2
+            args += [pos, k_new[:, :, None], v_new[:, :, None]]
+    outs = C.pallas_call(
         kernel, out_shape=out_shape, grid=grid, name="jaxfuse_decode_attention",
         interpret=interpret, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-        in_specs=in_specs, out_specs=out_specs)(*args)
+        in_specs=in_specs, out_specs=out_specs,
+        input_output_aliases={1: 2, 2: 3} if append else None)(*args)
+    o_parts, lse_parts = outs[:2]
     if num_splits == 1:
         o, lse = o_parts[:, 0], lse_parts[:, 0]
     else:
         o, lse = merge_many(o_parts, lse_parts, axis=1)    # the split axis, in both layouts
-    return o.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
+    o, lse = o.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
+    if not append:
+        return o, lse
+    if folded:     # back from the kernel's [B * Hkv, S, D] to [B, S, Hkv, D]
+        back = lambda c: c.reshape(b, hkv, s_len, d).transpose(0, 2, 1, 3)
+        return o, lse, back(outs[2]), back(outs[3])
+    return o, lse, outs[2], outs[3]

@@ -7,6 +7,11 @@ For batch b and query head h (KV head h // (Hq / Hkv)), over the positions j < k
 
 Whatever the cache holds at positions >= kv_lengths[b] (stale values, NaN, inf) does not
 change the result. A sequence of length 0 gives o = 0 and lse = -inf.
+
+Append (a decoding step): with k_new and v_new [B, Hkv, D], the new token's key and value are
+first written at position p_b = kv_lengths[b] (clipped to [0, S]; p_b = S, a full cache, writes
+nothing), then the query attends over min(p_b + 1, S) positions; the updated caches are
+returned with o.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from jaxfuse import _checks
 
 
 def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=None,
-             scale=None) -> None:
+             scale=None, k_new=None, v_new=None) -> None:
     _checks.check_float("q", q)
     _checks.check_ndim("q", q, 3)
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -53,6 +58,23 @@ def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=N
         raise ValueError(f"num_splits={num_splits!r} must be an int in [1, S={s}] or None")
     _checks.check_positive("logits_soft_cap", logits_soft_cap)
     _checks.check_positive("scale", scale)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new go together: pass both (append the new token's key "
+                         "and value) or neither")
+    if k_new is not None:
+        want = (b, hkv, d)
+        for name, a in (("k_new", k_new), ("v_new", v_new)):
+            if tuple(a.shape) != want or a.dtype != k_cache.dtype:
+                raise ValueError(f"{name} {tuple(a.shape)} {a.dtype} must be [B, Hkv, D]="
+                                 f"{want} in the cache's dtype {k_cache.dtype} (one new key "
+                                 "and value per sequence and KV head)")
+
+
+def append_positions(kv_lengths: jax.Array, s_len: int) -> tuple[jax.Array, jax.Array]:
+    """(where each sequence's new key goes, the lengths attended after the append), int32 [B]:
+    p = kv_lengths clipped to [0, S] (S: a full cache, nothing written), min(p + 1, S)."""
+    pos = clip_lengths(kv_lengths, s_len)
+    return pos, jnp.minimum(pos + 1, s_len)
 
 
 def clip_lengths(kv_lengths: jax.Array, s_len: int) -> jax.Array:
@@ -65,11 +87,20 @@ def clip_lengths(kv_lengths: jax.Array, s_len: int) -> jax.Array:
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      kv_lengths: jax.Array, *, scale: float | None = None,
                      num_splits: int | None = None, logits_soft_cap: float | None = None,
-                     return_lse: bool = False):
+                     return_lse: bool = False, k_new: jax.Array | None = None,
+                     v_new: jax.Array | None = None):
     """q [B, Hq, D] over caches [B, S, Hkv, D] up to kv_lengths [B]; returns o [B, Hq, D]
-    (and float32 lse [B, Hq]). `num_splits` only matters to the kernel; it is accepted here so
-    that both implementations share one signature."""
-    validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale)
+    (and float32 lse [B, Hq]), then with k_new/v_new the updated caches (module docstring).
+    `num_splits` only matters to the kernel; it is accepted here so that both implementations
+    share one signature."""
+    validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new, v_new)
+    if k_new is not None:
+        pos, kv_lengths = append_positions(kv_lengths, k_cache.shape[1])
+        put = lambda c, new: c.at[jnp.arange(c.shape[0]), pos].set(new, mode="drop")
+        k_cache, v_cache = put(k_cache, k_new), put(v_cache, v_new)
+        out = decode_attention(q, k_cache, v_cache, kv_lengths, scale=scale,
+                               logits_soft_cap=logits_soft_cap, return_lse=return_lse)
+        return (*(out if return_lse else (out,)), k_cache, v_cache)
     b, hq, d = q.shape
     s_len, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv

@@ -30,7 +30,7 @@ from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import decode_attention as _r_dec
 from jaxfuse.reference.attention import merge_many
 from jaxfuse.sharding import ring
-from jaxfuse.sharding._core import Layout, partitioned, present, vjp_op
+from jaxfuse.sharding._core import Layout, partitioned, vjp_op
 from jaxfuse.sharding.blocks import shard_key
 
 def _heads(hkv: int, groups: int):
@@ -156,21 +156,26 @@ def flash_attention(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
 
 # ---- decode_attention ------------------------------------------------------------------------
 
-def _decode_local(kw, plan, q, k_cache, v_cache, lengths):
+def _decode_local(kw, plan, q, k_cache, v_cache, lengths, *append):
     axes = plan.get("s", ())
     if not axes:
-        return _p_dec._decode(q, k_cache, v_cache, lengths, **kw)
+        return _p_dec._decode(q, k_cache, v_cache, lengths, *append, **kw)
     s_loc = k_cache.shape[1]
     start = jax.lax.axis_index(axes) * s_loc
-    o, lse = _p_dec._decode(q, k_cache, v_cache, jnp.clip(lengths - start, 0, s_loc), **kw)
-    o, lse = merge_many(jax.lax.all_gather(o, axes), jax.lax.all_gather(lse, axes), axis=0)
-    return o.astype(q.dtype), lse
+    if append:     # the new row lands on the device whose slice holds its position
+        append = (append[0] - start, *append[1:])
+    out = _p_dec._decode(q, k_cache, v_cache, jnp.clip(lengths - start, 0, s_loc), *append, **kw)
+    o, lse = merge_many(jax.lax.all_gather(out[0], axes), jax.lax.all_gather(out[1], axes),
+                        axis=0)
+    return (o.astype(q.dtype), lse, *out[2:])
 
 
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=None,
-                     logits_soft_cap=None, return_lse=False, interpret=None, block_sizes=None):
+                     logits_soft_cap=None, return_lse=False, k_new=None, v_new=None,
+                     interpret=None, block_sizes=None):
     """`jaxfuse.pallas.decode_attention` partitioned over batch, KV heads and cache length."""
-    _r_dec.validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale)
+    _r_dec.validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
+                    v_new)
     _p_attn.check_head_dim(q.shape[-1])
     interpret = C.resolve_interpret(interpret)
     blocks = block_sizes or DecodeBlocks()
@@ -180,10 +185,18 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=
     hkv, groups = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
     h = _heads(hkv, groups)
     q_dims, kv_dims, lse_dims = ("b", h, "d"), ("b", "s", "n", "d"), ("b", h)
-    layout = Layout((q_dims, kv_dims, kv_dims, ("b",)), (q_dims, lse_dims), ("b", "n", "s"),
-                    (("g", groups),) if isinstance(h, tuple) else ())
+    sizes = (("g", groups),) if isinstance(h, tuple) else ()
     run = lambda *a: partitioned(functools.partial(_decode_local, kw), layout, a)
-    o, lse = _p_dec._inference_op(run)(*present(q, k_cache, v_cache,
-                                                _r_dec.clip_lengths(kv_lengths,
-                                                                    k_cache.shape[1])))
-    return (o, lse) if return_lse else o
+    if k_new is None:
+        layout = Layout((q_dims, kv_dims, kv_dims, ("b",)), (q_dims, lse_dims), ("b", "n", "s"),
+                        sizes)
+        o, lse = _p_dec._inference_op(run)(q, k_cache, v_cache,
+                                           _r_dec.clip_lengths(kv_lengths, k_cache.shape[1]))
+        return (o, lse) if return_lse else o
+    new_dims = ("b", "n", "d")
+    layout = Layout((q_dims, kv_dims, kv_dims, ("b",), ("b",), new_dims, new_dims),
+                    (q_dims, lse_dims, kv_dims, kv_dims), ("b", "n", "s"), sizes)
+    pos, lengths = _r_dec.append_positions(kv_lengths, k_cache.shape[1])
+    o, lse, k_cache, v_cache = _p_dec._inference_op(run)(q, k_cache, v_cache, lengths, pos,
+                                                         k_new, v_new)
+    return (o, lse, k_cache, v_cache) if return_lse else (o, k_cache, v_cache)

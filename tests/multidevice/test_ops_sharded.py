@@ -241,6 +241,31 @@ def test_decode_batch_heads_length_split():
     assert gathered_shapes(hlo) and all(np.prod(sh) <= b * hkv * g * d for sh in gathered_shapes(hlo))
 
 
+def test_decode_append_on_a_length_split_cache():
+    """k_new/v_new land on the device whose slice of the cache holds position kv_lengths[b]
+    (two slices of 20: positions 0 and 9 in the first, 39 in the second; 40 is a full cache,
+    nothing written)."""
+    b, s, hkv, g, d = 4, 40, 2, 3, 8
+    k = keys(7, 5)
+    q, kc, vc = randn(k[0], (b, hkv * g, d)), randn(k[1], (b, s, hkv, d)), randn(k[2], (b, s, hkv, d))
+    kn, vn = randn(k[3], (b, hkv, d)), randn(k[4], (b, hkv, d))
+    lengths = jnp.array([0, 9, 40, 39])
+    f = jax.jit(lambda *a: jaxfuse.decode_attention(*a[:4], k_new=a[4], v_new=a[5],
+                                                    return_lse=True))
+    want = jaxfuse.decode_attention(q, kc, vc, lengths, k_new=kn, v_new=vn, return_lse=True,
+                                    impl="reference")
+    specs = [P("data", "tensor"), P("data", "seq", "tensor"), P("data", "seq", "tensor"),
+             P("data"), P("data", "tensor"), P("data", "tensor")]
+    placed = [jax.device_put(a, NamedSharding(AUTO, sp))
+              for a, sp in zip((q, kc, vc, lengths, kn, vn), specs)]
+    many = f(*placed)
+    for got, w in zip(many[:2], want[:2]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(w), **TOL)
+    for got, w in zip(many[2:], want[2:]):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+        assert tuple(got.sharding.spec)[:3] == ("data", "seq", "tensor")   # the cache stays split
+
+
 # ---- other modes -----------------------------------------------------------------------------
 
 def test_explicit_mesh():

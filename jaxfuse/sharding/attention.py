@@ -196,7 +196,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=
     new_dims = ("b", "n", "d")
     layout = Layout((q_dims, kv_dims, kv_dims, ("b",), ("b",), new_dims, new_dims),
                     (q_dims, lse_dims, kv_dims, kv_dims), ("b", "n", "s"), sizes)
-    pos, lengths = _r_dec.append_positions(kv_lengths, k_cache.shape[1])
-    o, lse, k_cache, v_cache = _p_dec._inference_op(run)(q, k_cache, v_cache, lengths, pos,
-                                                         k_new, v_new)
+    # The kernel attends the `pos` keys already cached, then the new one (`_p_dec._kernel`).
+    pos, _ = _r_dec.append_positions(kv_lengths, k_cache.shape[1])
+    o, lse, k_cache, v_cache = _p_dec._inference_op(run)(q, k_cache, v_cache, pos, pos, k_new,
+                                                         v_new)
     return (o, lse, k_cache, v_cache) if return_lse else (o, k_cache, v_cache)

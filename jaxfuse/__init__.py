@@ -6,7 +6,7 @@ Every op takes `impl="pallas" | "reference"`; Pallas kernels interpret on a CPU 
 from jaxfuse import pallas, reference
 from jaxfuse.ops import (add_norm, beam_top_k, bias_act_dropout, bias_dropout_add, cross_entropy,
                          decode_attention, dropout, embedding, flash_attention, layer_norm,
-                         linear_cross_entropy, rms_norm, rope, softmax, swiglu)
+                         linear_cross_entropy, reorder_beams, rms_norm, rope, softmax, swiglu)
 from jaxfuse.pallas._attn import AttnBlocks
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.pallas.decode_attention import DecodeBlocks
@@ -14,7 +14,8 @@ from jaxfuse.pallas.linear_cross_entropy import LCEBlocks
 
 __all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy", "flash_attention",
            "decode_attention", "linear_cross_entropy", "beam_top_k", "dropout", "bias_dropout_add",
-           "bias_act_dropout", "add_norm", "swiglu", "rope", "embedding", "RowBlocks",
+           "bias_act_dropout", "add_norm", "swiglu", "rope", "embedding", "reorder_beams",
+           "RowBlocks",
            "DecodeBlocks", "LCEBlocks", "AttnBlocks", "pallas", "reference", "model"]
 __version__ = "0.1.0"
 

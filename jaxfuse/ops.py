@@ -25,6 +25,7 @@ from jaxfuse.reference import bias_act_dropout as _r_bad
 from jaxfuse.reference import bias_dropout_add as _r_bda
 from jaxfuse.reference import dropout as _r_drop
 from jaxfuse.reference import embedding as _r_emb
+from jaxfuse.reference import reorder_beams as _r_reo
 from jaxfuse.reference import cross_entropy as _r_ce
 from jaxfuse.reference import decode_attention as _r_dec
 from jaxfuse.reference import layer_norm as _r_ln
@@ -209,6 +210,24 @@ def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *, impl: st
     """
     return route(impl, _s_blocks.beam_top_k, _r_topk.beam_top_k, log_probs, beam_scores, k,
                  interpret=interpret, block_sizes=block_sizes)
+
+
+def reorder_beams(caches, parent: jax.Array, start: jax.Array, stop: jax.Array, *,
+                  impl: str = "pallas", interpret: bool | None = None,
+                  block_sizes=None) -> tuple:
+    """Beam search's cache reorder: in every cache [B, K, S, ...] (K beams, S positions) beam j
+    of row b takes beam parent[b, j]'s entries at positions start[b] <= s < stop[b]; the other
+    positions keep their own. Returns the caches as a tuple. The Pallas kernel works in place
+    (donate the caches, or reorder inside a jitted loop) and touches only those positions and
+    only beams whose parent is another beam, every cache in one launch; "reference" gathers.
+    Beams grown from one prompt share the prompt's keys and values, so a decoding step reorders
+    [prompt length, prompt length + step) only. parent is clipped to [0, K), start and stop to
+    [0, S].
+
+    >>> k_caches = jaxfuse.reorder_beams(k_caches, parent, prompt_lengths, prompt_lengths + t)
+    """
+    return route(impl, _s_blocks.reorder_beams, _r_reo.reorder_beams, caches, parent, start,
+                 stop, interpret=interpret, block_sizes=block_sizes)
 
 
 def dropout(x: jax.Array, rate: float, key, *, impl: str = "pallas",

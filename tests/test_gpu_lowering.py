@@ -209,3 +209,11 @@ def test_model_lowers(monkeypatch):
     _lower(lambda p, t: M.greedy(p, cfg, t, lengths, max_new_tokens=4, eos_id=1), params, tokens)
     _lower(lambda p, t: M.beam_search(p, cfg, t, lengths, beam_size=2, max_new_tokens=4,
                                       eos_id=1), params, tokens)
+
+
+def test_reorder_beams_lowers():
+    caches = (jnp.zeros((3, 4, 100, 4, 64), jnp.bfloat16), jnp.zeros((3, 4, 100, 5), jnp.float32))
+    parent = jnp.zeros((3, 4), jnp.int32)
+    n = jnp.zeros((3,), jnp.int32)
+    _lower(lambda c, p, a, z: jaxfuse.reorder_beams(c, p, a, z, interpret=False),
+           caches, parent, n, n)

@@ -9,7 +9,7 @@ implementation (a benchmark's cuDNN attention, a future kernel) changes this fil
 `impl="reference"` routes every one of them to its jax.numpy reference.
 
 One exception, for CPU runs only: where the Pallas kernels are interpreted (a CPU backend,
-`JAXFUSE_INTERPRET=1`), `embedding` and `rope` take their references, which compute the same
+`JAXFUSE_INTERPRET=1`), `embedding`, `rope` and `reorder_beams` take their references, which compute the same
 function (the same Philox masks). Their kernels walk rows one at a time, which the interpreter
 turns into one loop step per row: measured on 2 CPU cores, they took LikesWorld's training step
 from about 0.13 to 0.37 s, past its 3-minute budget. Compiled, every op is the kernel, but for
@@ -74,6 +74,12 @@ def embedding(tokens: jax.Array, table: jax.Array, *, scale: float = 1.0,
     """dropout(scale * table[tokens] + pos_table[positions]) (`jaxfuse.embedding`)."""
     return jaxfuse.embedding(tokens, table, scale=scale, pos_table=pos_table, positions=positions,
                              rate=rate, key=key, impl=_unless_interpreted(impl))
+
+
+def reorder_beams(caches, parent: jax.Array, start: jax.Array, stop: jax.Array, *,
+                  impl: str = "pallas") -> tuple:
+    """Beam search's cache reorder of positions [start, stop) (`jaxfuse.reorder_beams`)."""
+    return jaxfuse.reorder_beams(caches, parent, start, stop, impl=_unless_interpreted(impl))
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,

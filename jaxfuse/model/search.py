@@ -10,8 +10,9 @@ steps_per_sync is one fixed loop alone); steps taken after every sequence has en
 (an ended sequence emits eos at log-prob 0).
 
 Beam search (lecture 10, sec. 6): every step scores beam_size x V continuations and keeps the best
-beam_size with `jaxfuse.beam_top_k` (HARS with impl="pallas"); the cache rows are then gathered
-by parent beam (no Python loop). A finished beam's only continuation is `eos_id` at log-prob 0,
+beam_size with `jaxfuse.beam_top_k` (HARS with impl="pallas"); each beam's cache then takes its
+parent's keys and values at the positions decoded so far (`jaxfuse.reorder_beams`, in place; the
+prompt's positions are the same in every beam of a row). A finished beam's only continuation is `eos_id` at log-prob 0,
 so it keeps its score and competes with the live beams on the same scale:
 score = sum of log-probs / len ** length_penalty, len counting the tokens up to and including eos.
 """
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
+from jaxfuse.model import _block_ops as ops
 from jaxfuse.model import decoding
 from jaxfuse.model.config import Config
 
@@ -119,9 +121,15 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
         length = jnp.take_along_axis(new_len, parent, 1)
         done = jnp.take_along_axis(done, parent, 1) | (tok == eos_id)
         tokens = jnp.take_along_axis(tokens, parent[..., None], 1).at[:, :, t].set(tok)
-        # Reorder the cache by parent beam: one gather over the (batch, beam) rows.
-        rows = (jnp.arange(b)[:, None] * k + parent).reshape(-1)             # [B*K]
-        cache = jax.tree.map(lambda x: x[rows], cache)
+        # Each beam takes its parent's K/V at the positions decoded so far; the prompt's are the
+        # same in every beam of a row (`reorder_beams`: in place, one launch for all layers).
+        n = cache["lengths"].reshape(b, k)[:, 0]                             # prompt + t
+        split = lambda cs: tuple(c.reshape(b, k, *c.shape[1:]) for c in cs)
+        moved = ops.reorder_beams(split(cache["k"]) + split(cache["v"]), parent, n - t, n,
+                                  impl=impl)
+        join = lambda cs: tuple(c.reshape(b * k, *c.shape[2:]) for c in cs)
+        layers = len(cache["k"])
+        cache = dict(cache, k=join(moved[:layers]), v=join(moved[layers:]))
         logits, cache = decoding.decode_step(params, cache, tok.reshape(-1), cfg, impl=impl)
         return t + 1, logits, cache, tokens, raw, length, done
 

@@ -31,6 +31,7 @@ from jaxfuse.pallas import _dropout, _norm, _rng, _rows
 from jaxfuse.pallas import add_norm as _p_an
 from jaxfuse.pallas import beam_top_k as _p_topk
 from jaxfuse.pallas import embedding as _p_emb
+from jaxfuse.pallas import reorder_beams as _p_reo
 from jaxfuse.pallas import rope as _p_rope
 from jaxfuse.pallas import swiglu as _p_swiglu
 from jaxfuse.pallas._rows import RowBlocks, as_rows
@@ -40,6 +41,7 @@ from jaxfuse.reference import bias_act_dropout as _r_bad
 from jaxfuse.reference import bias_dropout_add as _r_bda
 from jaxfuse.reference import dropout as _r_drop
 from jaxfuse.reference import embedding as _r_emb
+from jaxfuse.reference import reorder_beams as _r_reo
 from jaxfuse.reference import rope as _r_rope
 from jaxfuse.reference import swiglu as _r_swiglu
 from jaxfuse.sharding._core import Layout, lead, partitioned, present, vjp_op
@@ -370,3 +372,22 @@ def beam_top_k(log_probs, beam_scores, k, *, interpret=None, block_sizes=None, c
     out = ("b", "j")
     layout = Layout((("b", "n", "v"), ("b", "n")), (out, out, out), ("b",))
     return partitioned(local, layout, (log_probs, beam_scores))
+
+
+# ---- reorder_beams ---------------------------------------------------------------------------
+
+def reorder_beams(caches, parent, start, stop, *, interpret=None, block_sizes=None):
+    """`jaxfuse.pallas.reorder_beams` partitioned over the batch and each cache's first feature
+    axis (KV heads); a row's beams and positions stay whole on one device."""
+    _r_reo.validate(caches, parent, start, stop)
+    caches = tuple(caches)
+    local = lambda plan, parent, start, stop, *cs: _p_reo.reorder_beams(
+        cs, parent, start, stop, interpret=interpret, block_sizes=block_sizes)
+    # Caches of one feature shape share factors (a mesh axis shards one factor of an op), as
+    # a model's K and V caches of every layer do; any other shape gets its own.
+    name = lambda i, c, j: f"f{j}" if c.shape[3:] == caches[0].shape[3:] else f"c{i}f{j}"
+    dims = [("b", "k", "s") + tuple(name(i, c, j) for j in range(c.ndim - 3))
+            for i, c in enumerate(caches)]
+    layout = Layout((("b", "k"), ("b",), ("b",), *dims), tuple(dims),
+                    ("b",) + tuple(dict.fromkeys(d[3] for d in dims if len(d) > 3)))
+    return partitioned(local, layout, (parent, start, stop, *caches))

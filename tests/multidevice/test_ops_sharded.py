@@ -300,3 +300,23 @@ def test_inside_scan_and_remat():
     one, many, hlo = run_both(f, (x, ws), [P("data", "seq"), P()], diff=(0, 1))
     assert_same(one, many)
     assert gathered_shapes(hlo) == []
+
+
+def test_reorder_beams_batch_and_heads_split():
+    """Each device reorders its rows' beams at its KV heads; no cache crosses devices."""
+    b, k, s, h, d = 4, 3, 10, 2, 4
+    ks = keys(8, 3)
+    caches = (randn(ks[0], (b, k, s, h, d)), randn(ks[1], (b, k, s, h, d)))
+    parent = jax.random.randint(ks[2], (b, k), 0, k)
+    start, stop = jnp.array([0, 2, 5, 9]), jnp.array([10, 6, 5, 10])
+    f = jax.jit(lambda c, p, a, z: jaxfuse.reorder_beams(c, p, a, z))
+    want = jaxfuse.reorder_beams(caches, parent, start, stop, impl="reference")
+    spec = NamedSharding(AUTO, P("data", None, None, "tensor"))
+    placed = tuple(jax.device_put(c, spec) for c in caches)
+    rows = NamedSharding(AUTO, P("data"))
+    args = (jax.device_put(parent, rows), jax.device_put(start, rows), jax.device_put(stop, rows))
+    got = f(placed, *args)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert tuple(g.sharding.spec)[:4] == ("data", None, None, "tensor")
+    assert gathered_shapes(f.lower(placed, *args).compile().as_text()) == []

@@ -9,7 +9,7 @@ and values at the prompt's positions, and positions not yet decoded are never re
 kernel visits only positions [start, stop) and writes only beams whose parent is another beam,
 in place (the caches are aliased to the outputs), all caches of the model in one launch.
 
-A program owns one batch row's K beams at a [positions, features] tile of every cache: it loads
+A program owns one batch row's K beams at a [positions, features] tile of one cache: it loads
 the K tiles, then stores tile parent[j] into beam j. Reads and writes of one element happen in
 the same thread and in that order, and no other program touches the tile, so the permutation
 is safe in place (a barrier between the loads and the stores makes it explicit on the GPU).
@@ -42,28 +42,31 @@ def _tiles(s: int, f: int, interpret: bool, blocks: RowBlocks | None) -> tuple[i
 
 
 def _kernel(par_ref, start_ref, stop_ref, *refs, k: int, n: int, widths: tuple, bs: int,
-            bf: int, interpret: bool):
+            bf: int, n_f: int, interpret: bool):
     srcs, dsts = refs[:n], refs[n:]
     b = pl.program_id(0)
-    s0, f0 = pl.program_id(1) * bs, pl.program_id(2) * bf
+    s0 = pl.program_id(1) * bs
+    # Grid axis 2 is (cache, feature tile): one cache per program, so that the caches of a
+    # model (16 for 8 layers) are reordered side by side rather than one after the other in
+    # each program (measured on an H200: 75 us a call that way, latency-bound).
+    cache, f0 = pl.program_id(2) // n_f, (pl.program_id(2) % n_f) * bf
     start, stop = start_ref[b], stop_ref[b]
-
-    @pl.when((s0 < stop) & (s0 + bs > start))
-    def _():
-        rows = s0 + jax.lax.broadcasted_iota(jnp.int32, (bs, bf), 0)
-        cols = f0 + jax.lax.broadcasted_iota(jnp.int32, (bs, bf), 1)
-        inside = (rows >= start) & (rows < stop)
-        parent = [par_ref[b, j] for j in range(k)]
-        for src, dst, f in zip(srcs, dsts, widths):
+    rows = s0 + jax.lax.broadcasted_iota(jnp.int32, (bs, bf), 0)
+    cols = f0 + jax.lax.broadcasted_iota(jnp.int32, (bs, bf), 1)
+    inside = (rows >= start) & (rows < stop)
+    for i, (src, dst, f) in enumerate(zip(srcs, dsts, widths)):
+        @pl.when((cache == i) & (s0 < stop) & (s0 + bs > start) & (f0 < f))
+        def _(src=src, dst=dst, f=f):
             valid = inside & (cols < f)
+            parent = [par_ref[b, j] for j in range(k)]
             at = lambda ref, j: ref.at[b, jnp.int32(j), pl.ds(s0, bs), pl.ds(f0, bf)]
             tiles = [pltriton.load(at(src, j), mask=valid, other=0) for j in range(k)]
             if not interpret:
                 pltriton.debug_barrier()       # every load of the tile before any store
             for j in range(k):
                 new = tiles[k - 1]
-                for i in range(k - 2, -1, -1):
-                    new = jnp.where(parent[j] == i, tiles[i], new)
+                for m in range(k - 2, -1, -1):
+                    new = jnp.where(parent[j] == m, tiles[m], new)
                 pltriton.store(at(dst, j), new, mask=valid & (parent[j] != j))
 
 
@@ -82,11 +85,12 @@ def reorder_beams(caches, parent: jax.Array, start: jax.Array, stop: jax.Array, 
     widths = tuple(c.shape[3] for c in flat)
     bs, bf, warps = _tiles(s, max(widths), interpret, block_sizes)
     n = len(flat)
-    kernel = functools.partial(_kernel, k=k, n=n, widths=widths, bs=bs, bf=bf,
+    n_f = C.cdiv(max(widths), bf)
+    kernel = functools.partial(_kernel, k=k, n=n, widths=widths, bs=bs, bf=bf, n_f=n_f,
                                interpret=interpret)
     out = C.pallas_call(
         kernel, out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in flat],
-        grid=(b, C.cdiv(s, bs), C.cdiv(max(widths), bf)), name="jaxfuse_reorder_beams",
+        grid=(b, C.cdiv(s, bs), n * n_f), name="jaxfuse_reorder_beams",
         interpret=interpret, num_warps=warps,
         input_output_aliases={3 + i: i for i in range(n)})(parent, start, stop, *flat)
     return tuple(o.reshape(c.shape) for o, c in zip(out, caches))

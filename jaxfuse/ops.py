@@ -155,8 +155,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      kv_lengths: jax.Array, *, scale: float | None = None,
                      num_splits: int | None = None, logits_soft_cap: float | None = None,
                      return_lse: bool = False, k_new: jax.Array | None = None,
-                     v_new: jax.Array | None = None, impl: str = "pallas",
-                     interpret: bool | None = None, block_sizes=None):
+                     v_new: jax.Array | None = None, packed_qkv: bool = False,
+                     impl: str = "pallas", interpret: bool | None = None, block_sizes=None):
     """One new query per sequence, q [B, Hq, D], over KV caches [B, S, Hkv, D] that hold
     `kv_lengths[b]` valid positions (int [B], clipped to [0, S]; whatever lies beyond is never
     read; lengths of any integer dtype are clipped in that dtype, so uint32 2^31 means S).
@@ -169,6 +169,10 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     (o, lse, k_cache, v_cache), with the caches updated in place (the Pallas kernel aliases
     them: donate the caches, or update them inside a jitted loop, and no copy is made). A full
     cache (kv_lengths[b] >= S) takes no new row and attends over its S positions.
+    `packed_qkv=True`: q is [B, Hq + 2 Hkv, D], the query heads then the new key's then the new
+    value's (a fused q/k/v projection's output, e.g. `jnp.concatenate([q, k, v], axis=1)`);
+    the kernel reads all three from that one array, where separate q, k_new and v_new would
+    each be copied out of it first.
 
     >>> o = jaxfuse.decode_attention(q, k_cache, v_cache, lengths)
     >>> o, k_cache, v_cache = jaxfuse.decode_attention(q, k_cache, v_cache, lengths,
@@ -177,7 +181,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     return route(impl, _s_attn.decode_attention, _r_dec.decode_attention, q, k_cache, v_cache,
                  kv_lengths, scale=scale, num_splits=num_splits,
                  logits_soft_cap=logits_soft_cap, return_lse=return_lse, k_new=k_new,
-                 v_new=v_new, interpret=interpret, block_sizes=block_sizes)
+                 v_new=v_new, packed_qkv=packed_qkv, interpret=interpret,
+                 block_sizes=block_sizes)
 
 
 def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,

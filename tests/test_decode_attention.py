@@ -142,6 +142,31 @@ class AppendTest(chex.TestCase):
             np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(want[2], np.float32))
             np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(want[3], np.float32))
 
+    @parameterized.product(layout=list(LAYOUTS), impl=["pallas", "reference"])
+    def test_packed_qkv(self, layout, impl):
+        # q, k_new and v_new as one [B, Hq + 2 Hkv, D] array: the same result and caches.
+        case = (3, 53, 8, 2, 8)
+        b, s, hq, hkv, d = case
+        q, kc, vc, lengths = _make(case, jnp.bfloat16, 21, float("nan"))
+        k = keys(22, 2)
+        k_new, v_new = randn(k[0], (b, hkv, d), jnp.bfloat16), randn(k[1], (b, hkv, d), jnp.bfloat16)
+        want = jaxfuse.decode_attention(q, kc, vc, lengths, k_new=k_new, v_new=v_new,
+                                        return_lse=True, impl="reference")
+        qkv = jnp.concatenate([q, k_new, v_new], axis=1)
+        for n in (1, 3):
+            got = jax.jit(lambda *a: jaxfuse.decode_attention(
+                *a, packed_qkv=True, num_splits=n, return_lse=True, impl=impl,
+                block_sizes=LAYOUTS[layout]))(qkv, kc, vc, lengths)
+            assert_close(got[0], want[0], jnp.bfloat16)
+            np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
+            for a, w in zip(got[2:], want[2:]):
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(w, np.float32))
+        with self.assertRaisesRegex(ValueError, "packed_qkv=True takes k_new and v_new"):
+            jaxfuse.decode_attention(qkv, kc, vc, lengths, packed_qkv=True, k_new=k_new,
+                                     impl=impl)
+        with self.assertRaisesRegex(ValueError, r"q.shape=\(3, 3, 8\) must be \[B, Hq \+ 2 Hkv, D\]"):
+            jaxfuse.decode_attention(qkv[:, :3], kc, vc, lengths, packed_qkv=True, impl=impl)
+
     def test_decoding_loop_equals_attention_over_the_whole_sequence(self):
         # Appending token by token from an empty cache, each step's o equals causal attention's
         # row at that position.

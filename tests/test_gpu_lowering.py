@@ -69,6 +69,9 @@ def test_decode_attention_lowers(hq, hkv, splits):
     _lower(lambda q, kc, lens, new: jaxfuse.decode_attention(
         q, kc, kc, lens, k_new=new, v_new=new, interpret=False, num_splits=splits),
         q, kc, lens, new)
+    qkv = jnp.zeros((3, hq + 2 * hkv, 128), jnp.bfloat16)   # and read from one packed array
+    _lower(lambda qkv, kc, lens: jaxfuse.decode_attention(
+        qkv, kc, kc, lens, packed_qkv=True, interpret=False, num_splits=splits), qkv, kc, lens)
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, logits_soft_cap=30.0)])

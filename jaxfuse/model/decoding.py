@@ -87,11 +87,13 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
     for i, blk in enumerate(p["blocks"]):
         def attend(q, k, v, _key, i=i):
             # The new token's K/V go into the cache inside the attention kernel (in place, one
-            # launch where an XLA scatter per cache would add two to a step of small launches).
+            # launch where an XLA scatter per cache would add two to a step of small launches),
+            # and q, k, v reach it as one array: XLA writes it in one fusion with RoPE, where
+            # three separate operands took three.
             k_c, v_c = cache["k"][i], cache["v"][i]
-            o, k_c, v_c = jaxfuse.decode_attention(q[:, 0], k_c, v_c, lengths,
-                                                   k_new=k[:, 0].astype(k_c.dtype),
-                                                   v_new=v[:, 0].astype(v_c.dtype), impl=impl)
+            qkv = jnp.concatenate([x[:, 0].astype(k_c.dtype) for x in (q, k, v)], axis=1)
+            o, k_c, v_c = jaxfuse.decode_attention(qkv, k_c, v_c, lengths, packed_qkv=True,
+                                                   impl=impl)
             k_out.append(k_c)
             v_out.append(v_c)
             return o[:, None]

@@ -133,19 +133,24 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      kv_lengths: jax.Array, *, scale: float | None = None,
                      num_splits: int | None = None, logits_soft_cap: float | None = None,
                      return_lse: bool = False, k_new: jax.Array | None = None,
-                     v_new: jax.Array | None = None, interpret: bool | None = None,
-                     block_sizes: DecodeBlocks | None = None):
+                     v_new: jax.Array | None = None, packed_qkv: bool = False,
+                     interpret: bool | None = None, block_sizes: DecodeBlocks | None = None):
     """Pallas Flash-Decoding; same semantics as `jaxfuse.reference.decode_attention`.
 
     Inference only: it has no gradient (train with `flash_attention`)."""
-    ref.validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
-                 v_new)
+    ref.validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
+                      v_new, packed_qkv)
     check_head_dim(q.shape[-1])
     interpret = C.resolve_interpret(interpret)
     blocks = block_sizes or DecodeBlocks()
     blocks.validate(interpret if blocks.folded is None else blocks.folded)
     run = functools.partial(_decode, scale=scale, num_splits=num_splits,
-                            logits_soft_cap=logits_soft_cap, interpret=interpret, blocks=blocks)
+                            logits_soft_cap=logits_soft_cap, interpret=interpret, blocks=blocks,
+                            packed=packed_qkv)
+    if packed_qkv:
+        pos, _ = ref.append_positions(kv_lengths, k_cache.shape[1])
+        o, lse, k_cache, v_cache = _inference_op(run)(q, k_cache, v_cache, pos, pos)
+        return (o, lse, k_cache, v_cache) if return_lse else (o, k_cache, v_cache)
     if k_new is None:
         o, lse = _inference_op(run)(q, k_cache, v_cache, ref.clip_lengths(kv_lengths,
                                                                          k_cache.shape[1]))
@@ -182,12 +187,14 @@ def _inference_op(run):
 
 
 def _decode(q, k_cache, v_cache, lengths, pos=None, k_new=None, v_new=None, *, scale,
-            num_splits, logits_soft_cap, interpret, blocks: DecodeBlocks):
+            num_splits, logits_soft_cap, interpret, blocks: DecodeBlocks, packed=False):
     """(o [B, Hq, D] in q's dtype, float32 lse [B, Hq]) over the first `lengths` keys; with
     `pos`, also over k_new/v_new [B, Hkv, D] (where pos lies in [0, S)), which are written at
-    pos in the returned caches (in place)."""
-    b, hq, d = q.shape
+    pos in the returned caches (in place). `packed`: q is [B, Hq + 2 Hkv, D], the query heads
+    then k_new's then v_new's (`packed_qkv`)."""
     s_len, hkv = k_cache.shape[1], k_cache.shape[2]
+    b, hq, d = q.shape
+    hq -= 2 * hkv if packed else 0
     g = hq // hkv
     append = pos is not None
     spec = A.AttnSpec.make(n_q=1, n_k=s_len, head_dim=d, groups=g, dtype=q.dtype, scale=scale,
@@ -207,6 +214,8 @@ def _decode(q, k_cache, v_cache, lengths, pos=None, k_new=None, v_new=None, *, s
     # q's dtype and no merge runs: two reductions and a cast fewer per call, in a decoding step
     # made of microsecond launches (measured on the 157M model: 3 of ~18 kernels per layer).
     o_dtype = q.dtype if num_splits == 1 else jnp.float32
+    if folded and packed:     # interpreted: the heads are sliced apart (copies cost nothing here)
+        q, k_new, v_new = q[:, :hq], q[:, hq:hq + hkv], q[:, hq + hkv:]
     if folded:
         n = b * hkv
         heads_major = lambda c: c.transpose(0, 2, 1, 3).reshape(n, s_len, d)
@@ -235,7 +244,15 @@ def _decode(q, k_cache, v_cache, lengths, pos=None, k_new=None, v_new=None, *, s
         out_shape = [jax.ShapeDtypeStruct((b, num_splits, hq, d), o_dtype),
                      jax.ShapeDtypeStruct((b, num_splits, hq), jnp.float32)]
         args = [q, k_cache, v_cache, lengths]
-        if append:
+        if append and packed:
+            # The new key and value heads are read where they lie in the packed q (the same
+            # buffer passed three times): no slice of it is copied out first.
+            in_specs += [row_spec, pl.BlockSpec((None, 1, dp), lambda b_, h, s: (b_, hq + h, 0)),
+                         pl.BlockSpec((None, 1, dp), lambda b_, h, s: (b_, hq + hkv + h, 0))]
+            out_specs += [cache_spec] * 2
+            out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2
+            args += [pos, q, q]
+        elif append:
             new_spec = pl.BlockSpec((None, None, 1, dp), lambda b_, h, s: (b_, h, 0, 0))
             in_specs += [row_spec, new_spec, new_spec]
             out_specs += [cache_spec] * 2

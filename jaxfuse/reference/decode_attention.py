@@ -70,6 +70,30 @@ def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=N
                                  "and value per sequence and KV head)")
 
 
+def validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
+                  v_new, packed_qkv: bool) -> None:
+    """`validate`, for a packed q too (its heads checked as the three arrays they hold)."""
+    if packed_qkv:
+        q, k_new, v_new = unpack_qkv(q, k_cache, k_new, v_new)
+    validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new, v_new)
+
+
+def unpack_qkv(qkv, k_cache, k_new, v_new):
+    """`packed_qkv=True`: (q, k_new, v_new) sliced from qkv [B, Hq + 2 Hkv, D] (query heads,
+    then the new key's, then the new value's: a fused q/k/v projection's output)."""
+    if k_new is not None or v_new is not None:
+        raise ValueError("packed_qkv=True takes k_new and v_new from q's last 2 * Hkv heads: "
+                         "pass k_new=None and v_new=None")
+    _checks.check_ndim("q", qkv, 3)
+    _checks.check_ndim("k_cache", k_cache, 4)
+    hkv = k_cache.shape[2]
+    hq = qkv.shape[1] - 2 * hkv
+    if hkv == 0 or hq < hkv or hq % hkv:
+        raise ValueError(f"packed_qkv=True: q.shape={tuple(qkv.shape)} must be [B, Hq + 2 Hkv, D] "
+                         f"with Hkv={hkv} (k_cache.shape[2]) and Hq a positive multiple of Hkv")
+    return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+
+
 def append_positions(kv_lengths: jax.Array, s_len: int) -> tuple[jax.Array, jax.Array]:
     """(where each sequence's new key goes, the lengths attended after the append), int32 [B]:
     p = kv_lengths clipped to [0, S] (S: a full cache, nothing written), min(p + 1, S)."""
@@ -88,11 +112,14 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      kv_lengths: jax.Array, *, scale: float | None = None,
                      num_splits: int | None = None, logits_soft_cap: float | None = None,
                      return_lse: bool = False, k_new: jax.Array | None = None,
-                     v_new: jax.Array | None = None):
+                     v_new: jax.Array | None = None, packed_qkv: bool = False):
     """q [B, Hq, D] over caches [B, S, Hkv, D] up to kv_lengths [B]; returns o [B, Hq, D]
     (and float32 lse [B, Hq]), then with k_new/v_new the updated caches (module docstring).
+    `packed_qkv`: q is [B, Hq + 2 Hkv, D] and holds k_new and v_new as its last heads.
     `num_splits` only matters to the kernel; it is accepted here so that both implementations
     share one signature."""
+    if packed_qkv:
+        q, k_new, v_new = unpack_qkv(q, k_cache, k_new, v_new)
     validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new, v_new)
     if k_new is not None:
         pos, kv_lengths = append_positions(kv_lengths, k_cache.shape[1])

@@ -172,21 +172,29 @@ def _decode_local(kw, plan, q, k_cache, v_cache, lengths, *append):
 
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=None,
                      logits_soft_cap=None, return_lse=False, k_new=None, v_new=None,
-                     interpret=None, block_sizes=None):
-    """`jaxfuse.pallas.decode_attention` partitioned over batch, KV heads and cache length."""
-    _r_dec.validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
-                    v_new)
+                     packed_qkv=False, interpret=None, block_sizes=None):
+    """`jaxfuse.pallas.decode_attention` partitioned over batch, KV heads and cache length
+    (packed q: batch and cache length; its heads hold the three kinds and stay whole)."""
+    _r_dec.validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale,
+                         k_new, v_new, packed_qkv)
     _p_attn.check_head_dim(q.shape[-1])
     interpret = C.resolve_interpret(interpret)
     blocks = block_sizes or DecodeBlocks()
     blocks.validate(interpret if blocks.folded is None else blocks.folded)
     kw = dict(scale=scale, num_splits=num_splits, logits_soft_cap=logits_soft_cap,
-              interpret=interpret, blocks=blocks)
+              interpret=interpret, blocks=blocks, packed=packed_qkv)
+    run = lambda *a: partitioned(functools.partial(_decode_local, kw), layout, a)
+    if packed_qkv:
+        pos, _ = _r_dec.append_positions(kv_lengths, k_cache.shape[1])
+        kv_dims, out_dims = ("b", "s", "n", "d"), ("b", "h", "d")
+        layout = Layout((("b", "p", "d"), kv_dims, kv_dims, ("b",), ("b",)),
+                        (out_dims, ("b", "h"), kv_dims, kv_dims), ("b", "s"))
+        o, lse, k_cache, v_cache = _p_dec._inference_op(run)(q, k_cache, v_cache, pos, pos)
+        return (o, lse, k_cache, v_cache) if return_lse else (o, k_cache, v_cache)
     hkv, groups = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
     h = _heads(hkv, groups)
     q_dims, kv_dims, lse_dims = ("b", h, "d"), ("b", "s", "n", "d"), ("b", h)
     sizes = (("g", groups),) if isinstance(h, tuple) else ()
-    run = lambda *a: partitioned(functools.partial(_decode_local, kw), layout, a)
     if k_new is None:
         layout = Layout((q_dims, kv_dims, kv_dims, ("b",)), (q_dims, lse_dims), ("b", "n", "s"),
                         sizes)

@@ -264,6 +264,15 @@ def test_decode_append_on_a_length_split_cache():
     for got, w in zip(many[2:], want[2:]):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
         assert tuple(got.sharding.spec)[:3] == ("data", "seq", "tensor")   # the cache stays split
+    # q, k_new and v_new packed in one array: its heads stay whole, batch and length split.
+    packed = jax.jit(lambda qkv, *a: jaxfuse.decode_attention(qkv, *a, packed_qkv=True,
+                                                              return_lse=True))
+    qkv = jax.device_put(jnp.concatenate([q, kn, vn], axis=1), NamedSharding(AUTO, P("data")))
+    many = packed(qkv, *placed[1:4])
+    for got, w in zip(many[:2], want[:2]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(w), **TOL)
+    for got, w in zip(many[2:], want[2:]):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
 
 
 # ---- other modes -----------------------------------------------------------------------------

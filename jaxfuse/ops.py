@@ -227,7 +227,7 @@ def reorder_beams(caches, parent: jax.Array, start: jax.Array, stop: jax.Array, 
     only beams whose parent is another beam, every cache in one launch; "reference" gathers.
     Beams grown from one prompt share the prompt's keys and values, so a decoding step reorders
     [prompt length, prompt length + step) only. parent is clipped to [0, K), start and stop to
-    [0, S].
+    [0, S]. For inference: the kernel has no gradient (the reference, a gather, has one).
 
     >>> k_caches = jaxfuse.reorder_beams(k_caches, parent, prompt_lengths, prompt_lengths + t)
     """

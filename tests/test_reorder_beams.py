@@ -82,6 +82,17 @@ def test_in_a_donating_loop():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def test_vmap_and_no_gradient():
+    c = randn(keys(8, 1)[0], (2, 3, 4, 5, 6))                  # vmapped over the first axis
+    p = jax.random.randint(jax.random.key(1), (2, 3, 4), 0, 4)
+    a, z = jnp.array([[0, 1, 2], [1, 1, 5]]), jnp.array([[5, 3, 4], [2, 5, 5]])
+    f = lambda impl: jax.vmap(lambda c, p, a, z: jaxfuse.reorder_beams((c,), p, a, z, impl=impl))
+    np.testing.assert_array_equal(np.asarray(jax.jit(f("pallas"))(c, p, a, z)[0]),
+                                  np.asarray(f("reference")(c, p, a, z)[0]))
+    with pytest.raises(ValueError, match="reorder_beams .* has no gradient"):
+        jax.grad(lambda c: jnp.sum(jaxfuse.reorder_beams((c,), p[0], a[0], z[0])[0]))(c[0])
+
+
 def test_bad_input():
     c = jnp.zeros((2, 3, 5, 4))
     p, n = jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32)

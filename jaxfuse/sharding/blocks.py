@@ -390,4 +390,13 @@ def reorder_beams(caches, parent, start, stop, *, interpret=None, block_sizes=No
             for i, c in enumerate(caches)]
     layout = Layout((("b", "k"), ("b",), ("b",), *dims), tuple(dims),
                     ("b",) + tuple(dict.fromkeys(d[3] for d in dims if len(d) > 3)))
-    return partitioned(local, layout, (parent, start, stop, *caches))
+    @jax.custom_jvp
+    def op(*args):
+        return partitioned(local, layout, args)
+
+    @op.defjvp
+    def _no_gradient(primals, tangents):
+        raise ValueError("reorder_beams (impl=\"pallas\") is for inference and has no gradient; "
+                         "impl=\"reference\" (a gather) differentiates")
+
+    return op(parent, start, stop, *caches)

@@ -61,3 +61,20 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # in a process of its own, started by tests/test_sharding.py with JAXFUSE_MULTIDEVICE=1.
 if os.environ.get("JAXFUSE_MULTIDEVICE") != "1":
     collect_ignore = ["multidevice"]
+
+
+# Longest first. `-n 2` (pytest-xdist's load scheduling) hands the tests out in collection
+# order, so a long test collected late ran alone at the end while the other worker sat idle:
+# the multidevice suite (tests/test_sharding.py, one test of ~4 minutes) is alphabetically
+# near the end. Each entry moves the tests whose id contains it to the front (in this order,
+# each group in its own order); nothing is skipped or added.
+_SLOW_FIRST = ("tests/test_sharding.py", "test_linear_cross_entropy.py::HopperTest",
+               "test_model.py::test_short_likesworld_run", "tests/test_attention_hopper",
+               "tests/test_model_scale.py", "tests/test_model.py", "tests/test_properties.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        return next((i for i, part in enumerate(_SLOW_FIRST) if part in item.nodeid),
+                    len(_SLOW_FIRST))
+    items.sort(key=rank)

@@ -10,11 +10,45 @@ process.
   each one as an `@example` too.
 """
 import os
+import threading
 
 import jax
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _compile_interpreted_threads_once():
+    """Mosaic GPU's interpreter (jax 0.10.2) runs each simulated thread of a kernel as a jitted
+    program of the kernel body (`thread_map._run_jaxpr`), but jits a fresh closure each time, so
+    every thread of every grid point of every call recompiled the same body: 107 XLA compiles
+    (100 s of CPU) for one Hopper LCE backward. Here each body (the same jaxpr object, the same
+    argument types) is compiled once and its executable reused by every thread, grid point and
+    call; the thread id is an argument, so what runs is unchanged. If the private function is
+    not there (another jax), the interpreter is left as it is: slower, not different."""
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:
+        return
+    if getattr(thread_map, "_run_jaxpr", None) is None:
+        return
+    cache, lock = {}, threading.Lock()
+
+    def run_jaxpr(jaxpr, consts, *args):
+        key = (jaxpr, tuple(jax.typeof(a) for a in jax.tree.leaves((consts, args))))
+        with lock:
+            entry = cache.setdefault(key, [threading.Lock(), None])
+        with entry[0]:                    # the other threads wait for the one compile
+            if entry[1] is None:
+                def run(consts, *args):
+                    jax.core.eval_jaxpr(jaxpr, consts, *args)
+                entry[1] = jax.jit(run).trace(consts, *args).lower().compile()
+        entry[1](consts, *args)
+
+    thread_map._run_jaxpr = run_jaxpr
+
+
+_compile_interpreted_threads_once()
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("ci", derandomize=True, max_examples=6, deadline=None,
@@ -27,3 +61,20 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # in a process of its own, started by tests/test_sharding.py with JAXFUSE_MULTIDEVICE=1.
 if os.environ.get("JAXFUSE_MULTIDEVICE") != "1":
     collect_ignore = ["multidevice"]
+
+
+# Longest first. `-n 2` (pytest-xdist's load scheduling) hands the tests out in collection
+# order, so a long test collected late ran alone at the end while the other worker sat idle:
+# the multidevice suite (tests/test_sharding.py, one test of ~4 minutes) is alphabetically
+# near the end. Each entry moves the tests whose id contains it to the front (in this order,
+# each group in its own order); nothing is skipped or added.
+_SLOW_FIRST = ("tests/test_sharding.py", "test_linear_cross_entropy.py::HopperTest",
+               "test_model.py::test_short_likesworld_run", "tests/test_attention_hopper",
+               "tests/test_model_scale.py", "tests/test_model.py", "tests/test_properties.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        return next((i for i, part in enumerate(_SLOW_FIRST) if part in item.nodeid),
+                    len(_SLOW_FIRST))
+    items.sort(key=rank)

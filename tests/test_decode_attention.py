@@ -127,8 +127,9 @@ class AppendTest(chex.TestCase):
         rows = jnp.arange(b)
         k_set = kc.at[rows, lengths].set(k_new, mode="drop")
         v_set = vc.at[rows, lengths].set(v_new, mode="drop")
-        np.testing.assert_array_equal(np.asarray(want[2], np.float32), np.asarray(k_set, np.float32))
-        np.testing.assert_array_equal(np.asarray(want[3], np.float32), np.asarray(v_set, np.float32))
+        f32 = lambda x: np.asarray(x, np.float32)
+        np.testing.assert_array_equal(f32(want[2]), f32(k_set))
+        np.testing.assert_array_equal(f32(want[3]), f32(v_set))
         two_step = jaxfuse.decode_attention(q, k_set, v_set, jnp.minimum(lengths + 1, s),
                                             return_lse=True, impl="reference")
         assert_close(want[:2], two_step, jnp.float32)
@@ -142,8 +143,8 @@ class AppendTest(chex.TestCase):
             np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want[1]))
             # The caches come back bitwise: the new rows written, every other entry untouched
             # (NaN past each length included).
-            np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(want[2], np.float32))
-            np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(want[3], np.float32))
+            np.testing.assert_array_equal(f32(k_out), f32(want[2]))
+            np.testing.assert_array_equal(f32(v_out), f32(want[3]))
 
     @parameterized.product(layout=list(LAYOUTS), impl=["pallas", "reference"])
     def test_packed_qkv(self, layout, impl):
@@ -152,7 +153,8 @@ class AppendTest(chex.TestCase):
         b, s, hq, hkv, d = case
         q, kc, vc, lengths = _make(case, jnp.bfloat16, 21, float("nan"))
         k = keys(22, 2)
-        k_new, v_new = randn(k[0], (b, hkv, d), jnp.bfloat16), randn(k[1], (b, hkv, d), jnp.bfloat16)
+        k_new = randn(k[0], (b, hkv, d), jnp.bfloat16)
+        v_new = randn(k[1], (b, hkv, d), jnp.bfloat16)
         want = jaxfuse.decode_attention(q, kc, vc, lengths, k_new=k_new, v_new=v_new,
                                         return_lse=True, impl="reference")
         qkv = jnp.concatenate([q, k_new, v_new], axis=1)
@@ -167,7 +169,8 @@ class AppendTest(chex.TestCase):
         with self.assertRaisesRegex(ValueError, "packed_qkv=True takes k_new and v_new"):
             jaxfuse.decode_attention(qkv, kc, vc, lengths, packed_qkv=True, k_new=k_new,
                                      impl=impl)
-        with self.assertRaisesRegex(ValueError, r"q.shape=\(3, 3, 8\) must be \[B, Hq \+ 2 Hkv, D\]"):
+        with self.assertRaisesRegex(ValueError,
+                                    r"q.shape=\(3, 3, 8\) must be \[B, Hq \+ 2 Hkv, D\]"):
             jaxfuse.decode_attention(qkv[:, :3], kc, vc, lengths, packed_qkv=True, impl=impl)
 
     def test_decoding_loop_equals_attention_over_the_whole_sequence(self):
@@ -175,7 +178,8 @@ class AppendTest(chex.TestCase):
         # row at that position.
         b, t, hq, hkv, d, s = 2, 9, 4, 2, 8, 12
         k = keys(11, 3)
-        q, kk, vv = randn(k[0], (b, t, hq, d)), randn(k[1], (b, t, hkv, d)), randn(k[2], (b, t, hkv, d))
+        q = randn(k[0], (b, t, hq, d))
+        kk, vv = randn(k[1], (b, t, hkv, d)), randn(k[2], (b, t, hkv, d))
         full = jaxfuse.flash_attention(q, kk, vv, causal=True, impl="reference")
         step = jax.jit(lambda q, kc, vc, n, kn, vn: jaxfuse.decode_attention(
             q, kc, vc, n, k_new=kn, v_new=vn), donate_argnums=(1, 2))

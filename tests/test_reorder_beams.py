@@ -57,7 +57,8 @@ def test_matches_numpy(b, k, s, blocks):
 
 def test_out_of_range_parent_and_positions_are_clipped():
     caches = _caches(5, 2, 3, 9)
-    parent, start, stop = jnp.array([[-1, 7, 1], [2, 0, 99]]), jnp.array([-4, 8]), jnp.array([3, 40])
+    parent = jnp.array([[-1, 7, 1], [2, 0, 99]])
+    start, stop = jnp.array([-4, 8]), jnp.array([3, 40])
     want = _numpy(caches, np.asarray(parent), np.asarray(start), np.asarray(stop))
     for impl in ("pallas", "reference"):
         got = jaxfuse.reorder_beams(caches, parent, start, stop, impl=impl)
@@ -77,7 +78,8 @@ def test_in_a_donating_loop():
                                          impl=impl)
         return jax.lax.fori_loop(0, 5, body, caches)
     want = run(caches, "reference")
-    got = jax.jit(lambda cs: run(cs, "pallas"), donate_argnums=0)(tuple(jnp.copy(c) for c in caches))
+    got = jax.jit(lambda cs: run(cs, "pallas"), donate_argnums=0)(
+        tuple(jnp.copy(c) for c in caches))
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 

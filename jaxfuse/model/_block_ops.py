@@ -9,11 +9,12 @@ implementation (a benchmark's cuDNN attention, a future kernel) changes this fil
 `impl="reference"` routes every one of them to its jax.numpy reference.
 
 One exception, for CPU runs only: where the Pallas kernels are interpreted (a CPU backend,
-`JAXFUSE_INTERPRET=1`), `embedding`, `rope` and `reorder_beams` take their references, which compute the same
-function (the same Philox masks). Their kernels walk rows one at a time, which the interpreter
-turns into one loop step per row: measured on 2 CPU cores, they took LikesWorld's training step
-from about 0.13 to 0.37 s, past its 3-minute budget. Compiled, every op is the kernel, but for
-add + norm, RoPE and SwiGLU on a decoding step's few rows (`FEW_ROWS`, below).
+`JAXFUSE_INTERPRET=1`), `embedding`, `rope` and `reorder_beams` take their references, which
+compute the same function (the same Philox masks, the same reorder). The interpreter turns their
+grids into loops: measured on 2 CPU cores, the embedding and RoPE kernels took LikesWorld's
+training step from about 0.13 to 0.37 s, past its 3-minute budget; the reorder runs once per
+beam-search step. Compiled, every op is the kernel, but for add + norm, RoPE and SwiGLU on a
+decoding step's few rows (`FEW_ROWS`, below).
 """
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ dropout = jaxfuse.dropout            # (x, rate, key): inverted dropout
 # A decoding step's few rows (one token per sequence): there add + norm, RoPE and SwiGLU go to
 # XLA, which fuses each with its neighbours: RoPE and SwiGLU with the slice of the fused q/k/v or
 # gate/up projection that feeds them (a custom call takes whole arrays, so a kernel needs its
-# operand copied out first), add + norm with the split-K reduction of the matmul before it. The step is
-# a chain of ~2-7 us launches, so launches are what count (157M model on the H200, B = 32: this
-# and the one-split decode attention took the step from 0.40 to 0.36 ms). Above this many rows
-# (prefill, training) the kernels are the faster ones.
+# operand copied out first), add + norm with the split-K reduction of the matmul before it. The
+# step is a chain of ~2-7 us launches, so launches are what count (157M model on the H200,
+# B = 32: RoPE and SwiGLU here and the one-split decode attention took the step from 0.40 to
+# 0.36 ms, add + norm then to 0.343). Above this many rows (prefill, training) the kernels are
+# the faster ones.
 FEW_ROWS = 64
 
 

@@ -12,8 +12,8 @@ steps_per_sync is one fixed loop alone); steps taken after every sequence has en
 Beam search (lecture 10, sec. 6): every step scores beam_size x V continuations and keeps the best
 beam_size with `jaxfuse.beam_top_k` (HARS with impl="pallas"); each beam's cache then takes its
 parent's keys and values at the positions decoded so far (`jaxfuse.reorder_beams`, in place; the
-prompt's positions are the same in every beam of a row). A finished beam's only continuation is `eos_id` at log-prob 0,
-so it keeps its score and competes with the live beams on the same scale:
+prompt's positions are the same in every beam of a row). A finished beam's only continuation is
+`eos_id` at log-prob 0, so it keeps its score and competes with the live beams on the same scale:
 score = sum of log-probs / len ** length_penalty, len counting the tokens up to and including eos.
 """
 from __future__ import annotations

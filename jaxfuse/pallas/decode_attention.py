@@ -11,6 +11,11 @@ Ragged lengths: a program reads kv_lengths[b] and loops only over tiles below it
 beyond a sequence's length are never read, and the tail tile is loaded under a mask, so whatever
 the cache holds there (NaN, inf) cannot leak in. The split count fills the GPU in whole waves
 (`choose_splits`, wave quantization in lecture 5 sec. 8.4).
+
+Append (a decoding step in one launch): the new token's key and value (`k_new`/`v_new`, or the
+last heads of a packed q) are written into the cache at kv_lengths[b], in place (the caches are
+aliased to outputs), by the split whose slice holds that position; that split attends them as
+one more online-softmax step from registers after its loop over the keys already cached.
 """
 from __future__ import annotations
 
@@ -72,10 +77,11 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: 
             split_len: int, append: bool):
     # GPU: q_ref [G, Dp] (the group's heads), k_ref/v_ref [S, Dp], len_ref a scalar.
     # Interpret: q_ref [B*Hkv, G, D], k_ref [B*Hkv, S, D], len_ref [B*Hkv].
-    # append: pos_ref (where the new row goes, like len_ref), kn_ref/vn_ref [(B*Hkv,) 1, Dp]
-    # the new rows, and ko_ref/vo_ref the caches again (aliased to k_ref/v_ref: in place).
+    # append: kn_ref/vn_ref [(B*Hkv,) 1, Dp] the new rows, ko_ref/vo_ref the caches again
+    # (aliased to k_ref/v_ref: in place); the new row goes at len_ref's value, unclipped (a
+    # device holding one slice of the cache gets it shifted, maybe outside [0, S): not its row).
     if append:
-        pos_ref, kn_ref, vn_ref, o_ref, lse_ref, ko_ref, vo_ref = refs
+        kn_ref, vn_ref, o_ref, lse_ref, ko_ref, vo_ref = refs
     else:
         o_ref, lse_ref = refs
     g = spec.groups
@@ -108,7 +114,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: 
         # keys already cached and leaves the cache tiles as loaded. (Splicing the new row into
         # the loaded tiles, or storing it inside the loop, measured 15.4 against 7.3 us a call
         # on an H200: the loaded tiles no longer went straight to the matrix unit.)
-        pos = pos_ref[...][..., None, None]                                  # [..., 1, 1]
+        pos = len_ref[...][..., None, None]                                  # [..., 1, 1]
         mine = (pos >= s0) & (pos < s0 + split_len) & (pos >= 0) & (pos < spec.n_k)
         k_new, v_new = (A.load_rows(r, 0, 1, 1, spec) for r in (kn_ref, vn_ref))
         s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=-1,
@@ -118,7 +124,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: 
                                 lambda p: p * v_new.astype(jnp.float32), spec.c2)
         # Then it is stored: on the GPU one row at pos; folded, rows differ in pos, so the
         # whole [S, D] block is written under a mask.
-        r0, nr = (0, spec.n_k) if spec.folded else (pos_ref[...], 1)
+        r0, nr = (0, spec.n_k) if spec.folded else (len_ref[...], 1)
         row = r0 + jax.lax.broadcasted_iota(jnp.int32, (nr, 1), 0)            # [nr, 1]
         for ref, new in ((ko_ref, k_new), (vo_ref, v_new)):
             tile = jnp.broadcast_to(new, (*new.shape[:-2], nr, new.shape[-1]))
@@ -147,18 +153,18 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     run = functools.partial(_decode, scale=scale, num_splits=num_splits,
                             logits_soft_cap=logits_soft_cap, interpret=interpret, blocks=blocks,
                             packed=packed_qkv)
-    if packed_qkv:
-        pos, _ = ref.append_positions(kv_lengths, k_cache.shape[1])
-        o, lse, k_cache, v_cache = _inference_op(run)(q, k_cache, v_cache, pos, pos)
-        return (o, lse, k_cache, v_cache) if return_lse else (o, k_cache, v_cache)
-    if k_new is None:
-        o, lse = _inference_op(run)(q, k_cache, v_cache, ref.clip_lengths(kv_lengths,
-                                                                         k_cache.shape[1]))
-        return (o, lse) if return_lse else o
-    # The kernel attends the `pos` keys already cached, then the new one (`_kernel`).
-    pos, _ = ref.append_positions(kv_lengths, k_cache.shape[1])
-    o, lse, k_cache, v_cache = _inference_op(run)(q, k_cache, v_cache, pos, pos, k_new, v_new)
-    return (o, lse, k_cache, v_cache) if return_lse else (o, k_cache, v_cache)
+    # With an append the lengths are also where the new row goes (`_kernel`).
+    outs = _inference_op(run)(q, k_cache, v_cache, ref.clip_lengths(kv_lengths, k_cache.shape[1]),
+                              *(() if k_new is None else (k_new, v_new)))
+    return results(outs, return_lse)
+
+
+def results(outs, return_lse: bool):
+    """The public return value from the kernel's (o, lse[, k_cache, v_cache]): o, or (o, lse),
+    followed by the caches when they were appended to."""
+    o, lse, *caches = outs
+    head = (o, lse) if return_lse else (o,)
+    return head + tuple(caches) if caches else (head if return_lse else o)
 
 
 def _inference_op(run):
@@ -186,17 +192,17 @@ def _inference_op(run):
     return op
 
 
-def _decode(q, k_cache, v_cache, lengths, pos=None, k_new=None, v_new=None, *, scale,
-            num_splits, logits_soft_cap, interpret, blocks: DecodeBlocks, packed=False):
-    """(o [B, Hq, D] in q's dtype, float32 lse [B, Hq]) over the first `lengths` keys; with
-    `pos`, also over k_new/v_new [B, Hkv, D] (where pos lies in [0, S)), which are written at
-    pos in the returned caches (in place). `packed`: q is [B, Hq + 2 Hkv, D], the query heads
-    then k_new's then v_new's (`packed_qkv`)."""
+def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_splits,
+            logits_soft_cap, interpret, blocks: DecodeBlocks, packed=False):
+    """(o [B, Hq, D] in q's dtype, float32 lse [B, Hq]) over the first `lengths` keys (clipped
+    to [0, S]). With k_new/v_new [B, Hkv, D], or `packed` (q is [B, Hq + 2 Hkv, D]: the query
+    heads then k_new's then v_new's), also over the new key where `lengths` lies in [0, S),
+    written there in the returned caches (in place)."""
     s_len, hkv = k_cache.shape[1], k_cache.shape[2]
     b, hq, d = q.shape
     hq -= 2 * hkv if packed else 0
     g = hq // hkv
-    append = pos is not None
+    append = packed or k_new is not None
     spec = A.AttnSpec.make(n_q=1, n_k=s_len, head_dim=d, groups=g, dtype=q.dtype, scale=scale,
                            interpret=interpret, folded=blocks.folded, softcap=logits_soft_cap)
     folded, dp = spec.folded, spec.head_dim_pad
@@ -229,10 +235,10 @@ def _decode(q, k_cache, v_cache, lengths, pos=None, k_new=None, v_new=None, *, s
                      jax.ShapeDtypeStruct((n, num_splits, g), jnp.float32)]
         args = [qc, kc, vc, jnp.repeat(lengths, hkv)]
         if append:
-            in_specs += [whole(n), whole(n, 1, d), whole(n, 1, d)]
+            in_specs += [whole(n, 1, d), whole(n, 1, d)]
             out_specs += [whole(n, s_len, d)] * 2
             out_shape += [jax.ShapeDtypeStruct(kc.shape, kc.dtype)] * 2
-            args += [jnp.repeat(pos, hkv), k_new.reshape(n, 1, d), v_new.reshape(n, 1, d)]
+            args += [k_new.reshape(n, 1, d), v_new.reshape(n, 1, d)]
     else:
         grid = (b, hkv, num_splits)
         cache_spec = pl.BlockSpec((None, s_len, None, dp), lambda b_, h, s: (b_, 0, h, 0))
@@ -244,20 +250,19 @@ def _decode(q, k_cache, v_cache, lengths, pos=None, k_new=None, v_new=None, *, s
         out_shape = [jax.ShapeDtypeStruct((b, num_splits, hq, d), o_dtype),
                      jax.ShapeDtypeStruct((b, num_splits, hq), jnp.float32)]
         args = [q, k_cache, v_cache, lengths]
-        if append and packed:
-            # The new key and value heads are read where they lie in the packed q (the same
-            # buffer passed three times): no slice of it is copied out first.
-            in_specs += [row_spec, pl.BlockSpec((None, 1, dp), lambda b_, h, s: (b_, hq + h, 0)),
-                         pl.BlockSpec((None, 1, dp), lambda b_, h, s: (b_, hq + hkv + h, 0))]
+        if append:
+            if packed:
+                # The new key and value heads are read where they lie in the packed q (the
+                # same buffer passed three times): no slice of it is copied out first.
+                new_specs = [pl.BlockSpec((None, 1, dp), lambda b_, h, s, c=c: (b_, c + h, 0))
+                             for c in (hq, hq + hkv)]
+                args += [q, q]
+            else:
+                new_specs = [pl.BlockSpec((None, None, 1, dp), lambda b_, h, s: (b_, h, 0, 0))] * 2
+                args += [k_new[:, :, None], v_new[:, :, None]]
+            in_specs += new_specs
             out_specs += [cache_spec] * 2
             out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2
-            args += [pos, q, q]
-        elif append:
-            new_spec = pl.BlockSpec((None, None, 1, dp), lambda b_, h, s: (b_, h, 0, 0))
-            in_specs += [row_spec, new_spec, new_spec]
-            out_specs += [cache_spec] * 2
-            out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2
-            args += [pos, k_new[:, :, None], v_new[:, :, None]]
     outs = C.pallas_call(
         kernel, out_shape=out_shape, grid=grid, name="jaxfuse_decode_attention",
         interpret=interpret, num_warps=blocks.num_warps, num_stages=blocks.num_stages,

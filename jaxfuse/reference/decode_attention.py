@@ -94,13 +94,6 @@ def unpack_qkv(qkv, k_cache, k_new, v_new):
     return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
 
 
-def append_positions(kv_lengths: jax.Array, s_len: int) -> tuple[jax.Array, jax.Array]:
-    """(where each sequence's new key goes, the lengths attended after the append), int32 [B]:
-    p = kv_lengths clipped to [0, S] (S: a full cache, nothing written), min(p + 1, S)."""
-    pos = clip_lengths(kv_lengths, s_len)
-    return pos, jnp.minimum(pos + 1, s_len)
-
-
 def clip_lengths(kv_lengths: jax.Array, s_len: int) -> jax.Array:
     """kv_lengths of any integer dtype clipped to [0, S] in their own dtype, then int32: a
     cast first would wrap uint32 lengths >= 2^31 to negative ones (zeros instead of S)."""
@@ -122,10 +115,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         q, k_new, v_new = unpack_qkv(q, k_cache, k_new, v_new)
     validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new, v_new)
     if k_new is not None:
-        pos, kv_lengths = append_positions(kv_lengths, k_cache.shape[1])
+        s_len = k_cache.shape[1]
+        pos = clip_lengths(kv_lengths, s_len)        # S, a full cache: dropped
         put = lambda c, new: c.at[jnp.arange(c.shape[0]), pos].set(new, mode="drop")
         k_cache, v_cache = put(k_cache, k_new), put(v_cache, v_new)
-        out = decode_attention(q, k_cache, v_cache, kv_lengths, scale=scale,
+        out = decode_attention(q, k_cache, v_cache, jnp.minimum(pos + 1, s_len), scale=scale,
                                logits_soft_cap=logits_soft_cap, return_lse=return_lse)
         return (*(out if return_lse else (out,)), k_cache, v_cache)
     b, hq, d = q.shape

@@ -160,11 +160,10 @@ def _decode_local(kw, plan, q, k_cache, v_cache, lengths, *append):
     axes = plan.get("s", ())
     if not axes:
         return _p_dec._decode(q, k_cache, v_cache, lengths, *append, **kw)
-    s_loc = k_cache.shape[1]
-    start = jax.lax.axis_index(axes) * s_loc
-    if append:     # the new row lands on the device whose slice holds its position
-        append = (append[0] - start, *append[1:])
-    out = _p_dec._decode(q, k_cache, v_cache, jnp.clip(lengths - start, 0, s_loc), *append, **kw)
+    # Lengths shifted to this device's slice, unclipped (the kernel clips): with an append, the
+    # new row lands on the device whose slice holds its position.
+    start = jax.lax.axis_index(axes) * k_cache.shape[1]
+    out = _p_dec._decode(q, k_cache, v_cache, lengths - start, *append, **kw)
     o, lse = merge_many(jax.lax.all_gather(out[0], axes), jax.lax.all_gather(out[1], axes),
                         axis=0)
     return (o.astype(q.dtype), lse, *out[2:])
@@ -183,29 +182,23 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=
     blocks.validate(interpret if blocks.folded is None else blocks.folded)
     kw = dict(scale=scale, num_splits=num_splits, logits_soft_cap=logits_soft_cap,
               interpret=interpret, blocks=blocks, packed=packed_qkv)
+    kv_dims = ("b", "s", "n", "d")
+    if packed_qkv:   # its heads hold the three kinds: none split
+        q_dims, o_dims, lse_dims = ("b", "p", "d"), ("b", "h", "d"), ("b", "h")
+        new_dims, split, sizes = (), ("b", "s"), ()
+    else:
+        hkv, groups = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
+        h = _heads(hkv, groups)
+        q_dims = o_dims = ("b", h, "d")
+        lse_dims, split = ("b", h), ("b", "n", "s")
+        new_dims = () if k_new is None else (("b", "n", "d"),) * 2
+        sizes = (("g", groups),) if isinstance(h, tuple) else ()
+    appends = packed_qkv or k_new is not None
+    layout = Layout((q_dims, kv_dims, kv_dims, ("b",), *new_dims),
+                    (o_dims, lse_dims) + ((kv_dims, kv_dims) if appends else ()), split, sizes)
     run = lambda *a: partitioned(functools.partial(_decode_local, kw), layout, a)
-    if packed_qkv:
-        pos, _ = _r_dec.append_positions(kv_lengths, k_cache.shape[1])
-        kv_dims, out_dims = ("b", "s", "n", "d"), ("b", "h", "d")
-        layout = Layout((("b", "p", "d"), kv_dims, kv_dims, ("b",), ("b",)),
-                        (out_dims, ("b", "h"), kv_dims, kv_dims), ("b", "s"))
-        o, lse, k_cache, v_cache = _p_dec._inference_op(run)(q, k_cache, v_cache, pos, pos)
-        return (o, lse, k_cache, v_cache) if return_lse else (o, k_cache, v_cache)
-    hkv, groups = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
-    h = _heads(hkv, groups)
-    q_dims, kv_dims, lse_dims = ("b", h, "d"), ("b", "s", "n", "d"), ("b", h)
-    sizes = (("g", groups),) if isinstance(h, tuple) else ()
-    if k_new is None:
-        layout = Layout((q_dims, kv_dims, kv_dims, ("b",)), (q_dims, lse_dims), ("b", "n", "s"),
-                        sizes)
-        o, lse = _p_dec._inference_op(run)(q, k_cache, v_cache,
-                                           _r_dec.clip_lengths(kv_lengths, k_cache.shape[1]))
-        return (o, lse) if return_lse else o
-    new_dims = ("b", "n", "d")
-    layout = Layout((q_dims, kv_dims, kv_dims, ("b",), ("b",), new_dims, new_dims),
-                    (q_dims, lse_dims, kv_dims, kv_dims), ("b", "n", "s"), sizes)
-    # The kernel attends the `pos` keys already cached, then the new one (`_p_dec._kernel`).
-    pos, _ = _r_dec.append_positions(kv_lengths, k_cache.shape[1])
-    o, lse, k_cache, v_cache = _p_dec._inference_op(run)(q, k_cache, v_cache, pos, pos, k_new,
-                                                         v_new)
-    return (o, lse, k_cache, v_cache) if return_lse else (o, k_cache, v_cache)
+    # With an append the lengths are also where the new row goes (`_p_dec._kernel`).
+    outs = _p_dec._inference_op(run)(q, k_cache, v_cache,
+                                     _r_dec.clip_lengths(kv_lengths, k_cache.shape[1]),
+                                     *(() if k_new is None else (k_new, v_new)))
+    return _p_dec.results(outs, return_lse)

@@ -9,11 +9,37 @@ process.
   hypothesis' example database (.hypothesis/), which replays them first on the next run; pin
   each one as an `@example` too.
 """
+import importlib.metadata
+import importlib.util
 import os
+import pkgutil
 import threading
 
-import jax
-from hypothesis import HealthCheck, settings
+
+def _no_accelerator_plugin() -> bool:
+    """True where jax can only start its CPU backend: JAX_PLATFORMS=cpu, or no PJRT plugin (CUDA,
+    ROCm, ...) installed, found the ways jax itself looks for them (the `jax_plugins`
+    namespace package and the `jax_plugins` entry points)."""
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return True
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is not None and any(True for _ in pkgutil.iter_modules(spec.submodule_search_locations or [])):
+        return False
+    return not list(importlib.metadata.entry_points(group="jax_plugins"))
+
+
+# XLA:CPU compiles the interpreted kernels faster (see `_fast_cpu_compiles`). The emitter flag
+# is read once, when jax starts its backend, so it is set here (the multidevice subprocess
+# inherits it through the environment), and only where jax can start nothing but its CPU
+# backend, so a GPU run of this suite compiles as it always did.
+_CPU_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+if _no_accelerator_plugin():
+    _flags = os.environ.get("XLA_FLAGS", "").split()
+    os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _CPU_XLA_FLAGS if f not in _flags])
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -49,6 +75,32 @@ def _compile_interpreted_threads_once():
 
 
 _compile_interpreted_threads_once()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "xla_optimized: compile with XLA's optimizations on a CPU (a test whose time "
+                   "goes to running long programs, not to compiling kernels; see conftest)")
+
+
+@pytest.fixture(autouse=True)
+def _fast_cpu_compiles(request):
+    """Interpret mode turns each kernel into a large XLA program that then runs once or twice on
+    tiny arrays, so most of a test's time went to XLA:CPU compiling it: its MLIR fusion emitters
+    and LLVM's optimization passes. With the legacy elemental emitters (XLA_FLAGS above) and
+    `jax_disable_most_optimizations` (LLVM -O0, no expensive passes) XLA compiles the same HLO
+    programs, with the same ops and the same IEEE float32 arithmetic (XLA:CPU uses no fast-math
+    by default), 3-5x faster; the code they make runs 2-3x slower, which only tests marked
+    `xla_optimized` (long training or decoding loops) notice: those compile as before. CPU
+    backend only."""
+    if jax.default_backend() != "cpu" or request.node.get_closest_marker("xla_optimized"):
+        yield
+        return
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("ci", derandomize=True, max_examples=6, deadline=None,

@@ -169,6 +169,7 @@ class BeamTopKTest(chex.TestCase):
             jaxfuse.beam_top_k(jnp.zeros((2, 3, 5)), jnp.zeros((2, 3)), 16)
 
 
+@pytest.mark.xla_optimized      # 500 training steps: running, not compiling, is its time
 def test_short_likesworld_run_beats_the_random_baseline(tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
     import likesworld

@@ -23,7 +23,7 @@ def _no_accelerator_plugin() -> bool:
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
         return True
     spec = importlib.util.find_spec("jax_plugins")
-    if spec is not None and any(True for _ in pkgutil.iter_modules(spec.submodule_search_locations or [])):
+    if spec is not None and any(pkgutil.iter_modules(spec.submodule_search_locations or [])):
         return False
     return not list(importlib.metadata.entry_points(group="jax_plugins"))
 

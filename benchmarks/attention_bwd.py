@@ -155,3 +155,62 @@ def perf(copy_bw: float, sweep: bool = True):
     # D = 64 leaves registers for 128 query rows per dK/dV step (S^T [64, 128]).
     _time("D64 B8 H16 T2048 causal", (8, 2048, 16, 64), True,
           (HopperBwdTiles(block_q=128),) if sweep else ())
+
+
+WORKLOADS = {"D128 full": ((4, 4096, 32, 128), False), "D128 causal": ((4, 4096, 32, 128), True),
+             "D64 causal": ((8, 2048, 16, 64), True)}
+
+
+def probe(sweep=None):
+    """Where the backward's time goes: per-kernel GPU time (profiler) of one fwd+bwd call, for
+    deterministic True and False, at the three workloads; then fwd+bwd times of `sweep`
+    ({workload: [HopperBwdTiles]}) against the default, nondet, in the same process.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py probe
+    """
+    from benchmarks import _profile
+    for label, (shape, causal) in WORKLOADS.items():
+        b, t, h, d = shape
+        args = _inputs(jax.random.key(7), b, t, t, h, h, d, jnp.bfloat16)[:4]
+        for det in (True, False):
+            f = functools.partial(jaxfuse.flash_attention, causal=causal, deterministic=det)
+
+            def step(q, k, v, do, f=f):
+                o, vjp = jax.vjp(f, q, k, v)
+                return o, vjp(do)
+            guarded(S, f"{label} profile det={det}", "jaxfuse",
+                    lambda step=step: _profile.report(S, f"{label} det={det}", jax.jit(step),
+                                                      args, top=8))
+    for label, tiles in (sweep or {}).items():
+        shape, causal = WORKLOADS[label]
+        b, t, h, d = shape
+        sets = [_inputs(jax.random.key(100 + i), b, t, t, h, h, d, jnp.bfloat16)[:4]
+                for i in range(2)]
+        for det in (False, True):
+            for tl in (None, *tiles):
+                bs = AttnBlocks(hopper=HopperAttnTiles(backward=tl)) if tl else None
+                f = functools.partial(jaxfuse.flash_attention, causal=causal, deterministic=det,
+                                      block_sizes=bs)
+
+                def step(q, k, v, do, f=f):
+                    o, vjp = jax.vjp(f, q, k, v)
+                    return o, vjp(do)
+                guarded(S, f"{label} fwd+bwd det={det}", str(tl or "default"),
+                        lambda step=step, tl=tl, det=det: record(
+                            S, f"{label} fwd+bwd det={det}", str(tl or "default"),
+                            bench(jax.jit(step), sets, reps=5, repeats=3)))
+
+
+if __name__ == "__main__":
+    import sys
+    from benchmarks import _timing
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
+    if sys.argv[1:2] == ["quick"]:          # checks, the three workloads, kernel times
+        check()
+        perf(0.0, sweep=False)
+        probe({"D128 full": [HopperBwdTiles(dq_piece=64)]})
+    if sys.argv[1:2] == ["probe"]:
+        probe({"D128 full": [HopperBwdTiles(dq_piece=64), HopperBwdTiles(stages=2)],
+               "D64 causal": [HopperBwdTiles(block_q=128), HopperBwdTiles(stages=2),
+                              HopperBwdTiles(dq_piece=64)]})
+    _timing.save(sys.argv[2] if len(sys.argv) > 2 else None)

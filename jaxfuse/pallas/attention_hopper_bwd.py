@@ -16,10 +16,14 @@ dV += P^T dO and dK += dS^T Q (as jax's `attention_mgpu` backward does). Causal/
 come from `_attn.query_blocks` (wholly masked tiles skipped, only edge tiles masked).
 
 dQ, two ways (`AttnSpec.deterministic`):
-* False: the dK/dV kernel also forms dQ_partial = dS K (the fifth GEMM; dS^T goes through
-  shared memory, read transposed as the A operand) and adds it into a float32 [B, Tq, Hq, D]
-  buffer with a reducing TMA store; the sum's order depends on which CTA comes first, so the
-  bits may differ between runs. Cast to the input dtype afterwards.
+* False: the dK/dV kernel also forms dQ_partial = dS K over its 128 keys (the fifth GEMM) and
+  adds it into a float32 [B, Tq, Hq, D] buffer with a reducing TMA store; the sum's order
+  depends on which CTA comes first, so the bits may differ between runs. Cast to the input
+  dtype afterwards. Both consumers put their dS^T [64 keys, bq] in shared memory and the
+  consumers take turns (even steps the first, odd the second) forming dQ from both halves, A
+  operand read transposed: one [bq, D] store per step, as FlashAttention-3 does. (One
+  store per consumer, of its own 64 keys' partial, moved twice the bytes: B4 H32 T4096 D128
+  fwd+bwd 12.07 against 10.02 ms, the 157M model's D = 64 0.998-1.074 against 0.910 ms, H200.)
 * True (default): a separate dQ kernel, one CTA per (batch * query head, 128 rows), walks the
   key tiles like the forward (S, dP and dQ += dS K: 3 GEMMs) and writes dQ once: a fixed
   summation order, bitwise identical across runs, at the cost of recomputing S and dP
@@ -32,16 +36,17 @@ Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
   dV, dP^T, dK) = 8.4 MFLOP, 5 with the fused dQ = 10.5: ~250 FLOP per byte read at any
   D, against the H200's ~205 (989 TFLOP/s / 4.8 TB/s); the Q tiles of one
   head are read by every key-tile CTA of that head, which run together, mostly from L2.
-  The fused dQ stores 2 * 64 * D * 4 bytes per step with reducing TMA stores (each consumer
-  adds its own [64, D] partial: as many bytes as the step reads).
+  The fused dQ stores 64 * D * 4 bytes per step with reducing TMA stores (half what the step
+  reads; they land in L2, where the CTAs of one head, which run together, add into the same
+  2 MiB of dQ at T = 4096, D = 128).
 * shared memory (227 KiB, less ~8 for barriers and Mosaic GPU's own = 219): K, V 64 KiB at
   D = 128 (32 at 64); one ring stage (Q, dO [64, D], lse, delta [64] f32) 32.5 KiB (16.5);
-  fused dQ: dS^T [2, 64, 64] 16 KiB and the float32 dQ pieces [2 consumers, 2 slots, 64, 32]
-  32 KiB. D = 128: 4 stages (194 KiB), 3 with the fused dQ (209.5); D = 64: 4 stages
-  (98 / 146 KiB; the ring is capped at 4).
+  fused dQ: dS^T [2 turns x 2 consumers, 64, 64] 32 KiB and the float32 dQ pieces [2
+  consumers, 2 slots, 64, 32] 32 KiB. D = 128: 4 stages (194 KiB), 2 with the fused dQ (193);
+  D = 64: 4 stages (98 / 162 KiB; the ring is capped at 4).
 * registers (232 per consumer thread): dK and dV [64, D] float32 take D / 2 each per thread
   (128 at D = 128), S^T and dP^T [64, 64] 32 each; the fused dQ's [64, D] product (64) lives
-  after S^T and dP^T are dead. D = 256 would need 256 for dK and dV alone: it falls back to
+  after S^T and dP^T are dead, on every other step. D = 256 would need 256 for dK and dV alone: it falls back to
   the portable backward (`fits`).
 * dQ kernel (per consumer 64 query rows; key tiles of 64 at D = 128, 128 at D = 64): Q, dO of
   both consumers 4 * 64 * D * 2 (64 KiB at D = 128) + one K/V stage 2 * bk * D * 2 = 32 KiB:
@@ -84,7 +89,6 @@ from jaxfuse.pallas._attn import AttnSpec
 
 _ROWS = AH._ROWS             # rows of one wgmma M: keys (dK/dV) or queries (dQ) per consumer
 _KEYS = 2 * _ROWS            # keys per dK/dV CTA (two consumers)
-_PIECE = 32                  # columns of the float32 dQ pieces of the reducing store
 _F32 = jnp.float32
 
 
@@ -92,19 +96,25 @@ _F32 = jnp.float32
 class HopperBwdTiles:
     """block_q: query rows per dK/dV step (the N of S^T); block_k_dq: keys per dQ-kernel step
     (None: 128 at D = 64, 64 above, for registers); stages: ring depth (None: as many as
-    shared memory holds, at most 4)."""
+    shared memory holds, at most 4); dq_piece: columns of the float32 pieces through which
+    the fused dQ (deterministic=False) leaves by reducing TMA stores (None: 32; each store
+    first waits for the one before last, through two slots)."""
     block_q: int = 64
     block_k_dq: int | None = None
     stages: int | None = None
+    dq_piece: int | None = None
 
     def k_dq(self, d: int) -> int:
         return self.block_k_dq or (128 if d <= 64 else 64)
+
+    def piece(self, d: int) -> int:
+        return self.dq_piece or 32
 
     def dkv_stages(self, d: int, itemsize: int, fused_dq: bool) -> int:
         fixed = 2 * _KEYS * d * itemsize                        # K, V
         if fused_dq:
             fixed += 2 * _ROWS * self.block_q * itemsize         # dS^T per consumer
-            fixed += 2 * 2 * _ROWS * _PIECE * 4                  # dQ pieces
+            fixed += 2 * 2 * _ROWS * self.piece(d) * 4           # dQ pieces
         stage = 2 * self.block_q * d * itemsize + 2 * self.block_q * 4
         return self._fit(fixed, stage)
 
@@ -138,7 +148,9 @@ def rs(acc, a, b):
 
 
 def tn(a, b):
-    """A^T B of shared-memory tiles a [k, m], b [k, n] -> [m, n]."""
+    """A^T B of shared-memory tiles a [..., k, m], b [..., k, n] -> [m, n], summed over the
+    leading axis if any (one wgmma chain into one accumulator: a contraction over the
+    stacked k's without a reshape of the tiles)."""
     return ("tn", None, a, b)
 
 
@@ -158,18 +170,23 @@ class _Mma:
         if self.interpret:
             outs = []
             for form, acc, a, b in products:
-                r = A.dot(a if form == "rs" else a[...], b[...], self._CONTRACT[form])
+                a, b = (a if form == "rs" else a[...]), b[...]
+                r = (sum(A.dot(a[i], b[i], self._CONTRACT[form]) for i in range(a.shape[0]))
+                     if a.ndim == 3 else A.dot(a, b, self._CONTRACT[form]))
                 outs.append(r if acc is None else acc + r)
             return tuple(outs)
 
         def shape(form, a, b):
             return ((a.shape[0], b.shape[0]) if form == "nt" else
-                    (a.shape[0], b.shape[1]) if form == "rs" else (a.shape[1], b.shape[1]))
+                    (a.shape[0], b.shape[1]) if form == "rs" else (a.shape[-1], b.shape[-1]))
 
         def body(refs):
             for ref, (form, _, a, b) in zip(refs, products):
                 if form == "nt":
                     plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
+                elif form == "tn" and len(a.shape) == 3:
+                    for i in range(a.shape[0]):
+                        plgpu.wgmma(ref, plgpu.transpose_ref(a.at[i], (1, 0)), b.at[i])
                 elif form == "tn":
                     plgpu.wgmma(ref, plgpu.transpose_ref(a, (1, 0)), b)
                 else:
@@ -218,7 +235,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
     transforms = H._tma_transforms(dtype, d)
 
     def scoped(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-               kv_full, q_full, do_full, empty):
+               kv_full, q_full, do_full, empty, ds_full, ds_free):
         bh = lax.axis_index("bh")
         b, hk = bh // hkv, bh % hkv
         k0 = lax.axis_index("k") * _KEYS
@@ -263,6 +280,8 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             plgpu.copy_gmem_to_smem(v_gmem.at[b, pl.ds(kr, _ROWS), hk], v_smem.at[wg],
                                     kv_full.at[wg])
             plgpu.barrier_wait(kv_full.at[wg])
+            if fused_dq:       # dQ = dS K reads the other consumer's K rows too
+                plgpu.barrier_wait(kv_full.at[1 - wg])
             k_pos = kr + AH._iota((_ROWS, bq), 0, spec.interpret)
 
             def step(gi, i, j, carry, masked):
@@ -286,16 +305,28 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                          t, keep)
                 ds = ds.astype(dtype)
                 if fused_dq:
-                    ds_smem[wg] = ds
+                    # Both consumers' dS^T go to one [128 keys, bq] tile, and the consumer
+                    # whose turn it is (steps alternate) forms dQ = dS K over all 128 keys:
+                    # one float32 [bq, D] reducing store per step, half the bytes of one
+                    # per consumer (FlashAttention-3 sec. 3.3's dQ).
+                    turn = lax.rem(j, 2)
+
+                    @pl.when(j >= 2)
+                    def _():             # the dQ of step j - 2 has read this slot
+                        plgpu.barrier_wait(ds_free.at[turn])
+                    ds_smem[2 * turn + wg] = ds
                     plgpu.commit_smem()
-                    dk, dq = mma.run(rs(dk, ds, q_smem.at[slot]),                # += dS^T Q
-                                     tn(ds_smem.at[wg], k_smem.at[wg]))          # dS K [bq, D]
-                else:
-                    (dk,) = mma.run(rs(dk, ds, q_smem.at[slot]))
+                    plgpu.barrier_arrive(ds_full.at[turn])
+                (dk,) = mma.run(rs(dk, ds, q_smem.at[slot]))                   # += dS^T Q
                 plgpu.barrier_arrive(empty.at[slot])
                 if fused_dq:
-                    _add_dq(dq * spec.scale, dq_smem.at[wg], dq_gmem, wg, b, q0, hk * g + gi,
-                            spec.interpret)
+                    @pl.when(turn == wg)
+                    def _():
+                        plgpu.barrier_wait(ds_full.at[turn])
+                        (dq,) = mma.run(tn(ds_smem.at[pl.ds(2 * turn, 2)], k_smem))     # dS K [bq, D], 128 keys
+                        plgpu.barrier_arrive(ds_free.at[turn])
+                        _add_dq(dq * spec.scale, dq_smem.at[wg], dq_gmem, wg, b, q0,
+                                hk * g + gi, (j // 2) * (d // tiles.piece(d)), spec.interpret)
                 return dk, dv
 
             def head(gi, carry):
@@ -308,9 +339,15 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
 
             zero = AH._zeros((_ROWS, d), spec.interpret)
             dk, dv = lax.fori_loop(0, g, head, (zero, zero))
-            if fused_dq and not spec.interpret:
-                plgpu.wait_smem_to_gmem(0)
-            # K and V are done with: dK and dV leave through their tiles.
+            if fused_dq:
+                # Observe the last two steps' releases of the dS^T slots (see the producer).
+                @pl.loop(jnp.maximum(total, 2) - 2, total)
+                def _drain(j):
+                    plgpu.barrier_wait(ds_free.at[lax.rem(j, 2)])
+                if not spec.interpret:
+                    plgpu.wait_smem_to_gmem(0)
+            # K and V are done with: dK and dV leave through their tiles (the other consumer
+            # may still read this K for its last dQ: that waited for ds_free above).
             k_smem[wg] = (dk * spec.scale).astype(dtype)
             v_smem[wg] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -318,10 +355,12 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_gmem.at[b, pl.ds(kr, _ROWS), hk])
             plgpu.wait_smem_to_gmem(0)
 
-    ds_type = (plgpu.SMEM((2, _ROWS, bq), dtype, transforms=H._tma_transforms(dtype, bq))
+    # [2 turns x 2 consumers, 64 keys, bq] (flat: Mosaic GPU's interpreter in jax 0.10.2 stalled
+    # on a [2, 2, 64, bq] buffer here).
+    ds_type = (plgpu.SMEM((4, _ROWS, bq), dtype, transforms=H._tma_transforms(dtype, bq))
                if fused_dq else plgpu.SMEM((1, 8), _F32))
-    dq_type = (plgpu.SMEM((2, 2, _ROWS, _PIECE), _F32,
-                          transforms=H._tma_transforms(_F32, _PIECE))
+    piece = tiles.piece(d)
+    dq_type = (plgpu.SMEM((2, 2, _ROWS, piece), _F32, transforms=H._tma_transforms(_F32, piece))
                if fused_dq and not spec.interpret else plgpu.SMEM((1, 8), _F32))
     pl.run_scoped(
         scoped,
@@ -337,17 +376,20 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # Q and lse copies
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # dO and delta copies
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # both consumers done
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),              # both dS^T halves written
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),              # dQ has read the dS^T
         collective_axes="wg")
 
 
-def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, interpret: bool):
-    """dq_gmem[b, q0:q0 + 64, h] += dq ([64, D] float32): a reducing TMA store in pieces;
-    in the interpreter (no reducing store) a read-add-write of this consumer's own buffer."""
+def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, k, interpret: bool):
+    """dq_gmem[b, q0:q0 + 64, h] += dq ([64, D] float32): a reducing TMA store in pieces (`k`:
+    the pieces stored before, which picks the slot, see `_hopper.store_tile`); in the
+    interpreter (no reducing store) a read-add-write of this consumer's own buffer."""
     if interpret:
         dst = dq_gmem.at[wg, b, pl.ds(q0, dq.shape[0]), h]
         dst[...] = dst[...] + dq
         return
-    H.store_tile(dq, smem, dq_gmem.at[b, :, h, :], q0, 0, reduction_op="add")
+    H.store_tile(dq, smem, dq_gmem.at[b, :, h, :], q0, 0, k, reduction_op="add")
 
 
 def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,

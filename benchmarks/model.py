@@ -168,6 +168,11 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None):
     flops, peak = model_flops(cfg, b, t), peak_flops()
     attn = "cudnn" if jax.default_backend() == "gpu" else None
     fns = {"jaxfuse": functools.partial(M.loss, cfg=cfg, impl="pallas"),
+           # cuDNN's attention backward is non-deterministic unless XLA is told otherwise
+           # (xla_gpu_deterministic_ops): this row is jaxfuse on the same terms.
+           "jaxfuse, nondeterministic attention": functools.partial(
+               M.loss, cfg=dataclasses.replace(cfg, deterministic_attention=False),
+               impl="pallas"),
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            f"plain JAX + {attn or 'xla'}": functools.partial(plain_loss, cfg=cfg, attn_impl=attn),
@@ -342,9 +347,9 @@ def main(argv=None) -> None:
         shapes = dict(t157=(8, 2048), t1b=(2, 8192), dec=(32, 8, 4, 512, 256), reps=10)
     if args.no_scan:
         c157, c1b = (dataclasses.replace(c, scan_layers=False) for c in (c157, c1b))
-    impls157 = ("jaxfuse", "plain") + (() if args.no_reference else ("reference",)) + (
+    impls157 = ("jaxfuse", "jaxfuse, nondet", "plain") + (() if args.no_reference else ("reference",)) + (
         ("jaxfuse, cuDNN",) if args.swap_attention else ())
-    tasks = {"train157": len(impls157), "train1b": 2, "decode": 4}
+    tasks = {"train157": len(impls157), "train1b": 3, "decode": 4}
     bar = tqdm(total=sum(tasks[s] for s in args.sections), unit="run")
     if "train157" in args.sections:
         if args.profile:
@@ -352,7 +357,8 @@ def main(argv=None) -> None:
         train("157M", c157, *shapes["t157"], impls157, bar, shapes["reps"], args.profile,
               args.out)
     if "train1b" in args.sections:
-        train("1B", c1b, *shapes["t1b"], ("jaxfuse", "plain"), bar, max(2, shapes["reps"] // 4))
+        train("1B", c1b, *shapes["t1b"], ("jaxfuse", "jaxfuse, nondet", "plain"), bar,
+              max(2, shapes["reps"] // 4))
     if "decode" in args.sections:
         dec = shapes["dec"]
         cfg = dataclasses.replace(c157, max_len=max(c157.max_len, dec[3] + dec[4]))

@@ -268,3 +268,22 @@ def test_decoding_steps_leave_row_ops_to_xla(monkeypatch):
     tokens = jnp.zeros((2, 40), jnp.int32)         # 80 rows > FEW_ROWS
     train = kernels(jax.grad(lambda p: M.loss(p, tokens, tokens, cfg)), params)
     assert {"jaxfuse_rope", "jaxfuse_swiglu", "jaxfuse_add_rms_norm"} <= train, train
+
+
+def test_deterministic_attention_reaches_flash_attention(monkeypatch):
+    """Config.deterministic_attention is what every layer's flash_attention call gets (False:
+    the Hopper backward's fused dQ), in the loss and its gradient."""
+    seen = []
+    real = jaxfuse.flash_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("deterministic"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(jaxfuse, "flash_attention", spy)
+    tokens, targets = _batch(0)
+    for det in (False, True):
+        cfg = dataclasses.replace(CFG, deterministic_attention=det, scan_layers=False)
+        seen.clear()
+        jax.make_jaxpr(jax.grad(lambda p: M.loss(p, tokens, targets, cfg)))(
+            M.init(jax.random.key(0), cfg))
+        assert seen == [det] * cfg.n_layers, seen

@@ -86,7 +86,8 @@ def reorder_beams(caches, parent: jax.Array, start: jax.Array, stop: jax.Array, 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
               dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
-              impl: str = "pallas") -> jax.Array:
+              deterministic: bool = True, impl: str = "pallas") -> jax.Array:
     """Flash attention, with attention-probability dropout inside the kernel."""
     return jaxfuse.flash_attention(q, k, v, causal=causal, dropout_rate=dropout_rate,
-                                   dropout_key=dropout_key, impl=impl)
+                                   dropout_key=dropout_key, deterministic=deterministic,
+                                   impl=impl)

@@ -32,6 +32,9 @@ class Config:
     remat: str = "none"             # "none", "block" (save only each block's input) or the name
                                     # of a jax.checkpoint_policies policy
     tie_embeddings: bool = False    # unembed with embed.T (no separate unembedding matrix)
+    deterministic_attention: bool = True  # bitwise-reproducible attention gradients; False:
+                                    # the Hopper backward adds dQ from every key tile in
+                                    # whatever order they finish (faster; cuDNN's default)
 
     def __post_init__(self):
         if self.d_model % self.n_heads:

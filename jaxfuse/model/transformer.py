@@ -162,7 +162,7 @@ def hidden(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas"
 
     def attend(q, k, v, key):
         return ops.attention(q, k, v, causal=True, dropout_rate=cfg.dropout, dropout_key=key,
-                             impl=impl)
+                             deterministic=cfg.deterministic_attention, impl=impl)
 
     def body(carry, xs):
         blk, i, mask = xs

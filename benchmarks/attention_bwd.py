@@ -57,6 +57,8 @@ def _inputs(key, b, tq, tk, hq, hkv, d, dtype):
 
 def _check_case(i, shape, opts, dtype, det: bool):
     name = f"check {shape} {opts} det={det}"
+    # deterministic=False: the fused dQ forced at every D (by default it runs at D = 64 only).
+    hopper = True if det else HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True))
 
     def run():
         q, k, v, do, dlse = _inputs(jax.random.key(i), *shape, dtype)
@@ -64,7 +66,7 @@ def _check_case(i, shape, opts, dtype, det: bool):
         def fb(impl, q, k, v, do, dlse):
             kw = dict(opts, return_lse=True, impl=impl)
             if impl == "pallas":
-                kw.update(deterministic=det, block_sizes=AttnBlocks(hopper=True))
+                kw.update(deterministic=det, block_sizes=AttnBlocks(hopper=hopper))
             f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, **kw)
             (o, lse), vjp = jax.vjp(f, q, k, v)
             # Rows that see no key have lse = -inf: no cotangent there (the reference's
@@ -112,6 +114,9 @@ def _fns(causal: bool, sweep=()):
         "jaxfuse det": functools.partial(jaxfuse.flash_attention, causal=causal),
         "jaxfuse nondet": functools.partial(jaxfuse.flash_attention, causal=causal,
                                             deterministic=False),
+        "jaxfuse nondet fused": functools.partial(
+            jaxfuse.flash_attention, causal=causal, deterministic=False,
+            block_sizes=hop(HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True)))),
         "jaxfuse hopper-fwd+triton-bwd": functools.partial(
             jaxfuse.flash_attention, causal=causal,
             block_sizes=hop(HopperAttnTiles(backward=False))),

@@ -131,8 +131,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     the Hopper backward fold dQ into its dK/dV kernel and add the partial dQ of each key tile
     into a float32 buffer with reducing (atomic) TMA stores, in whatever order the tiles
     finish: 5 matrix products per tile instead of 7, not bitwise reproducible (as cuDNN's
-    attention backward by default); faster at D = 64, slower at D = 128 for now (the reducing
-    stores, BENCHMARKS.md). The portable kernels ignore it (always deterministic).
+    attention backward by default). It does so at D = 64, where it is faster; at D = 128 its
+    reducing stores cost more than they save, so the deterministic kernels run there
+    (BENCHMARKS.md). The portable kernels ignore it (always deterministic).
 
     Not a bug: dq and dk that are exactly zero in theory (one visible key, one-hot attention,
     v equal for every key) come out as rounding noise, about 1e-6 in float32 and 4e-3

@@ -141,7 +141,8 @@ def test_hopper_flash_attention_lowers(d, opts, det):
         block_sizes=jaxfuse.AttnBlocks(hopper=True), **opts), q, k, k).mlir_module()
     assert "jaxfuse_flash_fwd_hopper" in module
     hopper_bwd = d <= 128
-    for name in _HOPPER_BWD[det]:
+    # deterministic=False fuses dQ into the dK/dV kernel at D = 64 only (faster there).
+    for name in _HOPPER_BWD[det or d > 64]:
         assert (name in module) == hopper_bwd, name
     assert ('"jaxfuse_flash_bwd_dkv"' in module) == (not hopper_bwd)
 
@@ -220,3 +221,18 @@ def test_reorder_beams_lowers():
     n = jnp.zeros((3,), jnp.int32)
     _lower(lambda c, p, a, z: jaxfuse.reorder_beams(c, p, a, z, interpret=False),
            caches, parent, n, n)
+
+
+def test_hopper_fused_dq_at_d128_lowers():
+    """`HopperBwdTiles(fused_dq=True)` forces the fused dQ at D = 128 (by default the separate
+    dQ kernel runs there, deterministic=False or not)."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+    k = jnp.zeros((1, 384, 2, 128), jnp.bfloat16)
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True))
+    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, causal=True, deterministic=False,
+        block_sizes=jaxfuse.AttnBlocks(hopper=tiles)), q, k, k).mlir_module()
+    assert "jaxfuse_flash_bwd_dkv_dq_hopper" in module
+    assert "jaxfuse_flash_bwd_dq_hopper" not in module

@@ -16,7 +16,8 @@ dV += P^T dO and dK += dS^T Q (as jax's `attention_mgpu` backward does). Causal/
 come from `_attn.query_blocks` (wholly masked tiles skipped, only edge tiles masked).
 
 dQ, two ways (`AttnSpec.deterministic`):
-* False: the dK/dV kernel also forms dQ_partial = dS K over its 128 keys (the fifth GEMM) and
+* False (at D = 64; at D = 128 the separate dQ kernel below is faster, so it runs there too
+  unless `HopperBwdTiles(fused_dq=True)`): the dK/dV kernel also forms dQ_partial = dS K over its 128 keys (the fifth GEMM) and
   adds it into a float32 [B, Tq, Hq, D] buffer with a reducing TMA store; the sum's order
   depends on which CTA comes first, so the bits may differ between runs. Cast to the input
   dtype afterwards. Both consumers put their dS^T [64 keys, bq] in shared memory and the
@@ -98,11 +99,21 @@ class HopperBwdTiles:
     (None: 128 at D = 64, 64 above, for registers); stages: ring depth (None: as many as
     shared memory holds, at most 4); dq_piece: columns of the float32 pieces through which
     the fused dQ (deterministic=False) leaves by reducing TMA stores (None: 32; each store
-    first waits for the one before last, through two slots)."""
+    first waits for the one before last, through two slots); fused_dq: with
+    deterministic=False, dQ from the dK/dV kernel (True) or the separate dQ kernel (False;
+    None: fused at D <= 64, where it is faster: at D = 128 its reducing stores cost more than
+    the two products the dQ kernel recomputes, BENCHMARKS.md)."""
     block_q: int = 64
     block_k_dq: int | None = None
     stages: int | None = None
     dq_piece: int | None = None
+    fused_dq: bool | None = None
+
+    def fuse(self, d: int, deterministic: bool) -> bool:
+        """Whether dQ comes from the dK/dV kernel (reducing stores, not deterministic)."""
+        if deterministic:
+            return False
+        return d <= 64 if self.fused_dq is None else self.fused_dq
 
     def k_dq(self, d: int) -> int:
         return self.block_k_dq or (128 if d <= 64 else 64)
@@ -520,11 +531,11 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
              tiles: HopperBwdTiles = HopperBwdTiles()):
     """(dq, dk, dv) of q [B, Tq, Hq, D], k, v [B, Tk, Hkv, D] from the forward's o and lse_u
     [B, Hq, Tq] (its score units, `_attn`) and the cotangents do and dlse (of the natural lse,
-    or None); the problem must `fit`. `spec.deterministic` picks the dQ scheme (module
-    docstring)."""
+    or None); the problem must `fit`. `spec.deterministic` and `tiles.fused_dq` pick the dQ
+    scheme (module docstring)."""
     delta = attention_bwd.delta(o, do, dlse, spec)                     # [B, Hq, Tq] float32
     args = (q, k, v, do, lse_u.astype(_F32), delta)
-    if spec.deterministic:
+    if not tiles.fuse(spec.head_dim, spec.deterministic):
         dk, dv = _dkv(q, k, spec, tiles, False)(*args)
         b, tq, hq, d = q.shape
         body = functools.partial(_dq_body, spec=spec, bk=tiles.k_dq(d),

@@ -6,7 +6,8 @@ section of gpu_check.py, designed to finish in a few minutes on an H200:
 
 check: compiles the Hopper forward + backward (forced, `AttnBlocks(hopper=True)`) on awkward
 shapes (bf16 and f16; causal with Tk > Tq and Tq > Tk (rows that see no key), windows, soft
-caps, GQA/MQA, D 64 and 128), with both `deterministic` settings, and compares o, lse, dq, dk,
+caps, GQA/MQA, D 64 and 128), with both `deterministic` settings (False with the fused dQ
+forced at every D, `HopperBwdTiles(fused_dq=True)`; f16 deterministic only), and compares o, lse, dq, dk,
 dv (through jax.vjp with random cotangents of o and lse) with the float32 reference; records
 which backward kernels ran; with deterministic=True a second run must be bitwise equal (with
 False it is reported, not required).
@@ -15,6 +16,11 @@ against cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`): jaxfuse 
 Hopper backward (deterministic True and False), with the Triton backward after the Hopper
 forward, and the forward alone (so the backward's share is the difference); unless
 --no-sweep, also a few `HopperBwdTiles` (ring depth, dQ key tile, 128-row query steps at D 64).
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py probe|quick [OUT.json]
+
+probe: per-kernel GPU time (profiler) of one fwd+bwd call at three workloads, then a tile
+sweep; quick: check, the three workloads against cuDNN, probe's kernel times.
 """
 from __future__ import annotations
 
@@ -213,9 +219,11 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["quick"]:          # checks, the three workloads, kernel times
         check()
         perf(0.0, sweep=False)
-        probe({"D128 full": [HopperBwdTiles(dq_piece=64)]})
+        probe({"D128 full": [HopperBwdTiles(fused_dq=True),
+                             HopperBwdTiles(fused_dq=True, dq_piece=64)]})
     if sys.argv[1:2] == ["probe"]:
-        probe({"D128 full": [HopperBwdTiles(dq_piece=64), HopperBwdTiles(stages=2)],
+        probe({"D128 full": [HopperBwdTiles(fused_dq=True, dq_piece=64),
+                             HopperBwdTiles(fused_dq=True, stages=2)],
                "D64 causal": [HopperBwdTiles(block_q=128), HopperBwdTiles(stages=2),
                               HopperBwdTiles(dq_piece=64)]})
     _timing.save(sys.argv[2] if len(sys.argv) > 2 else None)

@@ -223,16 +223,21 @@ def test_reorder_beams_lowers():
            caches, parent, n, n)
 
 
-def test_hopper_fused_dq_at_d128_lowers():
+@pytest.mark.parametrize("d,opts,block_q", [
+    (128, dict(causal=True), 64), (128, dict(sliding_window=200, logits_soft_cap=30.0), 64),
+    (64, dict(causal=True), 128)])
+def test_hopper_fused_dq_lowers(d, opts, block_q):
     """`HopperBwdTiles(fused_dq=True)` forces the fused dQ at D = 128 (by default the separate
-    dQ kernel runs there, deterministic=False or not)."""
+    dQ kernel runs there, deterministic=False or not), with masks and soft caps; at D = 64 with
+    128-row query steps its shared memory (the [4, 64, 128] dS^T buffer) still fits: the
+    lowering checks the kernel's shared-memory total."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-    q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
-    k = jnp.zeros((1, 384, 2, 128), jnp.bfloat16)
-    tiles = HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True))
+    q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
+    k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True, block_q=block_q))
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
-        q, k, v, interpret=False, causal=True, deterministic=False,
-        block_sizes=jaxfuse.AttnBlocks(hopper=tiles)), q, k, k).mlir_module()
+        q, k, v, interpret=False, deterministic=False,
+        block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts), q, k, k).mlir_module()
     assert "jaxfuse_flash_bwd_dkv_dq_hopper" in module
     assert "jaxfuse_flash_bwd_dq_hopper" not in module

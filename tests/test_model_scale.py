@@ -272,7 +272,7 @@ def test_decoding_steps_leave_row_ops_to_xla(monkeypatch):
 
 def test_deterministic_attention_reaches_flash_attention(monkeypatch):
     """Config.deterministic_attention is what every layer's flash_attention call gets (False:
-    the Hopper backward's fused dQ), in the loss and its gradient."""
+    the Hopper backward's fused dQ at head_dim 64), traced through the gradient of the loss."""
     seen = []
     real = jaxfuse.flash_attention
 

@@ -33,8 +33,9 @@ class Config:
                                     # of a jax.checkpoint_policies policy
     tie_embeddings: bool = False    # unembed with embed.T (no separate unembedding matrix)
     deterministic_attention: bool = True  # bitwise-reproducible attention gradients; False:
-                                    # the Hopper backward adds dQ from every key tile in
-                                    # whatever order they finish (faster; cuDNN's default)
+                                    # at head_dim 64 the Hopper backward adds dQ from every
+                                    # key tile in whatever order they finish (faster; cuDNN's
+                                    # default); no effect at 128 (no faster way there yet)
 
     def __post_init__(self):
         if self.d_model % self.n_heads:

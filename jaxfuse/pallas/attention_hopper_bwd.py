@@ -17,14 +17,15 @@ come from `_attn.query_blocks` (wholly masked tiles skipped, only edge tiles mas
 
 dQ, two ways (`AttnSpec.deterministic`):
 * False (at D = 64; at D = 128 the separate dQ kernel below is faster, so it runs there too
-  unless `HopperBwdTiles(fused_dq=True)`): the dK/dV kernel also forms dQ_partial = dS K over its 128 keys (the fifth GEMM) and
-  adds it into a float32 [B, Tq, Hq, D] buffer with a reducing TMA store; the sum's order
-  depends on which CTA comes first, so the bits may differ between runs. Cast to the input
-  dtype afterwards. Both consumers put their dS^T [64 keys, bq] in shared memory and the
-  consumers take turns (even steps the first, odd the second) forming dQ from both halves, A
-  operand read transposed: one [bq, D] store per step, as FlashAttention-3 does. (One
-  store per consumer, of its own 64 keys' partial, moved twice the bytes: B4 H32 T4096 D128
-  fwd+bwd 12.07 against 10.02 ms, the 157M model's D = 64 0.998-1.074 against 0.910 ms, H200.)
+  unless `HopperBwdTiles(fused_dq=True)`): the dK/dV kernel also forms dQ_partial = dS K over
+  its 128 keys (the fifth GEMM) and adds it into a float32 [B, Tq, Hq, D] buffer with a
+  reducing TMA store; the sum's order depends on which CTA comes first, so the bits may differ
+  between runs. Cast to the input dtype afterwards. Both consumers put their dS^T [64 keys,
+  bq] in shared memory and the consumers take turns (even steps the first, odd the second)
+  forming dQ from both halves, A operand read transposed: one [bq, D] store per step, as
+  FlashAttention-3 does. (One store per consumer, of its own 64 keys' partial, moved twice the
+  bytes: B4 H32 T4096 D128 fwd+bwd 12.07 against 10.02 ms, the 157M model's D = 64
+  0.998-1.074 against 0.910 ms, H200.)
 * True (default): a separate dQ kernel, one CTA per (batch * query head, 128 rows), walks the
   key tiles like the forward (S, dP and dQ += dS K: 3 GEMMs) and writes dQ once: a fixed
   summation order, bitwise identical across runs, at the cost of recomputing S and dP
@@ -37,9 +38,9 @@ Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
   dV, dP^T, dK) = 8.4 MFLOP, 5 with the fused dQ = 10.5: ~250 FLOP per byte read at any
   D, against the H200's ~205 (989 TFLOP/s / 4.8 TB/s); the Q tiles of one
   head are read by every key-tile CTA of that head, which run together, mostly from L2.
-  The fused dQ stores 64 * D * 4 bytes per step with reducing TMA stores (half what the step
-  reads; they land in L2, where the CTAs of one head, which run together, add into the same
-  2 MiB of dQ at T = 4096, D = 128).
+  The fused dQ stores 64 * D * 4 bytes per step with reducing TMA stores (as many bytes as the
+  step reads, half what one store per consumer moved; they land in L2, where the CTAs of one
+  head, which run together, add into the same 2 MiB of dQ at T = 4096, D = 128).
 * shared memory (227 KiB, less ~8 for barriers and Mosaic GPU's own = 219): K, V 64 KiB at
   D = 128 (32 at 64); one ring stage (Q, dO [64, D], lse, delta [64] f32) 32.5 KiB (16.5);
   fused dQ: dS^T [2 turns x 2 consumers, 64, 64] 32 KiB and the float32 dQ pieces [2
@@ -47,8 +48,8 @@ Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
   D = 64: 4 stages (98 / 162 KiB; the ring is capped at 4).
 * registers (232 per consumer thread): dK and dV [64, D] float32 take D / 2 each per thread
   (128 at D = 128), S^T and dP^T [64, 64] 32 each; the fused dQ's [64, D] product (64) lives
-  after S^T and dP^T are dead, on every other step. D = 256 would need 256 for dK and dV alone: it falls back to
-  the portable backward (`fits`).
+  after S^T and dP^T are dead, on every other step. D = 256 would need 256 for dK and dV
+  alone: it falls back to the portable backward (`fits`).
 * dQ kernel (per consumer 64 query rows; key tiles of 64 at D = 128, 128 at D = 64): Q, dO of
   both consumers 4 * 64 * D * 2 (64 KiB at D = 128) + one K/V stage 2 * bk * D * 2 = 32 KiB:
   4 stages (193 KiB; 161 at D = 64); registers dQ [64, D] (64 at D = 128) + S, dP [64, bk]
@@ -119,12 +120,16 @@ class HopperBwdTiles:
         return self.block_k_dq or (128 if d <= 64 else 64)
 
     def piece(self, d: int) -> int:
-        return self.dq_piece or 32
+        piece = self.dq_piece or 32
+        if d % piece or piece % 8:
+            raise ValueError(f"HopperBwdTiles.dq_piece={piece} must be a multiple of 8 that "
+                             f"divides head_dim={d}")
+        return piece
 
     def dkv_stages(self, d: int, itemsize: int, fused_dq: bool) -> int:
         fixed = 2 * _KEYS * d * itemsize                        # K, V
         if fused_dq:
-            fixed += 2 * _ROWS * self.block_q * itemsize         # dS^T per consumer
+            fixed += 4 * _ROWS * self.block_q * itemsize         # dS^T [2 turns x 2 consumers]
             fixed += 2 * 2 * _ROWS * self.piece(d) * 4           # dQ pieces
         stage = 2 * self.block_q * d * itemsize + 2 * self.block_q * 4
         return self._fit(fixed, stage)
@@ -183,7 +188,7 @@ class _Mma:
             for form, acc, a, b in products:
                 a, b = (a if form == "rs" else a[...]), b[...]
                 r = (sum(A.dot(a[i], b[i], self._CONTRACT[form]) for i in range(a.shape[0]))
-                     if a.ndim == 3 else A.dot(a, b, self._CONTRACT[form]))
+                     if form == "tn" and a.ndim == 3 else A.dot(a, b, self._CONTRACT[form]))
                 outs.append(r if acc is None else acc + r)
             return tuple(outs)
 
@@ -334,7 +339,8 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                     @pl.when(turn == wg)
                     def _():
                         plgpu.barrier_wait(ds_full.at[turn])
-                        (dq,) = mma.run(tn(ds_smem.at[pl.ds(2 * turn, 2)], k_smem))     # dS K [bq, D], 128 keys
+                        # dS K [bq, D] over both consumers' 64 keys
+                        (dq,) = mma.run(tn(ds_smem.at[pl.ds(2 * turn, 2)], k_smem))
                         plgpu.barrier_arrive(ds_free.at[turn])
                         _add_dq(dq * spec.scale, dq_smem.at[wg], dq_gmem, wg, b, q0,
                                 hk * g + gi, (j // 2) * (d // tiles.piece(d)), spec.interpret)

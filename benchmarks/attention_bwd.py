@@ -108,6 +108,14 @@ def check():
         _check_case(i, shape, opts, jnp.float16, True)
 
 
+def _fwd_bwd(f):
+    """One forward + backward call of attention f (the cotangent of o is the 4th argument)."""
+    def step(q, k, v, do):
+        o, vjp = jax.vjp(f, q, k, v)
+        return o, vjp(do)
+    return step
+
+
 def _fns(causal: bool, sweep=()):
     hop = lambda t: AttnBlocks(hopper=t)
     tiles = {}
@@ -138,9 +146,7 @@ def _time(label, shape, causal, sweep=()):
             for i in range(2)]
     times = {}
     for impl, f in _fns(causal, sweep).items():
-        def step(q, k, v, do, f=f):
-            o, vjp = jax.vjp(f, q, k, v)
-            return o, vjp(do)
+        step = _fwd_bwd(f)
 
         def run(impl=impl, f=f, step=step):
             tm = bench(jax.jit(step), sets, reps=5, repeats=3)
@@ -186,9 +192,7 @@ def probe(sweep=None):
         for det in (True, False):
             f = functools.partial(jaxfuse.flash_attention, causal=causal, deterministic=det)
 
-            def step(q, k, v, do, f=f):
-                o, vjp = jax.vjp(f, q, k, v)
-                return o, vjp(do)
+            step = _fwd_bwd(f)
             guarded(S, f"{label} profile det={det}", "jaxfuse",
                     lambda step=step: _profile.report(S, f"{label} det={det}", jax.jit(step),
                                                       args, top=8))
@@ -203,9 +207,7 @@ def probe(sweep=None):
                 f = functools.partial(jaxfuse.flash_attention, causal=causal, deterministic=det,
                                       block_sizes=bs)
 
-                def step(q, k, v, do, f=f):
-                    o, vjp = jax.vjp(f, q, k, v)
-                    return o, vjp(do)
+                step = _fwd_bwd(f)
                 guarded(S, f"{label} fwd+bwd det={det}", str(tl or "default"),
                         lambda step=step, tl=tl, det=det: record(
                             S, f"{label} fwd+bwd det={det}", str(tl or "default"),

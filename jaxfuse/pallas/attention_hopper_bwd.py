@@ -321,8 +321,8 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                          t, keep)
                 ds = ds.astype(dtype)
                 if fused_dq:
-                    # Both consumers' dS^T go to one [128 keys, bq] tile, and the consumer
-                    # whose turn it is (steps alternate) forms dQ = dS K over all 128 keys:
+                    # Both consumers' dS^T go to this turn's two [64 keys, bq] slots, and the
+                    # consumer whose turn it is (steps alternate) forms dQ = dS K over the 128:
                     # one float32 [bq, D] reducing store per step, half the bytes of one
                     # per consumer (FlashAttention-3 sec. 3.3's dQ).
                     turn = lax.rem(j, 2)

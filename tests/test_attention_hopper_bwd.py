@@ -26,12 +26,17 @@ DET = ("jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper")
 FUSED = ("jaxfuse_flash_bwd_dkv_dq_hopper",)
 
 
-@pytest.mark.parametrize("dtype,hq,hkv,tk,deterministic,opts,vmapped", [
-    (jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0), False),   # GQA in one CTA
+@pytest.mark.parametrize("dtype,hq,hkv,tk,deterministic,opts,vmapped,tiles", [
+    (jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0), False, None),  # GQA in one CTA
+    # the dQ kernel's overlapped key loop over 3 steps through a 2-slot ring, and the
+    # schedule without overlap
+    (jnp.bfloat16, 2, 2, 384, True, dict(), False, dict(stages=2)),
+    (jnp.float16, 2, 2, 384, True, dict(), False, dict(stages=2, overlap=False)),
     # fused dQ: 2 key tiles, GQA (4 steps per CTA: both dS^T slots reused), vmap
-    (jnp.float16, 2, 1, 256, False, dict(scale=0.3), True),
+    (jnp.float16, 2, 1, 256, False, dict(scale=0.3), True, None),
 ])
-def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, opts, vmapped):
+def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, opts, vmapped,
+                                           tiles):
     """dq, dk, dv of the Hopper backward against the float32 reference's, through jax.vjp
     with random cotangents of o and of the returned lse (dlse enters as delta -= dlse); the
     jaxpr must hold the Hopper backward's kernels, so a silent fallback fails the test. The
@@ -48,9 +53,14 @@ def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, op
     def grads(attn, *args):
         (o, lse), vjp = jax.vjp(attn, *args[:3])
         return vjp(args[3:])
+    hopper = True
+    if tiles is not None:
+        from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+        from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+        hopper = HopperAttnTiles(backward=HopperBwdTiles(**tiles))
     f = lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, return_lse=True, deterministic=deterministic,
-        block_sizes=AttnBlocks(hopper=True), **opts)
+        block_sizes=AttnBlocks(hopper=hopper), **opts)
     r = lambda q, k, v: ref.attention(q, k, v, return_lse=True, **opts)
     run, run_ref = jax.tree.map(lambda h: (jax.vmap(h) if vmapped else h),
                                 (functools.partial(grads, f), functools.partial(grads, r)))

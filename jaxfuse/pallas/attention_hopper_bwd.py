@@ -56,8 +56,13 @@ Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
   (32 + 32). Its 3 products per (64 rows x bk keys) tile recompute S and dP: 7 per tile pair
   for both kernels against 5 fused, the price of a fixed summation order.
 
-No ping-pong between the consumers and no intra-warpgroup overlap of the softmax with the
-next GEMM yet (the forward has both): the first version is the simple schedule.
+Overlap: the dQ kernel issues each step's dQ += dS K behind the next step's S and dP and
+computes that step's dS while the tensor cores finish it (FlashAttention-3 sec. 3.2's
+intra-warpgroup overlap; dQ in a wgmma accumulator for the whole key loop): its kernel time
+2.57 -> 2.44 ms at B4 H32 T4096 D128, 0.269 -> 0.258 ms at the 157M model's D = 64 (H200).
+The same schedule in the dK/dV kernel (dV and dK behind the next S^T and dP^T) was slower,
+3.46 -> 4.64 ms and 0.368 -> 0.401 ms, so that kernel waits for each product in turn. No
+ping-pong between the consumers yet (the forward has it).
 
 What it takes (`fits`): what the Hopper forward takes (bf16/f16, no segment ids, Tq a multiple
 of 128) with D in {64, 128} and Tk a multiple of 128; anything else (and dropout, float32,
@@ -103,12 +108,15 @@ class HopperBwdTiles:
     first waits for the one before last, through two slots); fused_dq: with
     deterministic=False, dQ from the dK/dV kernel (True) or the separate dQ kernel (False;
     None: fused at D <= 64, where it is faster: at D = 128 its reducing stores cost more than
-    the two products the dQ kernel recomputes, BENCHMARKS.md)."""
+    the two products the dQ kernel recomputes, BENCHMARKS.md); overlap: the dQ kernel issues
+    each step's dQ product behind the next step's S and dP and computes that step's dS under
+    it (False: each product waited for in turn)."""
     block_q: int = 64
     block_k_dq: int | None = None
     stages: int | None = None
     dq_piece: int | None = None
     fused_dq: bool | None = None
+    overlap: bool = True
 
     def fuse(self, d: int, deterministic: bool) -> bool:
         """Whether dQ comes from the dK/dV kernel (reducing stores, not deterministic)."""
@@ -211,6 +219,55 @@ class _Mma:
                       for f, acc, a, b in products)
         return pl.run_state(body)(inits)
 
+    def accumulate(self, body, shape, scratch):
+        """body(*refs) with len(scratch) float32 accumulators of `shape` zeroed: wgmma
+        accumulators on the GPU (registers, for the whole of body's loops), the shared-memory
+        refs `scratch` in the interpreter. body adds into them with `run_behind` and reads
+        them with [...] at its end."""
+        if self.interpret:
+            for r in scratch:
+                r[...] = jnp.zeros(shape, _F32)
+            body(*scratch)
+            return
+        inits = tuple(plgpu.ACC.init(AH._zeros(shape, False)) for _ in scratch)
+        pl.run_state(lambda refs: body(*refs))(inits)
+
+    def run_behind(self, products, behind):
+        """The float32 results of `products` (`nt` forms), with the accumulations `behind`
+        ((acc ref of `accumulate`, A [m, k] in registers, B [k, n] in shared memory): acc += A
+        B) issued after them and left in flight: the caller's work until `drain` runs while
+        the tensor cores finish them."""
+        if self.interpret:
+            for ref, a, b in behind:
+                ref[...] += A.dot(a, b[...], self._CONTRACT["rs"])
+            return self.run(*products)
+        assert all(form == "nt" for form, *_ in products)
+
+        def body(*refs):
+            for ref, (_, _, a, b) in zip(refs, products):
+                plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
+            for ref, a, b in behind:
+                plgpu.wgmma(ref, a, b)
+            if not refs:
+                return ()
+            plgpu.wgmma_wait(len(behind))         # each wgmma is one group, waited in order
+            return tuple(plgpu.wgmma_accumulator_load(r, wait_n=None) for r in refs)
+        if not products:
+            return body()
+        return pl.run_scoped(body, *(plgpu.ACC((a.shape[0], b.shape[0]), _F32)
+                                     for _, _, a, b in products))
+
+    def drain(self):
+        """Waits for the products `run_behind` left in flight."""
+        if not self.interpret:
+            plgpu.wgmma_wait(0)
+
+
+def _prev_slot(j, stages: int):
+    """The ring slot of step j - 1, and of step 0 itself for j = 0 (whose loaded tiles the
+    zero product behind step 0 multiplies: a slot not yet loaded may hold NaN bits)."""
+    return lax.rem(j + stages - jnp.minimum(j, 1), stages)
+
 
 def _vec(smem, axis: int, n: int, interpret: bool):
     """A float32 [64] vector from shared memory as a [64, n] tile: constant along `axis`
@@ -300,12 +357,9 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 plgpu.barrier_wait(kv_full.at[1 - wg])
             k_pos = kr + AH._iota((_ROWS, bq), 0, spec.interpret)
 
-            def step(gi, i, j, carry, masked):
-                dk, dv = carry
-                slot = lax.rem(j, stages)
-                q0 = i * bq
-                plgpu.barrier_wait(q_full.at[slot])
-                (st,) = mma.run(nt(k_smem.at[wg], q_smem.at[slot]))            # S^T [64, bq]
+            def scores(st, slot, q0, masked):
+                """(P^T float32, tanh of the capped logits or None, the mask or None) of a
+                step from its S^T."""
                 keep = None
                 if masked:
                     q_pos = q0 + AH._iota((_ROWS, bq), 1, spec.interpret)
@@ -314,12 +368,25 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 p = _probs(spec, u, _vec(lse_smem.at[slot], 0, _ROWS, spec.interpret))
                 if masked:     # a NaN row (it saw garbage) leaks nothing into hidden keys
                     p = jnp.where(keep, p, 0.0)
+                return p, t, keep
+
+            def grad_scores(p, dpt, t, keep, slot):
+                """dS^T in the input dtype."""
+                ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot], 0, _ROWS, spec.interpret),
+                         t, keep)
+                return ds.astype(dtype)
+
+            def step(gi, i, j, carry, masked):
+                dk, dv = carry
+                slot = lax.rem(j, stages)
+                q0 = i * bq
+                plgpu.barrier_wait(q_full.at[slot])
+                (st,) = mma.run(nt(k_smem.at[wg], q_smem.at[slot]))            # S^T [64, bq]
+                p, t, keep = scores(st, slot, q0, masked)
                 plgpu.barrier_wait(do_full.at[slot])
                 dv, dpt = mma.run(rs(dv, p.astype(dtype), do_smem.at[slot]),     # += P^T dO
                                   nt(v_smem.at[wg], do_smem.at[slot]))          # dP^T [64, bq]
-                ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot], 0, _ROWS, spec.interpret),
-                         t, keep)
-                ds = ds.astype(dtype)
+                ds = grad_scores(p, dpt, t, keep, slot)
                 if fused_dq:
                     # Both consumers' dS^T go to this turn's two [64 keys, bq] slots, and the
                     # consumer whose turn it is (steps alternate) forms dQ = dS K over the 128:
@@ -410,7 +477,7 @@ def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, k, interpret: bool):
 
 
 def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
-             spec: AttnSpec, bk: int, stages: int, n_q_tiles: int):
+             spec: AttnSpec, bk: int, stages: int, n_q_tiles: int, overlap: bool):
     # As the forward (`attention_hopper`): a CTA per (batch * query head, 128 query rows),
     # consumer wg on rows wg * 64.., the producer streaming the K and V tiles its rows see;
     # but the query tiles of one head run together (they read the same K and V).
@@ -419,8 +486,8 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
     mma = _Mma(spec.interpret)
     transforms = H._tma_transforms(dtype, d)
 
-    def scoped(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_full, k_full, v_full,
-               k_empty, v_empty):
+    def scoped(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, acc_scratch, q_full,
+               k_full, v_full, k_empty, v_empty):
         b, h, row0, (lo, f_lo, f_hi, hi) = AH.query_tile(spec, q_gmem.shape[2], n_q_tiles, bk)
         n = hi - lo
         wg = lax.axis_index("wg")
@@ -445,32 +512,71 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             delta = _vec(delta_smem.at[wg], 1, bk, spec.interpret)
             q_pos = r0 + AH._iota((_ROWS, bk), 0, spec.interpret)
 
-            def step(j, dq, masked):
-                slot = lax.rem(j, stages)
-                plgpu.barrier_wait(k_full.at[slot])
-                plgpu.barrier_wait(v_full.at[slot])
-                s, dp = mma.run(nt(q_smem.at[wg], k_smem.at[slot]),             # S [64, bk]
-                                nt(do_smem.at[wg], v_smem.at[slot]))            # dP
-                plgpu.barrier_arrive(v_empty.at[slot])
+            def grads(s, dp, j, masked):
+                """dS [64, bk] of key step j in the input dtype from its S and dP."""
                 keep = None
                 if masked:
                     k_pos = (lo + j) * bk + AH._iota((_ROWS, bk), 1, spec.interpret)
                     keep = A.visible(spec, q_pos, k_pos, None, None)
                 u, t = A.transform(spec, s, keep)
-                p = _probs(spec, u, lse)
-                ds = _ds(spec, p, dp, delta, t, keep)
-                (dq,) = mma.run(rs(dq, ds.astype(dtype), k_smem.at[slot]))        # += dS K
+                return _ds(spec, _probs(spec, u, lse), dp, delta, t, keep).astype(dtype)
+
+            def products(slot):
+                plgpu.barrier_wait(k_full.at[slot])
+                plgpu.barrier_wait(v_full.at[slot])
+                return (nt(q_smem.at[wg], k_smem.at[slot]),                     # S [64, bk]
+                        nt(do_smem.at[wg], v_smem.at[slot]))                    # dP
+
+            def step(j, dq, masked):
+                slot = lax.rem(j, stages)
+                s, dp = mma.run(*products(slot))
+                plgpu.barrier_arrive(v_empty.at[slot])
+                (dq,) = mma.run(rs(dq, grads(s, dp, j, masked), k_smem.at[slot]))  # += dS K
                 plgpu.barrier_arrive(k_empty.at[slot])
                 return dq
 
-            dq = AH._zeros((_ROWS, d), spec.interpret)
-            dq = lax.fori_loop(0, f_lo - lo, lambda j, c: step(j, c, True), dq)
-            dq = lax.fori_loop(f_lo - lo, f_hi - lo, lambda j, c: step(j, c, False), dq)
-            dq = lax.fori_loop(f_hi - lo, n, lambda j, c: step(j, c, True), dq)
-            q_smem[wg] = (dq * spec.scale).astype(dtype)          # Q is done with: dQ goes here
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_gmem.at[b, rows, h])
-            plgpu.wait_smem_to_gmem(0)
+            def loop(step, carry):
+                """step(j, carry, masked) over the key steps: masked edge, unmasked, edge."""
+                run = lambda a, z, masked, c: lax.fori_loop(
+                    a, z, lambda j, c: step(j, c, masked), c)
+                carry = run(0, f_lo - lo, True, carry)
+                carry = run(f_lo - lo, f_hi - lo, False, carry)
+                return run(f_hi - lo, n, True, carry)
+
+            def finish(dq):
+                q_smem[wg] = (dq * spec.scale).astype(dtype)      # Q is done with: dQ goes here
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_gmem.at[b, rows, h])
+                plgpu.wait_smem_to_gmem(0)
+
+            zero = AH._zeros((_ROWS, d), spec.interpret)
+            if not overlap:
+                finish(loop(step, zero))
+                return
+
+            # Overlapped (as the dK/dV kernel's): step j issues S_j and dP_j, then dQ += dS_{j-1}
+            # K_{j-1}, and computes dS_j while the tensor cores finish that product.
+            def overlapped(dq_ref):
+                def ostep(j, ds, masked):
+                    slot, prev = lax.rem(j, stages), _prev_slot(j, stages)
+                    s, dp = mma.run_behind(products(slot), ((dq_ref, ds, k_smem.at[prev]),))
+                    plgpu.barrier_arrive(v_empty.at[slot])
+                    ds = grads(s, dp, j, masked)
+                    mma.drain()
+                    pl.when(j > 0)(lambda: plgpu.barrier_arrive(k_empty.at[prev]))
+                    return ds
+
+                ds = loop(ostep, AH._zeros((_ROWS, bk), spec.interpret).astype(dtype))
+                last = lax.rem(n - 1, stages)
+                mma.run_behind((), ((dq_ref, ds, k_smem.at[last]),))
+                mma.drain()
+                plgpu.barrier_arrive(k_empty.at[last])
+                finish(dq_ref[...])
+
+            # Rows that see no key (causal with Tq > Tk) have no last step.
+            pl.when(n > 0)(lambda: mma.accumulate(overlapped, (_ROWS, d),
+                                                  (acc_scratch.at[wg],)))
+            pl.when(n == 0)(lambda: finish(zero))
 
     pl.run_scoped(
         scoped,
@@ -480,6 +586,8 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
         plgpu.SMEM((2, _ROWS), _F32),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
+        # dQ of the overlapped schedule in the interpreter; registers on the GPU.
+        plgpu.SMEM((2, _ROWS, d) if overlap and spec.interpret else (1, 8), _F32),
         plgpu.Barrier(num_arrivals=4, num_barriers=2),         # Q, dO, lse, delta copies
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
@@ -546,7 +654,7 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
         b, tq, hq, d = q.shape
         body = functools.partial(_dq_body, spec=spec, bk=tiles.k_dq(d),
                                  stages=tiles.dq_stages(d, q.dtype.itemsize),
-                                 n_q_tiles=tq // (2 * _ROWS))
+                                 n_q_tiles=tq // (2 * _ROWS), overlap=tiles.overlap)
         # Query tiles first: those of one head run together (they read the same K and V).
         dq = _kernel(body, jax.ShapeDtypeStruct(q.shape, q.dtype), (tq // (2 * _ROWS), b * hq),
                      ("q", "bh"), "jaxfuse_flash_bwd_dq_hopper", spec)(*args)

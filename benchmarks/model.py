@@ -328,6 +328,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-scan", action="store_true",
                     help="run the layers as a Python loop (Config.scan_layers=False) in every "
                          "train row, jaxfuse and plain alike")
+    ap.add_argument("--remat", default=None,
+                    help="Config.remat of the 157M rows, jaxfuse and plain alike (\"block\" or "
+                         "a jax.checkpoint_policies name; the preset's is \"none\")")
     ap.add_argument("--profile", action="store_true",
                     help="print each train row's largest GPU kernels (jax.profiler trace)")
     args = ap.parse_args(argv)
@@ -345,6 +348,8 @@ def main(argv=None) -> None:
     else:
         c157, c1b = M.preset("157m"), M.preset("1b", remat="block")
         shapes = dict(t157=(8, 2048), t1b=(2, 8192), dec=(32, 8, 4, 512, 256), reps=10)
+    if args.remat:
+        c157 = dataclasses.replace(c157, remat=args.remat)
     if args.no_scan:
         c157, c1b = (dataclasses.replace(c, scan_layers=False) for c in (c157, c1b))
     impls157 = ("jaxfuse", "jaxfuse, nondet", "plain") + (() if args.no_reference else ("reference",)) + (

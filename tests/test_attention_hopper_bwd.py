@@ -101,3 +101,25 @@ def test_deterministic_is_a_keyword_of_every_path():
         a = jaxfuse.flash_attention(q, k, k, deterministic=False, impl=impl)
         b = jaxfuse.flash_attention(q, k, k, impl=impl)
         assert jnp.array_equal(a, b)
+
+
+def test_hopper_dq_overlap_adds_in_the_plain_order():
+    """The overlapped dQ loop (dQ += dS K issued behind the next step's S and dP) adds the same
+    products in the same order as the plain schedule: bitwise equal dq in the interpreter, over
+    3 key steps through a 2-slot ring. With a 1-slot ring the overlap would hold two K tiles
+    at once and wait forever; there the plain schedule runs (same bits again)."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    kq, kk, kv, kd = keys(9, 4)
+    q = randn(kq, (1, 128, 2, 64), jnp.bfloat16)
+    k = randn(kk, (1, 384, 2, 64), jnp.bfloat16)
+    v = randn(kv, (1, 384, 2, 64), jnp.bfloat16)
+    do = randn(kd, (1, 128, 2, 64), jnp.bfloat16)
+
+    def dq(**tiles):
+        blocks = AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(**tiles)))
+        f = lambda q: jaxfuse.flash_attention(q, k, v, block_sizes=blocks)
+        return jax.vjp(f, q)[1](do)[0]
+    overlapped = dq(stages=2)
+    assert jnp.array_equal(overlapped, dq(stages=2, overlap=False))
+    assert jnp.array_equal(overlapped, dq(stages=1))

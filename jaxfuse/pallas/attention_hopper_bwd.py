@@ -53,16 +53,19 @@ Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
 * dQ kernel (per consumer 64 query rows; key tiles of 64 at D = 128, 128 at D = 64): Q, dO of
   both consumers 4 * 64 * D * 2 (64 KiB at D = 128) + one K/V stage 2 * bk * D * 2 = 32 KiB:
   4 stages (193 KiB; 161 at D = 64); registers dQ [64, D] (64 at D = 128) + S, dP [64, bk]
-  (32 + 32). Its 3 products per (64 rows x bk keys) tile recompute S and dP: 7 per tile pair
+  (32 + 32) + the previous step's dS [64, bk] carried under the overlap (16 at bk = 64, the
+  input dtype). Its 3 products per (64 rows x bk keys) tile recompute S and dP: 7 per tile pair
   for both kernels against 5 fused, the price of a fixed summation order.
 
 Overlap: the dQ kernel issues each step's dQ += dS K behind the next step's S and dP and
-computes that step's dS while the tensor cores finish it (FlashAttention-3 sec. 3.2's
-intra-warpgroup overlap; dQ in a wgmma accumulator for the whole key loop): its kernel time
-2.57 -> 2.44 ms at B4 H32 T4096 D128, 0.269 -> 0.258 ms at the 157M model's D = 64 (H200).
-The same schedule in the dK/dV kernel (dV and dK behind the next S^T and dP^T) was slower,
-3.46 -> 4.64 ms and 0.368 -> 0.401 ms, so that kernel waits for each product in turn. No
-ping-pong between the consumers yet (the forward has it).
+computes the next step's dS while the tensor cores finish it (FlashAttention-3 sec. 3.2's
+intra-warpgroup overlap; dQ in a wgmma accumulator for the whole key loop). A K tile is then
+held one step longer (released after the product behind the next step), so the overlap needs
+a ring of 2 slots or more; with one it runs the plain schedule. Kernel time (H200, profiler,
+two runs): 2.57 -> 2.48 ms at B4 H32 T4096 D128, 0.269 -> 0.256 ms at the 157M model's
+D = 64. The same schedule in the dK/dV kernel (dV and dK behind the next S^T and dP^T) was
+slower, 3.46 -> 4.64 ms and 0.368 -> 0.401 ms, so that kernel waits for each product in turn.
+No ping-pong between the consumers yet (the forward has it).
 
 What it takes (`fits`): what the Hopper forward takes (bf16/f16, no segment ids, Tq a multiple
 of 128) with D in {64, 128} and Tk a multiple of 128; anything else (and dropout, float32,
@@ -109,8 +112,8 @@ class HopperBwdTiles:
     deterministic=False, dQ from the dK/dV kernel (True) or the separate dQ kernel (False;
     None: fused at D <= 64, where it is faster: at D = 128 its reducing stores cost more than
     the two products the dQ kernel recomputes, BENCHMARKS.md); overlap: the dQ kernel issues
-    each step's dQ product behind the next step's S and dP and computes that step's dS under
-    it (False: each product waited for in turn)."""
+    each step's dQ product behind the next step's S and dP and computes the next step's dS
+    under it (needs 2 ring stages or more; False: each product waited for in turn)."""
     block_q: int = 64
     block_k_dq: int | None = None
     stages: int | None = None
@@ -554,8 +557,9 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
                 finish(loop(step, zero))
                 return
 
-            # Overlapped (as the dK/dV kernel's): step j issues S_j and dP_j, then dQ += dS_{j-1}
-            # K_{j-1}, and computes dS_j while the tensor cores finish that product.
+            # Overlapped: step j issues S_j and dP_j, then dQ += dS_{j-1} K_{j-1}, and computes
+            # dS_j while the tensor cores finish that product. K_{j-1}'s slot is released only
+            # then, so two slots are held at once (the caller asks for stages >= 2).
             def overlapped(dq_ref):
                 def ostep(j, ds, masked):
                     slot, prev = lax.rem(j, stages), _prev_slot(j, stages)
@@ -652,9 +656,11 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
     if not tiles.fuse(spec.head_dim, spec.deterministic):
         dk, dv = _dkv(q, k, spec, tiles, False)(*args)
         b, tq, hq, d = q.shape
-        body = functools.partial(_dq_body, spec=spec, bk=tiles.k_dq(d),
-                                 stages=tiles.dq_stages(d, q.dtype.itemsize),
-                                 n_q_tiles=tq // (2 * _ROWS), overlap=tiles.overlap)
+        stages = tiles.dq_stages(d, q.dtype.itemsize)
+        # The overlap holds two K tiles at once: with a one-slot ring it would wait forever.
+        body = functools.partial(_dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,
+                                 n_q_tiles=tq // (2 * _ROWS),
+                                 overlap=tiles.overlap and stages >= 2)
         # Query tiles first: those of one head run together (they read the same K and V).
         dq = _kernel(body, jax.ShapeDtypeStruct(q.shape, q.dtype), (tq // (2 * _ROWS), b * hq),
                      ("q", "bh"), "jaxfuse_flash_bwd_dq_hopper", spec)(*args)

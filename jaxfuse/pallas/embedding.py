@@ -8,9 +8,9 @@ by one (a gather is a row load at a data-dependent offset).
 Backward: d table[v] = sum over n with tokens[n] = v of scale * dropout'(d out[n]). LightSeq
 adds each row into the table's gradient with atomics, whose order (and so whose rounding) changes
 from run to run. Here the tokens are sorted once (a stable sort, by XLA) and `searchsorted` gives
-each vocabulary row the range [start, end) of its occurrences; program v then sums its rows in
-that (stable) order and writes d table[v] once: no atomics, bitwise identical across runs, and a
-row no token uses is written as zeros. d pos_table is the same kernel over the positions.
+each vocabulary row the range [start, end) of its occurrences; a program owns a block of table
+rows, sums each row's occurrences in that (stable) order and writes its block once: no atomics,
+bitwise identical across runs, and a row no token uses is written as zeros. d pos_table is the same kernel over the positions.
 Rows whose token or position is out of range (NaN outputs) are left out of both sums.
 """
 from __future__ import annotations
@@ -106,8 +106,9 @@ def _segments(idx, ok, n_table: int):
     keyed = jnp.where(ok, idx, -1)
     order = jnp.argsort(keyed, stable=True).astype(jnp.int32)
     ordered = keyed[order]
-    # Unrolled binary search: one fusion. The default ("scan") is a while loop of ~17 steps
-    # of three small kernels each (H200: 0.07 ms of kernels plus their launch gaps).
+    # Unrolled binary search: one fusion. The default ("scan") is a while loop of log2(N)
+    # steps (15 at 16384 tokens) of four small kernels each (H200: 0.07 ms of kernels plus
+    # their launch gaps).
     bounds = jnp.searchsorted(ordered, jnp.arange(n_table + 1, dtype=jnp.int32), side="left",
                               method="scan_unrolled").astype(jnp.int32)
     return order, ordered, bounds

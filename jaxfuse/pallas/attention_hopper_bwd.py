@@ -223,17 +223,14 @@ class _Mma:
         return pl.run_state(body)(inits)
 
     def accumulate(self, body, shape, scratch):
-        """body(*refs) with len(scratch) float32 accumulators of `shape` zeroed: wgmma
-        accumulators on the GPU (registers, for the whole of body's loops), the shared-memory
-        refs `scratch` in the interpreter. body adds into them with `run_behind` and reads
-        them with [...] at its end."""
+        """body(ref) with a zeroed float32 accumulator of `shape`: a wgmma accumulator on the
+        GPU (registers, for the whole of body's loops), the shared-memory ref `scratch` in the
+        interpreter. body adds into it with `run_behind` and reads it with [...] at its end."""
         if self.interpret:
-            for r in scratch:
-                r[...] = jnp.zeros(shape, _F32)
-            body(*scratch)
+            scratch[...] = jnp.zeros(shape, _F32)
+            body(scratch)
             return
-        inits = tuple(plgpu.ACC.init(AH._zeros(shape, False)) for _ in scratch)
-        pl.run_state(lambda refs: body(*refs))(inits)
+        pl.run_state(body)(plgpu.ACC.init(AH._zeros(shape, False)))
 
     def run_behind(self, products, behind):
         """The float32 results of `products` (`nt` forms), with the accumulations `behind`
@@ -360,9 +357,12 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 plgpu.barrier_wait(kv_full.at[1 - wg])
             k_pos = kr + AH._iota((_ROWS, bq), 0, spec.interpret)
 
-            def scores(st, slot, q0, masked):
-                """(P^T float32, tanh of the capped logits or None, the mask or None) of a
-                step from its S^T."""
+            def step(gi, i, j, carry, masked):
+                dk, dv = carry
+                slot = lax.rem(j, stages)
+                q0 = i * bq
+                plgpu.barrier_wait(q_full.at[slot])
+                (st,) = mma.run(nt(k_smem.at[wg], q_smem.at[slot]))            # S^T [64, bq]
                 keep = None
                 if masked:
                     q_pos = q0 + AH._iota((_ROWS, bq), 1, spec.interpret)
@@ -371,25 +371,12 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 p = _probs(spec, u, _vec(lse_smem.at[slot], 0, _ROWS, spec.interpret))
                 if masked:     # a NaN row (it saw garbage) leaks nothing into hidden keys
                     p = jnp.where(keep, p, 0.0)
-                return p, t, keep
-
-            def grad_scores(p, dpt, t, keep, slot):
-                """dS^T in the input dtype."""
-                ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot], 0, _ROWS, spec.interpret),
-                         t, keep)
-                return ds.astype(dtype)
-
-            def step(gi, i, j, carry, masked):
-                dk, dv = carry
-                slot = lax.rem(j, stages)
-                q0 = i * bq
-                plgpu.barrier_wait(q_full.at[slot])
-                (st,) = mma.run(nt(k_smem.at[wg], q_smem.at[slot]))            # S^T [64, bq]
-                p, t, keep = scores(st, slot, q0, masked)
                 plgpu.barrier_wait(do_full.at[slot])
                 dv, dpt = mma.run(rs(dv, p.astype(dtype), do_smem.at[slot]),     # += P^T dO
                                   nt(v_smem.at[wg], do_smem.at[slot]))          # dP^T [64, bq]
-                ds = grad_scores(p, dpt, t, keep, slot)
+                ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot], 0, _ROWS, spec.interpret),
+                         t, keep)
+                ds = ds.astype(dtype)
                 if fused_dq:
                     # Both consumers' dS^T go to this turn's two [64 keys, bq] slots, and the
                     # consumer whose turn it is (steps alternate) forms dQ = dS K over the 128:
@@ -578,8 +565,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
                 finish(dq_ref[...])
 
             # Rows that see no key (causal with Tq > Tk) have no last step.
-            pl.when(n > 0)(lambda: mma.accumulate(overlapped, (_ROWS, d),
-                                                  (acc_scratch.at[wg],)))
+            pl.when(n > 0)(lambda: mma.accumulate(overlapped, (_ROWS, d), acc_scratch.at[wg]))
             pl.when(n == 0)(lambda: finish(zero))
 
     pl.run_scoped(

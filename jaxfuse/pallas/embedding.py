@@ -10,7 +10,8 @@ adds each row into the table's gradient with atomics, whose order (and so whose 
 from run to run. Here the tokens are sorted once (a stable sort, by XLA) and `searchsorted` gives
 each vocabulary row the range [start, end) of its occurrences; a program owns a block of table
 rows, sums each row's occurrences in that (stable) order and writes its block once: no atomics,
-bitwise identical across runs, and a row no token uses is written as zeros. d pos_table is the same kernel over the positions.
+bitwise identical across runs, and a row no token uses is written as zeros. d pos_table is the
+same kernel over the positions.
 Rows whose token or position is out of range (NaN outputs) are left out of both sums.
 """
 from __future__ import annotations
@@ -132,7 +133,7 @@ def _segment_sum(order, ordered, bounds, dy2, key_w, factor: float, n_table: int
 
         def add(i, acc):
             n = order_ref[i]
-            g, _, cols, _ = C.load_tile(dy_ref, n, col0, 1, bc, n_rows, d)
+            g, *_ = C.load_tile(dy_ref, n, col0, 1, bc, n_rows, d)
             g = g.astype(jnp.float32)
             if st.rate:
                 g = _drop_row(g, key, n, col0, st)

@@ -5,8 +5,8 @@ against `impl="reference"`, in one run (issue 16's targets).
     PYTHONPATH=. python benchmarks/model.py --tiny --out /tmp/model   # CPU smoke run, tiny shapes
 
 Sections (all by default, or name some): train157 (157M preset, B=8, T=2048), train1b (1B preset,
-B=2, T=8192, remat="block" for both peers; the reference is not run there), decode (157M, greedy
-B=32 and beam B=8 K=4, prompts of 512, 256 new tokens, bf16 cache). `--swap-attention` adds a
+B=2, T=8192, the preset's remat="block+attention" for both peers; the reference is not run
+there), decode (157M, greedy B=32 and beam B=8 K=4, prompts of 512, 256 new tokens, bf16 cache). `--swap-attention` adds a
 157M row of jaxfuse with cuDNN attention swapped in (how much of the gap is attention).
 
 Train rows: loss + grads under one `jax.jit` (float32 master weights, bfloat16 compute), tokens/s,
@@ -38,12 +38,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
 from benchmarks._timing import bench, guarded, record  # noqa: E402
 from jaxfuse import model as M  # noqa: E402
 from jaxfuse.model import transformer as T  # noqa: E402
+from jaxfuse.model.config import remat_policy  # noqa: E402
+from jaxfuse import residual_name  # noqa: E402
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
 
@@ -84,14 +87,19 @@ def plain_loss(params, tokens, targets, cfg, attn_impl="cudnn"):
         q = _plain_rope((y @ blk["wq"]).reshape(b, t, cfg.n_heads, -1), pos, cfg.rope_base)
         k = _plain_rope((y @ blk["wk"]).reshape(b, t, cfg.n_kv_heads, -1), pos, cfg.rope_base)
         v = (y @ blk["wv"]).reshape(b, t, cfg.n_kv_heads, -1)
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attn_impl)
+        # Named like jaxfuse's attention residuals, so that remat="...+attention" keeps the
+        # same arrays here (cuDNN's softmax statistics cannot be named: its forward reruns).
+        q, k, v = (checkpoint_name(a, residual_name("attention")) for a in (q, k, v))
+        o = checkpoint_name(jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                         implementation=attn_impl),
+                            residual_name("attention"))
         x = x + o.reshape(b, t, -1) @ blk["wo"]
         y = _plain_norm(x, blk["mlp_norm"], cfg)
         x = x + (jax.nn.silu(y @ blk["w1"]) * (y @ blk["w3"])) @ blk["w2"]
         return x, None
 
-    if cfg.remat != "none":
-        policy = None if cfg.remat == "block" else getattr(jax.checkpoint_policies, cfg.remat)
+    enabled, policy = remat_policy(cfg.remat)
+    if enabled:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     if cfg.scan_layers:
         x, _ = jax.lax.scan(body, x, p["blocks"])
@@ -158,6 +166,12 @@ def profile_attention(cfg, b, t):
     report("attention", f"forward alone B{b} T{t} H{cfg.n_heads}/{cfg.n_kv_heads}", fwd,
            (q, k, v), top=6)
     report("attention", "forward + backward alone", step, (q, k, v), top=6)
+    if jax.default_backend() == "gpu":     # the same calls through cuDNN, the plain model's
+        cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                  implementation="cudnn")
+        report("attention", "cuDNN forward alone", jax.jit(cudnn), (q, k, v), top=6)
+        report("attention", "cuDNN forward + backward alone",
+               jax.jit(lambda q, k, v: jax.vjp(cudnn, q, k, v)[1](q)), (q, k, v), top=6)
 
 
 def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None):
@@ -329,8 +343,11 @@ def main(argv=None) -> None:
                     help="run the layers as a Python loop (Config.scan_layers=False) in every "
                          "train row, jaxfuse and plain alike")
     ap.add_argument("--remat", default=None,
-                    help="Config.remat of the 157M rows, jaxfuse and plain alike (\"block\" or "
-                         "a jax.checkpoint_policies name; the preset's is \"none\")")
+                    help="Config.remat of the 157M rows, jaxfuse and plain alike (\"block\", "
+                         "a jax.checkpoint_policies name, either + \"+attention\"...; the "
+                         "preset's is \"none\")")
+    ap.add_argument("--remat-1b", default=None,
+                    help="Config.remat of the 1B rows (the preset's is \"block+attention\")")
     ap.add_argument("--profile", action="store_true",
                     help="print each train row's largest GPU kernels (jax.profiler trace)")
     args = ap.parse_args(argv)
@@ -346,10 +363,12 @@ def main(argv=None) -> None:
                                                                    remat="block")
         shapes = dict(t157=(2, 16), t1b=(1, 32), dec=(3, 2, 2, 8, 6), reps=2)
     else:
-        c157, c1b = M.preset("157m"), M.preset("1b", remat="block")
+        c157, c1b = M.preset("157m"), M.preset("1b")
         shapes = dict(t157=(8, 2048), t1b=(2, 8192), dec=(32, 8, 4, 512, 256), reps=10)
     if args.remat:
         c157 = dataclasses.replace(c157, remat=args.remat)
+    if args.remat_1b:
+        c1b = dataclasses.replace(c1b, remat=args.remat_1b)
     if args.no_scan:
         c157, c1b = (dataclasses.replace(c, scan_layers=False) for c in (c157, c1b))
     impls157 = ("jaxfuse", "jaxfuse, nondet", "plain") + (() if args.no_reference else ("reference",)) + (
@@ -362,8 +381,10 @@ def main(argv=None) -> None:
         train("157M", c157, *shapes["t157"], impls157, bar, shapes["reps"], args.profile,
               args.out)
     if "train1b" in args.sections:
+        if args.profile:
+            profile_attention(c1b, *shapes["t1b"])
         train("1B", c1b, *shapes["t1b"], ("jaxfuse", "jaxfuse, nondet", "plain"), bar,
-              max(2, shapes["reps"] // 4))
+              max(2, shapes["reps"] // 4), args.profile, args.out)
     if "decode" in args.sections:
         dec = shapes["dec"]
         cfg = dataclasses.replace(c157, max_len=max(c157.max_len, dec[3] + dec[4]))

@@ -11,11 +11,12 @@ from jaxfuse.pallas._attn import AttnBlocks
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.pallas.decode_attention import DecodeBlocks
 from jaxfuse.pallas.linear_cross_entropy import LCEBlocks
+from jaxfuse.sharding._core import residual_name
 
 __all__ = ["softmax", "layer_norm", "rms_norm", "cross_entropy", "flash_attention",
            "decode_attention", "linear_cross_entropy", "beam_top_k", "dropout", "bias_dropout_add",
            "bias_act_dropout", "add_norm", "swiglu", "rope", "embedding", "reorder_beams",
-           "RowBlocks",
+           "RowBlocks", "residual_name",
            "DecodeBlocks", "LCEBlocks", "AttnBlocks", "pallas", "reference", "model"]
 __version__ = "0.1.0"
 

@@ -5,6 +5,7 @@ import functools
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
@@ -22,6 +23,17 @@ def _batch(seed, b=2, t=9, vocab=13):
     tokens = jax.random.randint(k[0], (b, t), 0, vocab)
     targets = jax.random.randint(k[1], (b, t), 0, vocab).at[:, :3].set(-100)
     return tokens, targets
+
+
+def _kernels(jaxpr) -> list[str]:
+    """The names of the pallas_calls in a jaxpr and all its sub-jaxprs."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.append(eqn.params["jaxpr"].debug_info.func_name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names += _kernels(sub)
+    return names
 
 
 def _count(tree) -> int:
@@ -123,12 +135,27 @@ class LayersTest(chex.TestCase):
                      jnp.float32, scale=5.0)
 
     @parameterized.parameters(("block", True, "pallas"),
+                              ("block+attention", True, "pallas"),
                               ("dots_with_no_batch_dims_saveable", True, "reference"),
+                              ("dots_with_no_batch_dims_saveable+attention+swiglu", False,
+                               "reference"),
                               ("block", False, "reference"))
     def test_remat_same_grads(self, remat, scan, impl):
         cfg = dataclasses.replace(CFG, scan_layers=scan)
         assert_close(self._grads(dataclasses.replace(cfg, remat=remat), impl),
                      self._grads(cfg, impl), jnp.float32, scale=5.0)
+
+    @parameterized.parameters(("none", 1), ("block", 2), ("block+attention", 1),
+                              ("dots_with_no_batch_dims_saveable", 2),
+                              ("dots_with_no_batch_dims_saveable+attention", 1))
+    def test_named_residuals_skip_recompute(self, remat, forwards):
+        # The scanned body holds one layer: "+attention" keeps attention's named residuals and
+        # outputs, so the backward no longer runs the forward kernel a second time.
+        cfg = dataclasses.replace(CFG, remat=remat)
+        params = M.init(jax.random.key(0), cfg)
+        tokens, targets = _batch(0)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p: M.loss(p, tokens, targets, cfg)))(params)
+        self.assertEqual(_kernels(jaxpr.jaxpr).count("jaxfuse_flash_fwd"), forwards)
 
     def test_params_are_stacked(self):
         params = M.init(jax.random.key(0), CFG)
@@ -240,6 +267,10 @@ class PresetTest(chex.TestCase):
             M.Config(dtype="int32")
         with self.assertRaisesRegex(ValueError, "remat='sometimes'"):
             M.Config(remat="sometimes")
+        with self.assertRaisesRegex(ValueError, "remat='none\\+attention'"):
+            M.Config(remat="none+attention")
+        with self.assertRaisesRegex(ValueError, "'attn' is not one of"):
+            M.Config(remat="block+attn")
         with self.assertRaisesRegex(ValueError, "dropout=1.5"):
             M.Config(dropout=1.5)
         with self.assertRaisesRegex(ValueError, "preset 'huge'"):

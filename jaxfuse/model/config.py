@@ -6,8 +6,43 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxfuse.sharding._core import residual_name
+
 _FLOAT_NAMES = ("float32", "bfloat16", "float16")
-REMAT_MODES = ("none", "block")
+
+
+# jaxfuse ops whose residuals carry a checkpoint name (`jaxfuse.sharding.residual_name`) that a
+# remat policy can keep: the ones the model calls.
+NAMED_OPS = ("attention", "add_norm", "rope", "swiglu", "embedding", "linear_cross_entropy")
+
+
+def remat_policy(remat: str):
+    """(whether to rematerialize, the `jax.checkpoint` policy) of a `Config.remat` string.
+
+    "none": no remat. "block": save only each block's input (policy None). A name of
+    `jax.checkpoint_policies` (e.g. "dots_with_no_batch_dims_saveable"): that policy. Either may
+    be followed by "+op" (repeatable) to keep the residuals of jaxfuse op `op` as well, which the
+    policy alone would recompute: a policy sees primitives, not ops, so it saves a kernel's
+    outputs only by name. "block+attention" recomputes the block but its attention forward
+    (the costliest non-matmul part; the residuals q, k, v, o and lse are kept).
+    """
+    base, *ops = remat.split("+")
+    if base == "none" and not ops:
+        return False, None
+    if base != "block" and not hasattr(jax.checkpoint_policies, base):
+        raise ValueError(f"remat={remat!r} must be 'none', 'block' or a policy name of "
+                         f"jax.checkpoint_policies (e.g. 'dots_with_no_batch_dims_saveable'), "
+                         f"optionally followed by '+op' with op one of {NAMED_OPS}")
+    bad = [op for op in ops if op not in NAMED_OPS]
+    if bad:
+        raise ValueError(f"remat={remat!r}: {bad[0]!r} is not one of the ops whose residuals "
+                         f"are named, {NAMED_OPS}")
+    policy = None if base == "block" else getattr(jax.checkpoint_policies, base)
+    if ops:
+        names = jax.checkpoint_policies.save_only_these_names(*map(residual_name, ops))
+        policy = names if policy is None else jax.checkpoint_policies.save_from_both_policies(
+            policy, names)
+    return True, policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +65,9 @@ class Config:
                                     # compiles per layer, but keeps no [n_layers, ...] copies of
                                     # the residuals; 13% faster on the 157M model, BENCHMARKS.md)
     remat: str = "none"             # "none", "block" (save only each block's input) or the name
-                                    # of a jax.checkpoint_policies policy
+                                    # of a jax.checkpoint_policies policy, either optionally
+                                    # followed by "+op" to also keep a jaxfuse op's residuals:
+                                    # "block+attention" (see `remat_policy`)
     tie_embeddings: bool = False    # unembed with embed.T (no separate unembedding matrix)
     deterministic_attention: bool = True  # bitwise-reproducible attention gradients; False:
                                     # at head_dim 64 the Hopper backward adds dQ from every
@@ -60,9 +97,7 @@ class Config:
             object.__setattr__(self, field, name)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
-        if self.remat not in REMAT_MODES and not hasattr(jax.checkpoint_policies, self.remat):
-            raise ValueError(f"remat={self.remat!r} must be 'none', 'block' or a policy name of "
-                             f"jax.checkpoint_policies (e.g. 'dots_with_no_batch_dims_saveable')")
+        remat_policy(self.remat)         # validates
 
     @property
     def head_dim(self) -> int:
@@ -74,7 +109,9 @@ class Config:
 
 
 # The presets: LikesWorld's model (examples/likesworld.py), the 157M model of the H200
-# measurements (issue 16) and a Llama-3.2-1B-shaped model (tied embeddings, 1.24B parameters).
+# measurements (issue 16) and a Llama-3.2-1B-shaped model (tied embeddings, 1.24B parameters;
+# B2 x T8192 fits one H200 when each block is recomputed but for its attention: "block+attention",
+# 6.9 GB of temporaries and 7.6% faster than "block" there, BENCHMARKS.md).
 PRESETS = {
     "likesworld": Config(vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
                          d_ff=128, max_len=34),
@@ -82,7 +119,7 @@ PRESETS = {
                    d_ff=2816, max_len=2048, dtype="bfloat16"),
     "1b": Config(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                  d_ff=8192, max_len=8192, rope_base=500000.0, dtype="bfloat16",
-                 tie_embeddings=True, remat="block"),
+                 tie_embeddings=True, remat="block+attention"),
 }
 
 

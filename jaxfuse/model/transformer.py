@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import jaxfuse
 from jaxfuse.model import _block_ops as ops
 from jaxfuse.model.sharding import constrain, gather_layer
-from jaxfuse.model.config import Config
+from jaxfuse.model.config import Config, remat_policy
 
 
 def init(key: jax.Array, cfg: Config) -> dict:
@@ -139,9 +139,9 @@ def _stream(x: jax.Array) -> jax.Array:
 
 
 def _remat(fn, cfg: Config):
-    if cfg.remat == "none":
+    enabled, policy = remat_policy(cfg.remat)
+    if not enabled:
         return fn
-    policy = None if cfg.remat == "block" else getattr(jax.checkpoint_policies, cfg.remat)
     # Inside scan the loop already keeps recomputation from being CSE'd away (jax.checkpoint docs).
     return jax.checkpoint(fn, policy=policy, prevent_cse=not cfg.scan_layers)
 

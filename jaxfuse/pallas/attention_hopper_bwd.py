@@ -106,7 +106,8 @@ _F32 = jnp.float32
 class HopperBwdTiles:
     """block_q: query rows per dK/dV step (the N of S^T); block_k_dq: keys per dQ-kernel step
     (None: 128 at D = 64, 64 above, for registers); stages: ring depth (None: as many as
-    shared memory holds, at most 4); dq_piece: columns of the float32 pieces through which
+    shared memory holds, at most 4, but 2 in the dK/dV kernel at D = 64 without the fused dQ,
+    measured faster); dq_piece: columns of the float32 pieces through which
     the fused dQ (deterministic=False) leaves by reducing TMA stores (None: 32; each store
     first waits for the one before last, through two slots); fused_dq: with
     deterministic=False, dQ from the dK/dV kernel (True) or the separate dQ kernel (False;
@@ -143,6 +144,12 @@ class HopperBwdTiles:
             fixed += 4 * _ROWS * self.block_q * itemsize         # dS^T [2 turns x 2 consumers]
             fixed += 2 * 2 * _ROWS * self.piece(d) * 4           # dQ pieces
         stage = 2 * self.block_q * d * itemsize + 2 * self.block_q * 4
+        if self.stages is None and d <= 64 and not fused_dq:
+            # Measured (H200, profiler, benchmarks/attention_d64_tiles.py): 2 stages instead of
+            # the 4 that fit take the kernel from 2.385 to 2.262 ms at the 1B model's attention
+            # (B2 T8192 H32/8 causal) and 0.342 to 0.331 at the 157M's; the dQ kernel is
+            # slower with 2 (1.61 -> 1.90 ms), so only this one drops them.
+            return 2
         return self._fit(fixed, stage)
 
     def dq_stages(self, d: int, itemsize: int) -> int:

@@ -21,8 +21,10 @@ which receive `plan` (factor -> mesh axes) for the collectives they need. A row-
                 Layout(((*rows_, "d"), ("d",)), ((*rows_, "d"), rows_), rows_),
                 Layout(((*rows_, "d"), ("d",), (*rows_, "d"), rows_, (*rows_, "d")),
                        ((*rows_, "d"), ("d",)), rows_),
-                n_out=1, diff=(True, True))
+                n_out=1, diff=(True, True), name="my_norm")
     y = op(x, w)[0]
+
+The op's residuals are tagged "jaxfuse.my_norm" (`residual_name`), for `jax.checkpoint` policies.
 
 An op without a gradient calls `partitioned(local, layout, args)` instead of `vjp_op`.
 """

@@ -28,6 +28,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
                                                   custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -164,7 +165,8 @@ def _auto(local: Callable, layout: Layout):
 
 
 def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
-           n_out: int, diff: Sequence[bool], saved: Sequence[bool] | None = None) -> Callable:
+           n_out: int, diff: Sequence[bool], saved: Sequence[bool] | None = None, *,
+           name: str) -> Callable:
     """A differentiable op of which both passes run per shard.
 
     `fwd(plan, *args)` returns its `n_out` outputs followed by extra residuals; the backward's
@@ -177,17 +179,28 @@ def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
     only what the backward reads: every residual is held from the forward to the backward, and
     under `lax.scan` over layers it is also copied into and out of a stacked [layers, ...]
     buffer (a kernel's output cannot be written into the stack in place).
+
+    Every residual and output is tagged `residual_name(name)` ("jaxfuse.<name>") with
+    `jax.ad_checkpoint.checkpoint_name`, so that a `jax.checkpoint` policy can keep an op's
+    residuals by name (`save_only_these_names("jaxfuse.attention")`): a policy sees only
+    primitives, and without a name it recomputes the op's whole forward (kernels included)
+    in the backward pass to get them back.
     """
+    tag = residual_name(name)
     @jax.custom_vjp
     def op(*args):
         return partitioned(fwd, fwd_layout, args)[:n_out]
 
     def op_fwd(*args):
-        outs = partitioned(fwd, fwd_layout, args)
-        res = (*args, *outs)
-        keep = (True,) * len(res) if saved is None else tuple(saved)
-        if len(keep) != len(res):
-            raise ValueError(f"saved has {len(keep)} flags for {len(res)} args and outputs")
+        keep = (True,) * (len(args) + len(fwd_layout.results)) if saved is None else tuple(saved)
+        if len(keep) != len(args) + len(fwd_layout.results):
+            raise ValueError(f"saved has {len(keep)} flags for {len(args)} args and "
+                             f"{len(fwd_layout.results)} outputs")
+        # The outputs are named too, and returned named: their other consumers (the matmul
+        # after attention keeps o for its own backward) then read the saved array, not one
+        # that the op's forward would have to recompute.
+        outs = tuple(checkpoint_name(o, tag) for o in partitioned(fwd, fwd_layout, args))
+        res = (*(checkpoint_name(a, tag) if k else a for a, k in zip(args, keep)), *outs)
         return outs[:n_out], tuple(r for r, k in zip(res, keep) if k)
 
     def op_bwd(res, cts):
@@ -196,6 +209,13 @@ def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
 
     op.defvjp(op_fwd, op_bwd)
     return op
+
+
+def residual_name(op: str) -> str:
+    """The `checkpoint_name` of the residuals of jaxfuse op `op` ("attention", "add_norm",
+    "swiglu", ...): `jax.checkpoint_policies.save_only_these_names(residual_name("attention"))`
+    keeps attention's q, k, v, o and lse through a rematerialized block."""
+    return f"jaxfuse.{op}"
 
 
 def present(*arrays: Any) -> tuple:

@@ -130,7 +130,7 @@ def _flash_op(hkv: int, groups: int, self_attention: bool, segments: bool, causa
     bwd = Layout((q_dims, kv, kv, *segs, q_dims, lse_dims, lse_dims, q_dims, lse_dims),
                  (q_dims, kv, kv), splittable, sizes)
     return vjp_op(functools.partial(_flash_fwd, cfg), functools.partial(_flash_bwd, cfg), fwd,
-                  bwd, n_out=2, diff=(True, True, True) + (False,) * len(segs))
+                  bwd, n_out=2, diff=(True, True, True) + (False,) * len(segs), name="attention")
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, q_segment_ids=None,

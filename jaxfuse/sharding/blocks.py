@@ -86,14 +86,14 @@ def _vjp_local(local, n_args: int, diff, summed=()):
     return bwd
 
 
-def _simple_op(local, operands, results, splittable, diff, summed=()):
+def _simple_op(name, local, operands, results, splittable, diff, summed=()):
     """A differentiable op whose backward is `_vjp_local` (no residuals but its inputs)."""
     n = len(operands)
     fwd = Layout(operands, results, splittable)
     bwd = Layout((*operands, *results), tuple(d for d, ok in zip(operands, diff) if ok),
                  splittable)
     return vjp_op(local, _vjp_local(local, n, diff, summed), fwd, bwd, n_out=len(results),
-                  diff=diff, saved=(True,) * n + (False,) * len(results))
+                  diff=diff, saved=(True,) * n + (False,) * len(results), name=name)
 
 
 # ---- swiglu ----------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def _swiglu_op(ndim: int, interpret, block_sizes):
     x = (*lead(ndim - 1), "f")
     local = lambda plan, g, u: (_p_swiglu.swiglu(g, u, interpret=interpret,
                                                  block_sizes=block_sizes),)
-    return _simple_op(local, (x, x), (x,), x, (True, True))
+    return _simple_op("swiglu", local, (x, x), (x,), x, (True, True))
 
 
 def swiglu(gate, up, *, interpret=None, block_sizes=None):
@@ -129,7 +129,7 @@ def _rope_op(ndim: int, base: float, interleaved: bool, interpret, block_sizes):
     splittable = (*rows, "t", "h")
     return vjp_op(local, bwd, Layout((x, pos), (x,), splittable),
                   Layout((pos, x), (x,), splittable), n_out=1, diff=(True, False),
-                  saved=(False, True, False))
+                  saved=(False, True, False), name="rope")
 
 
 def rope(x, positions, *, base=10000.0, interleaved=True, interpret=None, block_sizes=None):
@@ -163,7 +163,7 @@ def _dropout_op(ndim: int, has_bias: bool, has_res: bool, activation, rate: floa
 
     diff = (True,) * (1 + has_bias + has_res) + ((False,) if rate else ())
     summed = ((), rows if has_bias else ()) + (((),) * (len(operands) - 2))
-    return _simple_op(local, operands, (x,), splittable, diff, summed[:len(operands)])
+    return _simple_op(name, local, operands, (x,), splittable, diff, summed[:len(operands)])
 
 
 def _dropout_family(x, bias, residual, activation, rate, key, name, interpret, block_sizes):
@@ -254,7 +254,8 @@ def _add_norm_op(ndim: int, cfg):
     # neither) or y (the next matmul keeps its own).
     saved = (False, False) + (True,) * (len(params) + len(keys)) + (True, False, True, True)
     return vjp_op(functools.partial(_an_fwd, cfg), functools.partial(_an_bwd, cfg), fwd, bwd,
-                  n_out=2, diff=(True,) * (2 + len(params)) + (False,) * len(keys), saved=saved)
+                  n_out=2, diff=(True,) * (2 + len(params)) + (False,) * len(keys), saved=saved,
+                  name="add_norm")
 
 
 def add_norm(x, residual, weight, bias=None, *, norm="rms", eps=None, rate=0.0, key=None,
@@ -344,7 +345,8 @@ def _embedding_op(ndim: int, n_vocab: int, cfg):
                  splittable)
     diff = (False, True) + ((True, False) if has_pos else ()) + ((False,) if rate else ())
     return vjp_op(functools.partial(_emb_fwd, cfg, n_vocab),
-                  functools.partial(_emb_bwd, cfg, n_vocab), fwd, bwd, n_out=1, diff=diff)
+                  functools.partial(_emb_bwd, cfg, n_vocab), fwd, bwd, n_out=1, diff=diff,
+                  name="embedding")
 
 
 def embedding(tokens, table, *, scale=1.0, pos_table=None, positions=None, rate=0.0, key=None,

@@ -56,7 +56,7 @@ def _op(ndim: int, label_smoothing: float, ignore_index: int, z_loss: float, log
     fwd = Layout((x, w, rows), (rows, rows), (*rows, "v"))
     bwd = Layout((x, w, rows, rows, rows, rows), (x, w), (*rows, "v"))
     return vjp_op(functools.partial(_fwd, cfg), functools.partial(_bwd, cfg), fwd, bwd,
-                  n_out=1, diff=(True, True, False))
+                  n_out=1, diff=(True, True, False), name="linear_cross_entropy")
 
 
 def linear_cross_entropy(x, weight, labels, *, label_smoothing=0.0, ignore_index=-100,

@@ -90,7 +90,8 @@ def _norm_op(ndim: int, has_weight: bool, has_bias: bool, center: bool, eps: flo
     fwd = Layout((x, *params), (x, row, row), (*rows, "d"))
     bwd = Layout((x, *params, x, row, row, x), (x, *params), (*rows, "d"))
     return vjp_op(functools.partial(_norm_fwd, cfg), functools.partial(_norm_bwd, cfg), fwd, bwd,
-                  n_out=1, diff=(True,) * (1 + len(params)))
+                  n_out=1, diff=(True,) * (1 + len(params)),
+                  name="layer_norm" if center else "rms_norm")
 
 
 def layer_norm(x, weight=None, bias=None, *, eps=1e-5, interpret=None, block_sizes=None):
@@ -150,7 +151,7 @@ def _softmax_op(ndim: int, has_mask: bool, scale: float, causal: bool, interpret
     fwd = Layout((x, *masks), (x,), splittable)
     bwd = Layout((x, *masks, x, x), (x,), splittable)
     return vjp_op(functools.partial(_sm_fwd, cfg), functools.partial(_sm_bwd, cfg), fwd, bwd,
-                  n_out=1, diff=(True, False)[:1 + has_mask])
+                  n_out=1, diff=(True, False)[:1 + has_mask], name="softmax")
 
 
 def softmax(x, *, scale=1.0, mask=None, causal=False, interpret=None, block_sizes=None):
@@ -250,7 +251,7 @@ def _ce_op(ndim: int, label_smoothing: float, ignore_index: int, interpret, bloc
     fwd = Layout((logits, rows), (rows, rows), (*rows, "v"))
     bwd = Layout((logits, rows, rows, rows, rows), (logits,), (*rows, "v"))
     return vjp_op(functools.partial(_ce_fwd, cfg), functools.partial(_ce_bwd, cfg), fwd, bwd,
-                  n_out=1, diff=(True, False))
+                  n_out=1, diff=(True, False), name="cross_entropy")
 
 
 def cross_entropy(logits, labels, *, label_smoothing=0.0, ignore_index=-100, reduction="mean",

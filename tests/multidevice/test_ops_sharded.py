@@ -297,13 +297,17 @@ def test_inside_shard_map_runs_per_shard():
                                np.asarray(jaxfuse.rms_norm(x, w)), **TOL)
 
 
-def test_inside_scan_and_remat():
-    """Layers stacked with lax.scan and jax.checkpoint (the model's form) keep the rules."""
+@pytest.mark.parametrize("named", [False, True])
+def test_inside_scan_and_remat(named):
+    """Layers stacked with lax.scan and jax.checkpoint (the model's form) keep the rules, also
+    under a policy that keeps the op's named residuals (`jaxfuse.residual_name`)."""
     x, ws = randn(keys(30, 1)[0], (4, 8, 16)), randn(keys(31, 1)[0], (3, 16))
+    policy = (jax.checkpoint_policies.save_only_these_names(jaxfuse.residual_name("rms_norm"))
+              if named else None)
 
     def f(x, ws):
         def layer(h, w):
-            return h + jax.checkpoint(lambda h: jaxfuse.rms_norm(h, w))(h), None
+            return h + jax.checkpoint(lambda h: jaxfuse.rms_norm(h, w), policy=policy)(h), None
         return jax.lax.scan(layer, x, ws)[0]
 
     one, many, hlo = run_both(f, (x, ws), [P("data", "seq"), P()], diff=(0, 1))

@@ -1,0 +1,79 @@
+"""The Hopper attention kernels at the models' head dim 64, tile by tile, against cuDNN: profiler
+kernel times (steadier than wall clock) of the forward and of the backward's kernels, for a few
+`HopperAttnTiles` / `HopperBwdTiles`, at the 1B preset's attention (B2 T8192 H32/8, causal) and
+the 157M preset's (B8 T2048 H16/4, causal). Each variant's o and gradients are compared with
+the default tiles' (bf16 rounding apart, they compute the same sums).
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_d64_tiles.py [OUT.json]
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+from jaxfuse import AttnBlocks
+from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+from benchmarks import _profile
+from benchmarks._timing import guarded, record, rel_err
+
+S = "attn_d64"
+WORKLOADS = {"1B B2 T8192 H32/8": (2, 8192, 32, 8), "157M B8 T2048 H16/4": (8, 2048, 16, 4)}
+FWD = [HopperAttnTiles(block_k=64), HopperAttnTiles(block_k=128, stages=2),
+       HopperAttnTiles(block_k=128, pingpong=False), HopperAttnTiles(block_k=256)]
+BWD = [HopperBwdTiles(block_q=128), HopperBwdTiles(stages=2), HopperBwdTiles(block_k_dq=64)]
+
+
+def _kernel_ms(fn, args) -> dict:
+    return {name: ms for name, _, ms in _profile.kernel_times(jax.jit(fn), args)}
+
+
+def main() -> None:
+    for label, (b, t, hq, hkv) in WORKLOADS.items():
+        ks = jax.random.split(jax.random.key(0), 4)
+        q = jax.random.normal(ks[0], (b, t, hq, 64), jnp.bfloat16)
+        k, v = (jax.random.normal(kk, (b, t, hkv, 64), jnp.bfloat16) for kk in ks[1:3])
+        do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+
+        def attend(q, k, v, tiles=None):
+            bs = None if tiles is None else AttnBlocks(hopper=tiles)
+            return jaxfuse.flash_attention(q, k, v, causal=True, block_sizes=bs)
+
+        def fwd_bwd(q, k, v, tiles=None):
+            o, pull = jax.vjp(functools.partial(attend, tiles=tiles), q, k, v)
+            return (o, *pull(do))
+
+        cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                  implementation="cudnn")
+        guarded(S, f"{label} cudnn", "cudnn", lambda: record(
+            S, f"{label} kernels", "cudnn fwd | fwd+bwd", None,
+            fwd=sum(_kernel_ms(cudnn, (q, k, v)).values()),
+            fwd_bwd=sum(_kernel_ms(lambda q, k, v: jax.vjp(cudnn, q, k, v)[1](do),
+                                   (q, k, v)).values())))
+        ref = jax.jit(fwd_bwd)(q, k, v)
+        variants = [None, *FWD, *(HopperAttnTiles(backward=t) for t in BWD)]
+        for tiles in variants:
+            name = "default" if tiles is None else str(tiles)
+
+            def run(tiles=tiles, name=name):
+                got = jax.jit(functools.partial(fwd_bwd, tiles=tiles))(q, k, v)
+                err = max(rel_err(g, r) for g, r in zip(got, ref))
+                ms = _kernel_ms(functools.partial(fwd_bwd, tiles=tiles), (q, k, v))
+                fwd = sum(v for n, v in ms.items() if "flash_fwd" in n)
+                record(S, f"{label} kernels", name, None, fwd=fwd, fwd_bwd=sum(ms.values()),
+                       err_vs_default=err,
+                       **{n.replace("jaxfuse_flash_", "")[:24]: v for n, v in ms.items()
+                          if "flash" in n})
+            guarded(S, f"{label} kernels", name, run)
+
+
+if __name__ == "__main__":
+    from benchmarks import _timing
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
+    main()
+    if len(sys.argv) > 1:
+        _timing.save(sys.argv[1])

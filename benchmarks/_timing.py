@@ -108,3 +108,12 @@ def save(path: str | None):
     with open(path, "w") as fh:
         json.dump({"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
                    "date": time.strftime("%Y-%m-%d"), "rows": ROWS}, fh, indent=1)
+
+
+def script(main) -> None:
+    """A probe script's `__main__`: print the device, run `main()`, save the rows to the JSON
+    path given as the first argument (if any)."""
+    import sys
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
+    main()
+    save(sys.argv[1] if len(sys.argv) > 1 else None)

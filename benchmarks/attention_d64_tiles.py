@@ -9,8 +9,6 @@ the default tiles' (bf16 rounding apart, they compute the same sums).
 from __future__ import annotations
 
 import functools
-import sys
-
 import jax
 import jax.numpy as jnp
 
@@ -73,7 +71,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     from benchmarks import _timing
-    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
-    main()
-    if len(sys.argv) > 1:
-        _timing.save(sys.argv[1])
+    _timing.script(main)

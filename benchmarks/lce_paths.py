@@ -14,8 +14,6 @@ time of loss + dx + dW, bf16, mean over tokens):
 """
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 
@@ -78,7 +76,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     from benchmarks import _timing
-    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
-    main()
-    if len(sys.argv) > 1:
-        _timing.save(sys.argv[1])
+    _timing.script(main)

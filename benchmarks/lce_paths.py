@@ -4,10 +4,11 @@ that holds the logits does three. This times, at the two presets' loss shapes (p
 time of loss + dx + dW, bf16, mean over tokens):
 
   fused:    `jaxfuse.linear_cross_entropy` under `jax.value_and_grad` (today's model loss);
-  slabs:    the gradient computed in the forward, slab by slab of tokens (Liger-Kernel's
-            scheme, possible because the mean's cotangent is one scalar): per slab, logits by
-            XLA's matmul, loss and dlogits by `jaxfuse.cross_entropy`'s kernels, dx and dW by
-            XLA's matmuls; no [N, V] logits held, three products;
+  slabs:    `LCEBlocks(token_slab=2048)`: the gradient computed in the forward, slab by
+            slab of tokens (Liger-Kernel's scheme, possible because the mean's cotangent is one
+            scalar): per slab, logits by XLA's matmul, loss and dlogits by
+            `jaxfuse.cross_entropy`'s kernels, dx and dW by XLA's matmuls; no [N, V] logits
+            held, three products (run s7-7 timed the same composition written out here);
   unfused:  `jaxfuse.cross_entropy(x @ w)`: the logits held from forward to backward.
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/lce_paths.py [OUT.json]
@@ -36,21 +37,8 @@ def unfused(x, w, y):
 
 
 def slabs(x, w, y):
-    n = x.shape[0]
-    count = jnp.maximum(jnp.sum(y != -100), 1).astype(jnp.float32)
-
-    def step(dw, xy):
-        xs, ys = xy
-        # Summed over the slab, divided by the whole batch's count: the mean's weights.
-        loss, pull = jax.vjp(lambda z: jaxfuse.cross_entropy(z, ys, reduction="sum"), xs @ w)
-        (dz,) = pull(jnp.ones((), jnp.float32) / count)
-        dx = (dz @ w.T).astype(x.dtype)
-        dw = dw + jnp.einsum("nd,nv->dv", xs, dz, preferred_element_type=jnp.float32)
-        return dw, (loss, dx)
-
-    dw, (losses, dx) = jax.lax.scan(step, jnp.zeros(w.shape, jnp.float32),
-                                    (x.reshape(n // SLAB, SLAB, -1), y.reshape(n // SLAB, SLAB)))
-    return jnp.sum(losses) / count, (dx.reshape(x.shape), dw.astype(w.dtype))
+    return jax.value_and_grad(lambda x, w: jaxfuse.linear_cross_entropy(
+        x, w, y, block_sizes=jaxfuse.LCEBlocks(token_slab=SLAB)), argnums=(0, 1))(x, w)
 
 
 def main() -> None:

@@ -37,3 +37,15 @@ def vjp_both(f_pallas, f_ref, args, ct):
     y, vjp = jax.vjp(f_pallas, *args)
     y_ref, vjp_ref = jax.vjp(f_ref, *args)
     return (y, vjp(ct)), (y_ref, vjp_ref(ct))
+
+
+def kernel_names(jaxpr) -> list[str]:
+    """The names of the pallas_calls in a jaxpr and all its sub-jaxprs, in order."""
+    import jax.extend
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.append(eqn.params["jaxpr"].debug_info.func_name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names += kernel_names(sub)
+    return names

@@ -11,7 +11,7 @@ from jaxfuse import LCEBlocks, RowBlocks
 from jaxfuse.pallas import _hopper
 from jaxfuse.pallas._hopper import Tiles
 from jaxfuse.pallas.linear_cross_entropy import HopperTiles, whole_waves
-from tests._util import assert_close, keys, randn, vjp_both
+from tests._util import assert_close, kernel_names, keys, randn, vjp_both
 
 # (N, D, V, blocks): one whole-vocabulary slab by default; slabs with a narrower tail (301 =
 # 4 x 64 + 45) walked by row tiles that split both axes; a slab of one column.
@@ -109,6 +109,81 @@ class LinearCrossEntropyTest(chex.TestCase):
             jaxfuse.linear_cross_entropy(x, w, labels, z_loss=-1)
         with self.assertRaisesRegex(ValueError, "slab=0 must be a positive number"):
             jaxfuse.linear_cross_entropy(x, w, labels, block_sizes=LCEBlocks(0))
+
+
+class TokenSlabTest(chex.TestCase):
+    """`LCEBlocks(token_slab=n)`: the gradient formed in the forward, n tokens at a time."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(case=[(37, 24, 301, 16), (1, 8, 17, 4), (13, 7, 40, 13),
+                                 (30, 16, 64, 64)],
+                           options=[dict(), dict(label_smoothing=0.1)],
+                           reduction=["mean", "sum"])
+    def test_matches_reference(self, case, options, reduction):
+        # N not a multiple of the slab (padded tokens), one token, exactly one slab, a slab
+        # larger than N; a random scalar cotangent (the backward scales dx and dW by it).
+        n, d, v, token_slab = case
+        x, w, labels = _inputs(n, d, v, seed=n + v)
+        kw = dict(options, reduction=reduction)
+        f = self.variant(lambda x, w: jaxfuse.linear_cross_entropy(
+            x, w, labels, block_sizes=LCEBlocks(token_slab=token_slab), **kw))
+        fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, impl="reference", **kw)
+        (y, grads), (y_r, grads_r) = vjp_both(f, fr, (x, w), randn(keys(3, 1)[0], ()))
+        assert_close(y, y_r, jnp.float32, scale=10.0)
+        assert_close(grads, grads_r, jnp.float32, scale=10.0)
+
+    def test_bf16_against_float32_reference(self):
+        x, w, labels = _inputs(64, 32, 1000, jnp.bfloat16, seed=2)
+        f = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
+                                                      block_sizes=LCEBlocks(token_slab=24))
+        fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
+                                                       impl="reference")
+        loss, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(x, w)
+        self.assertEqual((dx.dtype, dw.dtype), (jnp.bfloat16, jnp.bfloat16))
+        loss_r, (dx_r, dw_r) = jax.value_and_grad(fr, argnums=(0, 1))(
+            x.astype(jnp.float32), w.astype(jnp.float32))
+        self.assertLess(abs(float(loss) - float(loss_r)) / abs(float(loss_r)), 1e-3)
+        self.assertLess(_rel_err(dx.astype(jnp.float32), dx_r), 1e-2)
+        self.assertLess(_rel_err(dw.astype(jnp.float32), dw_r), 1e-2)
+
+    def test_gradient_comes_from_the_forward(self):
+        # Differentiated: the cross-entropy kernels on each slab's logits, no fused LCE kernel
+        # (the logits are not computed a second time); a forward alone is the fused op's.
+        x, w, labels = _inputs(37, 24, 50)
+        f = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels,
+                                                      block_sizes=LCEBlocks(token_slab=16))
+        grad = kernel_names(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w).jaxpr)
+        self.assertEqual(sorted(set(grad)), ["jaxfuse_cross_entropy_bwd",
+                                             "jaxfuse_cross_entropy_fwd"])
+        self.assertEqual(kernel_names(jax.make_jaxpr(f)(x, w).jaxpr),
+                         ["jaxfuse_linear_cross_entropy_fwd"])
+
+    def test_other_settings_take_the_fused_op(self):
+        # A per-token loss, z_loss and a soft cap: the fused op's results exactly.
+        x, w, labels = _inputs(13, 8, 30)
+        for kw in (dict(reduction="none"), dict(z_loss=1e-2), dict(logits_soft_cap=3.0)):
+            def f(x, w, bs):
+                return jnp.sum(jaxfuse.linear_cross_entropy(x, w, labels, block_sizes=bs, **kw))
+            got = jax.value_and_grad(f, argnums=(0, 1))(x, w, LCEBlocks(token_slab=4))
+            want = jax.value_and_grad(f, argnums=(0, 1))(x, w, None)
+            chex.assert_trees_all_equal(got, want)
+
+    def test_ignored_tokens_and_bad_labels(self):
+        x, w, _ = _inputs(4, 8, 11)
+        bs = LCEBlocks(token_slab=3)
+        loss, (dx, dw) = jax.value_and_grad(lambda x, w: jaxfuse.linear_cross_entropy(
+            x, w, jnp.array([3, -100, 5, -100]), block_sizes=bs), argnums=(0, 1))(x, w)
+        np.testing.assert_array_equal(dx[1], 0.0)
+        np.testing.assert_array_equal(dx[3], 0.0)
+        self.assertTrue(bool(jnp.all(jnp.isfinite(dw))))
+        loss, dx = jax.value_and_grad(lambda x: jaxfuse.linear_cross_entropy(
+            x, w, jnp.array([3, -100, 11, 5]), block_sizes=bs))(x)
+        self.assertTrue(bool(jnp.isnan(loss)) and bool(jnp.isnan(dx[2]).all()))
+
+    def test_bad_token_slab(self):
+        for bad in (0, -3, 2.5):
+            with self.assertRaisesRegex(ValueError, f"token_slab={bad!r} must be None"):
+                LCEBlocks(token_slab=bad)
 
 
 def _uses_hopper_kernel(f, *args) -> bool:

@@ -5,14 +5,13 @@ import functools
 
 import chex
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
 import jaxfuse
 from jaxfuse import model as M
-from tests._util import assert_close, keys
+from tests._util import assert_close, kernel_names, keys
 
 CFG = M.Config(vocab_size=13, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=40,
                max_len=20)
@@ -23,17 +22,6 @@ def _batch(seed, b=2, t=9, vocab=13):
     tokens = jax.random.randint(k[0], (b, t), 0, vocab)
     targets = jax.random.randint(k[1], (b, t), 0, vocab).at[:, :3].set(-100)
     return tokens, targets
-
-
-def _kernels(jaxpr) -> list[str]:
-    """The names of the pallas_calls in a jaxpr and all its sub-jaxprs."""
-    names = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            names.append(eqn.params["jaxpr"].debug_info.func_name)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            names += _kernels(sub)
-    return names
 
 
 def _count(tree) -> int:
@@ -155,7 +143,7 @@ class LayersTest(chex.TestCase):
         params = M.init(jax.random.key(0), cfg)
         tokens, targets = _batch(0)
         jaxpr = jax.make_jaxpr(jax.grad(lambda p: M.loss(p, tokens, targets, cfg)))(params)
-        self.assertEqual(_kernels(jaxpr.jaxpr).count("jaxfuse_flash_fwd"), forwards)
+        self.assertEqual(kernel_names(jaxpr.jaxpr).count("jaxfuse_flash_fwd"), forwards)
 
     def test_params_are_stacked(self):
         params = M.init(jax.random.key(0), CFG)

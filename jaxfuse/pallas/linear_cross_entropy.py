@@ -55,6 +55,7 @@ from jax.experimental import pallas as pl
 
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _hopper, _rows
+from jaxfuse.pallas import linear_cross_entropy_slabs as _slabs
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.pallas.cross_entropy import empty_state, fold_logits
 from jaxfuse.reference import cross_entropy as ce
@@ -119,10 +120,18 @@ class LCEBlocks:
     0, V % 64 = 0 and 16-bit inputs, the backward's when also D % 256 = 0; None means on a
     Hopper GPU, True also in interpret mode (Mosaic GPU's interpreter), False never; a
     `jaxfuse.pallas._hopper.Tiles` means True with those tiles for every GEMM, a `HopperTiles`
-    True with tiles per GEMM (True and None take `HopperTiles()`)."""
+    True with tiles per GEMM (True and None take `HopperTiles()`). `token_slab`: None, or a
+    number of tokens: a differentiated loss reduced to one number then forms its gradient in
+    the forward, that many tokens at a time (three products instead of four, one
+    [token_slab, V] logits slab held; `linear_cross_entropy_slabs`; `jaxfuse.linear_cross_entropy`
+    only, the bare `jaxfuse.pallas` kernel ignores it)."""
     slab: int | None = None
     rows: RowBlocks | None = None
     hopper: bool | _hopper.Tiles | HopperTiles | None = None
+    token_slab: int | None = None
+
+    def __post_init__(self):
+        _slabs.check_token_slab(self.token_slab)
 
     @classmethod
     def for_shape(cls, n: int, d: int, itemsize: int, interpret: bool,

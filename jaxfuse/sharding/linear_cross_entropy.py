@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import linear_cross_entropy as _p_lce
+from jaxfuse.pallas import linear_cross_entropy_slabs as _slabs
 from jaxfuse.reference import cross_entropy as _r_ce
 from jaxfuse.reference import linear_cross_entropy as _r_lce
 from jaxfuse.sharding._core import Layout, lead, vjp_op
@@ -73,7 +74,25 @@ def linear_cross_entropy(x, weight, labels, *, label_smoothing=0.0, ignore_index
             x, weight, labels, label_smoothing=label_smoothing, ignore_index=ignore_index,
             z_loss=z_loss, logits_soft_cap=logits_soft_cap, reduction=reduction,
             interpret=interpret, block_sizes=block_sizes)
+    token_slab = getattr(block_sizes, "token_slab", None)
+    if token_slab is not None and _slabs.applies(reduction, z_loss, logits_soft_cap):
+        return _slab_op(x.ndim, float(label_smoothing), int(ignore_index), reduction, interpret,
+                        block_sizes)(x, weight, labels)
     op = _op(x.ndim, float(label_smoothing), int(ignore_index), float(z_loss),
              None if logits_soft_cap is None else float(logits_soft_cap), interpret, block_sizes)
     loss = op(x, weight, labels)[0]
     return _r_ce.reduce_loss(loss, labels != ignore_index, reduction)
+
+
+@functools.lru_cache(maxsize=None)
+def _slab_op(ndim: int, label_smoothing: float, ignore_index: int, reduction: str, interpret,
+             block_sizes):
+    """`LCEBlocks(token_slab=n)`: the gradient formed in the forward, n tokens at a time
+    (`jaxfuse.pallas.linear_cross_entropy_slabs`); the forward alone is the fused op's."""
+    op = _op(ndim, label_smoothing, ignore_index, 0.0, None, interpret, block_sizes)
+
+    def fused(x, w, labels):
+        return _r_ce.reduce_loss(op(x, w, labels)[0], labels != ignore_index, reduction)
+
+    return _slabs.make_op((label_smoothing, ignore_index, reduction, block_sizes.token_slab,
+                           interpret), fused)

@@ -168,6 +168,20 @@ def test_linear_cross_entropy_vocab_parallel(x_spec, w_spec):
     assert "f32[24,40]" not in hlo and "f32[16,40]" not in hlo.split("ENTRY")[1].split("ROOT")[0]
 
 
+@pytest.mark.parametrize("x_spec,w_spec", [(P("data", "seq"), P()),
+                                            (P("data"), P(None, "tensor"))])
+def test_linear_cross_entropy_token_slabs(x_spec, w_spec):
+    """`LCEBlocks(token_slab=n)` (the gradient formed in the forward) gives the one-device
+    numbers on a mesh: XLA partitions its matmuls and scan, the cross-entropy op its slabs."""
+    k = keys(15, 3)
+    x, w = randn(k[0], (4, 6, 16)), randn(k[1], (16, 40), scale=0.5)
+    labels = jax.random.randint(k[2], (4, 6), 0, 40).at[2, 3].set(-100)
+    f = lambda x, w: jaxfuse.linear_cross_entropy(
+        x, w, labels, label_smoothing=0.1, block_sizes=jaxfuse.LCEBlocks(token_slab=5))
+    one, many, _ = run_both(f, (x, w), [x_spec, w_spec], diff=(0, 1))
+    assert_same(one, many)
+
+
 # ---- attention -------------------------------------------------------------------------------
 
 def _qkv(seed, b=2, tq=16, tk=16, hkv=2, g=2, d=8):

@@ -31,6 +31,23 @@ def _inputs(n, d, v, dtype=jnp.float32, seed=0):
     return x, w, labels
 
 
+def _check_bf16_against_float32(test, blocks):
+    """bf16 inputs: gradients in bf16, within 1e-2 of the float32 reference's."""
+    x, w, labels = _inputs(64, 32, 1000, jnp.bfloat16, seed=2)
+    f = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
+                                                  block_sizes=blocks)
+    fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
+                                                   impl="reference")
+    loss, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(x, w)
+    test.assertEqual((dx.dtype, dw.dtype), (jnp.bfloat16, jnp.bfloat16))
+    loss_r, (dx_r, dw_r) = jax.value_and_grad(fr, argnums=(0, 1))(
+        x.astype(jnp.float32), w.astype(jnp.float32))
+    rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+    test.assertLess(abs(float(loss) - float(loss_r)) / abs(float(loss_r)), 1e-3)
+    test.assertLess(rel(dx, dx_r), 1e-2)
+    test.assertLess(rel(dw, dw_r), 1e-2)
+
+
 class LinearCrossEntropyTest(chex.TestCase):
 
     @chex.variants(with_jit=True)
@@ -50,19 +67,7 @@ class LinearCrossEntropyTest(chex.TestCase):
         assert_close(vjp(ct), vjp_r(ct), jnp.float32, scale=10.0)
 
     def test_bf16_inputs_against_float32_reference(self):
-        x, w, labels = _inputs(64, 32, 1000, jnp.bfloat16, seed=2)
-        f = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
-                                                      block_sizes=LCEBlocks(256))
-        fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
-                                                       impl="reference")
-        loss, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(x, w)
-        self.assertEqual((dx.dtype, dw.dtype), (jnp.bfloat16, jnp.bfloat16))
-        loss_r, (dx_r, dw_r) = jax.value_and_grad(fr, argnums=(0, 1))(
-            x.astype(jnp.float32), w.astype(jnp.float32))
-        rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
-        self.assertLess(abs(float(loss) - float(loss_r)) / abs(float(loss_r)), 1e-3)
-        self.assertLess(rel(dx, dx_r), 1e-2)
-        self.assertLess(rel(dw, dw_r), 1e-2)
+        _check_bf16_against_float32(self, LCEBlocks(256))
 
     def test_ignored_tokens_and_bad_labels(self):
         x, w, _ = _inputs(4, 8, 11)
@@ -133,18 +138,7 @@ class TokenSlabTest(chex.TestCase):
         assert_close(grads, grads_r, jnp.float32, scale=10.0)
 
     def test_bf16_against_float32_reference(self):
-        x, w, labels = _inputs(64, 32, 1000, jnp.bfloat16, seed=2)
-        f = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
-                                                      block_sizes=LCEBlocks(token_slab=24))
-        fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
-                                                       impl="reference")
-        loss, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(x, w)
-        self.assertEqual((dx.dtype, dw.dtype), (jnp.bfloat16, jnp.bfloat16))
-        loss_r, (dx_r, dw_r) = jax.value_and_grad(fr, argnums=(0, 1))(
-            x.astype(jnp.float32), w.astype(jnp.float32))
-        self.assertLess(abs(float(loss) - float(loss_r)) / abs(float(loss_r)), 1e-3)
-        self.assertLess(_rel_err(dx.astype(jnp.float32), dx_r), 1e-2)
-        self.assertLess(_rel_err(dw.astype(jnp.float32), dw_r), 1e-2)
+        _check_bf16_against_float32(self, LCEBlocks(token_slab=24))
 
     def test_gradient_comes_from_the_forward(self):
         # Differentiated: the cross-entropy kernels on each slab's logits, no fused LCE kernel

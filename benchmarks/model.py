@@ -6,8 +6,9 @@ against `impl="reference"`, in one run (issue 16's targets).
 
 Sections (all by default, or name some): train157 (157M preset, B=8, T=2048), train1b (1B preset,
 B=2, T=8192, the preset's remat="block+attention" for both peers; the reference is not run
-there), decode (157M, greedy B=32 and beam B=8 K=4, prompts of 512, 256 new tokens, bf16 cache). `--swap-attention` adds a
-157M row of jaxfuse with cuDNN attention swapped in (how much of the gap is attention).
+there), decode (157M, greedy B=32 and beam B=8 K=4, prompts of 512, 256 new tokens, bf16
+cache). `--swap-attention` adds a 157M row of jaxfuse with cuDNN attention swapped in (how much
+of the gap is attention).
 
 Train rows: loss + grads under one `jax.jit` (float32 master weights, bfloat16 compute), tokens/s,
 MFU (model FLOPs: 6 x matmul parameters x tokens + 6 x B x T^2 x d_model x layers for causal
@@ -344,8 +345,9 @@ def main(argv=None) -> None:
                          "train row, jaxfuse and plain alike")
     ap.add_argument("--remat", default=None,
                     help="Config.remat of the 157M rows, jaxfuse and plain alike (\"block\", "
-                         "a jax.checkpoint_policies name, either + \"+attention\"...; the "
-                         "preset's is \"none\")")
+                         "a jax.checkpoint_policies name, either + \"+op\"...; the plain model "
+                         "names only attention's arrays, so only \"+attention\" reaches it; "
+                         "the preset's is \"none\")")
     ap.add_argument("--remat-1b", default=None,
                     help="Config.remat of the 1B rows (the preset's is \"block+attention\")")
     ap.add_argument("--profile", action="store_true",

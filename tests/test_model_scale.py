@@ -126,7 +126,7 @@ class LayersTest(chex.TestCase):
                               ("block+attention", True, "pallas"),
                               ("dots_with_no_batch_dims_saveable", True, "reference"),
                               ("dots_with_no_batch_dims_saveable+attention+swiglu", False,
-                               "reference"),
+                               "pallas"),
                               ("block", False, "reference"))
     def test_remat_same_grads(self, remat, scan, impl):
         cfg = dataclasses.replace(CFG, scan_layers=scan)
@@ -144,6 +144,23 @@ class LayersTest(chex.TestCase):
         tokens, targets = _batch(0)
         jaxpr = jax.make_jaxpr(jax.grad(lambda p: M.loss(p, tokens, targets, cfg)))(params)
         self.assertEqual(kernel_names(jaxpr.jaxpr).count("jaxfuse_flash_fwd"), forwards)
+
+    def test_attention_inputs_are_kept_by_name(self):
+        # "+attention" keeps q, k, v (named by the model) and o and both lse arrays (named by
+        # the op): six named residuals, so neither attention nor its inputs are recomputed.
+        import contextlib
+        import io
+        cfg = dataclasses.replace(CFG, n_layers=1, scan_layers=False)  # a scan reports its own
+        params = M.init(jax.random.key(0), cfg)                         # outputs instead
+        tokens, _ = _batch(0)
+        counts = {}
+        for remat in ("block", "block+attention"):
+            f = lambda p, c=dataclasses.replace(cfg, remat=remat): M.hidden(p, tokens, c)[0]
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                jax.ad_checkpoint.print_saved_residuals(f, params)
+            counts[remat] = out.getvalue().count("named 'jaxfuse.attention'")
+        self.assertEqual(counts, {"block": 0, "block+attention": 6})
 
     def test_params_are_stacked(self):
         params = M.init(jax.random.key(0), CFG)
@@ -255,10 +272,13 @@ class PresetTest(chex.TestCase):
             M.Config(dtype="int32")
         with self.assertRaisesRegex(ValueError, "remat='sometimes'"):
             M.Config(remat="sometimes")
-        with self.assertRaisesRegex(ValueError, "remat='none\\+attention'"):
+        with self.assertRaisesRegex(ValueError,
+                                    "'none' rematerializes nothing.*'block\\+attention'"):
             M.Config(remat="none+attention")
-        with self.assertRaisesRegex(ValueError, "'attn' is not one of"):
+        with self.assertRaisesRegex(ValueError, "'attn' is not one of the ops"):
             M.Config(remat="block+attn")
+        with self.assertRaisesRegex(ValueError, "remat='save_only_these_names' must be"):
+            M.Config(remat="save_only_these_names")     # a policy factory, not a policy
         with self.assertRaisesRegex(ValueError, "dropout=1.5"):
             M.Config(dropout=1.5)
         with self.assertRaisesRegex(ValueError, "preset 'huge'"):

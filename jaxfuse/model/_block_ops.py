@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 import jaxfuse
 from jaxfuse.pallas import _common
@@ -87,7 +88,10 @@ def reorder_beams(caches, parent: jax.Array, start: jax.Array, stop: jax.Array, 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
               dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
               deterministic: bool = True, impl: str = "pallas") -> jax.Array:
-    """Flash attention, with attention-probability dropout inside the kernel."""
+    """Flash attention, with attention-probability dropout inside the kernel. q, k and v are
+    named like attention's outputs (`jaxfuse.residual_name("attention")`), so that
+    `Config.remat="...+attention"` keeps them too and the backward reruns no attention input."""
+    q, k, v = (checkpoint_name(a, jaxfuse.residual_name("attention")) for a in (q, k, v))
     return jaxfuse.flash_attention(q, k, v, causal=causal, dropout_rate=dropout_rate,
                                    dropout_key=dropout_key, deterministic=deterministic,
                                    impl=impl)

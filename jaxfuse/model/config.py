@@ -11,32 +11,39 @@ from jaxfuse.sharding._core import residual_name
 _FLOAT_NAMES = ("float32", "bfloat16", "float16")
 
 
-# jaxfuse ops whose residuals carry a checkpoint name (`jaxfuse.sharding.residual_name`) that a
-# remat policy can keep: the ones the model calls.
-NAMED_OPS = ("attention", "add_norm", "rope", "swiglu", "embedding", "linear_cross_entropy")
+# The ops inside a block whose outputs carry a checkpoint name (`jaxfuse.residual_name`) that a
+# remat policy can keep (names exist on the Pallas path only: impl="reference" has none, and an
+# interpreted model computes RoPE with its reference).
+NAMED_OPS = ("attention", "add_norm", "rope", "swiglu")
+# The jax.checkpoint_policies that are policies themselves (the others build one from arguments).
+POLICIES = ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
+            "everything_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims")
 
 
 def remat_policy(remat: str):
     """(whether to rematerialize, the `jax.checkpoint` policy) of a `Config.remat` string.
 
-    "none": no remat. "block": save only each block's input (policy None). A name of
-    `jax.checkpoint_policies` (e.g. "dots_with_no_batch_dims_saveable"): that policy. Either may
-    be followed by "+op" (repeatable) to keep the residuals of jaxfuse op `op` as well, which the
+    "none": no remat. "block": save only each block's input (policy None). One of `POLICIES`
+    (e.g. "dots_with_no_batch_dims_saveable"): that `jax.checkpoint_policies` policy. Either may
+    be followed by "+op" (repeatable) to keep the outputs of jaxfuse op `op` as well, which the
     policy alone would recompute: a policy sees primitives, not ops, so it saves a kernel's
     outputs only by name. "block+attention" recomputes the block but its attention forward
-    (the costliest non-matmul part; the residuals q, k, v, o and lse are kept).
+    (the costliest non-matmul part; q, k, v, o and the softmax statistics are kept).
     """
     base, *ops = remat.split("+")
-    if base == "none" and not ops:
+    if base == "none":
+        if ops:
+            raise ValueError(f"remat={remat!r}: 'none' rematerializes nothing, so '+op' has "
+                             f"nothing to keep; use 'block+{ops[0]}'")
         return False, None
-    if base != "block" and not hasattr(jax.checkpoint_policies, base):
-        raise ValueError(f"remat={remat!r} must be 'none', 'block' or a policy name of "
-                         f"jax.checkpoint_policies (e.g. 'dots_with_no_batch_dims_saveable'), "
-                         f"optionally followed by '+op' with op one of {NAMED_OPS}")
+    if base != "block" and base not in POLICIES:
+        raise ValueError(f"remat={remat!r} must be 'none', 'block' or one of the "
+                         f"jax.checkpoint_policies {POLICIES}, optionally followed by '+op' "
+                         f"with op one of {NAMED_OPS} (e.g. 'block+attention')")
     bad = [op for op in ops if op not in NAMED_OPS]
     if bad:
-        raise ValueError(f"remat={remat!r}: {bad[0]!r} is not one of the ops whose residuals "
-                         f"are named, {NAMED_OPS}")
+        raise ValueError(f"remat={remat!r}: {bad[0]!r} is not one of the ops inside a block "
+                         f"whose outputs are named, {NAMED_OPS}")
     policy = None if base == "block" else getattr(jax.checkpoint_policies, base)
     if ops:
         names = jax.checkpoint_policies.save_only_these_names(*map(residual_name, ops))

@@ -144,13 +144,14 @@ class HopperBwdTiles:
             fixed += 4 * _ROWS * self.block_q * itemsize         # dS^T [2 turns x 2 consumers]
             fixed += 2 * 2 * _ROWS * self.piece(d) * 4           # dQ pieces
         stage = 2 * self.block_q * d * itemsize + 2 * self.block_q * 4
+        fit = self._fit(fixed, stage)
         if self.stages is None and d <= 64 and not fused_dq:
             # Measured (H200, profiler, benchmarks/attention_d64_tiles.py): 2 stages instead of
             # the 4 that fit take the kernel from 2.385 to 2.262 ms at the 1B model's attention
             # (B2 T8192 H32/8 causal) and 0.342 to 0.331 at the 157M's; the dQ kernel is
             # slower with 2 (1.61 -> 1.90 ms), so only this one drops them.
-            return 2
-        return self._fit(fixed, stage)
+            return min(2, fit)
+        return fit
 
     def dq_stages(self, d: int, itemsize: int) -> int:
         fixed = 2 * 2 * _ROWS * d * itemsize + 2 * 2 * _ROWS * 4   # Q, dO, lse, delta

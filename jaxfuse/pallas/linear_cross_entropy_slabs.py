@@ -14,7 +14,8 @@ g = 1, slab by slab of tokens, while each slab's logits exist:
 
 and the backward only multiplies dx and dW by g. Three products, one [token_slab, V] logits
 slab and its dz alive at a time, plus dx and dW in float32 from the forward to the backward.
-Measured on an H200 (`benchmarks/lce_paths.py`, profiler kernel time of loss + dx + dW, bf16):
+Measured on an H200 as the same composition written out (`benchmarks/lce_paths.py`, run s7-7,
+before this op existed; profiler kernel time of loss + dx + dW, bf16):
 at the 1B preset's loss (N 16384, D 2048, V 128256) 42.1 ms against the fused op's 51.7, with
 1.59 GB of temporaries against 0.27 (holding the logits: 41.2 ms, 8.4 GB); at the 157M's (N
 16384, D 1024, V 32768) 6.00 against 6.20 ms.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 
 def applies(reduction: str, z_loss: float, logits_soft_cap) -> bool:
@@ -59,11 +61,13 @@ def _loss_and_grads(x2, w, labels1, cfg):
     return jnp.sum(losses) * weight, dx.reshape(-1, d)[:n], dw
 
 
-def make_op(cfg: tuple, fused):
+def make_op(cfg: tuple, fused, name: str):
     """The custom_vjp loss(x, w, labels) for settings cfg = (label_smoothing, ignore_index,
     reduction, token_slab, interpret); `fused(x, w, labels)` is the forward-only loss (the
     fused op, reduced), which runs where nothing differentiates. Labels are canonical
-    (`reference.cross_entropy.canonical_labels`). The caller caches the op per settings."""
+    (`reference.cross_entropy.canonical_labels`). dx and dW, held for the backward, carry the
+    checkpoint name `name` (the op's, as in `jaxfuse.sharding._core.vjp_op`). The caller caches
+    the op per settings."""
     @jax.custom_vjp
     def op(x, w, labels):
         return fused(x, w, labels)
@@ -71,7 +75,8 @@ def make_op(cfg: tuple, fused):
     def op_fwd(x, w, labels):
         loss, dx, dw = _loss_and_grads(x.reshape(-1, w.shape[0]), w, labels.reshape(-1), cfg)
         # The empty arrays carry the input dtypes to the backward.
-        return loss, (dx.reshape(x.shape), dw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+        dx, dw = (checkpoint_name(r, name) for r in (dx.reshape(x.shape), dw))
+        return loss, (dx, dw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
     def op_bwd(res, g):
         dx, dw, x_t, w_t = res

@@ -180,27 +180,28 @@ def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
     under `lax.scan` over layers it is also copied into and out of a stacked [layers, ...]
     buffer (a kernel's output cannot be written into the stack in place).
 
-    Every residual and output is tagged `residual_name(name)` ("jaxfuse.<name>") with
-    `jax.ad_checkpoint.checkpoint_name`, so that a `jax.checkpoint` policy can keep an op's
-    residuals by name (`save_only_these_names("jaxfuse.attention")`): a policy sees only
-    primitives, and without a name it recomputes the op's whole forward (kernels included)
-    in the backward pass to get them back.
+    Every output (the returned ones and the extra residuals) is tagged `residual_name(name)`
+    ("jaxfuse.<name>") with `jax.ad_checkpoint.checkpoint_name`, so that a `jax.checkpoint`
+    policy can keep them by name (`save_only_these_names("jaxfuse.attention")`): a policy sees
+    only primitives, and without a name it recomputes the op's whole forward (kernels included)
+    in the backward pass to get them back. The returned outputs are the named values, so their
+    other consumers (the matmul after attention keeps o for its own backward) read the saved
+    array too. Arguments are not named: a name makes a new value, and an argument that is a
+    slice of a `lax.scan`'s inputs (a layer's weight) would then get its own stacked copy; name
+    them where they are made where they are worth keeping (the model names attention's q, k, v).
     """
     tag = residual_name(name)
+
     @jax.custom_vjp
     def op(*args):
         return partitioned(fwd, fwd_layout, args)[:n_out]
 
     def op_fwd(*args):
-        keep = (True,) * (len(args) + len(fwd_layout.results)) if saved is None else tuple(saved)
-        if len(keep) != len(args) + len(fwd_layout.results):
-            raise ValueError(f"saved has {len(keep)} flags for {len(args)} args and "
-                             f"{len(fwd_layout.results)} outputs")
-        # The outputs are named too, and returned named: their other consumers (the matmul
-        # after attention keeps o for its own backward) then read the saved array, not one
-        # that the op's forward would have to recompute.
         outs = tuple(checkpoint_name(o, tag) for o in partitioned(fwd, fwd_layout, args))
-        res = (*(checkpoint_name(a, tag) if k else a for a, k in zip(args, keep)), *outs)
+        res = (*args, *outs)
+        keep = (True,) * len(res) if saved is None else tuple(saved)
+        if len(keep) != len(res):
+            raise ValueError(f"saved has {len(keep)} flags for {len(res)} args and outputs")
         return outs[:n_out], tuple(r for r, k in zip(res, keep) if k)
 
     def op_bwd(res, cts):
@@ -212,9 +213,10 @@ def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
 
 
 def residual_name(op: str) -> str:
-    """The `checkpoint_name` of the residuals of jaxfuse op `op` ("attention", "add_norm",
-    "swiglu", ...): `jax.checkpoint_policies.save_only_these_names(residual_name("attention"))`
-    keeps attention's q, k, v, o and lse through a rematerialized block."""
+    """The `checkpoint_name` of the outputs of jaxfuse op `op` ("attention", "add_norm",
+    "swiglu", ...; the partitioned `impl="pallas"` path): under
+    `jax.checkpoint_policies.save_only_these_names(residual_name("attention"))` a block keeps
+    attention's o and its softmax statistics and does not rerun the attention forward."""
     return f"jaxfuse.{op}"
 
 

@@ -19,7 +19,7 @@ from jaxfuse.pallas import linear_cross_entropy as _p_lce
 from jaxfuse.pallas import linear_cross_entropy_slabs as _slabs
 from jaxfuse.reference import cross_entropy as _r_ce
 from jaxfuse.reference import linear_cross_entropy as _r_lce
-from jaxfuse.sharding._core import Layout, lead, vjp_op
+from jaxfuse.sharding._core import Layout, lead, residual_name, vjp_op
 from jaxfuse.sharding.rows import merge_vocab_states, psum_over, size
 
 
@@ -95,4 +95,4 @@ def _slab_op(ndim: int, label_smoothing: float, ignore_index: int, reduction: st
         return _r_ce.reduce_loss(op(x, w, labels)[0], labels != ignore_index, reduction)
 
     return _slabs.make_op((label_smoothing, ignore_index, reduction, block_sizes.token_slab,
-                           interpret), fused)
+                           interpret), fused, residual_name("linear_cross_entropy"))

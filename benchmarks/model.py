@@ -348,6 +348,9 @@ def main(argv=None) -> None:
                          "a jax.checkpoint_policies name, either + \"+op\"...; the plain model "
                          "names only attention's arrays, so only \"+attention\" reaches it; "
                          "the preset's is \"none\")")
+    ap.add_argument("--loss-token-slab", type=int, default=None,
+                    help="Config.loss_token_slab of jaxfuse's train rows (the loss's gradient "
+                         "formed in the forward, this many tokens at a time)")
     ap.add_argument("--remat-1b", default=None,
                     help="Config.remat of the 1B rows (the preset's is \"block+attention\")")
     ap.add_argument("--profile", action="store_true",
@@ -371,6 +374,9 @@ def main(argv=None) -> None:
         c157 = dataclasses.replace(c157, remat=args.remat)
     if args.remat_1b:
         c1b = dataclasses.replace(c1b, remat=args.remat_1b)
+    if args.loss_token_slab:
+        c157, c1b = (dataclasses.replace(c, loss_token_slab=args.loss_token_slab)
+                     for c in (c157, c1b))
     if args.no_scan:
         c157, c1b = (dataclasses.replace(c, scan_layers=False) for c in (c157, c1b))
     impls157 = ("jaxfuse", "jaxfuse, nondet", "plain") + (() if args.no_reference else ("reference",)) + (

@@ -162,6 +162,19 @@ class LayersTest(chex.TestCase):
             counts[remat] = out.getvalue().count("named 'jaxfuse.attention'")
         self.assertEqual(counts, {"block": 0, "block+attention": 6})
 
+    def test_loss_token_slab_same_loss_and_grads(self):
+        # The loss's gradient formed in the forward, 5 tokens at a time (18 targets: a padded
+        # last slab), against the fused loss.
+        cfg = dataclasses.replace(CFG, loss_token_slab=5)
+        assert_close(self._grads(cfg, "pallas"), self._grads(CFG, "pallas"), jnp.float32,
+                     scale=5.0)
+        params = M.init(jax.random.key(0), cfg)
+        tokens, targets = _batch(0)
+        names = kernel_names(jax.make_jaxpr(jax.grad(
+            lambda p: M.loss(p, tokens, targets, cfg)))(params).jaxpr)
+        self.assertNotIn("jaxfuse_linear_cross_entropy_bwd", names)
+        self.assertIn("jaxfuse_cross_entropy_bwd", names)
+
     def test_params_are_stacked(self):
         params = M.init(jax.random.key(0), CFG)
         self.assertEqual(params["blocks"]["wq"].shape, (2, 32, 32))
@@ -279,6 +292,8 @@ class PresetTest(chex.TestCase):
             M.Config(remat="block+attn")
         with self.assertRaisesRegex(ValueError, "remat='save_only_these_names' must be"):
             M.Config(remat="save_only_these_names")     # a policy factory, not a policy
+        with self.assertRaisesRegex(ValueError, "loss_token_slab=0 must be"):
+            M.Config(loss_token_slab=0)
         with self.assertRaisesRegex(ValueError, "dropout=1.5"):
             M.Config(dropout=1.5)
         with self.assertRaisesRegex(ValueError, "preset 'huge'"):

@@ -80,6 +80,11 @@ class Config:
                                     # at head_dim 64 the Hopper backward adds dQ from every
                                     # key tile in whatever order they finish (faster; cuDNN's
                                     # default); no effect at 128 (no faster way there yet)
+    loss_token_slab: int | None = None  # None: the training loss is the fused linear +
+                                    # cross-entropy (logits computed twice, never held); n: its
+                                    # gradient formed in the forward n tokens at a time (one
+                                    # matmul fewer, one [n, V] logits slab held;
+                                    # `jaxfuse.LCEBlocks(token_slab=n)`)
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -105,6 +110,10 @@ class Config:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
         remat_policy(self.remat)         # validates
+        if self.loss_token_slab is not None and not (
+                isinstance(self.loss_token_slab, int) and self.loss_token_slab >= 1):
+            raise ValueError(f"loss_token_slab={self.loss_token_slab!r} must be None or a "
+                             f"positive number of tokens")
 
     @property
     def head_dim(self) -> int:

@@ -201,11 +201,14 @@ def loss(params: dict, tokens: jax.Array, targets: jax.Array, cfg: Config, *,
     """Mean cross-entropy over targeted positions. tokens, targets [B, T]: the caller shifts
     (targets[t] is the token after tokens[t]); -100 marks positions without a target.
 
-    Through `jaxfuse.linear_cross_entropy`: the [B, T, V] logits are never materialized."""
+    Through `jaxfuse.linear_cross_entropy`: the [B, T, V] logits are never materialized
+    (with `cfg.loss_token_slab`, one [n, V] slab of them at a time)."""
     y, _ = hidden(params, tokens, cfg, impl=impl, key=key)
+    blocks = (None if cfg.loss_token_slab is None
+              else jaxfuse.LCEBlocks(token_slab=cfg.loss_token_slab))
     return jaxfuse.linear_cross_entropy(y, unembedding(cast(params, cfg), cfg), targets,
                                         label_smoothing=cfg.label_smoothing, ignore_index=-100,
-                                        impl=impl)
+                                        impl=impl, block_sizes=blocks)
 
 
 def attention_maps(params: dict, tokens: jax.Array, cfg: Config) -> jax.Array:

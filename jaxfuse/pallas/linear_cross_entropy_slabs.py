@@ -41,6 +41,7 @@ def _loss_and_grads(x2, w, labels1, cfg):
     from jaxfuse.sharding.rows import cross_entropy     # the partitioned CE op (its kernels)
     label_smoothing, ignore_index, reduction, slab, interpret = cfg
     n, d = x2.shape
+    slab = min(slab, n)               # a slab past the tokens would only pad
     count = jnp.maximum(jnp.sum(labels1 != ignore_index), 1).astype(jnp.float32)
     weight = 1.0 / count if reduction == "mean" else jnp.float32(1.0)
     pad = (-n) % slab                 # padded tokens are ignored: no loss, no gradient

@@ -374,7 +374,7 @@ def main(argv=None) -> None:
         c157 = dataclasses.replace(c157, remat=args.remat)
     if args.remat_1b:
         c1b = dataclasses.replace(c1b, remat=args.remat_1b)
-    if args.loss_token_slab:
+    if args.loss_token_slab is not None:
         c157, c1b = (dataclasses.replace(c, loss_token_slab=args.loss_token_slab)
                      for c in (c157, c1b))
     if args.no_scan:

@@ -140,6 +140,20 @@ class TokenSlabTest(chex.TestCase):
     def test_bf16_against_float32_reference(self):
         _check_bf16_against_float32(self, LCEBlocks(token_slab=24))
 
+    def test_float16_under_loss_scaling(self):
+        # Mean over 8192 tokens: dz = (q - p) / 8192 would sit under float16's smallest normal;
+        # the weight goes on in float32, so a scaled loss keeps the fused op's accuracy.
+        x, w, labels = _inputs(8192, 16, 2048, seed=5)
+        def grads(blocks, dtype):
+            return jax.grad(lambda x, w: 1024 * jaxfuse.linear_cross_entropy(
+                x, w, labels, block_sizes=blocks,
+                impl="reference" if dtype == jnp.float32 else "pallas"),
+                argnums=(0, 1))(x.astype(dtype), w.astype(dtype))
+        ref = grads(None, jnp.float32)
+        for got in grads(LCEBlocks(token_slab=2048), jnp.float16):
+            self.assertLess(_rel_err(got.astype(jnp.float32), ref[0] if got.shape == x.shape
+                                     else ref[1]), 2e-3)
+
     def test_gradient_comes_from_the_forward(self):
         # Differentiated: the cross-entropy kernels on each slab's logits, no fused LCE kernel
         # (the logits are not computed a second time); a forward alone is the fused op's.
@@ -175,7 +189,7 @@ class TokenSlabTest(chex.TestCase):
         self.assertTrue(bool(jnp.isnan(loss)) and bool(jnp.isnan(dx[2]).all()))
 
     def test_bad_token_slab(self):
-        for bad in (0, -3, 2.5):
+        for bad in (0, -3, 2.5, True):
             with self.assertRaisesRegex(ValueError, f"token_slab={bad!r} must be None"):
                 LCEBlocks(token_slab=bad)
 

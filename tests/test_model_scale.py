@@ -294,6 +294,8 @@ class PresetTest(chex.TestCase):
             M.Config(remat="save_only_these_names")     # a policy factory, not a policy
         with self.assertRaisesRegex(ValueError, "loss_token_slab=0 must be"):
             M.Config(loss_token_slab=0)
+        with self.assertRaisesRegex(ValueError, "loss_token_slab=True must be"):
+            M.Config(loss_token_slab=True)
         with self.assertRaisesRegex(ValueError, "dropout=1.5"):
             M.Config(dropout=1.5)
         with self.assertRaisesRegex(ValueError, "preset 'huge'"):

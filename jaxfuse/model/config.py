@@ -110,8 +110,8 @@ class Config:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
         remat_policy(self.remat)         # validates
-        if self.loss_token_slab is not None and not (
-                isinstance(self.loss_token_slab, int) and self.loss_token_slab >= 1):
+        if self.loss_token_slab is not None and (isinstance(self.loss_token_slab, bool) or not (
+                isinstance(self.loss_token_slab, int) and self.loss_token_slab >= 1)):
             raise ValueError(f"loss_token_slab={self.loss_token_slab!r} must be None or a "
                              f"positive number of tokens")
 

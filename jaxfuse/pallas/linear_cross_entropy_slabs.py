@@ -21,29 +21,33 @@ at the 1B preset's loss (N 16384, D 2048, V 128256) 42.1 ms against the fused op
 16384, D 1024, V 32768) 6.00 against 6.20 ms.
 
 Taken only where it applies: under differentiation (`jax.grad` of the loss; a forward alone runs
-the fused op), with reduction "mean" or "sum" (a per-token loss has a per-token cotangent), and
-without z_loss or a soft cap (the cross-entropy kernel has neither); otherwise the fused op runs.
-Gradients are deterministic (a fixed slab order, float32 sums).
+the fused op, so the two losses agree to rounding, not bitwise), with reduction "mean" or "sum"
+(a per-token loss has a per-token cotangent), and without z_loss or a soft cap (the
+cross-entropy kernel has neither); otherwise the fused op runs. Gradients are deterministic (a
+fixed slab order, float32 sums). On a mesh (`jaxfuse.sharding.linear_cross_entropy`) each
+device walks its own tokens and dW is summed once; W is taken whole (a vocabulary-split W is
+gathered: the fused op keeps it split). Both gradients are formed even when only one is asked
+for (a frozen W still costs its dW product).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 
 def applies(reduction: str, z_loss: float, logits_soft_cap) -> bool:
     return reduction != "none" and not z_loss and logits_soft_cap is None
 
 
-def _loss_and_grads(x2, w, labels1, cfg):
-    """(loss, dx [N, D] float32, dW [D, V] float32) for cotangent 1."""
-    from jaxfuse.sharding.rows import cross_entropy     # the partitioned CE op (its kernels)
-    label_smoothing, ignore_index, reduction, slab, interpret = cfg
+def loss_and_grads(x2, w, labels1, weight, *, label_smoothing: float, ignore_index: int,
+                   token_slab: int, interpret):
+    """(summed loss times `weight`, dx [N, D] float32, dW [D, V] float32) of x2 [N, D] and
+    labels1 [N] (canonical) for cotangent 1, `weight` (float32 scalar) being every token's
+    weight in the reduced loss: 1 / count for a mean (the whole batch's count), 1 for a sum.
+    One device's tokens; the caller sums loss and dW over the devices that split them."""
+    from jaxfuse.pallas.cross_entropy import cross_entropy     # the bare kernels
     n, d = x2.shape
-    slab = min(slab, n)               # a slab past the tokens would only pad
-    count = jnp.maximum(jnp.sum(labels1 != ignore_index), 1).astype(jnp.float32)
-    weight = 1.0 / count if reduction == "mean" else jnp.float32(1.0)
+    slab = min(token_slab, n)         # a slab past the tokens would only pad
     pad = (-n) % slab                 # padded tokens are ignored: no loss, no gradient
     xp = jnp.pad(x2, ((0, pad), (0, 0)))
     lp = jnp.pad(labels1, (0, pad), constant_values=ignore_index)
@@ -53,41 +57,19 @@ def _loss_and_grads(x2, w, labels1, cfg):
         loss, pull = jax.vjp(lambda z: cross_entropy(
             z, ls, label_smoothing=label_smoothing, ignore_index=ignore_index, reduction="sum",
             interpret=interpret), xs @ w)
-        (dz,) = pull(weight)
-        dx = jnp.dot(dz, w.T, preferred_element_type=jnp.float32)
+        # dz unweighted, in the logits' dtype; the weight is applied to dx and dW in float32,
+        # where 1 / count cannot push float16 entries under the smallest normal.
+        (dz,) = pull(jnp.float32(1.0))
+        dx = jnp.dot(dz, w.T, preferred_element_type=jnp.float32) * weight
         return dw + jnp.dot(xs.T, dz, preferred_element_type=jnp.float32), (loss, dx)
 
     dw, (losses, dx) = jax.lax.scan(step, jnp.zeros(w.shape, jnp.float32),
                                     (xp.reshape(-1, slab, d), lp.reshape(-1, slab)))
-    return jnp.sum(losses) * weight, dx.reshape(-1, d)[:n], dw
-
-
-def make_op(cfg: tuple, fused, name: str):
-    """The custom_vjp loss(x, w, labels) for settings cfg = (label_smoothing, ignore_index,
-    reduction, token_slab, interpret); `fused(x, w, labels)` is the forward-only loss (the
-    fused op, reduced), which runs where nothing differentiates. Labels are canonical
-    (`reference.cross_entropy.canonical_labels`). dx and dW, held for the backward, carry the
-    checkpoint name `name` (the op's, as in `jaxfuse.sharding._core.vjp_op`). The caller caches
-    the op per settings."""
-    @jax.custom_vjp
-    def op(x, w, labels):
-        return fused(x, w, labels)
-
-    def op_fwd(x, w, labels):
-        loss, dx, dw = _loss_and_grads(x.reshape(-1, w.shape[0]), w, labels.reshape(-1), cfg)
-        # The empty arrays carry the input dtypes to the backward.
-        dx, dw = (checkpoint_name(r, name) for r in (dx.reshape(x.shape), dw))
-        return loss, (dx, dw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-
-    def op_bwd(res, g):
-        dx, dw, x_t, w_t = res
-        return (g * dx).astype(x_t.dtype), (g * dw).astype(w_t.dtype), None
-
-    op.defvjp(op_fwd, op_bwd)
-    return op
+    return jnp.sum(losses) * weight, dx.reshape(-1, d)[:n], dw * weight
 
 
 def check_token_slab(token_slab) -> None:
-    if token_slab is not None and not (isinstance(token_slab, int) and token_slab >= 1):
+    if token_slab is not None and (isinstance(token_slab, bool) or not (
+            isinstance(token_slab, int) and token_slab >= 1)):
         raise ValueError(f"LCEBlocks.token_slab={token_slab!r} must be None (the fused op's "
                          f"backward) or a positive number of tokens per slab")

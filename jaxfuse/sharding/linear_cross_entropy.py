@@ -13,13 +13,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import linear_cross_entropy as _p_lce
 from jaxfuse.pallas import linear_cross_entropy_slabs as _slabs
 from jaxfuse.reference import cross_entropy as _r_ce
 from jaxfuse.reference import linear_cross_entropy as _r_lce
-from jaxfuse.sharding._core import Layout, lead, residual_name, vjp_op
+from jaxfuse.sharding._core import Layout, lead, partitioned, residual_name, vjp_op
 from jaxfuse.sharding.rows import merge_vocab_states, psum_over, size
 
 
@@ -87,12 +88,37 @@ def linear_cross_entropy(x, weight, labels, *, label_smoothing=0.0, ignore_index
 @functools.lru_cache(maxsize=None)
 def _slab_op(ndim: int, label_smoothing: float, ignore_index: int, reduction: str, interpret,
              block_sizes):
-    """`LCEBlocks(token_slab=n)`: the gradient formed in the forward, n tokens at a time
-    (`jaxfuse.pallas.linear_cross_entropy_slabs`); the forward alone is the fused op's."""
-    op = _op(ndim, label_smoothing, ignore_index, 0.0, None, interpret, block_sizes)
+    """`LCEBlocks(token_slab=n)`: the gradient formed in the forward, n tokens at a time, on
+    each device's tokens (`jaxfuse.pallas.linear_cross_entropy_slabs`); the forward alone is
+    the fused op's. The backward scales the saved float32 dx and dW by the scalar cotangent."""
+    fused_op = _op(ndim, label_smoothing, ignore_index, 0.0, None, interpret, block_sizes)
+    rows = lead(ndim - 1)
+    x, w = (*rows, "d"), ("d", "v")
+    layout = Layout((x, w, rows, ()), ((), x, w), rows)     # only the tokens split
+    kw = dict(label_smoothing=label_smoothing, ignore_index=ignore_index,
+              token_slab=block_sizes.token_slab, interpret=interpret)
+    name = residual_name("linear_cross_entropy")
 
-    def fused(x, w, labels):
-        return _r_ce.reduce_loss(op(x, w, labels)[0], labels != ignore_index, reduction)
+    def local(plan, x, w, labels, weight):
+        loss, dx, dw = _slabs.loss_and_grads(x.reshape(-1, x.shape[-1]), w, labels.reshape(-1),
+                                             weight, **kw)
+        return psum_over(loss, plan, rows), dx.reshape(x.shape), psum_over(dw, plan, rows)
 
-    return _slabs.make_op((label_smoothing, ignore_index, reduction, block_sizes.token_slab,
-                           interpret), fused, residual_name("linear_cross_entropy"))
+    @jax.custom_vjp
+    def op(x, w, labels):
+        return _r_ce.reduce_loss(fused_op(x, w, labels)[0], labels != ignore_index, reduction)
+
+    def op_fwd(x, w, labels):
+        count = jnp.maximum(jnp.sum(labels != ignore_index), 1).astype(jnp.float32)
+        weight = 1.0 / count if reduction == "mean" else jnp.float32(1.0)
+        loss, dx, dw = partitioned(local, layout, (x, w, labels, weight))
+        dx, dw = (checkpoint_name(r, name) for r in (dx, dw))
+        # The empty arrays carry the input dtypes to the backward.
+        return loss, (dx, dw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+    def op_bwd(res, g):
+        dx, dw, x_t, w_t = res
+        return (g * dx).astype(x_t.dtype), (g * dw).astype(w_t.dtype), None
+
+    op.defvjp(op_fwd, op_bwd)
+    return op

@@ -168,18 +168,33 @@ def test_linear_cross_entropy_vocab_parallel(x_spec, w_spec):
     assert "f32[24,40]" not in hlo and "f32[16,40]" not in hlo.split("ENTRY")[1].split("ROOT")[0]
 
 
-@pytest.mark.parametrize("x_spec,w_spec", [(P("data", "seq"), P()),
-                                            (P("data"), P(None, "tensor"))])
-def test_linear_cross_entropy_token_slabs(x_spec, w_spec):
-    """`LCEBlocks(token_slab=n)` (the gradient formed in the forward) gives the one-device
-    numbers on a mesh: XLA partitions its matmuls and scan, the cross-entropy op its slabs."""
+@pytest.mark.parametrize("n_tok,token_slab,x_spec,w_spec,explicit", [
+    (64, 8, P(("data", "seq")), P(), False),      # 4 devices x 2 slabs each
+    (64, 4, P("data"), P(), False),               # 2 devices x 8 slabs
+    (60, 7, P(("data", "seq")), P(), False),      # 15 tokens a device: a padded last slab
+    (64, 16, P("data"), P(None, "tensor"), False),  # W's vocabulary split: gathered (documented)
+    (64, 8, P(("data", "seq")), P(), True),       # explicit sharding mode
+])
+def test_linear_cross_entropy_token_slabs(n_tok, token_slab, x_spec, w_spec, explicit):
+    """`LCEBlocks(token_slab=n)` (the gradient formed in the forward) on a mesh: each device
+    walks its own tokens, dx stays split like x, dW is summed once; the one-device numbers."""
     k = keys(15, 3)
-    x, w = randn(k[0], (4, 6, 16)), randn(k[1], (16, 40), scale=0.5)
-    labels = jax.random.randint(k[2], (4, 6), 0, 40).at[2, 3].set(-100)
-    f = lambda x, w: jaxfuse.linear_cross_entropy(
-        x, w, labels, label_smoothing=0.1, block_sizes=jaxfuse.LCEBlocks(token_slab=5))
-    one, many, _ = run_both(f, (x, w), [x_spec, w_spec], diff=(0, 1))
+    x, w = randn(k[0], (n_tok, 16)), randn(k[1], (16, 40), scale=0.5)
+    labels = jax.random.randint(k[2], (n_tok,), 0, 40).at[3].set(-100)
+    f = lambda x, w, y: jaxfuse.linear_cross_entropy(
+        x, w, y, label_smoothing=0.1, block_sizes=jaxfuse.LCEBlocks(token_slab=token_slab))
+    mesh = (jax.make_mesh((2, 2, 2), ("data", "tensor", "seq"),
+                          axis_types=(AxisType.Explicit,) * 3) if explicit else AUTO)
+    one, many, hlo = run_both(f, (x, w, labels), [x_spec, w_spec, x_spec], diff=(0, 1),
+                              mesh=mesh)
     assert_same(one, many)
+    gathered = gathered_shapes(hlo)
+    if w_spec == P():
+        assert gathered == [], gathered          # no token's x, labels or logits gathered
+    else:
+        assert gathered == [(16, 40)], gathered  # only W, whole
+    dx = many[1][0]
+    assert tuple(dx.sharding.spec)[:1] == tuple(x_spec)[:1], dx.sharding
 
 
 # ---- attention -------------------------------------------------------------------------------

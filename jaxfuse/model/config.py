@@ -6,6 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxfuse.pallas.linear_cross_entropy_slabs import check_token_slab
 from jaxfuse.sharding._core import residual_name
 
 _FLOAT_NAMES = ("float32", "bfloat16", "float16")
@@ -110,10 +111,7 @@ class Config:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
         remat_policy(self.remat)         # validates
-        if self.loss_token_slab is not None and (isinstance(self.loss_token_slab, bool) or not (
-                isinstance(self.loss_token_slab, int) and self.loss_token_slab >= 1)):
-            raise ValueError(f"loss_token_slab={self.loss_token_slab!r} must be None or a "
-                             f"positive number of tokens")
+        check_token_slab(self.loss_token_slab, "loss_token_slab")
 
     @property
     def head_dim(self) -> int:

@@ -9,10 +9,12 @@ g = 1, slab by slab of tokens, while each slab's logits exist:
 
     per slab of `token_slab` tokens:  z = x_s W             (XLA's matmul, logits in x's dtype)
                                       loss_s, dz_s          (`jaxfuse.cross_entropy`'s kernels:
-                                                             lse, then dz = (q - p) * weight)
-                                      dx_s = dz_s W^T,  dW += x_s^T dz_s   (float32)
+                                                             lse, then dz = q - p)
+                                      dx_s = weight dz_s W^T,  dW += x_s^T dz_s   (float32)
 
-and the backward only multiplies dx and dW by g. Three products, one [token_slab, V] logits
+with dW scaled by the weight once at the end (in float32: 1 / count folded into a 16-bit dz
+would push float16 entries under the smallest normal), and the backward only multiplies dx and
+dW by g. Three products, one [token_slab, V] logits
 slab and its dz alive at a time, plus dx and dW in float32 from the forward to the backward.
 Measured on an H200 as the same composition written out (`benchmarks/lce_paths.py`, run s7-7,
 before this op existed; profiler kernel time of loss + dx + dW, bf16):
@@ -34,8 +36,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxfuse.pallas import cross_entropy as _ce
+
 
 def applies(reduction: str, z_loss: float, logits_soft_cap) -> bool:
+    """Whether a loss with these settings can take this path (see the module docstring)."""
     return reduction != "none" and not z_loss and logits_soft_cap is None
 
 
@@ -45,20 +50,19 @@ def loss_and_grads(x2, w, labels1, weight, *, label_smoothing: float, ignore_ind
     labels1 [N] (canonical) for cotangent 1, `weight` (float32 scalar) being every token's
     weight in the reduced loss: 1 / count for a mean (the whole batch's count), 1 for a sum.
     One device's tokens; the caller sums loss and dW over the devices that split them."""
-    from jaxfuse.pallas.cross_entropy import cross_entropy     # the bare kernels
     n, d = x2.shape
     slab = min(token_slab, n)         # a slab past the tokens would only pad
     pad = (-n) % slab                 # padded tokens are ignored: no loss, no gradient
     xp = jnp.pad(x2, ((0, pad), (0, 0)))
     lp = jnp.pad(labels1, (0, pad), constant_values=ignore_index)
+    # The cross-entropy kernels' settings, once; the labels are canonical already.
+    st = _ce.static((slab, w.shape[1]), label_smoothing=label_smoothing,
+                    ignore_index=ignore_index, interpret=interpret, block_sizes=None)
 
     def step(dw, xs_ls):
         xs, ls = xs_ls
-        loss, pull = jax.vjp(lambda z: cross_entropy(
-            z, ls, label_smoothing=label_smoothing, ignore_index=ignore_index, reduction="sum",
-            interpret=interpret), xs @ w)
-        # dz unweighted, in the logits' dtype; the weight is applied to dx and dW in float32,
-        # where 1 / count cannot push float16 entries under the smallest normal.
+        loss, pull = jax.vjp(lambda z: jnp.sum(_ce.token_loss(z, ls, st)), xs @ w)
+        # dz unweighted, in the logits' dtype; the weight is applied to dx and dW in float32.
         (dz,) = pull(jnp.float32(1.0))
         dx = jnp.dot(dz, w.T, preferred_element_type=jnp.float32) * weight
         return dw + jnp.dot(xs.T, dz, preferred_element_type=jnp.float32), (loss, dx)
@@ -68,8 +72,8 @@ def loss_and_grads(x2, w, labels1, weight, *, label_smoothing: float, ignore_ind
     return jnp.sum(losses) * weight, dx.reshape(-1, d)[:n], dw * weight
 
 
-def check_token_slab(token_slab) -> None:
+def check_token_slab(token_slab, name: str = "LCEBlocks.token_slab") -> None:
     if token_slab is not None and (isinstance(token_slab, bool) or not (
             isinstance(token_slab, int) and token_slab >= 1)):
-        raise ValueError(f"LCEBlocks.token_slab={token_slab!r} must be None (the fused op's "
-                         f"backward) or a positive number of tokens per slab")
+        raise ValueError(f"{name}={token_slab!r} must be None (the fused op's backward) or a "
+                         f"positive number of tokens per slab")

@@ -24,7 +24,7 @@ which receive `plan` (factor -> mesh axes) for the collectives they need. A row-
                 n_out=1, diff=(True, True), name="my_norm")
     y = op(x, w)[0]
 
-The op's residuals are tagged "jaxfuse.my_norm" (`residual_name`), for `jax.checkpoint` policies.
+The op's outputs are tagged "jaxfuse.my_norm" (`residual_name`), for `jax.checkpoint` policies.
 
 An op without a gradient calls `partitioned(local, layout, args)` instead of `vjp_op`.
 """

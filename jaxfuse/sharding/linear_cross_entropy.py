@@ -109,8 +109,8 @@ def _slab_op(ndim: int, label_smoothing: float, ignore_index: int, reduction: st
         return _r_ce.reduce_loss(fused_op(x, w, labels)[0], labels != ignore_index, reduction)
 
     def op_fwd(x, w, labels):
-        count = jnp.maximum(jnp.sum(labels != ignore_index), 1).astype(jnp.float32)
-        weight = 1.0 / count if reduction == "mean" else jnp.float32(1.0)
+        # Every token's weight in the reduced loss (1 / count, or 1), by the one reduction rule.
+        weight = _r_ce.reduce_loss(jnp.float32(1.0), labels != ignore_index, reduction)
         loss, dx, dw = partitioned(local, layout, (x, w, labels, weight))
         dx, dw = (checkpoint_name(r, name) for r in (dx, dw))
         # The empty arrays carry the input dtypes to the backward.

@@ -175,7 +175,7 @@ def profile_attention(cfg, b, t):
                jax.jit(lambda q, k, v: jax.vjp(cudnn, q, k, v)[1](q)), (q, k, v), top=6)
 
 
-def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None):
+def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, token_slab=None):
     key = jax.random.key(0)
     params = M.init(key, cfg)
     tokens = jax.random.randint(jax.random.key(1), (b, t), 0, cfg.vocab_size)
@@ -188,6 +188,9 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None):
            "jaxfuse, nondeterministic attention": functools.partial(
                M.loss, cfg=dataclasses.replace(cfg, deterministic_attention=False),
                impl="pallas"),
+           # the preset with another loss_token_slab (None: the fused loss)
+           f"jaxfuse, loss_token_slab={token_slab}": functools.partial(
+               M.loss, cfg=dataclasses.replace(cfg, loss_token_slab=token_slab), impl="pallas"),
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            f"plain JAX + {attn or 'xla'}": functools.partial(plain_loss, cfg=cfg, attn_impl=attn),
@@ -348,9 +351,10 @@ def main(argv=None) -> None:
                          "a jax.checkpoint_policies name, either + \"+op\"...; the plain model "
                          "names only attention's arrays, so only \"+attention\" reaches it; "
                          "the preset's is \"none\")")
-    ap.add_argument("--loss-token-slab", type=int, default=None,
-                    help="Config.loss_token_slab of jaxfuse's train rows (the loss's gradient "
-                         "formed in the forward, this many tokens at a time)")
+    ap.add_argument("--loss-token-slab", default=None,
+                    help="adds a jaxfuse train row with Config.loss_token_slab=N (the loss's "
+                         "gradient formed in the forward, N tokens at a time; the presets' is "
+                         "2048) or \"none\" (the fused loss)")
     ap.add_argument("--remat-1b", default=None,
                     help="Config.remat of the 1B rows (the preset's is \"block+attention\")")
     ap.add_argument("--profile", action="store_true",
@@ -374,25 +378,27 @@ def main(argv=None) -> None:
         c157 = dataclasses.replace(c157, remat=args.remat)
     if args.remat_1b:
         c1b = dataclasses.replace(c1b, remat=args.remat_1b)
-    if args.loss_token_slab is not None:
-        c157, c1b = (dataclasses.replace(c, loss_token_slab=args.loss_token_slab)
-                     for c in (c157, c1b))
     if args.no_scan:
         c157, c1b = (dataclasses.replace(c, scan_layers=False) for c in (c157, c1b))
     impls157 = ("jaxfuse", "jaxfuse, nondet", "plain") + (() if args.no_reference else ("reference",)) + (
         ("jaxfuse, cuDNN",) if args.swap_attention else ())
-    tasks = {"train157": len(impls157), "train1b": 3, "decode": 4}
+    slab = () if args.loss_token_slab is None else ("jaxfuse, loss_token_slab",)
+    token_slab = (None if args.loss_token_slab in (None, "none")
+                  else int(args.loss_token_slab))
+    impls157 += slab
+    impls1b = ("jaxfuse", "jaxfuse, nondet", "plain") + slab
+    tasks = {"train157": len(impls157), "train1b": len(impls1b), "decode": 4}
     bar = tqdm(total=sum(tasks[s] for s in args.sections), unit="run")
     if "train157" in args.sections:
         if args.profile:
             profile_attention(c157, *shapes["t157"])
         train("157M", c157, *shapes["t157"], impls157, bar, shapes["reps"], args.profile,
-              args.out)
+              args.out, token_slab)
     if "train1b" in args.sections:
         if args.profile:
             profile_attention(c1b, *shapes["t1b"])
-        train("1B", c1b, *shapes["t1b"], ("jaxfuse", "jaxfuse, nondet", "plain"), bar,
-              max(2, shapes["reps"] // 4), args.profile, args.out)
+        train("1B", c1b, *shapes["t1b"], impls1b, bar, max(2, shapes["reps"] // 4),
+              args.profile, args.out, token_slab)
     if "decode" in args.sections:
         dec = shapes["dec"]
         cfg = dataclasses.replace(c157, max_len=max(c157.max_len, dec[3] + dec[4]))

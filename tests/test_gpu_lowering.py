@@ -173,9 +173,12 @@ def test_add_norm_lowers(shape):
 def test_swiglu_and_rope_lower(interleaved):
     x = jnp.zeros((33, 1000), jnp.bfloat16)
     _fwd_bwd(lambda g, u: jaxfuse.swiglu(g, u, interpret=False), x, x)
-    # Tiles that fit exactly (no masks), a token tail, and 3 heads of D = 6 (masked pair tiles).
-    for shape in ((2, 64, 4, 128), (2, 100, 4, 128), (1, 7, 3, 6)):
-        q = jnp.zeros(shape, jnp.bfloat16)
+    # Tiles that fit exactly (no masks), a token tail, and 3 heads of D = 6 (masked pair tiles);
+    # 16-bit interleaved pairs are loaded as 32-bit words, float32 ones at a stride.
+    for shape, dtype in (((2, 64, 4, 128), jnp.bfloat16), ((2, 100, 4, 128), jnp.bfloat16),
+                         ((1, 7, 3, 6), jnp.bfloat16), ((2, 100, 4, 128), jnp.float16),
+                         ((1, 7, 3, 6), jnp.float32)):
+        q = jnp.zeros(shape, dtype)
         pos = jnp.zeros(shape[:2], jnp.int32)
         _fwd_bwd(lambda q: jaxfuse.rope(q, pos, interleaved=interleaved, interpret=False), q)
 

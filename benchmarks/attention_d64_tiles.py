@@ -5,26 +5,16 @@ the 157M preset's (B8 T2048 H16/4, causal). Each variant's o and gradients are c
 the default tiles' (bf16 rounding apart, they compute the same sums).
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_d64_tiles.py [OUT.json]
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_d64_tiles.py order [OUT.json]
-
-`order`: instead of the tiles, the backward kernels' launch order under the causal mask, the
-default (every head's heaviest tiles first, `attention_hopper_bwd._launch_order`) against
-head-major order (each head's tiles together, the order before run s8-3), with
-deterministic=True and False; plus B4 H32 T4096 D128 causal, issue 14's shape.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
-
 import jax
 import jax.numpy as jnp
 
 import jaxfuse
 from jaxfuse import AttnBlocks
 from jaxfuse.pallas.attention_hopper import HopperAttnTiles
-from jaxfuse.pallas import attention_hopper_bwd
 from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
 from benchmarks import _profile
 from benchmarks._timing import guarded, record, rel_err
@@ -40,39 +30,19 @@ def _kernel_ms(fn, args) -> dict:
     return {name: ms for name, _, ms in _profile.kernel_times(jax.jit(fn), args)}
 
 
-@contextlib.contextmanager
-def _head_major():
-    """The backward kernels launched head by head (the order before run s8-3), while traced."""
-    default = attention_hopper_bwd._launch_order
-    attention_hopper_bwd._launch_order = lambda spec, tile, n_tiles, n_heads: (
-        (n_tiles, n_heads), (tile, "bh"))
-    try:
-        yield
-    finally:
-        attention_hopper_bwd._launch_order = default
-
-
 def main() -> None:
-    order = sys.argv[1:2] == ["order"]
-    if order:
-        sys.argv.pop(1)
-    workloads = dict(WORKLOADS, **({"D128 B4 T4096 H32/32": (4, 4096, 32, 32, 128)}
-                                   if order else {}))
-    for label, (b, t, hq, hkv, *hd) in workloads.items():
-        d = hd[0] if hd else 64
+    for label, (b, t, hq, hkv) in WORKLOADS.items():
         ks = jax.random.split(jax.random.key(0), 4)
-        q = jax.random.normal(ks[0], (b, t, hq, d), jnp.bfloat16)
-        k, v = (jax.random.normal(kk, (b, t, hkv, d), jnp.bfloat16) for kk in ks[1:3])
+        q = jax.random.normal(ks[0], (b, t, hq, 64), jnp.bfloat16)
+        k, v = (jax.random.normal(kk, (b, t, hkv, 64), jnp.bfloat16) for kk in ks[1:3])
         do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
 
-        def attend(q, k, v, tiles=None, deterministic=True):
+        def attend(q, k, v, tiles=None):
             bs = None if tiles is None else AttnBlocks(hopper=tiles)
-            return jaxfuse.flash_attention(q, k, v, causal=True, block_sizes=bs,
-                                           deterministic=deterministic)
+            return jaxfuse.flash_attention(q, k, v, causal=True, block_sizes=bs)
 
-        def fwd_bwd(q, k, v, tiles=None, deterministic=True):
-            o, pull = jax.vjp(functools.partial(attend, tiles=tiles,
-                                                deterministic=deterministic), q, k, v)
+        def fwd_bwd(q, k, v, tiles=None):
+            o, pull = jax.vjp(functools.partial(attend, tiles=tiles), q, k, v)
             return (o, *pull(do))
 
         cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=True,
@@ -83,22 +53,6 @@ def main() -> None:
             fwd_bwd=sum(_kernel_ms(lambda q, k, v: jax.vjp(cudnn, q, k, v)[1](do),
                                    (q, k, v)).values())))
         ref = jax.jit(fwd_bwd)(q, k, v)
-        if order:
-            for det in (True, False):
-                for name, ctx in (("heaviest first", contextlib.nullcontext), ("head-major",
-                                                                             _head_major)):
-                    def run(det=det, ctx=ctx, name=name):
-                        with ctx():
-                            f = functools.partial(fwd_bwd, deterministic=det)
-                            got = jax.jit(f)(q, k, v)
-                            ms = _kernel_ms(f, (q, k, v))
-                        record(S, f"{label} kernels, deterministic={det}", name, None,
-                               fwd_bwd=sum(ms.values()),
-                               err_vs_default=max(rel_err(g, r) for g, r in zip(got, ref)),
-                               **{n.replace("jaxfuse_flash_", "")[:24]: v
-                                  for n, v in ms.items() if "flash" in n})
-                    guarded(S, f"{label} kernels, deterministic={det}", name, run)
-            continue
         variants = [None, *FWD, *(HopperAttnTiles(backward=t) for t in BWD)]
         for tiles in variants:
             name = "default" if tiles is None else str(tiles)

@@ -615,30 +615,11 @@ def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
     stages = tiles.dkv_stages(d, q.dtype.itemsize, fused_dq)
     body = functools.partial(_dkv_body, spec=spec, tiles=tiles, stages=stages,
                              fused_dq=fused_dq)
+    # The first grid axis varies fastest: the CTAs that run together are the key tiles of one
+    # (batch, KV head), which read the same Q and dO tiles (L2 hits; FlashAttention-3's order).
     name = "jaxfuse_flash_bwd_dkv_dq_hopper" if fused_dq else "jaxfuse_flash_bwd_dkv_hopper"
-    grid, names = _launch_order(spec, "k", tk // _KEYS, b * hkv)
-    return _kernel(body, (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, grid, names, name,
-                   spec, batchable=not fused_dq)
-
-
-def _launch_order(spec: AttnSpec, tile: str, n_tiles: int, n_heads: int):
-    """(grid, names) of a backward kernel over `n_tiles` tiles ("k": key tiles, heaviest first
-    under a causal mask; "q": query tiles, which `query_tile` turns heaviest first) of
-    `n_heads` (batch, head) pairs. The first grid axis varies fastest in launch order.
-
-    Without a causal mask every CTA has the same work, and the tiles of one head run
-    together: they read the same tiles of the other side (L2 hits; FlashAttention-3's order).
-    With one, a tile's work grows or shrinks with its index, and head-major order launches the
-    last head's heaviest CTA when most multiprocessors are about to go idle: a CTA of the 157M
-    model's dK/dV kernel (4 query heads per KV head) walks up to 128 query tiles while the
-    average walks 68, and a schedule simulation (132 multiprocessors, one CTA each, greedy in
-    launch order) put that order's span at 1.30x the work's mean (1.12x at the 1B model's
-    shape, 1.07x for its dQ kernel at 157M). There the heads vary fastest: all heads' heaviest
-    tiles go first (longest processing time first, 1.00-1.03x in the same simulation), and the
-    tiles of one index still read nearby tiles of the other side at about the same time."""
-    if spec.causal:
-        return (n_heads, n_tiles), ("bh", tile)
-    return (n_tiles, n_heads), (tile, "bh")
+    return _kernel(body, (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
+                   (tk // _KEYS, b * hkv), ("k", "bh"), name, spec, batchable=not fused_dq)
 
 
 def _fused(q, k, v, do, lse_u, delta, *, spec: AttnSpec, tiles: HopperBwdTiles):
@@ -674,9 +655,9 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
         body = functools.partial(_dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,
                                  n_q_tiles=tq // (2 * _ROWS),
                                  overlap=tiles.overlap and stages >= 2)
-        grid, names = _launch_order(spec, "q", tq // (2 * _ROWS), b * hq)
-        dq = _kernel(body, jax.ShapeDtypeStruct(q.shape, q.dtype), grid, names,
-                     "jaxfuse_flash_bwd_dq_hopper", spec)(*args)
+        # Query tiles first: those of one head run together (they read the same K and V).
+        dq = _kernel(body, jax.ShapeDtypeStruct(q.shape, q.dtype), (tq // (2 * _ROWS), b * hq),
+                     ("q", "bh"), "jaxfuse_flash_bwd_dq_hopper", spec)(*args)
         return dq, dk, dv
     # The fused dQ is a ref that the kernel adds into, which pallas kernels do not batch:
     # under vmap the mapped axis folds into the batch instead.

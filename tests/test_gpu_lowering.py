@@ -40,6 +40,7 @@ def test_row_kernels_lower(shape):
     _fwd_bwd(lambda x, w: jaxfuse.layer_norm(x, w, w, **kw), x, w)
     _fwd_bwd(lambda x, w: jaxfuse.rms_norm(x, w, **kw), x, w)
     _fwd_bwd(lambda x: jaxfuse.cross_entropy(x, labels, label_smoothing=0.1, **kw), x)
+    _fwd_bwd(lambda x: jaxfuse.cross_entropy(x, labels, **kw), x)   # no sum of logits formed
 
 
 @pytest.mark.parametrize("opts", [

@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jaxfuse.pallas import _common as C
 
@@ -102,19 +103,32 @@ class Tile(NamedTuple):
     per_col: tuple  # float32 [1, bc] values of the per-column inputs
     rows: jax.Array  # int32 [br, bc] absolute row index
     cols: jax.Array  # int32 [br, bc] absolute column index
-    valid: jax.Array  # bool [br, bc] inside the array
+    valid: jax.Array  # bool [br, bc] inside the array (a constant in a reduce pass's inner tiles)
     key: tuple = ()  # the two uint32 Philox key words (scalars) when the pass was given a key
     row0: jax.Array | int = 0  # absolute index of the tile's first row (dropout masks)
     col0: jax.Array | int = 0  # ... and of its first column
 
 
-def _load(refs, fills, per_row, per_col, row0, col0, b: RowBlocks, n_rows, n_cols, key=()):
+def _load(refs, fills, per_row, per_col, row0, col0, b: RowBlocks, n_rows, n_cols, key=(),
+          interior: bool = False):
     """The tile of every tiled input at (row0, col0), with the per-row and per-column values the
-    caller loaded once for it (they do not change from tile to tile)."""
-    tiles = [C.load_tile(ref, row0, col0, b.block_rows, b.block_cols, n_rows, n_cols,
-                         other=fill)[0].astype(jnp.float32) for ref, fill in zip(refs, fills)]
+    caller loaded once for it (they do not change from tile to tile). `interior`: the caller
+    knows the tile's columns lie inside the array, so only rows can be outside (and when the
+    row blocks tile the rows exactly, nothing is: `valid` is a constant the compiler folds)."""
     rows, cols, valid = C.tile_index(row0, col0, b.block_rows, b.block_cols, n_rows, n_cols)
-    return Tile(tuple(tiles), per_row, per_col, rows, cols, valid, key, row0, col0)
+    if not interior:
+        tiles = [C.load_tile(ref, row0, col0, b.block_rows, b.block_cols, n_rows, n_cols,
+                             other=fill)[0] for ref, fill in zip(refs, fills)]
+    elif C.tiles_exactly(n_rows, b.block_rows):
+        valid = jnp.ones(rows.shape, jnp.bool_)
+        tiles = [pltriton.load(C._at(ref, row0, b.block_rows, col0, b.block_cols))
+                 for ref in refs]
+    else:
+        valid = rows < n_rows
+        tiles = [pltriton.load(C._at(ref, row0, b.block_rows, col0, b.block_cols), mask=valid,
+                               other=fill) for ref, fill in zip(refs, fills)]
+    tiles = tuple(t.astype(jnp.float32) for t in tiles)
+    return Tile(tiles, per_row, per_col, rows, cols, valid, key, row0, col0)
 
 
 def _per_row(refs, row0, b: RowBlocks, n_rows):
@@ -151,13 +165,21 @@ def reduce_pass(init: Callable, step: Callable, finalize: Callable, *, tiled: Se
         row0 = pl.program_id(0) * b.block_rows
         rows_in = _per_row(r_refs, row0, b, n_rows)
 
-        def body(j, state):
+        def body(j, state, interior=True):
             col0 = j * b.block_cols
             tile = _load(t_refs, fills, rows_in, _per_col(c_refs, col0, b, n_cols), row0, col0,
-                         b, n_rows, n_cols)
+                         b, n_rows, n_cols, interior=interior)
             return step(state, tile)
 
-        state = C.reduce_tiles(n_tiles, body, init(rows_in))
+        # The tiles wholly inside the row first, without column masks (a predicated load, a
+        # compare and selects per element, in a pass meant to run at the copy rate), then the
+        # ragged last tile, masked.
+        n_inside = n_cols // b.block_cols
+        state = init(rows_in)
+        if n_inside:
+            state = C.reduce_tiles(n_inside, body, state)
+        if n_tiles > n_inside:
+            state = body(jnp.int32(n_inside), state, interior=False)
         for ref, val, w in zip(out_refs, finalize(state, rows_in), out_cols):
             if w is None:
                 C.store_vec(ref, val[:, 0], row0, n_rows)

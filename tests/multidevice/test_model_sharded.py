@@ -2,6 +2,7 @@
 their combinations equal the one-device run (losses, parameters, and AdamW's moments, which
 are running sums of the gradients), the tensor-parallel step never holds the [B, T, V] logits,
 and greedy decoding and beam search give the one-device tokens."""
+import dataclasses
 import re
 
 import chex
@@ -12,6 +13,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxfuse import model as M
+from tests._util import kernel_names
 from tests.multidevice.test_ops_sharded import gathered_shapes
 
 # Tiny, float32; every mesh below divides it (heads and d_ff by tensor=4, d_model by fsdp=8,
@@ -111,6 +113,21 @@ def test_three_steps_equal_one_device(axes, one_device):
         layer = {s[1:] for s in layer_weight_shapes(mesh)}
         gathered = [s for s in gathered_shapes(hlo) if s[1:] in layer]
         assert gathered and all(s[0] == 1 for s in gathered), gathered
+
+
+@pytest.mark.parametrize("axes, slabs", [(dict(data=8), True), (dict(data=2, tensor=4), False)])
+def test_token_slabs_only_where_the_vocabulary_is_whole(axes, slabs):
+    # `Config.loss_token_slab` splits only tokens: on a mesh that splits the vocabulary each
+    # device of a tensor group would gather the whole unembedding and repeat its neighbours'
+    # work, so there the loss keeps the fused op's vocab-parallel path.
+    cfg = dataclasses.replace(CFG, loss_token_slab=16)
+    params = M.init(jax.random.key(0), cfg)
+    tokens, targets = (a[0] for a in batches())
+    with jax.set_mesh(mesh_of(**axes)):
+        names = kernel_names(jax.make_jaxpr(jax.grad(
+            lambda p: M.loss(p, tokens, targets, cfg)))(params).jaxpr)
+    assert ("jaxfuse_cross_entropy_bwd" in names) == slabs, names
+    assert ("jaxfuse_linear_cross_entropy_bwd" in names) == (not slabs), names
 
 
 def test_dropout_training_on_a_mesh_equals_one_device():

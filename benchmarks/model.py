@@ -334,6 +334,20 @@ def chart(path):
 SECTIONS = ("train157", "train1b", "decode")
 
 
+def _token_slab(text: str):
+    """--loss-token-slab: "none" (the fused loss) or a positive number of tokens."""
+    if text.lower() == "none":
+        return "none"
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of tokens or "
+                                         "\"none\"")
+    return n
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("sections", nargs="*", default=list(SECTIONS))
@@ -351,7 +365,7 @@ def main(argv=None) -> None:
                          "a jax.checkpoint_policies name, either + \"+op\"...; the plain model "
                          "names only attention's arrays, so only \"+attention\" reaches it; "
                          "the preset's is \"none\")")
-    ap.add_argument("--loss-token-slab", default=None,
+    ap.add_argument("--loss-token-slab", default=None, type=_token_slab,
                     help="adds a jaxfuse train row with Config.loss_token_slab=N (the loss's "
                          "gradient formed in the forward, N tokens at a time; the presets' is "
                          "2048) or \"none\" (the fused loss)")
@@ -383,8 +397,7 @@ def main(argv=None) -> None:
     impls157 = ("jaxfuse", "jaxfuse, nondet", "plain") + (() if args.no_reference else ("reference",)) + (
         ("jaxfuse, cuDNN",) if args.swap_attention else ())
     slab = () if args.loss_token_slab is None else ("jaxfuse, loss_token_slab",)
-    token_slab = (None if args.loss_token_slab in (None, "none")
-                  else int(args.loss_token_slab))
+    token_slab = None if args.loss_token_slab in (None, "none") else args.loss_token_slab
     impls157 += slab
     impls1b = ("jaxfuse", "jaxfuse, nondet", "plain") + slab
     tasks = {"train157": len(impls157), "train1b": len(impls1b), "decode": 4}

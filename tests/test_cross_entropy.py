@@ -77,6 +77,35 @@ class CrossEntropyTest(chex.TestCase):
             f = lambda x: jaxfuse.cross_entropy(x, labels, label_smoothing=0.1, block_sizes=blocks)
             assert_close(jax.value_and_grad(f)(x), jax.value_and_grad(fr)(x), jnp.float32, 10.0)
 
+    def test_special_rows_over_several_tiles(self):
+        # V = 100 in tiles of 16: six inner tiles (no column mask) and a ragged last one; 8
+        # rows in blocks of 4 (rows tile exactly: nothing masked in the inner tiles) and of 3.
+        # Rows: all -inf, a NaN logit, an ignored label, an out-of-range label, a -inf label
+        # logit, ordinary rows; every smoothing regime (no sum of logits at a = 0; a = 1).
+        x = randn(keys(5, 1)[0], (8, 100), scale=3.0)
+        x = x.at[0].set(-jnp.inf).at[1, 37].set(jnp.nan).at[4, 9].set(-jnp.inf)
+        labels = jnp.array([3, 50, -100, 100, 9, 99, 0, 64])
+        for a in (0.0, 0.1, 1.0):
+            fr = lambda x: jaxfuse.cross_entropy(x, labels, label_smoothing=a,
+                                                 reduction="none", impl="reference")
+            want = np.asarray(fr(x))
+            for blocks in (RowBlocks(4, 16), RowBlocks(3, 16)):
+                got = np.asarray(jaxfuse.cross_entropy(x, labels, label_smoothing=a,
+                                                       reduction="none", block_sizes=blocks))
+                np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{a=}")
+                np.testing.assert_array_equal(np.isinf(got), np.isinf(want), err_msg=f"{a=}")
+                fin = np.isfinite(want)
+                np.testing.assert_allclose(got[fin], want[fin], rtol=2e-6, atol=2e-6)
+
+    def test_long_rows_are_walked_in_narrow_tiles_on_the_gpu(self):
+        # One program per row walks rows past 16384 columns in 4096-column tiles of 4 warps
+        # (more programs per multiprocessor; BENCHMARKS.md, s8-1); shorter rows stay whole.
+        rule = lambda n, v: RowBlocks.for_shape(n, v, interpret=False)
+        self.assertEqual(rule(2048, 128256), RowBlocks(1, 4096, 4))
+        self.assertEqual(rule(4, 16385), RowBlocks(1, 4096, 4))
+        self.assertEqual(rule(4, 16384), RowBlocks(1, 16384, 16))
+        self.assertEqual(rule(64, 1000), RowBlocks(4, 1024, 4))
+
     def test_bad_input(self):
         x = jnp.ones((3, 7))
         with self.assertRaisesRegex(ValueError, "labels.shape=\\(4,\\) must equal"):

@@ -170,6 +170,15 @@ def test_add_norm_lowers(shape):
     _fwd_bwd(lambda x, r, w: jaxfuse.add_norm(x, r, w, w, norm="layer", interpret=False), x, x, w)
 
 
+def test_cross_entropy_inner_tiles_lower():
+    # Rows of 1024 columns in tiles of 256: three inner tiles loaded without column masks, the
+    # 33 rows in blocks of 2 (the last block hangs over: the inner tiles mask rows only).
+    x = jnp.zeros((33, 1024), jnp.bfloat16)
+    labels = jnp.zeros((33,), jnp.int32)
+    blocks = jaxfuse.RowBlocks(2, 256)
+    _fwd_bwd(lambda x: jaxfuse.cross_entropy(x, labels, interpret=False, block_sizes=blocks), x)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_swiglu_and_rope_lower(interleaved):
     x = jnp.zeros((33, 1000), jnp.bfloat16)

@@ -50,12 +50,32 @@ class RopeTest(chex.TestCase):
         y, vjp = jax.vjp(lambda x: jaxfuse.rope(x, pos), x)
         assert_close(vjp(y)[0], x, jnp.float32, scale=2.0)
 
+    def test_16bit_pairs_keep_their_order_and_bits(self):
+        # 16-bit interleaved pairs travel as one 32-bit word each (the first element in the low
+        # half-word). At position 0 the rotation is x * 1 -/+ partner * 0: on any bit pattern
+        # (signed zeros, subnormals, the extremes, inf, NaN) the kernel gives the reference's
+        # bits, and the finite elements keep their places (a swapped pair would not).
+        for dtype in (jnp.bfloat16, jnp.float16):
+            bits = jax.random.randint(keys(7, 1)[0], (3, 5, 3, 10), 0, 1 << 16, jnp.int32)
+            x = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype)
+            pos = jnp.zeros((3, 5), jnp.int32)
+            y, yr = (jaxfuse.rope(x, pos, impl=impl) for impl in ("pallas", "reference"))
+            nan = np.asarray(jnp.isnan(yr))
+            np.testing.assert_array_equal(np.asarray(jnp.isnan(y)), nan)
+            as_bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))
+            np.testing.assert_array_equal(as_bits(y)[~nan], as_bits(yr)[~nan])
+            normal = np.abs(np.asarray(x.astype(jnp.float32))) >= float(jnp.finfo(dtype).tiny)
+            same = as_bits(y) == np.asarray(bits.astype(jnp.uint16))
+            self.assertTrue(same[normal & ~nan].all())
+            self.assertGreater((normal & ~nan).mean(), 0.5)
+
     def test_vmap(self):
         k = keys(2, 2)
-        x = randn(k[0], (3, 2, 5, 2, 4))
         pos = jax.random.randint(k[1], (3, 2, 5), 0, 100)
-        assert_close(jax.vmap(jaxfuse.rope)(x, pos), jaxfuse.rope(x, pos, impl="reference"),
-                     jnp.float32)
+        for dtype in (jnp.float32, jnp.bfloat16):      # strided pairs and 32-bit words
+            x = randn(k[0], (3, 2, 5, 2, 4), dtype)
+            assert_close(jax.vmap(jaxfuse.rope)(x, pos), jaxfuse.rope(x, pos, impl="reference"),
+                         dtype)
 
     def test_bad_input(self):
         x = jnp.ones((2, 5, 3, 8))

@@ -103,7 +103,8 @@ class Tile(NamedTuple):
     per_col: tuple  # float32 [1, bc] values of the per-column inputs
     rows: jax.Array  # int32 [br, bc] absolute row index
     cols: jax.Array  # int32 [br, bc] absolute column index
-    valid: jax.Array  # bool [br, bc] inside the array (a constant in a reduce pass's inner tiles)
+    valid: jax.Array  # bool [br, bc] inside the array (in a reduce pass's inner tiles only the
+    #                   rows are checked: a constant where the row blocks tile the rows exactly)
     key: tuple = ()  # the two uint32 Philox key words (scalars) when the pass was given a key
     row0: jax.Array | int = 0  # absolute index of the tile's first row (dropout masks)
     col0: jax.Array | int = 0  # ... and of its first column

@@ -2,8 +2,9 @@
 write backward (lecture 10, sec. 5.2).
 
 Forward: a single pass over each row folds, tile by tile, the online max and sum of exp (so the
-log-sum-exp), the sum of the logits (for the smoothing term) and the label's logit; it writes the
-per-token loss and the row's lse, nothing of size V:
+log-sum-exp) and, with label smoothing, the sum of the logits; the label's logit x_y (one element
+a row) is gathered before the pass. It writes the per-token loss and the row's lse, nothing of
+size V:
 
     loss = lse - (1 - a) x_y - (a / V) sum_i x_i.
 
@@ -35,8 +36,10 @@ class _Static:
 
 def fold_logits(state, x, valid, cols, label):
     """One tile of logits x [br, bc] folded into the per-row state (m, l, sum of logits, label's
-    logit), each [br, 1]: the single pass of the forward. Shared with linear + cross-entropy,
-    which folds vocabulary slabs one after another into the same state. x must be 0 outside the
+    logit), each [br, 1], for the passes that meet the logits tile by tile and cannot gather
+    the label's logit beforehand: linear + cross-entropy, which folds vocabulary slabs one
+    after another into the same state, and the vocabulary-split pass of `sharding.rows` (this
+    module's own forward keeps lighter per-lane sums, `_forward`). x must be 0 outside the
     array (the tiles are loaded with fill 0), so the sum needs no mask."""
     m, l, sum_x, picked = state
     m, l = C.online_max_sum((m, l), jnp.where(valid, x, C.NEG_INF))

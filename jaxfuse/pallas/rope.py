@@ -8,8 +8,8 @@ heads: it loads the pairs' two halves as two [tokens, H, D/2] tiles - strided lo
 elements of a pair meet in the same lane (16-bit interleaved pairs: one 32-bit word per pair,
 loaded contiguously and split in registers). The angles depend on (token, pair) only: cos and sin
 are computed once per [tokens, D/2] and broadcast over the heads (H times fewer
-transcendentals than one angle per element). The two strided loads read the same cache lines,
-so DRAM sees each byte of x once.
+transcendentals than one angle per element). The two strided loads of float32 pairs read the
+same cache lines, so DRAM sees each byte of x once.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def _rotate(x3, pos, st: _Static, sign: float):
     packed = st.interleaved and x3.dtype.itemsize == 2
     operand = (jax.lax.bitcast_convert_type(x3.reshape(n, h, half, 2), jnp.uint32) if packed
                else x3)
-    width = dh if packed or not st.interpret else d    # columns of the tile a program loads
+    width = dh if packed or not st.interpret else d    # a tile's last dim: words if packed
 
     def kernel(x_ref, pos_ref, f_ref, o_ref):
         t0 = pl.program_id(0) * bt

@@ -196,7 +196,7 @@ def size(axes) -> int:
 
 
 # Vocabulary split across devices (Megatron's vocab-parallel cross-entropy): each device folds
-# its slice into the per-row (m, l, sum of logits, label's logit) with the kernel's own fold,
+# its slice into the per-row (m, l, sum of logits, label's logit) with `fold_logits`,
 # the four per-row scalars merge across the devices (never the logits), the loss follows.
 
 def _ce_vocab_fwd(axes, logits2, labels1, st):

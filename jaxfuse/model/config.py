@@ -128,8 +128,7 @@ class Config:
 # 6.9 GB of temporaries and 7.6% faster than "block" there, BENCHMARKS.md). Both GPU presets
 # form the loss's gradient in its forward, 2048 tokens at a time (`loss_token_slab`): one
 # [16384 x d x V] product fewer than the fused loss, for one [2048, V] logits slab (run s8-1,
-# H200: 1B step 340.9 -> 329.5 ms, 157M 37.13 -> 36.75 ms); on a mesh that splits the
-# vocabulary (`tensor`) the loss stays the fused op's vocab-parallel path (`model.sharding`).
+# H200: 1B step 340.9 -> 329.5 ms, 157M 37.13 -> 36.75 ms).
 PRESETS = {
     "likesworld": Config(vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
                          d_ff=128, max_len=34),

@@ -13,9 +13,7 @@ Mesh axes (any subset may be present; a missing axis counts as size 1):
            slices of d_ff), wo/w2 their input rows, the embedding and unembedding the
            vocabulary; attention runs on each device's heads, the loss is the vocab-parallel
            `linear_cross_entropy` (per-token scalars cross devices, never the logits; with
-           `tensor` > 1 it is the fused op even where `Config.loss_token_slab` is set: token
-           slabs split only tokens, so every device of a tensor group would gather the whole
-           unembedding and repeat its neighbours' work over the whole vocabulary).
+           `Config.loss_token_slab`, each device's slabs of its slice of the vocabulary).
 * `seq`    sequence parallel: the tokens' time axis splits; causal attention becomes ring
            attention (`jaxfuse.sharding.ring`), every row-wise op runs on its rows.
 
@@ -179,12 +177,6 @@ def _current_sizes():
     if mesh is None or mesh.empty or not set(mesh.axis_names) & set(AXES):
         return None
     return {a: dict(mesh.shape).get(a, 1) for a in AXES}
-
-
-def vocab_split() -> bool:
-    """Whether the current mesh splits the vocabulary (the embedding and unembedding)."""
-    sizes = _current_sizes()
-    return sizes is not None and math.prod(sizes[a] for a in RULES["vocab"]) > 1
 
 
 def constrain(x: jax.Array, *names) -> jax.Array:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 import jaxfuse
 from jaxfuse.model import _block_ops as ops
-from jaxfuse.model.sharding import constrain, gather_layer, vocab_split
+from jaxfuse.model.sharding import constrain, gather_layer
 from jaxfuse.model.config import Config, remat_policy
 
 
@@ -202,10 +202,10 @@ def loss(params: dict, tokens: jax.Array, targets: jax.Array, cfg: Config, *,
     (targets[t] is the token after tokens[t]); -100 marks positions without a target.
 
     Through `jaxfuse.linear_cross_entropy`: the [B, T, V] logits are never materialized
-    (with `cfg.loss_token_slab`, one [n, V] slab of them at a time; not on a mesh that splits
-    the vocabulary, where the fused op's vocab-parallel path runs, `jaxfuse.model.sharding`)."""
+    (with `cfg.loss_token_slab`, one [n, V] slab of them at a time; on a mesh, of each
+    device's tokens and slice of the vocabulary)."""
     y, _ = hidden(params, tokens, cfg, impl=impl, key=key)
-    blocks = (None if cfg.loss_token_slab is None or vocab_split()
+    blocks = (None if cfg.loss_token_slab is None
               else jaxfuse.LCEBlocks(token_slab=cfg.loss_token_slab))
     return jaxfuse.linear_cross_entropy(y, unembedding(cast(params, cfg), cfg), targets,
                                         label_smoothing=cfg.label_smoothing, ignore_index=-100,

@@ -27,9 +27,11 @@ the fused op, so the two losses agree to rounding, not bitwise), with reduction 
 (a per-token loss has a per-token cotangent), and without z_loss or a soft cap (the
 cross-entropy kernel has neither); otherwise the fused op runs. Gradients are deterministic (a
 fixed slab order, float32 sums). On a mesh (`jaxfuse.sharding.linear_cross_entropy`) each
-device walks its own tokens and dW is summed once; W is taken whole (a vocabulary-split W is
-gathered: the fused op keeps it split). Both gradients are formed even when only one is asked
-for (a frozen W still costs its dW product).
+device walks its own tokens and dW is summed once over them; a W whose vocabulary is split
+stays split: each device forms its slice's logits, the slab's per-token (m, l, ...) merge
+across the vocabulary's devices (as the fused op's do), dx is summed over them and dW keeps
+W's layout. Both gradients are formed even when only one is asked for (a frozen W still costs
+its dW product).
 """
 from __future__ import annotations
 
@@ -44,12 +46,23 @@ def applies(reduction: str, z_loss: float, logits_soft_cap) -> bool:
     return reduction != "none" and not z_loss and logits_soft_cap is None
 
 
+def slab_loss(st):
+    """(summed loss, dz) of one slab's logits z [n, V] and canonical labels [n] (cotangent 1)
+    by `jaxfuse.cross_entropy`'s kernels with settings `st`."""
+    def loss_and_dz(z, labels):
+        loss, pull = jax.vjp(lambda z: jnp.sum(_ce.token_loss(z, labels, st)), z)
+        return loss, pull(jnp.float32(1.0))[0]
+    return loss_and_dz
+
+
 def loss_and_grads(x2, w, labels1, weight, *, label_smoothing: float, ignore_index: int,
-                   token_slab: int, interpret):
+                   token_slab: int, interpret, slab_loss=slab_loss, sum_dx=None):
     """(summed loss times `weight`, dx [N, D] float32, dW [D, V] float32) of x2 [N, D] and
     labels1 [N] (canonical) for cotangent 1, `weight` (float32 scalar) being every token's
     weight in the reduced loss: 1 / count for a mean (the whole batch's count), 1 for a sum.
-    One device's tokens; the caller sums loss and dW over the devices that split them."""
+    One device's tokens; the caller sums loss and dW over the devices that split them.
+    `slab_loss(st)` gives a slab's (summed loss, dz) and `sum_dx` sums dx's partial products:
+    `jaxfuse.sharding` passes the vocabulary-parallel pair where W is a slice of the classes."""
     n, d = x2.shape
     slab = min(token_slab, n)         # a slab past the tokens would only pad
     pad = (-n) % slab                 # padded tokens are ignored: no loss, no gradient
@@ -59,12 +72,14 @@ def loss_and_grads(x2, w, labels1, weight, *, label_smoothing: float, ignore_ind
     st = _ce.static((slab, w.shape[1]), label_smoothing=label_smoothing,
                     ignore_index=ignore_index, interpret=interpret, block_sizes=None)
 
+    loss_and_dz = slab_loss(st)
+
     def step(dw, xs_ls):
         xs, ls = xs_ls
-        loss, pull = jax.vjp(lambda z: jnp.sum(_ce.token_loss(z, ls, st)), xs @ w)
         # dz unweighted, in the logits' dtype; the weight is applied to dx and dW in float32.
-        (dz,) = pull(jnp.float32(1.0))
-        dx = jnp.dot(dz, w.T, preferred_element_type=jnp.float32) * weight
+        loss, dz = loss_and_dz(xs @ w, ls)
+        dx = jnp.dot(dz, w.T, preferred_element_type=jnp.float32)
+        dx = (dx if sum_dx is None else sum_dx(dx)) * weight
         return dw + jnp.dot(xs.T, dz, preferred_element_type=jnp.float32), (loss, dx)
 
     dw, (losses, dx) = jax.lax.scan(step, jnp.zeros(w.shape, jnp.float32),

@@ -21,7 +21,8 @@ from jaxfuse.pallas import linear_cross_entropy_slabs as _slabs
 from jaxfuse.reference import cross_entropy as _r_ce
 from jaxfuse.reference import linear_cross_entropy as _r_lce
 from jaxfuse.sharding._core import Layout, lead, partitioned, residual_name, vjp_op
-from jaxfuse.sharding.rows import merge_vocab_states, psum_over, size
+from jaxfuse.sharding.rows import (ce_vocab_bwd, ce_vocab_fwd, merge_vocab_states, psum_over,
+                                   size)
 
 
 def _setup(cfg, plan, x, w, labels):
@@ -85,23 +86,41 @@ def linear_cross_entropy(x, weight, labels, *, label_smoothing=0.0, ignore_index
     return _r_ce.reduce_loss(loss, labels != ignore_index, reduction)
 
 
+def _vocab_slab_loss(axes, st):
+    """`linear_cross_entropy_slabs.slab_loss` for logits whose classes are split over the mesh
+    axes `axes` (this device's slice): the vocabulary-parallel cross-entropy's kernels, the
+    per-token states merged across the slices (every device gets the whole loss)."""
+    def loss_and_dz(z, labels):
+        loss, lse = ce_vocab_fwd(axes, z, labels, st)
+        g = _r_ce.token_cotangent(jnp.ones_like(loss), labels, z.shape[1] * size(axes),
+                                  st.ignore_index)
+        return jnp.sum(loss), ce_vocab_bwd(axes, z, labels, lse, g, st)
+    return loss_and_dz
+
+
 @functools.lru_cache(maxsize=None)
 def _slab_op(ndim: int, label_smoothing: float, ignore_index: int, reduction: str, interpret,
              block_sizes):
     """`LCEBlocks(token_slab=n)`: the gradient formed in the forward, n tokens at a time, on
-    each device's tokens (`jaxfuse.pallas.linear_cross_entropy_slabs`); the forward alone is
-    the fused op's. The backward scales the saved float32 dx and dW by the scalar cotangent."""
+    each device's tokens and its slice of the vocabulary
+    (`jaxfuse.pallas.linear_cross_entropy_slabs`); the forward alone is the fused op's. The
+    backward scales the saved float32 dx and dW by the scalar cotangent."""
     fused_op = _op(ndim, label_smoothing, ignore_index, 0.0, None, interpret, block_sizes)
     rows = lead(ndim - 1)
     x, w = (*rows, "d"), ("d", "v")
-    layout = Layout((x, w, rows, ()), ((), x, w), rows)     # only the tokens split
+    layout = Layout((x, w, rows, ()), ((), x, w), (*rows, "v"))
     kw = dict(label_smoothing=label_smoothing, ignore_index=ignore_index,
               token_slab=block_sizes.token_slab, interpret=interpret)
     name = residual_name("linear_cross_entropy")
 
     def local(plan, x, w, labels, weight):
+        axes = plan.get("v", ())
+        vocab = {}
+        if axes:      # W a slice of the classes: the slab's loss merges across its devices
+            vocab = dict(slab_loss=functools.partial(_vocab_slab_loss, axes),
+                         sum_dx=lambda dx: jax.lax.psum(dx, axes))
         loss, dx, dw = _slabs.loss_and_grads(x.reshape(-1, x.shape[-1]), w, labels.reshape(-1),
-                                             weight, **kw)
+                                             weight, **kw, **vocab)
         return psum_over(loss, plan, rows), dx.reshape(x.shape), psum_over(dw, plan, rows)
 
     @jax.custom_vjp

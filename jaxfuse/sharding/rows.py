@@ -170,7 +170,7 @@ def _ce_fwd(cfg, plan, logits, labels):
     st = _p_ce.static((labels.size, logits.shape[-1]), **cfg)
     labels1 = labels.reshape(-1).astype(jnp.int32)
     if plan.get("v"):
-        loss, lse = _ce_vocab_fwd(plan["v"], as_rows(logits), labels1, st)
+        loss, lse = ce_vocab_fwd(plan["v"], as_rows(logits), labels1, st)
     else:
         loss, lse = _p_ce._forward(as_rows(logits), labels1, st)
     return loss.reshape(labels.shape), lse.reshape(labels.shape)
@@ -184,7 +184,7 @@ def _ce_bwd(cfg, plan, logits, labels, loss, lse, g):
     labels1 = labels.reshape(-1).astype(jnp.int32)
     g1 = _r_ce.token_cotangent(g.reshape(-1), labels1, n_cls, st.ignore_index)
     if axes:
-        dlogits = _ce_vocab_bwd(axes, as_rows(logits), labels1, lse.reshape(-1), g1, st)
+        dlogits = ce_vocab_bwd(axes, as_rows(logits), labels1, lse.reshape(-1), g1, st)
     else:
         dlogits = _p_ce._backward(as_rows(logits), labels1, lse.reshape(-1), g1, st)
     return (dlogits.reshape(logits.shape),)
@@ -199,7 +199,7 @@ def size(axes) -> int:
 # its slice into the per-row (m, l, sum of logits, label's logit) with `fold_logits`,
 # the four per-row scalars merge across the devices (never the logits), the loss follows.
 
-def _ce_vocab_fwd(axes, logits2, labels1, st):
+def ce_vocab_fwd(axes, logits2, labels1, st):
     n_local = logits2.shape[1]
     n_cls = n_local * size(axes)
     local = labels1 - jax.lax.axis_index(axes) * n_local      # outside [0, n_local): elsewhere
@@ -227,7 +227,7 @@ def merge_vocab_states(axes, state):
     return m_all, l, sum_x, picked
 
 
-def _ce_vocab_bwd(axes, logits2, labels1, lse, g, st):
+def ce_vocab_bwd(axes, logits2, labels1, lse, g, st):
     n_local = logits2.shape[1]
     n_cls = n_local * size(axes)
     local = labels1 - jax.lax.axis_index(axes) * n_local

@@ -115,19 +115,27 @@ def test_three_steps_equal_one_device(axes, one_device):
         assert gathered and all(s[0] == 1 for s in gathered), gathered
 
 
-@pytest.mark.parametrize("axes, slabs", [(dict(data=8), True), (dict(data=2, tensor=4), False)])
-def test_token_slabs_only_where_the_vocabulary_is_whole(axes, slabs):
-    # `Config.loss_token_slab` splits only tokens: on a mesh that splits the vocabulary each
-    # device of a tensor group would gather the whole unembedding and repeat its neighbours'
-    # work, so there the loss keeps the fused op's vocab-parallel path.
+def test_token_slab_loss_keeps_the_vocabulary_split():
+    # `Config.loss_token_slab` on a tensor-parallel mesh: each device forms its slabs' logits
+    # over its slice of the vocabulary (the unembedding is never gathered, no device holds a
+    # whole-vocabulary row) and the step equals the one-device step with the same loss.
     cfg = dataclasses.replace(CFG, loss_token_slab=16)
+    mesh = mesh_of(data=2, tensor=4)
     params = M.init(jax.random.key(0), cfg)
     tokens, targets = (a[0] for a in batches())
-    with jax.set_mesh(mesh_of(**axes)):
-        names = kernel_names(jax.make_jaxpr(jax.grad(
-            lambda p: M.loss(p, tokens, targets, cfg)))(params).jaxpr)
-    assert ("jaxfuse_cross_entropy_bwd" in names) == slabs, names
-    assert ("jaxfuse_linear_cross_entropy_bwd" in names) == (not slabs), names
+    step = M.sharded_train_step(cfg, OPT, mesh, batch=B, seq_len=T)
+    p, s = M.sharding.shard_train_state(params, OPT.init(params), cfg, OPT, mesh)
+    a, b = M.sharding.shard_batch((tokens, targets), mesh)
+    hlo = step.lower(p, s, a, b, None).compile().as_text()
+    assert logits_shaped(hlo, min(B * T // 2, CFG.d_model)) == []
+    assert not [g for g in gathered_shapes(hlo) if CFG.vocab_size in g], gathered_shapes(hlo)
+    names = kernel_names(jax.make_jaxpr(jax.grad(
+        lambda p: M.loss(p, tokens, targets, cfg)))(params).jaxpr)
+    assert "jaxfuse_cross_entropy_bwd" in names and "jaxfuse_linear_cross_entropy_bwd" not in names
+    many = jax.tree.map(np.asarray, step(p, s, a, b))
+    fresh = M.init(jax.random.key(0), cfg)         # the steps donate their parameters
+    one = M.train_step(fresh, OPT.init(fresh), tokens, targets, cfg=cfg, opt=OPT)
+    chex.assert_trees_all_close(many, jax.tree.map(np.asarray, one), **TOL)
 
 
 def test_dropout_training_on_a_mesh_equals_one_device():

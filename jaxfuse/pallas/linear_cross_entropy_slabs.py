@@ -79,12 +79,14 @@ def loss_and_grads(x2, w, labels1, weight, *, label_smoothing: float, ignore_ind
         # dz unweighted, in the logits' dtype; the weight is applied to dx and dW in float32.
         loss, dz = loss_and_dz(xs @ w, ls)
         dx = jnp.dot(dz, w.T, preferred_element_type=jnp.float32)
-        dx = (dx if sum_dx is None else sum_dx(dx)) * weight
         return dw + jnp.dot(xs.T, dz, preferred_element_type=jnp.float32), (loss, dx)
 
     dw, (losses, dx) = jax.lax.scan(step, jnp.zeros(w.shape, jnp.float32),
                                     (xp.reshape(-1, slab, d), lp.reshape(-1, slab)))
-    return jnp.sum(losses) * weight, dx.reshape(-1, d)[:n], dw * weight
+    dx = dx.reshape(-1, d)[:n]
+    if sum_dx is not None:      # one collective for every slab's partial products
+        dx = sum_dx(dx)
+    return jnp.sum(losses) * weight, dx * weight, dw * weight
 
 
 def check_token_slab(token_slab, name: str = "LCEBlocks.token_slab") -> None:

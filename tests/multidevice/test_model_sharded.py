@@ -129,8 +129,9 @@ def test_token_slab_loss_keeps_the_vocabulary_split():
     hlo = step.lower(p, s, a, b, None).compile().as_text()
     assert logits_shaped(hlo, min(B * T // 2, CFG.d_model)) == []
     assert not [g for g in gathered_shapes(hlo) if CFG.vocab_size in g], gathered_shapes(hlo)
-    names = kernel_names(jax.make_jaxpr(jax.grad(
-        lambda p: M.loss(p, tokens, targets, cfg)))(params).jaxpr)
+    with jax.set_mesh(mesh):                    # the loss as the mesh's step traces it
+        names = kernel_names(jax.make_jaxpr(jax.grad(
+            lambda p: M.loss(p, tokens, targets, cfg)))(params).jaxpr)
     assert "jaxfuse_cross_entropy_bwd" in names and "jaxfuse_linear_cross_entropy_bwd" not in names
     many = jax.tree.map(np.asarray, step(p, s, a, b))
     fresh = M.init(jax.random.key(0), cfg)         # the steps donate their parameters

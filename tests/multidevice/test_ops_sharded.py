@@ -168,28 +168,41 @@ def test_linear_cross_entropy_vocab_parallel(x_spec, w_spec):
     assert "f32[24,40]" not in hlo and "f32[16,40]" not in hlo.split("ENTRY")[1].split("ROOT")[0]
 
 
-@pytest.mark.parametrize("n_tok,token_slab,x_spec,w_spec,explicit", [
-    (64, 8, P(("data", "seq")), P(), False),      # 4 devices x 2 slabs each
-    (64, 4, P("data"), P(), False),               # 2 devices x 8 slabs
-    (60, 7, P(("data", "seq")), P(), False),      # 15 tokens a device: a padded last slab
-    (64, 16, P("data"), P(None, "tensor"), False),  # W's vocabulary split: stays split
-    (64, 8, P(), P(None, ("tensor", "seq")), False),  # only the vocabulary split
-    (64, 8, P(("data", "seq")), P(), True),       # explicit sharding mode
+_SMOOTH = dict(label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("n_tok,token_slab,x_spec,w_spec,explicit,opts", [
+    (64, 8, P(("data", "seq")), P(), False, _SMOOTH),      # 4 devices x 2 slabs each
+    (64, 4, P("data"), P(), False, _SMOOTH),               # 2 devices x 8 slabs
+    (60, 7, P(("data", "seq")), P(), False, _SMOOTH),      # 15 tokens a device: a padded slab
+    (64, 8, P(("data", "seq")), P(), True, _SMOOTH),       # explicit sharding mode
+    # W's vocabulary split: it stays split (the slab's statistics merge across the slices)
+    (64, 16, P("data"), P(None, "tensor"), False, _SMOOTH),
+    (64, 8, P(), P(None, ("tensor", "seq")), False, dict(label_smoothing=1.0)),
+    # ... a padded last slab, a summed loss, no smoothing, and an out-of-range label (NaN loss
+    # and gradients, as on one device)
+    (60, 7, P("data"), P(None, "tensor"), False, dict(reduction="sum", bad_label=True)),
+    (64, 8, P("data"), P(None, "tensor"), True, _SMOOTH),  # explicit mode
 ])
-def test_linear_cross_entropy_token_slabs(n_tok, token_slab, x_spec, w_spec, explicit):
+def test_linear_cross_entropy_token_slabs(n_tok, token_slab, x_spec, w_spec, explicit, opts):
     """`LCEBlocks(token_slab=n)` (the gradient formed in the forward) on a mesh: each device
     walks its own tokens and its slice of W's vocabulary, dx stays split like x, dW like W,
     nothing is gathered; the one-device numbers."""
+    opts = dict(opts)
     k = keys(15, 3)
     x, w = randn(k[0], (n_tok, 16)), randn(k[1], (16, 40), scale=0.5)
     labels = jax.random.randint(k[2], (n_tok,), 0, 40).at[3].set(-100)
+    if opts.pop("bad_label", False):
+        labels = labels.at[40].set(40)
     f = lambda x, w, y: jaxfuse.linear_cross_entropy(
-        x, w, y, label_smoothing=0.1, block_sizes=jaxfuse.LCEBlocks(token_slab=token_slab))
+        x, w, y, block_sizes=jaxfuse.LCEBlocks(token_slab=token_slab), **opts)
     mesh = (jax.make_mesh((2, 2, 2), ("data", "tensor", "seq"),
                           axis_types=(AxisType.Explicit,) * 3) if explicit else AUTO)
     one, many, hlo = run_both(f, (x, w, labels), [x_spec, w_spec, x_spec], diff=(0, 1),
                               mesh=mesh)
     assert_same(one, many)
+    if "reduction" in opts:                    # the out-of-range label's NaN reaches dW
+        assert np.isnan(np.asarray(one[1][1])).all() and np.isnan(np.asarray(many[0]))
     assert gathered_shapes(hlo) == []          # no token's x, labels or logits, nor W
     dx, dw = many[1]
     dim = lambda spec, i: (tuple(spec) + (None, None))[i]

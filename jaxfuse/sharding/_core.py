@@ -112,14 +112,34 @@ def _explicit_mesh(args):
     return None
 
 
+def _explicit_plan(layout: Layout, args, mesh):
+    """(plan, operand specs) of `layout` for explicitly typed `args` on `mesh`."""
+    specs = [jax.typeof(a).sharding.spec for a in args]
+    plan = make_plan(layout, specs, [a.shape for a in args], dict(mesh.shape))
+    return plan, tuple(spec_of(d, plan) for d in layout.operands)
+
+
+def placed_for(layout: Layout, args: Sequence[jax.Array]) -> tuple:
+    """`args` resharded to the layout an op runs them in, in explicit sharding mode (else as
+    they are). A differentiable op calls this before its `custom_vjp`: explicit mode types
+    every value with its sharding, and a custom_vjp's backward must return cotangents typed
+    like its arguments, which an argument the op cannot split as it lies (W split over its
+    d_model, a dimension on the wrong axis) would not get back; resharded outside the op, the
+    reshard's own transpose returns the cotangent to the caller's sharding."""
+    args = tuple(args)
+    mesh = _explicit_mesh(args)
+    if mesh is None:
+        return args
+    _, in_specs = _explicit_plan(layout, args, mesh)
+    return tuple(jax.sharding.reshard(a, s) for a, s in zip(args, in_specs))
+
+
 def partitioned(local: Callable, layout: Layout, args: Sequence[jax.Array]) -> tuple:
     """`local(plan, *args)` (a tuple of arrays) run per shard; see the module docstring."""
     args = tuple(args)
     mesh = _explicit_mesh(args)
     if mesh is not None:
-        specs = [jax.typeof(a).sharding.spec for a in args]
-        plan = make_plan(layout, specs, [a.shape for a in args], dict(mesh.shape))
-        in_specs = tuple(spec_of(d, plan) for d in layout.operands)
+        plan, in_specs = _explicit_plan(layout, args, mesh)
         args = [jax.sharding.reshard(a, s) for a, s in zip(args, in_specs)]
         return tuple(jax.shard_map(functools.partial(local, plan), mesh=mesh, in_specs=in_specs,
                                    out_specs=tuple(spec_of(d, plan) for d in layout.results),
@@ -209,7 +229,7 @@ def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
         return tuple(next(grads) if d else None for d in diff)
 
     op.defvjp(op_fwd, op_bwd)
-    return op
+    return lambda *args: op(*placed_for(fwd_layout, args))
 
 
 def residual_name(op: str) -> str:

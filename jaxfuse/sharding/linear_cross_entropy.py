@@ -20,7 +20,7 @@ from jaxfuse.pallas import linear_cross_entropy as _p_lce
 from jaxfuse.pallas import linear_cross_entropy_slabs as _slabs
 from jaxfuse.reference import cross_entropy as _r_ce
 from jaxfuse.reference import linear_cross_entropy as _r_lce
-from jaxfuse.sharding._core import Layout, lead, partitioned, residual_name, vjp_op
+from jaxfuse.sharding._core import Layout, lead, partitioned, placed_for, residual_name, vjp_op
 from jaxfuse.sharding.rows import (ce_vocab_bwd, ce_vocab_fwd, merge_vocab_states, psum_over,
                                    size)
 
@@ -140,4 +140,7 @@ def _slab_op(ndim: int, label_smoothing: float, ignore_index: int, reduction: st
         return (g * dx).astype(x_t.dtype), (g * dw).astype(w_t.dtype), None
 
     op.defvjp(op_fwd, op_bwd)
-    return op
+    # `weight` (the last operand) is made inside the op's forward, not passed: the layout's
+    # first three operands are the op's arguments.
+    layout3 = Layout(layout.operands[:3], layout.results, layout.splittable)
+    return lambda x, w, labels: op(*placed_for(layout3, (x, w, labels)))

@@ -330,6 +330,32 @@ def test_explicit_mesh():
     assert_same(one, many)
 
 
+@pytest.mark.parametrize("token_slab", [None, 5])
+def test_explicit_mesh_with_shardings_the_op_cannot_split(token_slab):
+    """Explicit mode types every value with its sharding, and a custom_vjp's backward must type
+    its cotangents like its arguments: operands the rule cannot split as they lie (W split over
+    d_model, W's vocabulary on the tokens' axis, x split over d_model, a norm's weight split)
+    are resharded before the op, and their gradients come back in the caller's sharding (these
+    raised a custom_vjp type error before)."""
+    mesh = jax.make_mesh((2, 2, 2), ("data", "tensor", "seq"),
+                         axis_types=(AxisType.Explicit,) * 3)
+    k = keys(40, 4)
+    x, w = randn(k[0], (48, 16)), randn(k[1], (16, 40), scale=0.5)
+    labels = jax.random.randint(k[2], (48,), 0, 40).at[2].set(-100)
+    nw = randn(k[3], (16,))
+    f = lambda x, w, y, nw: jaxfuse.linear_cross_entropy(
+        jaxfuse.rms_norm(x, nw), w, y, label_smoothing=0.1,
+        block_sizes=None if token_slab is None else jaxfuse.LCEBlocks(token_slab=token_slab))
+    for specs in ([P("data"), P("seq", "tensor"), P("data"), P("tensor")],
+                  [P("data"), P(None, "data"), P("data"), P()],
+                  [P(None, "tensor"), P(None, "seq"), P(), P()]):
+        one, many, _ = run_both(f, (x, w, labels, nw), specs, diff=(0, 1, 3), mesh=mesh)
+        assert_same(one, many)
+        for g, spec in zip(many[1], (specs[0], specs[1], specs[3])):
+            padded = lambda s: tuple(s) + (None,) * (g.ndim - len(tuple(s)))
+            assert padded(g.sharding.spec) == padded(spec), (g.sharding, spec)
+
+
 def test_inside_shard_map_runs_per_shard():
     x, w = randn(keys(10, 1)[0], (8, 5, 24)), randn(keys(11, 1)[0], (24,))
     per_shard = jax.shard_map(lambda x, w: jaxfuse.rms_norm(x, w), mesh=AUTO,

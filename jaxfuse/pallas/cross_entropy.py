@@ -36,11 +36,10 @@ class _Static:
 
 def fold_logits(state, x, valid, cols, label):
     """One tile of logits x [br, bc] folded into the per-row state (m, l, sum of logits, label's
-    logit), each [br, 1], for the passes that meet the logits tile by tile and cannot gather
-    the label's logit beforehand: linear + cross-entropy, which folds vocabulary slabs one
-    after another into the same state, and the vocabulary-split pass of `sharding.rows` (this
-    module's own forward keeps lighter per-lane sums, `_forward`). x must be 0 outside the
-    array (the tiles are loaded with fill 0), so the sum needs no mask."""
+    logit), each [br, 1], for linear + cross-entropy, which meets its logits slab by slab in
+    its kernels and cannot gather the label's logit beforehand (this module's own pass keeps
+    lighter per-lane sums, `_stats_pass`). x must be 0 outside the array (the tiles are loaded
+    with fill 0), so the sum needs no mask."""
     m, l, sum_x, picked = state
     m, l = C.online_max_sum((m, l), jnp.where(valid, x, C.NEG_INF))
     sum_x = sum_x + jnp.sum(x, axis=-1, keepdims=True)
@@ -54,17 +53,47 @@ def empty_state(rows: int):
 
 
 def _forward(logits2, labels, st: _Static):
-    """(per-token loss, lse), both [N] float32, in one pass over the logits.
+    """(per-token loss, lse), both [N] float32, in one pass over the logits (`row_stats`)."""
+    n_cls = logits2.shape[1]
+
+    def finalize(stats, per_row):
+        m, l, sum_x = stats
+        lse = m + jnp.log(l)
+        return ref.loss_from_stats(lse, per_row[1], sum_x, per_row[0], n_cls,
+                                   label_smoothing=st.label_smoothing,
+                                   ignore_index=st.ignore_index), lse
+
+    return _stats_pass(logits2, st, finalize, (jnp.float32,) * 2,
+                       per_row=[labels, label_logits(logits2, labels)])
+
+
+def row_stats(logits2, st: _Static):
+    """Per-row (max, sum of exp(x - max), sum of logits), each [N] float32, of logits2 [N, V]
+    in one pass (the sum of logits only with label smoothing, else 0): what the vocabulary-
+    parallel loss merges across the devices that split the classes (`sharding.rows`)."""
+    return _stats_pass(logits2, st, lambda stats, _: stats, (jnp.float32,) * 3)
+
+
+def label_logits(logits2, labels):
+    """Each row's logit at its label, float32 [N]; 0 where the label is not one of logits2's
+    classes (ignored, out of range, or on another device's slice of the vocabulary)."""
+    n_cls = logits2.shape[1]
+    inside = (labels >= 0) & (labels < n_cls)
+    x = jnp.take_along_axis(logits2, jnp.clip(labels, 0, n_cls - 1)[:, None], axis=1)[:, 0]
+    return jnp.where(inside, x.astype(jnp.float32), 0.0)
+
+
+def _stats_pass(logits2, st: _Static, finalize, out_dtypes, per_row=()):
+    """The forward's one pass over logits2 [N, V]: `finalize((m, l, sum of logits) as [br, 1]
+    each, per_row)` gives its outputs.
 
     The pass should run at the copy rate, so it does as little per element as it can: the
-    label's logit (one element a row) is gathered by XLA beforehand instead of found by
-    comparing every column with the label; the sum of logits is only formed with label
-    smoothing; and the running sums are per-lane vectors ([rows, tile] wide) reduced once at
-    the row's end, leaving one cross-lane reduction per tile (the max). Run s8-4 (H200,
-    [2048, 128256] bf16): see BENCHMARKS.md."""
-    n_rows, n_cls = logits2.shape
+    label's logit (one element a row) is gathered by XLA beforehand (`label_logits`) instead
+    of found by comparing every column with the label; the sum of logits is only formed with
+    label smoothing; and the running sums are per-lane vectors ([rows, tile] wide) reduced once
+    at the row's end, leaving one cross-lane reduction per tile (the max). Run s8-4 (H200,
+    [2048, 128256] bf16): 0.268 -> 0.193 ms, BENCHMARKS.md."""
     b, a = st.blocks, st.label_smoothing
-    picked = jnp.take_along_axis(logits2, jnp.clip(labels, 0, n_cls - 1)[:, None], axis=1)
 
     def init(_):
         lanes = jnp.zeros((b.block_rows, b.block_cols), jnp.float32)
@@ -81,16 +110,14 @@ def _forward(logits2, labels, st: _Static):
         l = l * jnp.exp(m - shift) + jnp.where(tile.valid, jnp.exp(x - shift), 0.0)
         return m_new, l, (sum_x + x) if a else sum_x     # x is 0 outside (fill 0)
 
-    def finalize(state, per_row):
+    def totals(state, per_row):
         m, l, sum_x = state
-        lse = m + jnp.log(jnp.sum(l, axis=-1, keepdims=True))
-        return ref.loss_from_stats(lse, per_row[1].astype(jnp.float32),
-                                   jnp.sum(sum_x, axis=-1, keepdims=True), per_row[0], n_cls,
-                                   label_smoothing=a, ignore_index=st.ignore_index), lse
+        return finalize((m, jnp.sum(l, axis=-1, keepdims=True),
+                         jnp.sum(sum_x, axis=-1, keepdims=True)), per_row)
 
-    return _rows.reduce_pass(init, step, finalize, tiled=[logits2], fills=[0.0],
-                             per_row=[labels, picked[:, 0]], out_dtypes=(jnp.float32,) * 2,
-                             blocks=b, name="jaxfuse_cross_entropy_fwd", interpret=st.interpret)
+    return _rows.reduce_pass(init, step, totals, tiled=[logits2], fills=[0.0],
+                             per_row=list(per_row), out_dtypes=out_dtypes, blocks=b,
+                             name="jaxfuse_cross_entropy_fwd", interpret=st.interpret)
 
 
 def _backward(logits2, labels, lse, g, st: _Static):

@@ -195,22 +195,18 @@ def size(axes) -> int:
     return jax.lax.axis_size(axes) if axes else 1
 
 
-# Vocabulary split across devices (Megatron's vocab-parallel cross-entropy): each device folds
-# its slice into the per-row (m, l, sum of logits, label's logit) with `fold_logits`,
-# the four per-row scalars merge across the devices (never the logits), the loss follows.
+# Vocabulary split across devices (Megatron's vocab-parallel cross-entropy): each device takes
+# its slice's per-row (max, sum of exp, sum of logits) in the single-device forward's pass and
+# its label logits where the label is in its slice, the four per-row scalars merge across the
+# devices (never the logits), the loss follows.
 
 def ce_vocab_fwd(axes, logits2, labels1, st):
     n_local = logits2.shape[1]
     n_cls = n_local * size(axes)
     local = labels1 - jax.lax.axis_index(axes) * n_local      # outside [0, n_local): elsewhere
-    m, l, sum_x, picked = _rows.reduce_pass(
-        lambda _: _p_ce.empty_state(st.blocks.block_rows),
-        lambda state, tile: _p_ce.fold_logits(state, tile.x[0], tile.valid, tile.cols,
-                                              tile.per_row[0]),
-        lambda state, _: state, tiled=[logits2], fills=[0.0], per_row=[local],
-        out_dtypes=(jnp.float32,) * 4, blocks=st.blocks, name="jaxfuse_cross_entropy_fwd",
-        interpret=st.interpret)
-    m, l, sum_x, picked = merge_vocab_states(axes, (m, l, sum_x, picked))
+    m, l, sum_x = _p_ce.row_stats(logits2, st)
+    m, l, sum_x, picked = merge_vocab_states(
+        axes, (m, l, sum_x, _p_ce.label_logits(logits2, local)))
     lse = m + jnp.log(l)
     return _r_ce.loss_from_stats(lse, picked, sum_x, labels1, n_cls,
                                  label_smoothing=st.label_smoothing,

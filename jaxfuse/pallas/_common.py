@@ -118,19 +118,25 @@ def _at(ref, row0, n: int, col0=None, n_cols: int | None = None, head=None):
 
 
 def load_tile(ref, row0, col0, block_rows: int, block_cols: int, n_rows, n_cols: int, *,
-              other=0.0, predicate: bool = False, global_row0=None, head=None):
+              other=0.0, predicate: bool = False, global_row0=None, head=None,
+              cols_inside: bool = False):
     """Loads rows [row0, +br) x columns [col0, +bc) of a [..., rows, cols] ref (or of one `head`
     of a [rows, heads, cols] ref), `other` outside the array.
 
     `global_row0`: the absolute index of the first row when the ref is a block whose local row 0
     is not row 0 of the array (it decides the mask). Returns `(tile, rows, cols, valid)` with
     absolute indices. Tiles wholly inside a static shape skip the predicate, unless
-    `predicate=True`.
+    `predicate=True`. `cols_inside`: the caller knows this tile's columns lie inside (a row's
+    inner tiles), so only rows are checked, and where the row blocks tile the rows exactly
+    nothing is: `valid` is then a constant the compiler folds away.
     """
     g0 = row0 if global_row0 is None else global_row0
     rows, cols, valid = tile_index(g0, col0, block_rows, block_cols, n_rows, n_cols)
     at = _at(ref, row0, block_rows, col0, block_cols, head)
-    if not predicate and tiles_exactly(n_rows, block_rows) and tiles_exactly(n_cols, block_cols):
+    rows_inside = tiles_exactly(n_rows, block_rows)
+    if cols_inside:
+        valid = jnp.ones(rows.shape, jnp.bool_) if rows_inside else rows < n_rows
+    if not predicate and rows_inside and (cols_inside or tiles_exactly(n_cols, block_cols)):
         return pltriton.load(at), rows, cols, valid   # no tile hangs over: skip the predicate
     return pltriton.load(at, mask=valid, other=other), rows, cols, valid
 

@@ -24,7 +24,6 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from jaxfuse.pallas import _common as C
 
@@ -114,22 +113,12 @@ def _load(refs, fills, per_row, per_col, row0, col0, b: RowBlocks, n_rows, n_col
           interior: bool = False):
     """The tile of every tiled input at (row0, col0), with the per-row and per-column values the
     caller loaded once for it (they do not change from tile to tile). `interior`: the caller
-    knows the tile's columns lie inside the array, so only rows can be outside (and when the
-    row blocks tile the rows exactly, nothing is: `valid` is a constant the compiler folds)."""
-    rows, cols, valid = C.tile_index(row0, col0, b.block_rows, b.block_cols, n_rows, n_cols)
-    if not interior:
-        tiles = [C.load_tile(ref, row0, col0, b.block_rows, b.block_cols, n_rows, n_cols,
-                             other=fill)[0] for ref, fill in zip(refs, fills)]
-    elif C.tiles_exactly(n_rows, b.block_rows):
-        valid = jnp.ones(rows.shape, jnp.bool_)
-        tiles = [pltriton.load(C._at(ref, row0, b.block_rows, col0, b.block_cols))
-                 for ref in refs]
-    else:
-        valid = rows < n_rows
-        tiles = [pltriton.load(C._at(ref, row0, b.block_rows, col0, b.block_cols), mask=valid,
-                               other=fill) for ref, fill in zip(refs, fills)]
-    tiles = tuple(t.astype(jnp.float32) for t in tiles)
-    return Tile(tiles, per_row, per_col, rows, cols, valid, key, row0, col0)
+    knows the tile's columns lie inside the array (`C.load_tile(cols_inside=True)`)."""
+    loads = [C.load_tile(ref, row0, col0, b.block_rows, b.block_cols, n_rows, n_cols,
+                         other=fill, cols_inside=interior) for ref, fill in zip(refs, fills)]
+    _, rows, cols, valid = loads[0]
+    return Tile(tuple(t[0].astype(jnp.float32) for t in loads), per_row, per_col, rows, cols,
+                valid, key, row0, col0)
 
 
 def _per_row(refs, row0, b: RowBlocks, n_rows):

@@ -57,14 +57,19 @@ def _forward(logits2, labels, st: _Static):
     n_cls = logits2.shape[1]
 
     def finalize(stats, per_row):
-        m, l, sum_x = stats
-        lse = m + jnp.log(l)
-        return ref.loss_from_stats(lse, per_row[1], sum_x, per_row[0], n_cls,
-                                   label_smoothing=st.label_smoothing,
-                                   ignore_index=st.ignore_index), lse
+        return loss_and_lse(*stats, per_row[1], per_row[0], n_cls, st)
 
     return _stats_pass(logits2, st, finalize, (jnp.float32,) * 2,
                        per_row=[labels, label_logits(logits2, labels)])
+
+
+def loss_and_lse(m, l, sum_x, picked, labels, n_cls: int, st: _Static):
+    """(per-token loss, lse) from a row's (max, sum of exp, sum of logits, label's logit) over
+    all `n_cls` classes: in the forward's pass, or after the vocabulary-parallel merge."""
+    lse = m + jnp.log(l)
+    return ref.loss_from_stats(lse, picked, sum_x, labels, n_cls,
+                               label_smoothing=st.label_smoothing,
+                               ignore_index=st.ignore_index), lse
 
 
 def row_stats(logits2, st: _Static):

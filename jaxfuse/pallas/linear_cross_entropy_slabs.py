@@ -10,11 +10,11 @@ g = 1, slab by slab of tokens, while each slab's logits exist:
     per slab of `token_slab` tokens:  z = x_s W             (XLA's matmul, logits in x's dtype)
                                       loss_s, dz_s          (`jaxfuse.cross_entropy`'s kernels:
                                                              lse, then dz = q - p)
-                                      dx_s = weight dz_s W^T,  dW += x_s^T dz_s   (float32)
+                                      dx_s = dz_s W^T,  dW += x_s^T dz_s   (float32)
 
-with dW scaled by the weight once at the end (in float32: 1 / count folded into a 16-bit dz
-would push float16 entries under the smallest normal), and the backward only multiplies dx and
-dW by g. Three products, one [token_slab, V] logits
+with dx and dW scaled by the weight once at the end (in float32: 1 / count folded into a 16-bit
+dz would push float16 entries under the smallest normal), and the backward only multiplies dx
+and dW by g. Three products, one [token_slab, V] logits
 slab and its dz alive at a time, plus dx and dW in float32 from the forward to the backward.
 Measured on an H200 as the same composition written out (`benchmarks/lce_paths.py`, run s7-7,
 before this op existed; profiler kernel time of loss + dx + dW, bf16):

@@ -131,7 +131,8 @@ def _rotate(x3, pos, st: _Static, sign: float):
     packed = st.interleaved and x3.dtype.itemsize == 2
     operand = (jax.lax.bitcast_convert_type(x3.reshape(n, h, half, 2), jnp.uint32) if packed
                else x3)
-    width = dh if packed or not st.interpret else d    # a tile's last dim: words if packed
+    # A tile's last dim (words if packed) and how much of it lies inside the array.
+    width, inside = (dh, half) if packed or not st.interpret else (d, d)
 
     def kernel(x_ref, pos_ref, f_ref, o_ref):
         t0 = pl.program_id(0) * bt
@@ -139,7 +140,7 @@ def _rotate(x3, pos, st: _Static, sign: float):
         tok = t0 + jax.lax.broadcasted_iota(jnp.int32, full, 0)
         head = jax.lax.broadcasted_iota(jnp.int32, full, 1)
         col = jax.lax.broadcasted_iota(jnp.int32, full, 2)
-        valid = None if exact else (tok < n) & (head < h) & (col < (half if width == dh else d))
+        valid = None if exact else (tok < n) & (head < h) & (col < inside)
         if packed:
             xa, xb = _load_pairs(x_ref, t0, full, valid, x3.dtype)
         else:

@@ -124,12 +124,10 @@ def _slab_op(ndim: int, label_smoothing: float, ignore_index: int, reduction: st
         return psum_over(loss, plan, rows), dx.reshape(x.shape), psum_over(dw, plan, rows)
 
     @jax.custom_vjp
-    def op(x, w, labels):
+    def op(x, w, labels, weight):
         return _r_ce.reduce_loss(fused_op(x, w, labels)[0], labels != ignore_index, reduction)
 
-    def op_fwd(x, w, labels):
-        # Every token's weight in the reduced loss (1 / count, or 1), by the one reduction rule.
-        weight = _r_ce.reduce_loss(jnp.float32(1.0), labels != ignore_index, reduction)
+    def op_fwd(x, w, labels, weight):
         loss, dx, dw = partitioned(local, layout, (x, w, labels, weight))
         dx, dw = (checkpoint_name(r, name) for r in (dx, dw))
         # The empty arrays carry the input dtypes to the backward.
@@ -137,10 +135,12 @@ def _slab_op(ndim: int, label_smoothing: float, ignore_index: int, reduction: st
 
     def op_bwd(res, g):
         dx, dw, x_t, w_t = res
-        return (g * dx).astype(x_t.dtype), (g * dw).astype(w_t.dtype), None
+        return (g * dx).astype(x_t.dtype), (g * dw).astype(w_t.dtype), None, None
 
     op.defvjp(op_fwd, op_bwd)
-    # `weight` (the last operand) is made inside the op's forward, not passed: the layout's
-    # first three operands are the op's arguments.
-    layout3 = Layout(layout.operands[:3], layout.results, layout.splittable)
-    return lambda x, w, labels: op(*placed_for(layout3, (x, w, labels)))
+
+    def call(x, w, labels):
+        # Every token's weight in the reduced loss (1 / count, or 1), by the one reduction rule.
+        weight = _r_ce.reduce_loss(jnp.float32(1.0), labels != ignore_index, reduction)
+        return op(*placed_for(layout, (x, w, labels, weight)))
+    return call

@@ -205,12 +205,8 @@ def ce_vocab_fwd(axes, logits2, labels1, st):
     n_cls = n_local * size(axes)
     local = labels1 - jax.lax.axis_index(axes) * n_local      # outside [0, n_local): elsewhere
     m, l, sum_x = _p_ce.row_stats(logits2, st)
-    m, l, sum_x, picked = merge_vocab_states(
-        axes, (m, l, sum_x, _p_ce.label_logits(logits2, local)))
-    lse = m + jnp.log(l)
-    return _r_ce.loss_from_stats(lse, picked, sum_x, labels1, n_cls,
-                                 label_smoothing=st.label_smoothing,
-                                 ignore_index=st.ignore_index), lse
+    stats = merge_vocab_states(axes, (m, l, sum_x, _p_ce.label_logits(logits2, local)))
+    return _p_ce.loss_and_lse(*stats, labels1, n_cls, st)
 
 
 def merge_vocab_states(axes, state):

@@ -221,8 +221,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["quick"]:          # checks, the three workloads, kernel times
         check()
         perf(0.0, sweep=False)
-        # The overlapped schedule (the default) against the one it replaced.
-        probe({w: [HopperBwdTiles(overlap=False)] for w in WORKLOADS})
+        # The consumers' ping-pong (the default, s9) against their running free.
+        probe({w: [HopperBwdTiles(pingpong=False)] for w in WORKLOADS})
     if sys.argv[1:2] == ["probe"]:
         probe({"D128 full": [HopperBwdTiles(fused_dq=True, dq_piece=64),
                              HopperBwdTiles(fused_dq=True, stages=2)],

@@ -39,6 +39,7 @@ problem that is a multiple of the tiles and do the rest another way (`fits`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -144,6 +145,33 @@ def fits(x: jax.Array, w: jax.Array, tiles: Tiles) -> bool:
         return False
     return (n > 0 and n % tiles.m == 0 and d % tiles.k == 0
             and w.shape[1] % _swizzle_elems(x.dtype, tiles.k) == 0)
+
+
+_TRACE: dict = {}
+
+
+@contextlib.contextmanager
+def traced(space: dict, directory: str):
+    """Kernels built inside record Mosaic GPU's on-device trace: each warpgroup's first thread
+    stamps the SM clock on entering and leaving every `jax.named_scope` of the kernel body, and
+    a Chrome trace JSON lands in `directory` (benchmarks/attention_trace.py reads it).
+    `space` maps a part of a kernel's name to the scope ranges a warpgroup may record (16 bytes
+    each, kept in shared memory until the kernel ends); kernels it does not name are not traced.
+    A diagnostic: the stamps cost a few cycles each and the buffer takes shared memory."""
+    _TRACE.update(space=dict(space), dir=directory)
+    try:
+        yield
+    finally:
+        _TRACE.clear()
+
+
+def compiler_params(name: str, **kw) -> plgpu.CompilerParams:
+    """Kernel `name`'s Mosaic GPU compiler parameters, with `traced`'s if it names it."""
+    for part, space in _TRACE.get("space", {}).items():
+        if part in name:
+            kw.update(profile_space=space, profile_dir=_TRACE["dir"])
+            break
+    return plgpu.CompilerParams(**kw)
 
 
 def _interpret_params():

@@ -137,6 +137,59 @@ class _Mma:
         return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
+# Row reductions: Mosaic GPU reduces a row of a thread's registers as one chain of dependent
+# operations (32 of them for a [64, 128] tile), so a row max or sum costs the chain's latency,
+# not its instructions. `fold_columns` halves the columns elementwise instead (a tree: 4
+# dependent steps from 128 columns to 8, 2 of a thread's columns per 8), and the row sum l
+# stays a [64, 8] tile of per-thread partial sums until the end (FlashAttention-3 reduces it
+# across threads once, after the loop); the max needs the whole row every step.
+_LANES = 8
+
+
+def fold_columns(x, op):
+    """x [64, n] -> [64, 8]: column halves combined by `op` until 8 columns are left."""
+    while x.shape[1] > _LANES:
+        h = x.shape[1] // 2
+        x = op(x[:, :h], x[:, h:])
+    return x
+
+
+class PingPong:
+    """Two consumer warpgroups taking turns on the tensor cores (FlashAttention-3 sec. 3.1).
+
+    Each consumer calls `switch` wherever it passes from issuing products to vector work
+    (exponentials, masks) or back; the second starts one switch behind (`start`) and the first
+    ends with one more (`end`), so while one runs vector work the other's products run, and
+    their exponentials never queue on the same units. The switch is a rendezvous on a barrier
+    of two arrivals; `arrive` and `wait` split it (work that needs neither side goes between).
+    Off (`on=False`), every call is a no-op and the consumers run free. It needs a ring of 2
+    slots or more: with one, the consumer ahead would wait for the slot that the one behind
+    releases only after their next switch."""
+
+    def __init__(self, barrier, wg, on: bool):
+        self.barrier, self.wg, self.on = barrier, wg, on
+
+    def arrive(self):
+        if self.on:
+            plgpu.barrier_arrive(self.barrier)
+
+    def wait(self):
+        if self.on:
+            plgpu.barrier_wait(self.barrier)
+
+    def switch(self):
+        if self.on:
+            with jax.named_scope("turn"):
+                self.arrive()
+                self.wait()
+
+    def start(self):
+        pl.when(self.wg == 1)(self.switch)
+
+    def end(self):
+        pl.when(self.wg == 0)(self.switch)
+
+
 def _row_vec(x, n: int):
     """A per-row vector [64] broadcast to a [64, n] tile (Mosaic GPU has no [64, 1] layout)."""
     return lax.broadcast_in_dim(x, (x.shape[0], n), (0,))
@@ -205,51 +258,52 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
             plgpu.barrier_wait(q_full.at[wg])
             q_pos = r0 + _iota((_ROWS, bk), 0, spec.interpret)
 
-            def rendezvous():
-                if tiles.pingpong:
-                    plgpu.barrier_arrive(turn)
-                    plgpu.barrier_wait(turn)
+            pp = PingPong(turn, wg, tiles.pingpong and stages >= 2)
 
+            # The named scopes are what `_hopper.traced` stamps (benchmarks/attention_trace.py).
             def step(j, carry, masked):
                 acc, m, l = carry
                 slot = lax.rem(j, stages)
-                plgpu.barrier_wait(k_full.at[slot])
-                s = mma.qk(q_smem.at[wg], k_smem.at[slot], rendezvous)
+                with jax.named_scope("wait_k"):
+                    plgpu.barrier_wait(k_full.at[slot])
+                with jax.named_scope("qk"):
+                    s = mma.qk(q_smem.at[wg], k_smem.at[slot], pp.switch)
                 plgpu.barrier_arrive(k_empty.at[slot])
-                k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
-                keep = A.visible(spec, q_pos, k_pos, None, None) if masked else None
-                u, _ = A.transform(spec, s, keep)
-                m_new = jnp.maximum(m, jnp.max(u, axis=1))
-                shift = C.safe_max(m_new)
-                alpha = jnp.exp2((m - shift) * spec.c2)
-                p = jnp.exp2((u - _row_vec(shift, bk)) * spec.c2)
-                l = l * alpha + jnp.sum(p, axis=1)
-                acc = acc * _row_vec(alpha, d)
-                if tiles.pingpong:
-                    plgpu.barrier_arrive(turn)        # my softmax is done
-                plgpu.barrier_wait(v_full.at[slot])
-                if tiles.pingpong:
-                    plgpu.barrier_wait(turn)          # the other's GEMMs have been issued
-                acc = mma.pv(acc, p.astype(dtype), v_smem.at[slot], lambda: None)
+                with jax.named_scope("softmax"):
+                    k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
+                    keep = A.visible(spec, q_pos, k_pos, None, None) if masked else None
+                    u, _ = A.transform(spec, s, keep)
+                    m_new = jnp.maximum(m, jnp.max(fold_columns(u, jnp.maximum), axis=1))
+                    shift = C.safe_max(m_new) * spec.c2
+                    alpha = jnp.exp2(m * spec.c2 - shift)
+                    # One FMA and one exp2 an element: u c2 - m c2 (FlashAttention-3's form).
+                    p = jnp.exp2(u * spec.c2 - _row_vec(shift, bk))
+                    l = l * _row_vec(alpha, _LANES) + fold_columns(p, jnp.add)
+                    acc = acc * _row_vec(alpha, d)
+                    p = p.astype(dtype)
+                with jax.named_scope("wait_v"):
+                    pp.arrive()                           # my softmax is done
+                    plgpu.barrier_wait(v_full.at[slot])
+                    pp.wait()                             # the other's GEMMs have been issued
+                with jax.named_scope("pv"):
+                    acc = mma.pv(acc, p, v_smem.at[slot], lambda: None)
                 plgpu.barrier_arrive(v_empty.at[slot])
                 return acc, m_new, l
 
             acc = _zeros((_ROWS, d), spec.interpret)
+            l = _zeros((_ROWS, _LANES), spec.interpret)     # per-thread partial row sums
             m = jnp.full((_ROWS,), C.NEG_INF, jnp.float32)
-            l = jnp.zeros((_ROWS,), jnp.float32)
             if not spec.interpret:
                 m = plgpu.layout_cast(m, plgpu.Layout.WGMMA.reduce(1))
-                l = plgpu.layout_cast(l, plgpu.Layout.WGMMA.reduce(1))
-            if tiles.pingpong:
-                pl.when(wg == 1)(rendezvous)         # the second consumer one phase behind
+            pp.start()
             carry = (acc, m, l)
             carry = lax.fori_loop(0, f_lo - lo, lambda j, c: step(j, c, True), carry)
             carry = lax.fori_loop(f_lo - lo, f_hi - lo, lambda j, c: step(j, c, False), carry)
             acc, m, l = lax.fori_loop(f_hi - lo, n, lambda j, c: step(j, c, True), carry)
-            if tiles.pingpong:
-                pl.when(wg == 0)(rendezvous)
+            pp.end()
 
             # As `_attn.online_finish`: lse_u in the scores' units, only l == 0 is an empty row.
+            l = jnp.sum(l, axis=1)
             empty = l == 0
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
             lse = jnp.where(empty, C.NEG_INF,
@@ -298,7 +352,7 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
                              n_q_tiles=n_q_tiles)
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, hq, tq), jnp.float32))
-    params = plgpu.CompilerParams(approx_math=True)
+    params = H.compiler_params("jaxfuse_flash_fwd_hopper", approx_math=True)
     kw = {"interpret": H._interpret_params()} if spec.interpret else {}
     f = plgpu.kernel(body, out_type=out_types, grid=(b * hq, n_q_tiles),
                      grid_names=("bh", "q"), num_threads=3, thread_name="wg",

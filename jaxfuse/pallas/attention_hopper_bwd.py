@@ -114,13 +114,17 @@ class HopperBwdTiles:
     None: fused at D <= 64, where it is faster: at D = 128 its reducing stores cost more than
     the two products the dQ kernel recomputes, BENCHMARKS.md); overlap: the dQ kernel issues
     each step's dQ product behind the next step's S and dP and computes the next step's dS
-    under it (needs 2 ring stages or more; False: each product waited for in turn)."""
+    under it (needs 2 ring stages or more; False: each product waited for in turn); pingpong:
+    the two consumers of either kernel take turns on the tensor cores (`AH.PingPong`: one's
+    exponentials run under the other's products; needs 2 ring stages or more; False: they run
+    free)."""
     block_q: int = 64
     block_k_dq: int | None = None
     stages: int | None = None
     dq_piece: int | None = None
     fused_dq: bool | None = None
     overlap: bool = True
+    pingpong: bool = True
 
     def fuse(self, d: int, deterministic: bool) -> bool:
         """Whether dQ comes from the dK/dV kernel (reducing stores, not deterministic)."""
@@ -277,22 +281,28 @@ def _prev_slot(j, stages: int):
     return lax.rem(j + stages - jnp.minimum(j, 1), stages)
 
 
-def _vec(smem, axis: int, n: int, interpret: bool):
-    """A float32 [64] vector from shared memory as a [64, n] tile: constant along `axis`
+def _vec(smem, axis: int, n: int, interpret: bool, f=lambda x: x):
+    """f of a float32 [64] vector from shared memory as a [64, n] tile: constant along `axis`
     (1: one value per row, 0: one per column), in the wgmma layout when compiled."""
     if interpret:
         x = smem[...]
     else:
         x = plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(axis))
+    x = f(x)
     return lax.broadcast_in_dim(x, (x.shape[0], n) if axis == 1 else (n, x.shape[0]),
                                 (0,) if axis == 1 else (1,))
 
 
-def _probs(spec: AttnSpec, u, lse_u):
-    """P from the forward's lse_u (as `attention_bwd._probs`); lse_u = -inf (a row that saw
-    no key) gives P = 0."""
-    lse_u = jnp.where(lse_u == -jnp.inf, jnp.inf, lse_u)
-    return jnp.exp2(jnp.minimum(u - lse_u, 0.0) * spec.c2)
+def _probs(spec: AttnSpec, u, lse_c2):
+    """P from the forward's lse_u, as `_lse_c2` gives it (as `attention_bwd._probs`; a row
+    that saw no key gets P = 0): one FMA, a min and an exp2 an element."""
+    return jnp.exp2(jnp.minimum(u * spec.c2 - lse_c2, 0.0))
+
+
+def _lse_c2(spec: AttnSpec, lse_u):
+    """lse_u c2 with -inf (a row that saw no key) made +inf, on the [64] vector before it is
+    broadcast over a tile (vector work once a row, not once an element)."""
+    return jnp.where(lse_u == -jnp.inf, jnp.inf, lse_u * spec.c2)
 
 
 def _ds(spec: AttnSpec, p, dp, delta, t, keep):
@@ -316,7 +326,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
     transforms = H._tma_transforms(dtype, d)
 
     def scoped(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-               kv_full, q_full, do_full, empty, ds_full, ds_free):
+               kv_full, q_full, do_full, empty, ds_full, ds_free, turns):
         bh = lax.axis_index("bh")
         b, hk = bh // hkv, bh % hkv
         k0 = lax.axis_index("k") * _KEYS
@@ -364,27 +374,42 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             if fused_dq:       # dQ = dS K reads the other consumer's K rows too
                 plgpu.barrier_wait(kv_full.at[1 - wg])
             k_pos = kr + AH._iota((_ROWS, bq), 0, spec.interpret)
+            # A step's products and vector work alternate (S^T | P | dV, dP^T | dS | dK and
+            # the next S^T): a switch at each change hands the tensor cores to the other.
+            pp = AH.PingPong(turns, wg, tiles.pingpong and stages >= 2)
 
             def step(gi, i, j, carry, masked):
                 dk, dv = carry
                 slot = lax.rem(j, stages)
                 q0 = i * bq
-                plgpu.barrier_wait(q_full.at[slot])
-                (st,) = mma.run(nt(k_smem.at[wg], q_smem.at[slot]))            # S^T [64, bq]
-                keep = None
-                if masked:
-                    q_pos = q0 + AH._iota((_ROWS, bq), 1, spec.interpret)
-                    keep = A.visible(spec, q_pos, k_pos, None, None)
-                u, t = A.transform(spec, st, keep)
-                p = _probs(spec, u, _vec(lse_smem.at[slot], 0, _ROWS, spec.interpret))
-                if masked:     # a NaN row (it saw garbage) leaks nothing into hidden keys
-                    p = jnp.where(keep, p, 0.0)
-                plgpu.barrier_wait(do_full.at[slot])
-                dv, dpt = mma.run(rs(dv, p.astype(dtype), do_smem.at[slot]),     # += P^T dO
-                                  nt(v_smem.at[wg], do_smem.at[slot]))          # dP^T [64, bq]
-                ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot], 0, _ROWS, spec.interpret),
-                         t, keep)
-                ds = ds.astype(dtype)
+                # The named scopes are what `_hopper.traced` stamps (attention_trace.py).
+                with jax.named_scope("wait_q"):
+                    plgpu.barrier_wait(q_full.at[slot])
+                with jax.named_scope("st"):
+                    (st,) = mma.run(nt(k_smem.at[wg], q_smem.at[slot]))        # S^T [64, bq]
+                pp.switch()
+                with jax.named_scope("p"):
+                    keep = None
+                    if masked:
+                        q_pos = q0 + AH._iota((_ROWS, bq), 1, spec.interpret)
+                        keep = A.visible(spec, q_pos, k_pos, None, None)
+                    u, t = A.transform(spec, st, keep)
+                    p = _probs(spec, u, _vec(lse_smem.at[slot], 0, _ROWS, spec.interpret,
+                                             functools.partial(_lse_c2, spec)))
+                    if masked:     # a NaN row (it saw garbage) leaks nothing into hidden keys
+                        p = jnp.where(keep, p, 0.0)
+                    pt = p.astype(dtype)
+                pp.switch()
+                with jax.named_scope("wait_do"):
+                    plgpu.barrier_wait(do_full.at[slot])
+                with jax.named_scope("dv_dpt"):
+                    dv, dpt = mma.run(rs(dv, pt, do_smem.at[slot]),                # += P^T dO
+                                      nt(v_smem.at[wg], do_smem.at[slot]))       # dP^T [64, bq]
+                pp.switch()
+                with jax.named_scope("ds"):
+                    ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot], 0, _ROWS, spec.interpret),
+                             t, keep)
+                    ds = ds.astype(dtype)
                 if fused_dq:
                     # Both consumers' dS^T go to this turn's two [64 keys, bq] slots, and the
                     # consumer whose turn it is (steps alternate) forms dQ = dS K over the 128:
@@ -398,7 +423,9 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                     ds_smem[2 * turn + wg] = ds
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(ds_full.at[turn])
-                (dk,) = mma.run(rs(dk, ds, q_smem.at[slot]))                   # += dS^T Q
+                pp.switch()
+                with jax.named_scope("dk"):
+                    (dk,) = mma.run(rs(dk, ds, q_smem.at[slot]))               # += dS^T Q
                 plgpu.barrier_arrive(empty.at[slot])
                 if fused_dq:
                     @pl.when(turn == wg)
@@ -420,7 +447,9 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 return run(f_hi, hi, True, carry)
 
             zero = AH._zeros((_ROWS, d), spec.interpret)
+            pp.start()
             dk, dv = lax.fori_loop(0, g, head, (zero, zero))
+            pp.end()
             if fused_dq:
                 # Observe the last two steps' releases of the dS^T slots (see the producer).
                 @pl.loop(jnp.maximum(total, 2) - 2, total)
@@ -460,6 +489,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # both consumers done
         plgpu.Barrier(num_arrivals=2, num_barriers=2),              # both dS^T halves written
         plgpu.Barrier(num_arrivals=1, num_barriers=2),              # dQ has read the dS^T
+        plgpu.Barrier(num_arrivals=2),                              # the consumers' turns
         collective_axes="wg")
 
 
@@ -475,7 +505,8 @@ def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, k, interpret: bool):
 
 
 def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
-             spec: AttnSpec, bk: int, stages: int, n_q_tiles: int, overlap: bool):
+             spec: AttnSpec, bk: int, stages: int, n_q_tiles: int, overlap: bool,
+             pingpong: bool):
     # As the forward (`attention_hopper`): a CTA per (batch * query head, 128 query rows),
     # consumer wg on rows wg * 64.., the producer streaming the K and V tiles its rows see;
     # but the query tiles of one head run together (they read the same K and V).
@@ -485,7 +516,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
     transforms = H._tma_transforms(dtype, d)
 
     def scoped(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, acc_scratch, q_full,
-               k_full, v_full, k_empty, v_empty):
+               k_full, v_full, k_empty, v_empty, turns):
         b, h, row0, (lo, f_lo, f_hi, hi) = AH.query_tile(spec, q_gmem.shape[2], n_q_tiles, bk)
         n = hi - lo
         wg = lax.axis_index("wg")
@@ -506,7 +537,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             plgpu.copy_gmem_to_smem(delta_gmem.at[b, h, rows], delta_smem.at[wg],
                                     q_full.at[wg])
             plgpu.barrier_wait(q_full.at[wg])
-            lse = _vec(lse_smem.at[wg], 1, bk, spec.interpret)
+            lse = _vec(lse_smem.at[wg], 1, bk, spec.interpret, functools.partial(_lse_c2, spec))
             delta = _vec(delta_smem.at[wg], 1, bk, spec.interpret)
             q_pos = r0 + AH._iota((_ROWS, bk), 0, spec.interpret)
 
@@ -525,11 +556,18 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
                 return (nt(q_smem.at[wg], k_smem.at[slot]),                     # S [64, bk]
                         nt(do_smem.at[wg], v_smem.at[slot]))                    # dP
 
+            # Products and vector work alternate (S, dP | dS | dQ += dS K and the next S, dP):
+            # a switch at each change hands the tensor cores to the other consumer.
+            pp = AH.PingPong(turns, wg, pingpong)
+
             def step(j, dq, masked):
                 slot = lax.rem(j, stages)
                 s, dp = mma.run(*products(slot))
                 plgpu.barrier_arrive(v_empty.at[slot])
-                (dq,) = mma.run(rs(dq, grads(s, dp, j, masked), k_smem.at[slot]))  # += dS K
+                pp.switch()
+                ds = grads(s, dp, j, masked)
+                pp.switch()
+                (dq,) = mma.run(rs(dq, ds, k_smem.at[slot]))                   # += dS K
                 plgpu.barrier_arrive(k_empty.at[slot])
                 return dq
 
@@ -548,8 +586,10 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
                 plgpu.wait_smem_to_gmem(0)
 
             zero = AH._zeros((_ROWS, d), spec.interpret)
+            pp.start()
             if not overlap:
                 finish(loop(step, zero))
+                pp.end()
                 return
 
             # Overlapped: step j issues S_j and dP_j, then dQ += dS_{j-1} K_{j-1}, and computes
@@ -558,11 +598,18 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             def overlapped(dq_ref):
                 def ostep(j, ds, masked):
                     slot, prev = lax.rem(j, stages), _prev_slot(j, stages)
-                    s, dp = mma.run_behind(products(slot), ((dq_ref, ds, k_smem.at[prev]),))
+                    with jax.named_scope("wait_kv"):
+                        prods = products(slot)
+                    with jax.named_scope("s_dp"):
+                        s, dp = mma.run_behind(prods, ((dq_ref, ds, k_smem.at[prev]),))
                     plgpu.barrier_arrive(v_empty.at[slot])
-                    ds = grads(s, dp, j, masked)
-                    mma.drain()
+                    pp.switch()
+                    with jax.named_scope("ds"):
+                        ds = grads(s, dp, j, masked)
+                    with jax.named_scope("drain"):
+                        mma.drain()
                     pl.when(j > 0)(lambda: plgpu.barrier_arrive(k_empty.at[prev]))
+                    pp.switch()
                     return ds
 
                 ds = loop(ostep, AH._zeros((_ROWS, bk), spec.interpret).astype(dtype))
@@ -575,6 +622,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             # Rows that see no key (causal with Tq > Tk) have no last step.
             pl.when(n > 0)(lambda: mma.accumulate(overlapped, (_ROWS, d), acc_scratch.at[wg]))
             pl.when(n == 0)(lambda: finish(zero))
+            pp.end()
 
     pl.run_scoped(
         scoped,
@@ -591,6 +639,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),                         # the consumers' turns
         collective_axes="wg")
 
 
@@ -598,7 +647,7 @@ def _kernel(body, out_type, grid, names, name: str, spec: AttnSpec, batchable: b
     """A Mosaic GPU kernel of three warpgroups (two consumers, the producer), compiled or
     interpreted. `batchable`: plgpu.kernel, which batches under vmap; else pl.kernel, which
     takes JAX refs (aliased in and out; see `_hopper.kernel`)."""
-    params = plgpu.CompilerParams(approx_math=True)
+    params = H.compiler_params(name, approx_math=True)
     interpret = H._interpret_params() if spec.interpret else None
     mesh = dict(grid=grid, grid_names=names, num_threads=3, thread_name="wg", kernel_name=name)
     if batchable:
@@ -654,7 +703,8 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
         # The overlap holds two K tiles at once: with a one-slot ring it would wait forever.
         body = functools.partial(_dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,
                                  n_q_tiles=tq // (2 * _ROWS),
-                                 overlap=tiles.overlap and stages >= 2)
+                                 overlap=tiles.overlap and stages >= 2,
+                                 pingpong=tiles.pingpong and stages >= 2)
         # Query tiles first: those of one head run together (they read the same K and V).
         dq = _kernel(body, jax.ShapeDtypeStruct(q.shape, q.dtype), (tq // (2 * _ROWS), b * hq),
                      ("q", "bh"), "jaxfuse_flash_bwd_dq_hopper", spec)(*args)

@@ -1,0 +1,138 @@
+"""Where the Hopper attention kernels spend their cycles: Mosaic GPU's on-device trace
+(`_hopper.traced`) of every warpgroup's named scopes (wait_k, qk, softmax, ... in the kernel
+bodies), summed per scope, with how often the two consumer warpgroups of a CTA are in
+tensor-core work and in vector (exp, FMA) work at the same time.
+
+Per scope: cycles per step (mean over every consumer warpgroup's steps) and share of the
+consumers' time. "overlap": of the time both consumers of a CTA are busy, the fraction where
+one runs a product while the other runs vector work (what ping-pong scheduling is for), and
+where both run vector work at once (the exponentials then queue on the same units).
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_trace.py [OUT.json]
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import glob
+import json
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse
+from jaxfuse import AttnBlocks
+from jaxfuse.pallas import _hopper as H
+from benchmarks._timing import guarded, record
+
+S = "attn_trace"
+# (B, T, Hq, Hkv, D, causal): the 1B model's attention shrunk to T = 4096 and 16/4 heads, the
+# 157M model's, and issue 14's D = 128 shape at B = 1, T = 2048 (the traces' shared memory and
+# the Python that writes them grow with the events).
+WORKLOADS = {"1B-like B1 T4096 H16/4 D64 causal": (1, 4096, 16, 4, 64, True),
+             "157M B8 T2048 H16/4 D64 causal": (8, 2048, 16, 4, 64, True),
+             "B1 T2048 H32 D128": (1, 2048, 32, 32, 128, False),
+             "B1 T2048 H32 D128 causal": (1, 2048, 32, 32, 128, True)}
+# Scopes that are products (tensor cores) and vector work; the rest are waits.
+MMA = {"qk", "pv", "st", "dv_dpt", "dk", "s_dp", "drain"}
+VEC = {"softmax", "p", "ds"}
+STEP = {"fwd": "wait_k", "dkv": "wait_q", "dq": "wait_kv"}      # one per step
+
+
+def _intervals(events):
+    """{tid: [(name, start, end)]} of a trace's B/E events (times in cycles, nested scopes
+    kept as their own intervals)."""
+    out, stacks = collections.defaultdict(list), collections.defaultdict(list)
+    for ev in events:
+        t = ev["ts"] * 1e3
+        if ev["ph"] == "B":
+            stacks[ev["tid"]].append((ev["name"], t))
+        else:
+            name, t0 = stacks[ev["tid"]].pop()
+            out[ev["tid"]].append((name, t0, t))
+    return out
+
+
+def _busy(ivs, kinds):
+    """Merged [start, end) intervals of the scopes in `kinds`."""
+    spans = sorted((a, b) for n, a, b in ivs if n in kinds)
+    merged = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def _overlap(x, y) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        total += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(path: str, kernel: str) -> dict:
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    ivs = _intervals(events)
+    per_scope, steps, span = collections.Counter(), 0, 0.0
+    mixed = both_vec = both_busy = 0.0
+    for tid, xs in ivs.items():
+        if (tid - 1) % 3 == 2 or not xs:          # the producer warpgroup
+            continue
+        for name, a, b in xs:
+            per_scope[name] += b - a
+        steps += sum(1 for n, _, _ in xs if n == STEP[kernel])
+        span += max(b for _, _, b in xs) - min(a for _, a, _ in xs)
+        if (tid - 1) % 3 == 0 and tid + 1 in ivs:  # consumer 0 with its CTA's consumer 1
+            other = ivs[tid + 1]
+            m0, v0, m1, v1 = (_busy(i, k) for i in (xs, other) for k in (MMA, VEC))
+            mixed += _overlap(m0, v1) + _overlap(v0, m1)
+            both_vec += _overlap(v0, v1)
+            both_busy += _overlap(_busy(xs, MMA | VEC), _busy(other, MMA | VEC))
+    steps = max(steps, 1)
+    out = {f"{n} cyc/step": round(c / steps, 1) for n, c in per_scope.most_common()}
+    out.update({f"{n} share": round(c / span, 3) for n, c in per_scope.most_common()})
+    out.update(steps=steps, span_cyc_per_step=round(span / steps, 1),
+               mma_under_vec=round(mixed / max(both_busy, 1), 3),
+               vec_with_vec=round(both_vec / max(both_busy, 1), 3))
+    return out
+
+
+def main() -> None:
+    for label, (b, t, hq, hkv, d, causal) in WORKLOADS.items():
+        ks = jax.random.split(jax.random.key(0), 4)
+        q = jax.random.normal(ks[0], (b, t, hq, d), jnp.bfloat16)
+        k, v = (jax.random.normal(kk, (b, t, hkv, d), jnp.bfloat16) for kk in ks[1:3])
+        do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+        attend = functools.partial(jaxfuse.flash_attention, causal=causal,
+                                   block_sizes=AttnBlocks(hopper=True))
+        # One kernel traced per call; trace space, in scope ranges per warpgroup: at most T / 128
+        # forward steps of 6 scopes, g * T / 64 dK/dV steps of 7, T / 64 dQ steps of 4.
+        g = hq // hkv
+        kernels = {"fwd": ("flash_fwd", 6 * (t // 128)), "dkv": ("bwd_dkv", 7 * g * t // 64),
+                   "dq": ("bwd_dq", 4 * (t // 64))}
+        for kernel, (part, entries) in kernels.items():
+            def run(kernel=kernel, part=part, entries=entries):
+                d_out = tempfile.mkdtemp()
+                with H.traced({part: entries + 8}, d_out):
+                    fn = attend if kernel == "fwd" else (
+                        lambda q, k, v: jax.vjp(attend, q, k, v)[1](do))
+                    jax.block_until_ready(jax.jit(fn)(q, k, v))
+                    jax.effects_barrier()
+                (path,) = glob.glob(os.path.join(d_out, "*-trace.json"))
+                record(S, label, kernel, None, **summarize(path, kernel))
+            guarded(S, label, kernel, run)
+
+
+if __name__ == "__main__":
+    from benchmarks import _timing
+    _timing.script(main)

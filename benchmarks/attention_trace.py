@@ -116,10 +116,11 @@ def main() -> None:
         attend = functools.partial(jaxfuse.flash_attention, causal=causal,
                                    block_sizes=AttnBlocks(hopper=True))
         # One kernel traced per call; trace space, in scope ranges per warpgroup: at most T / 128
-        # forward steps of 6 scopes, g * T / 64 dK/dV steps of 7, T / 64 dQ steps of 4.
+        # forward steps of 6 scopes, g * T / 64 dK/dV steps of 7 (11 with its ping-pong's 4
+        # turns), T / 64 dQ steps of 6.
         g = hq // hkv
-        kernels = {"fwd": ("flash_fwd", 6 * (t // 128)), "dkv": ("bwd_dkv", 7 * g * t // 64),
-                   "dq": ("bwd_dq", 4 * (t // 64))}
+        kernels = {"fwd": ("flash_fwd", 6 * (t // 128)), "dkv": ("bwd_dkv", 11 * g * t // 64),
+                   "dq": ("bwd_dq", 6 * (t // 64))}
         for kernel, (part, entries) in kernels.items():
             def run(kernel=kernel, part=part, entries=entries):
                 d_out = tempfile.mkdtemp()

@@ -107,7 +107,10 @@ def test_hopper_dq_overlap_adds_in_the_plain_order():
     """The overlapped dQ loop (dQ += dS K issued behind the next step's S and dP) adds the same
     products in the same order as the plain schedule: bitwise equal dq in the interpreter, over
     3 key steps through a 2-slot ring. With a 1-slot ring the overlap would hold two K tiles
-    at once and wait forever; there the plain schedule runs (same bits again)."""
+    at once and wait forever; there the plain schedule runs (same bits again). The consumers'
+    ping-pong (`HopperBwdTiles.pingpong`: by default in the dQ kernel; True: in the dK/dV
+    kernel too) only orders when each consumer runs: dq, dk, dv bitwise equal with it in
+    both kernels and without it (a 1-slot ring turns it off: it would deadlock there)."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     kq, kk, kv, kd = keys(9, 4)
@@ -116,32 +119,12 @@ def test_hopper_dq_overlap_adds_in_the_plain_order():
     v = randn(kv, (1, 384, 2, 64), jnp.bfloat16)
     do = randn(kd, (1, 128, 2, 64), jnp.bfloat16)
 
-    def dq(**tiles):
+    def grads(**tiles):
         blocks = AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(**tiles)))
-        f = lambda q: jaxfuse.flash_attention(q, k, v, block_sizes=blocks)
-        return jax.vjp(f, q)[1](do)[0]
-    overlapped = dq(stages=2)
-    assert jnp.array_equal(overlapped, dq(stages=2, overlap=False))
-    assert jnp.array_equal(overlapped, dq(stages=1))
-
-
-def test_hopper_pingpong_changes_no_bits():
-    """The consumers' ping-pong (`HopperBwdTiles.pingpong`, `AH.PingPong`) only orders when
-    each consumer runs: dq, dk, dv bitwise equal with it and without, on a GQA problem (2
-    query heads per KV head and 3 key tiles: 4 steps per dK/dV CTA, 3 per dQ CTA; no masked
-    tiles, see the module docstring)."""
-    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
-    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-    kq, kk, kv, kd = keys(11, 4)
-    q = randn(kq, (1, 128, 2, 64), jnp.bfloat16)
-    k = randn(kk, (1, 384, 1, 64), jnp.bfloat16)
-    v = randn(kv, (1, 384, 1, 64), jnp.bfloat16)
-    do = randn(kd, (1, 128, 2, 64), jnp.bfloat16)
-
-    def grads(pingpong):
-        blocks = AttnBlocks(hopper=HopperAttnTiles(
-            backward=HopperBwdTiles(pingpong=pingpong)))
         f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=blocks)
         return jax.vjp(f, q, k, v)[1](do)
-    for a, b in zip(grads(True), grads(False)):
-        assert jnp.array_equal(a, b)
+    overlapped = grads(stages=2)
+    for other in (grads(stages=2, overlap=False, pingpong=True), grads(stages=1)):
+        for a, b in zip(overlapped, other):
+            assert jnp.array_equal(a, b)
+

@@ -1,7 +1,8 @@
 """The Hopper attention kernels at the models' head dim 64, tile by tile, against cuDNN: profiler
 kernel times (steadier than wall clock) of the forward and of the backward's kernels, for a few
 `HopperAttnTiles` / `HopperBwdTiles`, at the 1B preset's attention (B2 T8192 H32/8, causal) and
-the 157M preset's (B8 T2048 H16/4, causal). Each variant's o and gradients are compared with
+the 157M preset's (B8 T2048 H16/4, causal), after checking each forward variant against the
+float32 reference on awkward shapes (`CHECKS`). Each variant's o and gradients are compared with
 the default tiles' (bf16 rounding apart, they compute the same sums).
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_d64_tiles.py [OUT.json]
@@ -22,10 +23,47 @@ from benchmarks._timing import guarded, record, rel_err
 S = "attn_d64"
 WORKLOADS = {"1B B2 T8192 H32/8": (2, 8192, 32, 8), "157M B8 T2048 H16/4": (8, 2048, 16, 4)}
 # Variants measured before (NOTES s7-5: block_k 64 / 256, 2 stages, no ping-pong forward;
-# block_q 128, stages 2, block_k_dq 64 backward) lost to the default; now the backward's
-# ping-pong (s9) against its consumers running free.
-FWD = []
-BWD = [HopperBwdTiles(pingpong=False)]
+# block_q 128, stages 2, block_k_dq 64 backward; s9-2: the backward's consumers free against
+# ping-pong) lost to the default; now three forward consumers (s9-6).
+FWD = [HopperAttnTiles(consumers=3)]
+BWD = []
+
+
+# Awkward D = 64 shapes for the forward variants (b, tq, tk, hq, hkv), options: CTAs of 192
+# rows with one or two consumers past Tq, bottom-right causal with rows that see no key,
+# windows and soft caps, GQA.
+CHECKS = [((1, 640, 640, 4, 2), dict(causal=True)),
+          ((2, 256, 384, 6, 2), dict(sliding_window=77, logits_soft_cap=10.0)),
+          ((1, 384, 128, 2, 1), dict(causal=True)),
+          ((1, 128, 384, 2, 2), dict(causal=True)),
+          ((1, 512, 512, 8, 1), dict())]
+
+
+def check_variants() -> None:
+    """o and lse of each FWD variant against the float32 reference (and, through the default
+    backward, dq, dk, dv), bf16."""
+    from jaxfuse.reference import attention as ref
+    for tiles in FWD:
+        for (b, tq, tk, hq, hkv), opts in CHECKS:
+            def run(tiles=tiles, b=b, tq=tq, tk=tk, hq=hq, hkv=hkv, opts=opts):
+                ks = jax.random.split(jax.random.key(tq + tk + hq), 4)
+                q = jax.random.normal(ks[0], (b, tq, hq, 64), jnp.bfloat16)
+                k, v = (jax.random.normal(kk, (b, tk, hkv, 64), jnp.bfloat16) for kk in ks[1:3])
+                do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+                f = lambda q, k, v: jaxfuse.flash_attention(
+                    q, k, v, return_lse=True, block_sizes=AttnBlocks(hopper=tiles), **opts)
+                r = lambda q, k, v: ref.attention(q, k, v, return_lse=True, **opts)
+                (o, lse), pull = jax.vjp(jax.jit(f), q, k, v)
+                (ro, rlse), rpull = jax.vjp(r, *(x.astype(jnp.float32) for x in (q, k, v)))
+                g = pull((do, jnp.zeros_like(lse)))
+                rg = rpull((do.astype(jnp.float32), jnp.zeros_like(rlse)))
+                fin = jnp.isfinite(rlse)
+                record(S, f"check {(b, tq, tk, hq, hkv)} {opts}", str(tiles), None,
+                       o_err=rel_err(o, ro),
+                       lse_err=float(jnp.max(jnp.where(fin, jnp.abs(lse - rlse), 0.0))),
+                       lse_inf_match=bool(jnp.all(jnp.isfinite(lse) == fin)),
+                       grad_err=max(rel_err(a, c) for a, c in zip(g, rg)))
+            guarded(S, f"check {(b, tq, tk, hq, hkv)} {opts}", str(tiles), run)
 
 
 def _kernel_ms(fn, args) -> dict:
@@ -33,6 +71,7 @@ def _kernel_ms(fn, args) -> dict:
 
 
 def main() -> None:
+    check_variants()
     for label, (b, t, hq, hkv) in WORKLOADS.items():
         ks = jax.random.split(jax.random.key(0), 4)
         q = jax.random.normal(ks[0], (b, t, hq, 64), jnp.bfloat16)

@@ -26,6 +26,9 @@ F32 = lambda x: x.astype(jnp.float32)
 @pytest.mark.parametrize("tiles,opts", [
     (HopperAttnTiles(backward=False), dict(logits_soft_cap=30.0)),
     (HopperAttnTiles(block_k=64, stages=2, pingpong=False, backward=False), dict(scale=0.3)),
+    # two consumers taking turns (the default above D = 64; at 64 three: the two cases
+    # above, whose third consumer is past the last of the 128 rows and only releases the ring)
+    (HopperAttnTiles(consumers=2, backward=False), dict()),
 ])
 def test_hopper_forward_matches_reference(dtype, tiles, opts):
     """GQA (4 query heads on 1 KV head), Tk > Tq, a soft cap or a custom scale: o, lse and

@@ -148,6 +148,22 @@ def test_hopper_flash_attention_lowers(d, opts, det):
     assert ('"jaxfuse_flash_bwd_dkv"' in module) == (not hopper_bwd)
 
 
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(sliding_window=100)])
+def test_hopper_forward_consumers_lower(opts, consumers):
+    """`HopperAttnTiles(consumers=)` at D = 64 (3 by default there): 192-row CTAs (the last one
+    partly past Tq = 256) or 128-row CTAs taking turns, each consumer's own masked and
+    passed-over key blocks, 160 or 232 registers a consumer thread."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    tiles = HopperAttnTiles(consumers=consumers, backward=False)
+    module = _lower(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
+        q, k, k).mlir_module()
+    assert "jaxfuse_flash_fwd_hopper" in module
+
+
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
 def test_dropout_kernels_lower(shape):
     x = jnp.zeros(shape, jnp.bfloat16)

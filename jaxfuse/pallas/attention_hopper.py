@@ -7,7 +7,8 @@ One CTA computes a [2 * block_q, D] tile of o for one (batch, query head):
 * a producer warpgroup streams the K and V tiles of the visible key range into a ring of
   `stages` shared-memory slots with TMA (each slot has a "full" barrier that the copy completes
   and an "empty" barrier that both consumers arrive on once they have read it);
-* two consumer warpgroups each own block_q = 64 query rows (one wgmma M), keep (m, l, acc) in
+* two consumer warpgroups (three at D = 64, `HopperAttnTiles.consumers`, without the
+  ping-pong below; measured 9% faster there) each own block_q = 64 query rows (one wgmma M), keep (m, l, acc) in
   registers and walk the same key tiles: S = Q K^T by wgmma from shared memory, the online
   softmax in the log2 domain (exp2, scale * log2(e) folded into one multiply), then
   O += P V by wgmma with P straight from registers (never through shared memory);
@@ -58,11 +59,20 @@ class HopperAttnTiles:
     at most 4); pingpong: the consumers take turns on the tensor cores (False: they run free);
     backward: the Hopper backward (`attention_hopper_bwd`) follows where it takes the problem,
     with its default tiles (True) or with these (`attention_hopper_bwd.HopperBwdTiles`); False:
-    the portable backward after this forward."""
+    the portable backward after this forward; consumers: consumer warpgroups of 64 query rows
+    a CTA, 2 (ping-pong) or 3 (two softmaxes share the multiprocessor while the third
+    multiplies; no ping-pong; a consumer past the last row, and each block wholly masked for
+    a consumer's own rows, only releases the ring); None: 3 at head_dim 64, else 2."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
     backward: object = True
+    consumers: int | None = None
+
+    def __post_init__(self):
+        if self.consumers is not None and self.consumers not in _REGISTERS:
+            raise ValueError(f"HopperAttnTiles.consumers={self.consumers} must be one of "
+                             f"{tuple(_REGISTERS)} (consumer warpgroups of 64 rows a CTA)")
 
     @classmethod
     def for_head_dim(cls, d: int) -> "HopperAttnTiles":
@@ -70,8 +80,17 @@ class HopperAttnTiles:
         # 64-key tiles (32 registers) to stay under the 232 that a consumer gets.
         return cls(block_k=64 if d > 128 else 128)
 
+    def n_consumers(self, d: int) -> int:
+        # D = 64: three consumers (160 registers each: acc 32, S 64, P 32). Measured (H200,
+        # profiler, s9-6): 1.292 -> 1.174 ms at the 1B model's attention (B2 T8192 H32/8
+        # causal; cuDNN 1.218), 0.217 -> 0.200 at the 157M's (cuDNN 0.194). Its softmax is
+        # latency-bound with one warp a multiprocessor quarter doing vector work; with three
+        # consumers two share each quarter while the third multiplies. Above D = 64 the
+        # accumulator does not fit in 160 registers.
+        return self.consumers or (3 if d <= 64 else 2)
+
     def stages_for(self, d: int, itemsize: int) -> int:
-        q = 2 * _ROWS * d * itemsize                   # Q tiles (reused for O on the way out)
+        q = self.n_consumers(d) * _ROWS * d * itemsize  # Q tiles (reused for O on the way out)
         stage = 2 * self.block_k * d * itemsize        # one K and one V tile
         fit = max(1, (_SMEM_BYTES - q) // stage)
         return min(fit, 4) if self.stages is None else self.stages
@@ -195,22 +214,29 @@ def _row_vec(x, n: int):
     return lax.broadcast_in_dim(x, (x.shape[0], n), (0,))
 
 
-def query_tile(spec: AttnSpec, hq: int, n_q_tiles: int, bk: int):
-    """(b, h, row0, key block bounds `A.key_blocks`) of this CTA's 2 x 64 query rows, grid
-    ("bh", "q"); causal: heaviest first (the last query tiles see the most keys)."""
+def query_tile(spec: AttnSpec, hq: int, n_q_tiles: int, bk: int, consumers: int = 2):
+    """(b, h, row0, key block bounds `A.key_blocks`) of this CTA's consumers x 64 query rows,
+    grid ("bh", "q"); causal: heaviest first (the last query tiles see the most keys)."""
     bh = lax.axis_index("bh")
     tile = lax.axis_index("q")
     if spec.causal:
         tile = n_q_tiles - 1 - tile
-    row0 = tile * (2 * _ROWS)
-    return bh // hq, bh % hq, row0, A.key_blocks(spec, row0, 2 * _ROWS, bk)
+    row0 = tile * (consumers * _ROWS)
+    return bh // hq, bh % hq, row0, A.key_blocks(spec, row0, consumers * _ROWS, bk)
 
 
-def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full, empty):
+# Registers a thread (of 65536 a multiprocessor, 128 threads a warpgroup): the producer gives
+# back what the consumers take. Two consumers: 232 each (the most a thread can have), three:
+# 160 (FlashAttention-3's split for its three consumer warpgroups).
+_REGISTERS = {2: (40, 232), 3: (24, 160)}
+
+
+def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full, empty,
+               registers: int = 40):
     """The producer warpgroup of a kernel that walks n key blocks from block lo: K and V of
     (b, h_kv) through a ring of `stages` shared-memory slots, (k, v) pairs of smem refs,
     'full' barriers it arrives on and 'empty' barriers the consumers release."""
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(registers, action="decrease")
     kv = lambda ref, j: ref.at[b, pl.ds((lo + j) * bk, bk), h_kv]
 
     @pl.loop(0, n)
@@ -234,31 +260,41 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
 def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                   tiles: HopperAttnTiles, stages: int, n_q_tiles: int):
     bk, d, g = tiles.block_k, spec.head_dim, spec.groups
+    nc = tiles.n_consumers(d)
     mma = _Mma(spec.interpret)
     dtype = q_gmem.dtype
     transforms = H._tma_transforms(dtype, d)
+    producer_regs, consumer_regs = _REGISTERS[nc]
 
     def scoped(q_smem, k_smem, v_smem, lse_smem, k_full, v_full, q_full, k_empty, v_empty,
                turn):
-        b, h, row0, (lo, f_lo, f_hi, hi) = query_tile(spec, q_gmem.shape[2], n_q_tiles, bk)
+        b, h, row0, (lo, _, _, hi) = query_tile(spec, q_gmem.shape[2], n_q_tiles, bk, nc)
         n = hi - lo
         wg = lax.axis_index("wg")
 
-        @pl.when(wg == 2)
+        @pl.when(wg == nc)
         def _producer():
             produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
-                       (k_full, v_full), (k_empty, v_empty))
+                       (k_full, v_full), (k_empty, v_empty), producer_regs)
 
-        @pl.when(wg < 2)
+        @pl.when(wg < nc)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(consumer_regs, action="increase")
             r0 = row0 + wg * _ROWS
-            plgpu.copy_gmem_to_smem(q_gmem.at[b, pl.ds(r0, _ROWS), h], q_smem.at[wg],
-                                    q_full.at[wg])
-            plgpu.barrier_wait(q_full.at[wg])
-            q_pos = r0 + _iota((_ROWS, bk), 0, spec.interpret)
+            # A consumer past the last query row (the last CTA when Tq is not a multiple of
+            # its rows) only releases the ring's slots.
+            active = r0 < spec.n_q
 
-            pp = PingPong(turn, wg, tiles.pingpong and stages >= 2)
+            @pl.when(active)
+            def _():
+                plgpu.copy_gmem_to_smem(q_gmem.at[b, pl.ds(r0, _ROWS), h], q_smem.at[wg],
+                                        q_full.at[wg])
+                plgpu.barrier_wait(q_full.at[wg])
+            # This consumer's own key blocks within the CTA's [lo, hi): blocks wholly masked
+            # for its 64 rows (causal, window) are passed over, only its own edges masked.
+            c_lo, c_flo, c_fhi, c_hi = (jnp.where(active, x, lo) - lo for x in
+                                        A.key_blocks(spec, r0, _ROWS, bk))
+            pp = PingPong(turn, wg, tiles.pingpong and stages >= 2 and nc == 2)
 
             # The named scopes are what `_hopper.traced` stamps (benchmarks/attention_trace.py).
             def step(j, carry, masked):
@@ -270,8 +306,11 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                     s = mma.qk(q_smem.at[wg], k_smem.at[slot], pp.switch)
                 plgpu.barrier_arrive(k_empty.at[slot])
                 with jax.named_scope("softmax"):
-                    k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
-                    keep = A.visible(spec, q_pos, k_pos, None, None) if masked else None
+                    keep = None
+                    if masked:   # positions made here, not held across the loop (registers)
+                        q_pos = r0 + _iota((_ROWS, bk), 0, spec.interpret)
+                        k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
+                        keep = A.visible(spec, q_pos, k_pos, None, None)
                     u, _ = A.transform(spec, s, keep)
                     m_new = jnp.maximum(m, jnp.max(fold_columns(u, jnp.maximum), axis=1))
                     shift = C.safe_max(m_new) * spec.c2
@@ -290,6 +329,19 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                 plgpu.barrier_arrive(v_empty.at[slot])
                 return acc, m_new, l
 
+            def pass_over(j, carry):
+                """A key block wholly masked for this consumer's rows: release its slots (and
+                keep the ping-pong's count of switches)."""
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_full.at[slot])
+                pp.switch()
+                plgpu.barrier_arrive(k_empty.at[slot])
+                pp.arrive()
+                plgpu.barrier_wait(v_full.at[slot])
+                pp.wait()
+                plgpu.barrier_arrive(v_empty.at[slot])
+                return carry
+
             acc = _zeros((_ROWS, d), spec.interpret)
             l = _zeros((_ROWS, _LANES), spec.interpret)     # per-thread partial row sums
             m = jnp.full((_ROWS,), C.NEG_INF, jnp.float32)
@@ -297,35 +349,40 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                 m = plgpu.layout_cast(m, plgpu.Layout.WGMMA.reduce(1))
             pp.start()
             carry = (acc, m, l)
-            carry = lax.fori_loop(0, f_lo - lo, lambda j, c: step(j, c, True), carry)
-            carry = lax.fori_loop(f_lo - lo, f_hi - lo, lambda j, c: step(j, c, False), carry)
-            acc, m, l = lax.fori_loop(f_hi - lo, n, lambda j, c: step(j, c, True), carry)
+            carry = lax.fori_loop(0, c_lo, pass_over, carry)
+            carry = lax.fori_loop(c_lo, c_flo, lambda j, c: step(j, c, True), carry)
+            carry = lax.fori_loop(c_flo, c_fhi, lambda j, c: step(j, c, False), carry)
+            carry = lax.fori_loop(c_fhi, c_hi, lambda j, c: step(j, c, True), carry)
+            acc, m, l = lax.fori_loop(c_hi, n, pass_over, carry)
             pp.end()
 
-            # As `_attn.online_finish`: lse_u in the scores' units, only l == 0 is an empty row.
-            l = jnp.sum(l, axis=1)
-            empty = l == 0
-            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-            lse = jnp.where(empty, C.NEG_INF,
-                            m + jnp.log2(jnp.where(empty, 1.0, l)) * (1.0 / spec.c2))
-            q_smem[wg] = (acc * _row_vec(inv, d)).astype(dtype)      # Q is done with: O goes here
-            lse_smem[wg] = lse
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_gmem.at[b, pl.ds(r0, _ROWS), h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[b, h, pl.ds(r0, _ROWS)])
-            plgpu.wait_smem_to_gmem(0)
+            @pl.when(active)
+            def _():
+                # As `_attn.online_finish`: lse_u in the scores' units, only l == 0 is an
+                # empty row.
+                lsum = jnp.sum(l, axis=1)
+                empty = lsum == 0
+                inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, lsum))
+                lse = jnp.where(empty, C.NEG_INF,
+                                m + jnp.log2(jnp.where(empty, 1.0, lsum)) * (1.0 / spec.c2))
+                q_smem[wg] = (acc * _row_vec(inv, d)).astype(dtype)   # Q is done with: O here
+                lse_smem[wg] = lse
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem.at[wg], o_gmem.at[b, pl.ds(r0, _ROWS), h])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[b, h, pl.ds(r0, _ROWS)])
+                plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((2, _ROWS, d), dtype, transforms=transforms),
+        plgpu.SMEM((nc, _ROWS, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
-        plgpu.SMEM((2, _ROWS), jnp.float32),
+        plgpu.SMEM((nc, _ROWS), jnp.float32),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_barriers=nc),
+        plgpu.Barrier(num_arrivals=nc, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=nc, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
         collective_axes="wg")
 
@@ -347,7 +404,7 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
     [B, Tk, Hkv, D]; the problem must `fit`."""
     b, tq, hq, d = q.shape
     stages = tiles.stages_for(d, q.dtype.itemsize)
-    n_q_tiles = tq // (2 * _ROWS)
+    n_q_tiles = C.cdiv(tq, tiles.n_consumers(d) * _ROWS)
     body = functools.partial(_forward_body, spec=spec, tiles=tiles, stages=stages,
                              n_q_tiles=n_q_tiles)
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -355,7 +412,8 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
     params = H.compiler_params("jaxfuse_flash_fwd_hopper", approx_math=True)
     kw = {"interpret": H._interpret_params()} if spec.interpret else {}
     f = plgpu.kernel(body, out_type=out_types, grid=(b * hq, n_q_tiles),
-                     grid_names=("bh", "q"), num_threads=3, thread_name="wg",
+                     grid_names=("bh", "q"), num_threads=tiles.n_consumers(d) + 1,
+                     thread_name="wg",
                      compiler_params=params, kernel_name="jaxfuse_flash_fwd_hopper", **kw)
     # The barrier keeps XLA from running the kernel twice. Inside a scanned, differentiated
     # model, o is both used and stacked as a residual, and XLA's GPU dynamic-slice fusion

@@ -2,13 +2,14 @@
 specialization and two ping-ponging consumer warpgroups (FlashAttention-3, Shah et al. 2024,
 sec. 3.1-3.2).
 
-One CTA computes a [2 * block_q, D] tile of o for one (batch, query head):
+One CTA computes a [consumers * 64, D] tile of o for one (batch, query head):
 
 * a producer warpgroup streams the K and V tiles of the visible key range into a ring of
   `stages` shared-memory slots with TMA (each slot has a "full" barrier that the copy completes
-  and an "empty" barrier that both consumers arrive on once they have read it);
+  and an "empty" barrier that every consumer arrives on once it has read it);
 * two consumer warpgroups (three at D = 64, `HopperAttnTiles.consumers`, without the
-  ping-pong below; measured 9% faster there) each own block_q = 64 query rows (one wgmma M), keep (m, l, acc) in
+  ping-pong below; measured 9% faster there) each own block_q = 64 query rows (one wgmma
+  M), keep (m, l, acc) in
   registers and walk the same key tiles: S = Q K^T by wgmma from shared memory, the online
   softmax in the log2 domain (exp2, scale * log2(e) folded into one multiply), then
   O += P V by wgmma with P straight from registers (never through shared memory);
@@ -181,12 +182,12 @@ class PingPong:
     ends with one more (`end`), so while one runs vector work the other's products run, and
     their exponentials never queue on the same units. The switch is a rendezvous on a barrier
     of two arrivals; `arrive` and `wait` split it (work that needs neither side goes between).
-    Off (`on=False`), every call is a no-op and the consumers run free. It needs a ring of 2
-    slots or more: with one, the consumer ahead would wait for the slot that the one behind
-    releases only after their next switch."""
+    Off (`on=False`), every call is a no-op and the consumers run free. It stays off with a
+    ring of fewer than 2 slots (`stages`): with one, the consumer ahead would wait for the slot
+    that the one behind releases only after their next switch."""
 
-    def __init__(self, barrier, wg, on: bool):
-        self.barrier, self.wg, self.on = barrier, wg, on
+    def __init__(self, barrier, wg, on: bool, stages: int):
+        self.barrier, self.wg, self.on = barrier, wg, on and stages >= 2
 
     def arrive(self):
         if self.on:
@@ -294,7 +295,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
             # for its 64 rows (causal, window) are passed over, only its own edges masked.
             c_lo, c_flo, c_fhi, c_hi = (jnp.where(active, x, lo) - lo for x in
                                         A.key_blocks(spec, r0, _ROWS, bk))
-            pp = PingPong(turn, wg, tiles.pingpong and stages >= 2 and nc == 2)
+            pp = PingPong(turn, wg, tiles.pingpong and nc == 2, stages)
 
             # The named scopes are what `_hopper.traced` stamps (benchmarks/attention_trace.py).
             def step(j, carry, masked):
@@ -404,17 +405,18 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
     [B, Tk, Hkv, D]; the problem must `fit`."""
     b, tq, hq, d = q.shape
     stages = tiles.stages_for(d, q.dtype.itemsize)
-    n_q_tiles = C.cdiv(tq, tiles.n_consumers(d) * _ROWS)
+    nc = tiles.n_consumers(d)
+    n_q_tiles = C.cdiv(tq, nc * _ROWS)
     body = functools.partial(_forward_body, spec=spec, tiles=tiles, stages=stages,
                              n_q_tiles=n_q_tiles)
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, hq, tq), jnp.float32))
-    params = H.compiler_params("jaxfuse_flash_fwd_hopper", approx_math=True)
+    name = "jaxfuse_flash_fwd_hopper"
     kw = {"interpret": H._interpret_params()} if spec.interpret else {}
     f = plgpu.kernel(body, out_type=out_types, grid=(b * hq, n_q_tiles),
-                     grid_names=("bh", "q"), num_threads=tiles.n_consumers(d) + 1,
-                     thread_name="wg",
-                     compiler_params=params, kernel_name="jaxfuse_flash_fwd_hopper", **kw)
+                     grid_names=("bh", "q"), num_threads=nc + 1, thread_name="wg",
+                     compiler_params=H.compiler_params(name, approx_math=True),
+                     kernel_name=name, **kw)
     # The barrier keeps XLA from running the kernel twice. Inside a scanned, differentiated
     # model, o is both used and stacked as a residual, and XLA's GPU dynamic-slice fusion
     # cloned the custom call into a fusion that writes the residual stack, keeping the

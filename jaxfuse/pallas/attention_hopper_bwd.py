@@ -383,7 +383,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             k_pos = kr + AH._iota((_ROWS, bq), 0, spec.interpret)
             # A step's products and vector work alternate (S^T | P | dV, dP^T | dS | dK and
             # the next S^T): a switch at each change hands the tensor cores to the other.
-            pp = AH.PingPong(turns, wg, bool(tiles.pingpong) and stages >= 2)
+            pp = AH.PingPong(turns, wg, tiles.pingpong is True, stages)
 
             def step(gi, i, j, carry, masked):
                 dk, dv = carry
@@ -565,7 +565,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
 
             # Products and vector work alternate (S, dP | dS | dQ += dS K and the next S, dP):
             # a switch at each change hands the tensor cores to the other consumer.
-            pp = AH.PingPong(turns, wg, pingpong)
+            pp = AH.PingPong(turns, wg, pingpong, stages)
 
             def step(j, dq, masked):
                 slot = lax.rem(j, stages)
@@ -711,7 +711,7 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
         body = functools.partial(_dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,
                                  n_q_tiles=tq // (2 * _ROWS),
                                  overlap=tiles.overlap and stages >= 2,
-                                 pingpong=tiles.dq_pingpong(d) and stages >= 2)
+                                 pingpong=tiles.dq_pingpong(d))
         # Query tiles first: those of one head run together (they read the same K and V).
         dq = _kernel(body, jax.ShapeDtypeStruct(q.shape, q.dtype), (tq // (2 * _ROWS), b * hq),
                      ("q", "bh"), "jaxfuse_flash_bwd_dq_hopper", spec)(*args)

@@ -24,14 +24,20 @@ S = "attn_d64"
 WORKLOADS = {"1B B2 T8192 H32/8": (2, 8192, 32, 8), "157M B8 T2048 H16/4": (8, 2048, 16, 4)}
 # Variants measured before (NOTES s7-5: block_k 64 / 256, 2 stages, no ping-pong forward;
 # block_q 128, stages 2, block_k_dq 64 backward; s9-2: the backward's consumers free against
-# ping-pong) lost to the default; now three forward consumers (s9-6).
-FWD = [HopperAttnTiles(consumers=3)]
-BWD = []
+# ping-pong; s9-6: two forward consumers) lost to the default. Now the dK/dV kernel's two
+# consumers against its default three (s10).
+FWD = []
+BWD = [HopperBwdTiles(consumers=2)]
 
 
-# Awkward D = 64 shapes for the forward variants (b, tq, tk, hq, hkv), options: CTAs of 192
-# rows with one or two consumers past Tq, bottom-right causal with rows that see no key,
-# windows and soft caps, GQA.
+def variants() -> list:
+    """None (the default tiles), then each FWD and BWD variant as `AttnBlocks.hopper`."""
+    return [None, *FWD, *(HopperAttnTiles(backward=t) for t in BWD)]
+
+
+# Awkward D = 64 shapes (b, tq, tk, hq, hkv), options: CTAs of 192 query rows or keys with
+# one or two consumers past Tq or Tk, bottom-right causal with rows that see no key (Tq > Tk)
+# and keys no row sees (Tk > Tq), windows and soft caps, GQA.
 CHECKS = [((1, 640, 640, 4, 2), dict(causal=True)),
           ((2, 256, 384, 6, 2), dict(sliding_window=77, logits_soft_cap=10.0)),
           ((1, 384, 128, 2, 1), dict(causal=True)),
@@ -40,30 +46,31 @@ CHECKS = [((1, 640, 640, 4, 2), dict(causal=True)),
 
 
 def check_variants() -> None:
-    """o and lse of each FWD variant against the float32 reference (and, through the default
-    backward, dq, dk, dv), bf16."""
+    """o, lse, dq, dk and dv of the default tiles and of each variant against the float32
+    reference, bf16."""
     from jaxfuse.reference import attention as ref
-    for tiles in FWD:
+    for tiles in variants():
         for (b, tq, tk, hq, hkv), opts in CHECKS:
             def run(tiles=tiles, b=b, tq=tq, tk=tk, hq=hq, hkv=hkv, opts=opts):
                 ks = jax.random.split(jax.random.key(tq + tk + hq), 4)
                 q = jax.random.normal(ks[0], (b, tq, hq, 64), jnp.bfloat16)
                 k, v = (jax.random.normal(kk, (b, tk, hkv, 64), jnp.bfloat16) for kk in ks[1:3])
                 do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+                bs = None if tiles is None else AttnBlocks(hopper=tiles)
                 f = lambda q, k, v: jaxfuse.flash_attention(
-                    q, k, v, return_lse=True, block_sizes=AttnBlocks(hopper=tiles), **opts)
+                    q, k, v, return_lse=True, block_sizes=bs, **opts)
                 r = lambda q, k, v: ref.attention(q, k, v, return_lse=True, **opts)
                 (o, lse), pull = jax.vjp(jax.jit(f), q, k, v)
                 (ro, rlse), rpull = jax.vjp(r, *(x.astype(jnp.float32) for x in (q, k, v)))
                 g = pull((do, jnp.zeros_like(lse)))
                 rg = rpull((do.astype(jnp.float32), jnp.zeros_like(rlse)))
                 fin = jnp.isfinite(rlse)
-                record(S, f"check {(b, tq, tk, hq, hkv)} {opts}", str(tiles), None,
+                record(S, f"check {(b, tq, tk, hq, hkv)} {opts}", str(tiles or "default"), None,
                        o_err=rel_err(o, ro),
                        lse_err=float(jnp.max(jnp.where(fin, jnp.abs(lse - rlse), 0.0))),
                        lse_inf_match=bool(jnp.all(jnp.isfinite(lse) == fin)),
                        grad_err=max(rel_err(a, c) for a, c in zip(g, rg)))
-            guarded(S, f"check {(b, tq, tk, hq, hkv)} {opts}", str(tiles), run)
+            guarded(S, f"check {(b, tq, tk, hq, hkv)} {opts}", str(tiles or "default"), run)
 
 
 def _kernel_ms(fn, args) -> dict:
@@ -94,8 +101,7 @@ def main() -> None:
             fwd_bwd=sum(_kernel_ms(lambda q, k, v: jax.vjp(cudnn, q, k, v)[1](do),
                                    (q, k, v)).values())))
         ref = jax.jit(fwd_bwd)(q, k, v)
-        variants = [None, *FWD, *(HopperAttnTiles(backward=t) for t in BWD)]
-        for tiles in variants:
+        for tiles in variants():
             name = "default" if tiles is None else str(tiles)
 
             def run(tiles=tiles, name=name):

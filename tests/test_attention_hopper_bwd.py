@@ -8,8 +8,17 @@ variant are checked by the sm90 lowering test (tests/test_gpu_lowering.py) and c
 GPU (benchmarks/attention.py `check`). No masked tiles here: with a causal edge or a window the
 interpreter's simulated threads stall on a 2-core machine (the producer of a later CTA never
 starts; see tests/test_attention_hopper.py for the forward's same limit).
+
+Consumers: the kernels run here with two consumer warpgroups (three threads). The interpreter
+runs each simulated thread as an XLA:CPU program, and XLA:CPU runs as many at once as the
+machine has cores: on 2 cores a kernel of four threads (three consumers: the forward's default
+at D = 64, `HopperBwdTiles(consumers=3)` in the dK/dV kernel) stalls when the two threads started first both wait for the producer
+(seen: consumers 0 and 2 waiting on the ring, consumer 1 and the producer never started). The
+three-consumer case runs where there are cores enough (`test_hopper_dkv_three_consumers`), and
+compiled on the GPU (benchmarks/attention_d64_tiles.py, benchmarks/attention_bwd.py).
 """
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +33,32 @@ from _util import keys, randn
 F32 = lambda x: x.astype(jnp.float32)
 DET = ("jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper")
 FUSED = ("jaxfuse_flash_bwd_dkv_dq_hopper",)
+TWO = dict(consumers=2)     # see the module docstring
+# Four simulated threads at once (three consumers and the producer), see the module docstring.
+needs_cores = pytest.mark.skipif(
+    (os.cpu_count() or 1) < 8,
+    reason="Mosaic GPU's interpreter runs a kernel's threads as XLA:CPU programs, as many at "
+           "once as there are cores: four-thread kernels stall on fewer than 8")
+
+
+def _blocks(fwd_consumers=2, **bwd):
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    return AttnBlocks(hopper=HopperAttnTiles(consumers=fwd_consumers,
+                                             backward=HopperBwdTiles(**bwd)))
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,tk,deterministic,opts,vmapped,tiles", [
-    (jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0), False, None),  # GQA in one CTA
+    (jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0), False, TWO),  # GQA in one CTA
     # the dQ kernel's overlapped key loop over 3 steps through a 2-slot ring, and the
     # schedule without overlap
-    (jnp.bfloat16, 2, 2, 384, True, dict(), False, dict(stages=2)),
-    (jnp.float16, 2, 2, 384, True, dict(), False, dict(stages=2, overlap=False)),
+    (jnp.bfloat16, 2, 2, 384, True, dict(), False, dict(stages=2, **TWO)),
+    (jnp.float16, 2, 2, 384, True, dict(), False, dict(stages=2, overlap=False, **TWO)),
     # fused dQ: 2 key tiles, GQA (4 steps per CTA: both dS^T slots reused), vmap
-    (jnp.float16, 2, 1, 256, False, dict(scale=0.3), True, None),
+    (jnp.float16, 2, 1, 256, False, dict(scale=0.3), True, {}),
+    # three dK/dV consumers: one CTA of 192 keys whose third is past Tk = 128, GQA
+    pytest.param(jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0), False,
+                 dict(consumers=3), marks=needs_cores),
 ])
 def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, opts, vmapped,
                                            tiles):
@@ -53,14 +78,9 @@ def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, op
     def grads(attn, *args):
         (o, lse), vjp = jax.vjp(attn, *args[:3])
         return vjp(args[3:])
-    hopper = True
-    if tiles is not None:
-        from jaxfuse.pallas.attention_hopper import HopperAttnTiles
-        from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-        hopper = HopperAttnTiles(backward=HopperBwdTiles(**tiles))
     f = lambda q, k, v: jaxfuse.flash_attention(
-        q, k, v, return_lse=True, deterministic=deterministic,
-        block_sizes=AttnBlocks(hopper=hopper), **opts)
+        q, k, v, return_lse=True, deterministic=deterministic, block_sizes=_blocks(**tiles),
+        **opts)
     r = lambda q, k, v: ref.attention(q, k, v, return_lse=True, **opts)
     run, run_ref = jax.tree.map(lambda h: (jax.vmap(h) if vmapped else h),
                                 (functools.partial(grads, f), functools.partial(grads, r)))
@@ -110,9 +130,8 @@ def test_hopper_dq_overlap_adds_in_the_plain_order():
     at once and wait forever; there the plain schedule runs (same bits again). The consumers'
     ping-pong (`HopperBwdTiles.pingpong`: by default in the dQ kernel; True: in the dK/dV
     kernel too) only orders when each consumer runs: dq, dk, dv bitwise equal with it in
-    both kernels and without it (a 1-slot ring turns it off: it would deadlock there)."""
-    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
-    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    both kernels and without it (a 1-slot ring turns it off: it would deadlock there). So
+    kernel here runs two consumers (module docstring)."""
     kq, kk, kv, kd = keys(9, 4)
     q = randn(kq, (1, 128, 2, 64), jnp.bfloat16)
     k = randn(kk, (1, 384, 2, 64), jnp.bfloat16)
@@ -120,11 +139,31 @@ def test_hopper_dq_overlap_adds_in_the_plain_order():
     do = randn(kd, (1, 128, 2, 64), jnp.bfloat16)
 
     def grads(**tiles):
-        blocks = AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(**tiles)))
-        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=blocks)
+        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**tiles))
         return jax.vjp(f, q, k, v)[1](do)
-    overlapped = grads(stages=2)
-    for other in (grads(stages=2, overlap=False, pingpong=True), grads(stages=1)):
+    overlapped = grads(stages=2, **TWO)
+    for other in (grads(stages=2, overlap=False, pingpong=True, **TWO),
+                  grads(stages=1, **TWO)):
         for a, b in zip(overlapped, other):
             assert jnp.array_equal(a, b)
 
+
+
+@needs_cores
+def test_hopper_dkv_three_consumers():
+    """The dK/dV kernel's three consumers (`HopperBwdTiles(consumers=3)`: CTAs of 192 keys,
+    160 registers a consumer) give dk and dv bitwise equal to two consumers' (CTAs of 128 keys):
+    each key row's sums run over the same query tiles in the same order. Tk = 640: three CTAs
+    of 192 keys, the last with two consumers past Tk; GQA 4/2."""
+    kq, kk, kv, kd = keys(10, 4)
+    q = randn(kq, (1, 128, 4, 64), jnp.bfloat16)
+    k = randn(kk, (1, 640, 2, 64), jnp.bfloat16)
+    v = randn(kv, (1, 640, 2, 64), jnp.bfloat16)
+    do = randn(kd, (1, 128, 4, 64), jnp.bfloat16)
+
+    def grads(consumers):
+        f = lambda q, k, v: jaxfuse.flash_attention(
+            q, k, v, block_sizes=_blocks(consumers=consumers))
+        return jax.vjp(f, q, k, v)[1](do)
+    for a, b in zip(grads(3), grads(2)):
+        assert jnp.array_equal(a, b)

@@ -150,18 +150,21 @@ def test_hopper_flash_attention_lowers(d, opts, det):
 
 @pytest.mark.parametrize("consumers", [2, 3])
 @pytest.mark.parametrize("opts", [dict(causal=True), dict(sliding_window=100)])
-def test_hopper_forward_consumers_lower(opts, consumers):
-    """`HopperAttnTiles(consumers=)` at D = 64 (3 by default there): 192-row CTAs (the last one
-    partly past Tq = 256) or 128-row CTAs taking turns, each consumer's own masked and
-    passed-over key blocks, 160 or 232 registers a consumer thread."""
+def test_hopper_consumers_lower(opts, consumers):
+    """`HopperAttnTiles(consumers=)` and `HopperBwdTiles(consumers=)` at D = 64 (the forward
+    runs 3 by default there, the dK/dV kernel 2): 192-row (forward) and 192-key (dK/dV) CTAs, the last one partly past T = 256, or
+    128-row CTAs taking turns; each consumer's own masked and passed-over blocks, 160 or 232
+    registers a consumer thread."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
     k = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-    tiles = HopperAttnTiles(consumers=consumers, backward=False)
-    module = _lower(lambda q, k, v: jaxfuse.flash_attention(
+    tiles = HopperAttnTiles(consumers=consumers, backward=HopperBwdTiles(consumers=consumers))
+    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()
-    assert "jaxfuse_flash_fwd_hopper" in module
+    for name in ("jaxfuse_flash_fwd_hopper",) + _HOPPER_BWD[True]:
+        assert name in module, name
 
 
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])

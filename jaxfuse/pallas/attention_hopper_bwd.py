@@ -6,14 +6,19 @@ the maths of FlashAttention-2's backward, lecture 5 sec. 7.3, as in `attention_b
     dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta)  (* (1 - tanh^2) under a soft cap),
     dK = scale dS^T Q,  dQ = scale dS K,   delta = rowsum(dO * O) - dlse (an XLA pre-pass).
 
-dK/dV kernel: one CTA per (batch * KV head, 128 keys); each consumer warpgroup keeps its 64
-keys' K and V in shared memory and dK, dV [64, D] in float32 registers, and walks the query
-tiles of 64 rows that see its keys, for every query head of the KV group (GQA/MQA reduced in
-the kernel: no K/V repeat, no sum over the group). The producer warpgroup streams Q, dO (and
-lse_u, delta) through a ring of `stages` slots with TMA. The scores are kept transposed
-(S^T = K Q^T, [64 keys, 64 queries]) so that P^T and dS^T are the register A operands of
-dV += P^T dO and dK += dS^T Q (as jax's `attention_mgpu` backward does). Causal/window tiles
-come from `_attn.query_blocks` (wholly masked tiles skipped, only edge tiles masked).
+dK/dV kernel: one CTA per (batch * KV head, 128 keys: two consumers; `HopperBwdTiles.
+consumers` = 3 takes 192); each consumer warpgroup keeps its 64 keys' K and V in shared memory
+and dK, dV [64, D] in float32 registers, and walks the query tiles of 64 rows that see its
+keys, for every query head of the KV group (GQA/MQA reduced in the kernel: no K/V repeat, no
+sum over the group). The producer warpgroup streams Q, dO (and lse_u, delta) through a ring of
+`stages` slots with TMA: every query tile that sees any of the CTA's keys. The scores are kept
+transposed (S^T = K Q^T, [64 keys, 64 queries]) so that P^T and dS^T are the register A
+operands of dV += P^T dO and dK += dS^T Q (as jax's `attention_mgpu` backward does).
+Causal/window tiles come from `_attn.query_blocks` per consumer: a tile wholly masked for a
+consumer's own 64 keys is passed over (its ring slot released, nothing computed), only the
+consumer's own edge tiles are masked (H200, s10-3: 2.271 -> 2.171 ms at the 1B model's
+attention, 0.335 -> 0.308 at the 157M's, against both consumers computing the CTA's edge tiles).
+A consumer past Tk (the last CTA of three consumers) only releases slots.
 
 dQ, two ways (`AttnSpec.deterministic`):
 * False (at D = 64; at D = 128 the separate dQ kernel below is faster, so it runs there too
@@ -98,7 +103,7 @@ from jaxfuse.pallas import attention_hopper as AH
 from jaxfuse.pallas._attn import AttnSpec
 
 _ROWS = AH._ROWS             # rows of one wgmma M: keys (dK/dV) or queries (dQ) per consumer
-_KEYS = 2 * _ROWS            # keys per dK/dV CTA (two consumers)
+_KEYS = 2 * _ROWS            # Tq and Tk come in multiples of this (the dQ kernel's CTA rows)
 _F32 = jnp.float32
 
 
@@ -121,7 +126,12 @@ class HopperBwdTiles:
     1.473 ms with it at the 1B model's attention (B2 T8192 H32/8 D64 causal, profiler); the
     dK/dV kernel 2.271 -> 2.633 ms (its five short phases a step, each as long as the longer
     of the two consumers' halves, cost more than the overlap gains); at D = 128 (B4 H32 T4096,
-    wall clock) fwd+bwd 8.55 ms without it against 9.29 with it in the dQ kernel."""
+    wall clock) fwd+bwd 8.55 ms without it against 9.29 with it in the dQ kernel.
+    consumers: consumer warpgroups of the dK/dV kernel (64 keys each; a CTA holds 64 x
+    consumers keys), 2 (None) or 3 (at D = 64: 160 registers a thread, dK and dV taking 32
+    each). Measured (H200, profiler, s10-3): three are slower, 2.171 -> 2.260 ms at the 1B
+    model's attention (B2 T8192 H32/8 causal) and 0.308 -> 0.324 at the 157M's, unlike the
+    forward's. The fused dQ pairs two consumers' dS^T every step, so it always runs 2."""
     block_q: int = 64
     block_k_dq: int | None = None
     stages: int | None = None
@@ -129,6 +139,17 @@ class HopperBwdTiles:
     fused_dq: bool | None = None
     overlap: bool = True
     pingpong: bool | None = None
+    consumers: int | None = None
+
+    def __post_init__(self):
+        if self.consumers is not None and self.consumers not in AH._REGISTERS:
+            raise ValueError(f"HopperBwdTiles.consumers={self.consumers} must be one of "
+                             f"{tuple(AH._REGISTERS)} (consumer warpgroups of 64 keys a CTA)")
+
+    def dkv_consumers(self, d: int, fused_dq: bool) -> int:
+        if fused_dq:
+            return 2
+        return self.consumers or 2
 
     def fuse(self, d: int, deterministic: bool) -> bool:
         """Whether dQ comes from the dK/dV kernel (reducing stores, not deterministic)."""
@@ -150,7 +171,7 @@ class HopperBwdTiles:
         return piece
 
     def dkv_stages(self, d: int, itemsize: int, fused_dq: bool) -> int:
-        fixed = 2 * _KEYS * d * itemsize                        # K, V
+        fixed = 2 * self.dkv_consumers(d, fused_dq) * _ROWS * d * itemsize   # K, V
         if fused_dq:
             fixed += 4 * _ROWS * self.block_q * itemsize         # dS^T [2 turns x 2 consumers]
             fixed += 2 * 2 * _ROWS * self.piece(d) * 4           # dQ pieces
@@ -327,6 +348,8 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
     # then the outputs dk, dv [B, Tk, Hkv, D].
     dq_gmem, (dk_gmem, dv_gmem) = (refs[0], refs[1:]) if fused_dq else (None, refs)
     bq, d, g = tiles.block_q, spec.head_dim, spec.groups
+    nc = tiles.dkv_consumers(d, fused_dq)
+    producer_regs, consumer_regs = AH._REGISTERS[nc]
     hkv = k_gmem.shape[2]
     dtype = q_gmem.dtype
     mma = _Mma(spec.interpret)
@@ -336,15 +359,15 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                kv_full, q_full, do_full, empty, ds_full, ds_free, turns):
         bh = lax.axis_index("bh")
         b, hk = bh // hkv, bh % hkv
-        k0 = lax.axis_index("k") * _KEYS
-        lo, f_lo, f_hi, hi = A.query_blocks(spec, k0, _KEYS, bq)
+        k0 = lax.axis_index("k") * (nc * _ROWS)
+        lo, f_lo, f_hi, hi = A.query_blocks(spec, k0, nc * _ROWS, bq)
         n = hi - lo
         total = g * n                          # steps: (query head of the group, query tile)
         wg = lax.axis_index("wg")
 
-        @pl.when(wg == 2)
+        @pl.when(wg == nc)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(producer_regs, action="decrease")
 
             @pl.loop(0, total)
             def _step(j):
@@ -369,21 +392,34 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             def _drain(j):
                 plgpu.barrier_wait(empty.at[lax.rem(j, stages)])
 
-        @pl.when(wg < 2)
+        @pl.when(wg < nc)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(consumer_regs, action="increase")
             kr = k0 + wg * _ROWS
-            plgpu.copy_gmem_to_smem(k_gmem.at[b, pl.ds(kr, _ROWS), hk], k_smem.at[wg],
-                                    kv_full.at[wg])
-            plgpu.copy_gmem_to_smem(v_gmem.at[b, pl.ds(kr, _ROWS), hk], v_smem.at[wg],
-                                    kv_full.at[wg])
-            plgpu.barrier_wait(kv_full.at[wg])
+            # A consumer past the last key (the last CTA when Tk is not a multiple of its
+            # keys) only releases the ring's slots.
+            active = kr < spec.n_k
+
+            @pl.when(active)
+            def _():
+                plgpu.copy_gmem_to_smem(k_gmem.at[b, pl.ds(kr, _ROWS), hk], k_smem.at[wg],
+                                        kv_full.at[wg])
+                plgpu.copy_gmem_to_smem(v_gmem.at[b, pl.ds(kr, _ROWS), hk], v_smem.at[wg],
+                                        kv_full.at[wg])
+                plgpu.barrier_wait(kv_full.at[wg])
             if fused_dq:       # dQ = dS K reads the other consumer's K rows too
                 plgpu.barrier_wait(kv_full.at[1 - wg])
-            k_pos = kr + AH._iota((_ROWS, bq), 0, spec.interpret)
+                bounds = (lo, f_lo, f_hi, hi)   # both consumers form their dS^T every step
+            else:
+                # This consumer's own query tiles within the CTA's [lo, hi): tiles wholly
+                # masked for its 64 keys (causal, window) are passed over, only its own
+                # edges masked (the clip only guards the loops' order).
+                bounds = tuple(jnp.clip(jnp.where(active, x, lo), lo, hi)
+                               for x in A.query_blocks(spec, kr, _ROWS, bq))
+            c_lo, c_flo, c_fhi, c_hi = bounds
             # A step's products and vector work alternate (S^T | P | dV, dP^T | dS | dK and
             # the next S^T): a switch at each change hands the tensor cores to the other.
-            pp = AH.PingPong(turns, wg, tiles.pingpong is True, stages)
+            pp = AH.PingPong(turns, wg, tiles.pingpong is True and nc == 2, stages)
 
             def step(gi, i, j, carry, masked):
                 dk, dv = carry
@@ -397,8 +433,9 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 pp.switch()
                 with jax.named_scope("p"):
                     keep = None
-                    if masked:
+                    if masked:   # positions made here, not held across the loop (registers)
                         q_pos = q0 + AH._iota((_ROWS, bq), 1, spec.interpret)
+                        k_pos = kr + AH._iota((_ROWS, bq), 0, spec.interpret)
                         keep = A.visible(spec, q_pos, k_pos, None, None)
                     u, t = A.transform(spec, st, keep)
                     p = _probs(spec, u, _vec(lse_smem.at[slot], 0, _ROWS, spec.interpret,
@@ -445,13 +482,30 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                                 hk * g + gi, (j // 2) * (d // tiles.piece(d)), spec.interpret)
                 return dk, dv
 
+            def pass_over(j, carry):
+                """A query tile wholly masked for this consumer's keys: release its slot,
+                after its loads landed (so this consumer never runs a lap ahead on the ring),
+                keeping the ping-pong's count of switches."""
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(q_full.at[slot])
+                pp.switch()
+                pp.switch()
+                plgpu.barrier_wait(do_full.at[slot])
+                pp.switch()
+                pp.switch()
+                plgpu.barrier_arrive(empty.at[slot])
+                return carry
+
             def head(gi, carry):
                 j0 = gi * n - lo             # the running step of query tile i is j0 + i
                 run = lambda a, z, masked, c: lax.fori_loop(
                     a, z, lambda i, c: step(gi, i, j0 + i, c, masked), c)
-                carry = run(lo, f_lo, True, carry)
-                carry = run(f_lo, f_hi, False, carry)
-                return run(f_hi, hi, True, carry)
+                skip = lambda a, z, c: lax.fori_loop(a, z, lambda i, c: pass_over(j0 + i, c), c)
+                carry = skip(lo, c_lo, carry)
+                carry = run(c_lo, c_flo, True, carry)
+                carry = run(c_flo, c_fhi, False, carry)
+                carry = run(c_fhi, c_hi, True, carry)
+                return skip(c_hi, hi, carry)
 
             zero = AH._zeros((_ROWS, d), spec.interpret)
             pp.start()
@@ -464,14 +518,17 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                     plgpu.barrier_wait(ds_free.at[lax.rem(j, 2)])
                 if not spec.interpret:
                     plgpu.wait_smem_to_gmem(0)
-            # K and V are done with: dK and dV leave through their tiles (the other consumer
-            # may still read this K for its last dQ: that waited for ds_free above).
-            k_smem[wg] = (dk * spec.scale).astype(dtype)
-            v_smem[wg] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_gmem.at[b, pl.ds(kr, _ROWS), hk])
-            plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_gmem.at[b, pl.ds(kr, _ROWS), hk])
-            plgpu.wait_smem_to_gmem(0)
+
+            @pl.when(active)
+            def _():
+                # K and V are done with: dK and dV leave through their tiles (the other
+                # consumer may still read this K for its last dQ: that waited for ds_free).
+                k_smem[wg] = (dk * spec.scale).astype(dtype)
+                v_smem[wg] = dv.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_gmem.at[b, pl.ds(kr, _ROWS), hk])
+                plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_gmem.at[b, pl.ds(kr, _ROWS), hk])
+                plgpu.wait_smem_to_gmem(0)
 
     # [2 turns x 2 consumers, 64 keys, bq] (flat: Mosaic GPU's interpreter in jax 0.10.2 stalled
     # on a [2, 2, 64, bq] buffer here).
@@ -482,18 +539,18 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                if fused_dq and not spec.interpret else plgpu.SMEM((1, 8), _F32))
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((2, _ROWS, d), dtype, transforms=transforms),
-        plgpu.SMEM((2, _ROWS, d), dtype, transforms=transforms),
+        plgpu.SMEM((nc, _ROWS, d), dtype, transforms=transforms),
+        plgpu.SMEM((nc, _ROWS, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bq, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bq, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bq), _F32),
         plgpu.SMEM((stages, bq), _F32),
         ds_type,
         dq_type,
-        plgpu.Barrier(num_arrivals=2, num_barriers=2),              # K and V copies
+        plgpu.Barrier(num_arrivals=2, num_barriers=nc),             # K and V copies
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # Q and lse copies
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # dO and delta copies
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # both consumers done
+        plgpu.Barrier(num_arrivals=nc, num_barriers=stages),        # every consumer done
         plgpu.Barrier(num_arrivals=2, num_barriers=2),              # both dS^T halves written
         plgpu.Barrier(num_arrivals=1, num_barriers=2),              # dQ has read the dS^T
         plgpu.Barrier(num_arrivals=2),                              # the consumers' turns
@@ -650,13 +707,15 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
         collective_axes="wg")
 
 
-def _kernel(body, out_type, grid, names, name: str, spec: AttnSpec, batchable: bool = True):
-    """A Mosaic GPU kernel of three warpgroups (two consumers, the producer), compiled or
+def _kernel(body, out_type, grid, names, name: str, spec: AttnSpec, batchable: bool = True,
+            consumers: int = 2):
+    """A Mosaic GPU kernel of `consumers` warpgroups and the producer's, compiled or
     interpreted. `batchable`: plgpu.kernel, which batches under vmap; else pl.kernel, which
     takes JAX refs (aliased in and out; see `_hopper.kernel`)."""
     params = H.compiler_params(name, approx_math=True)
     interpret = H._interpret_params() if spec.interpret else None
-    mesh = dict(grid=grid, grid_names=names, num_threads=3, thread_name="wg", kernel_name=name)
+    mesh = dict(grid=grid, grid_names=names, num_threads=consumers + 1, thread_name="wg",
+                kernel_name=name)
     if batchable:
         return plgpu.kernel(body, out_type=out_type, compiler_params=params,
                             **({"interpret": interpret} if interpret else {}), **mesh)
@@ -674,8 +733,10 @@ def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
     # The first grid axis varies fastest: the CTAs that run together are the key tiles of one
     # (batch, KV head), which read the same Q and dO tiles (L2 hits; FlashAttention-3's order).
     name = "jaxfuse_flash_bwd_dkv_dq_hopper" if fused_dq else "jaxfuse_flash_bwd_dkv_hopper"
+    nc = tiles.dkv_consumers(d, fused_dq)
     return _kernel(body, (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
-                   (tk // _KEYS, b * hkv), ("k", "bh"), name, spec, batchable=not fused_dq)
+                   (pl.cdiv(tk, nc * _ROWS), b * hkv), ("k", "bh"), name, spec,
+                   batchable=not fused_dq, consumers=nc)
 
 
 def _fused(q, k, v, do, lse_u, delta, *, spec: AttnSpec, tiles: HopperBwdTiles):

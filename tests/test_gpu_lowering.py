@@ -152,9 +152,9 @@ def test_hopper_flash_attention_lowers(d, opts, det):
 @pytest.mark.parametrize("opts", [dict(causal=True), dict(sliding_window=100)])
 def test_hopper_consumers_lower(opts, consumers):
     """`HopperAttnTiles(consumers=)` and `HopperBwdTiles(consumers=)` at D = 64 (the forward
-    runs 3 by default there, the dK/dV kernel 2): 192-row (forward) and 192-key (dK/dV) CTAs, the last one partly past T = 256, or
-    128-row CTAs taking turns; each consumer's own masked and passed-over blocks, 160 or 232
-    registers a consumer thread."""
+    runs 3 by default there, the dK/dV kernel 2): 192-row (forward) and 192-key (dK/dV) CTAs,
+    the last one partly past T = 256, or 128-row CTAs; each consumer's own masked and
+    passed-over blocks, 160 or 232 registers a consumer thread."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)

@@ -206,6 +206,67 @@ def check():
                 guarded(S, label, jnp.dtype(dtype).name, run)
     if _wanted("attention"):
         check_attention()
+    if _wanted("projections"):
+        check_projections()
+
+
+def check_projections():
+    """add_norm_linear and swiglu_linear compiled: forward and gradients against the float32
+    reference, and the backward kernels' rebuilt y / SwiGLU product bitwise equal to the
+    forward's (the weight gradients are formed from them)."""
+    shapes = [(7, 131, 5), (33, 1000, 96)] + ([] if SMALL else [(1000, 4096, 384)])
+    for dtype in DTYPES:
+        for n, d, m in shapes:
+            name = jnp.dtype(dtype).name
+            k = jax.random.split(jax.random.key(5), 8)
+            x, res, ct = (jax.random.normal(k[i], (n, d), dtype) for i in range(3))
+            w = (1 + 0.1 * jax.random.normal(k[3], (d,))).astype(dtype)
+            ps = tuple((jax.random.normal(kk, (d, m)) / d ** 0.5).astype(dtype)
+                       for kk in jax.random.split(k[4], 2))
+            g, u = (jax.random.normal(kk, (n, m), dtype) for kk in jax.random.split(k[5], 2))
+            w2 = (jax.random.normal(k[6], (m, d)) / m ** 0.5).astype(dtype)
+            dk = jax.random.fold_in(k[7], 1)
+
+            def anl(impl):
+                return lambda x, r, w, ps: jaxfuse.add_norm_linear(
+                    x, r, w, projections=ps, rate=RATE, key=dk, impl=impl)
+
+            def swl(impl):
+                return lambda g, u, w2: jaxfuse.swiglu_linear(g, u, w2, impl=impl)
+
+            cases = (("add_norm_linear", anl, (x, res, w, ps), (ct, (g, g))),
+                     ("swiglu_linear", swl, (g, u, w2), ct))
+            for op, make, args, cts in cases:
+                label = f"check {op} [{n}, {d}] -> {m}"
+
+                def run(make=make, args=args, cts=cts, label=label):
+                    step = lambda f: jax.jit(lambda a, c: (lambda y, vjp: (y, vjp(c)))(
+                        *jax.vjp(f, *a)))
+                    out = step(make("pallas"))(args, cts)
+                    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (args, cts))
+                    outr = step(make("reference"))(*f32)
+                    errs = [rel_err(a, b) for a, b in zip(jax.tree.leaves(out),
+                                                          jax.tree.leaves(outr))]
+                    record(S, label, name, max_rel_err=max(errs),
+                           status="ok" if max(errs) <= TOL[dtype] * 3 else "FAIL")
+                guarded(S, label, name, run)
+
+            def rebuilt(n=n, d=d, x=x, res=res, w=w, g=g, u=u, name=name):
+                _, _, prod = jax.jit(jaxfuse.pallas.swiglu.swiglu_grads)(g, u, g)
+                same_prod = bool(jnp.array_equal(prod, jax.jit(jaxfuse.swiglu)(g, u)))
+                # With P = I and a one-hot cotangent (row i picks column i), dP = y^T dout has
+                # one nonzero term per element: its first n columns are the rebuilt y^T
+                # exactly, whatever the matmul's summation order.
+                eye, onehot = jnp.eye(d, dtype=x.dtype), jnp.eye(n, d, dtype=x.dtype)
+                dp = jax.jit(lambda x, r, w, e, c: jax.vjp(
+                    lambda e: jaxfuse.add_norm_linear(x, r, w, projections=(e,))[1][0], e)[1](c)[0])(
+                    x, res, w, eye, onehot)
+                y_kept = jax.jit(lambda x, r, w: jaxfuse.add_norm(x, r, w)[1])(x, res, w)
+                same_y = bool(jnp.array_equal(dp[:, :n].T, y_kept))
+                record(S, f"check rebuilt y and SwiGLU product bitwise [{n}, {d}]", name,
+                       product_bitwise=same_prod, y_bitwise=same_y,
+                       status="ok" if same_prod and same_y else "FAIL")
+            guarded(S, f"check rebuilt bitwise [{n}, {d}]", name, rebuilt)
 
 
 # Bytes each forward must move (read + write), in units of one activation (or q, or N x D).

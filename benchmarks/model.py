@@ -44,6 +44,7 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
 from benchmarks._timing import bench, guarded, record  # noqa: E402
+import jaxfuse  # noqa: E402
 from jaxfuse import model as M  # noqa: E402
 from jaxfuse.model import transformer as T  # noqa: E402
 from jaxfuse.model.config import remat_policy  # noqa: E402
@@ -152,6 +153,29 @@ def _with_cudnn_attention(fn):
     return swapped
 
 
+def _with_kept_projections(fn):
+    """fn with the block's fused projections unfused while it is traced (a diagnostic row, the
+    model before session s11): add_norm then the q/k/v and gate/up matmuls, swiglu then the
+    down projection, so the backward keeps y and the SwiGLU product instead of rebuilding them."""
+    from jaxfuse.model import _block_ops
+
+    def add_norm_linear(x, residual, weight, bias=None, *, projections, **kw):
+        h, y = _block_ops.add_norm(x, residual, weight, bias, **kw)
+        return h, tuple(y @ p for p in projections)
+
+    def swiglu_linear(gate, up, weight, *, impl="pallas"):
+        return jaxfuse.swiglu(gate, up, impl=impl) @ weight
+
+    def swapped(*args, **kwargs):
+        original = _block_ops.add_norm_linear, _block_ops.swiglu_linear
+        _block_ops.add_norm_linear, _block_ops.swiglu_linear = add_norm_linear, swiglu_linear
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _block_ops.add_norm_linear, _block_ops.swiglu_linear = original
+    return swapped
+
+
 def profile_attention(cfg, b, t):
     """The model's attention alone (forward, and forward + backward), kernel by kernel: how many
     launches one call makes, to set against the train step's profile."""
@@ -191,6 +215,8 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
            # the preset with another loss_token_slab (None: the fused loss)
            f"jaxfuse, loss_token_slab={token_slab}": functools.partial(
                M.loss, cfg=dataclasses.replace(cfg, loss_token_slab=token_slab), impl="pallas"),
+           "jaxfuse, y and SwiGLU product kept": _with_kept_projections(
+               functools.partial(M.loss, cfg=cfg, impl="pallas")),
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            f"plain JAX + {attn or 'xla'}": functools.partial(plain_loss, cfg=cfg, attn_impl=attn),
@@ -355,6 +381,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--swap-attention", action="store_true",
                     help="also time jaxfuse with cuDNN attention swapped in (157M)")
+    ap.add_argument("--kept-projections", action="store_true",
+                    help="also time jaxfuse with add_norm_linear and swiglu_linear unfused "
+                         "(y and the SwiGLU product kept for the backward, as before s11)")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the impl=\"reference\" train row (slow; a diagnostic run)")
     ap.add_argument("--no-scan", action="store_true",
@@ -398,8 +427,9 @@ def main(argv=None) -> None:
         ("jaxfuse, cuDNN",) if args.swap_attention else ())
     slab = () if args.loss_token_slab is None else ("jaxfuse, loss_token_slab",)
     token_slab = None if args.loss_token_slab in (None, "none") else args.loss_token_slab
-    impls157 += slab
-    impls1b = ("jaxfuse", "jaxfuse, nondet", "plain") + slab
+    kept = ("jaxfuse, y and SwiGLU",) if args.kept_projections else ()
+    impls157 += slab + kept
+    impls1b = ("jaxfuse", "jaxfuse, nondet", "plain") + slab + kept
     tasks = {"train157": len(impls157), "train1b": len(impls1b), "decode": 4}
     bar = tqdm(total=sum(tasks[s] for s in args.sections), unit="run")
     if "train157" in args.sections:

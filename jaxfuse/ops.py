@@ -19,6 +19,7 @@ from jaxfuse.pallas import linear_cross_entropy as _p_lce
 from jaxfuse.pallas import rms_norm as _p_rms
 from jaxfuse.pallas import softmax as _p_softmax
 from jaxfuse.reference import add_norm as _r_an
+from jaxfuse.reference import add_norm_linear as _r_anl
 from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import beam_top_k as _r_topk
 from jaxfuse.reference import bias_act_dropout as _r_bad
@@ -34,6 +35,7 @@ from jaxfuse.reference import rms_norm as _r_rms
 from jaxfuse.reference import rope as _r_rope
 from jaxfuse.reference import softmax as _r_softmax
 from jaxfuse.reference import swiglu as _r_swiglu
+from jaxfuse.reference import swiglu_linear as _r_swl
 from jaxfuse.sharding import attention as _s_attn
 from jaxfuse.sharding import blocks as _s_blocks
 from jaxfuse.sharding import linear_cross_entropy as _s_lce
@@ -288,6 +290,28 @@ def add_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | None,
                  eps=eps, rate=rate, key=key, interpret=interpret, block_sizes=block_sizes)
 
 
+def add_norm_linear(x: jax.Array, residual: jax.Array, weight: jax.Array | None,
+                    bias: jax.Array | None = None, *, projections, norm: str = "rms",
+                    eps: float | None = None, rate: float = 0.0, key=None, impl: str = "pallas",
+                    interpret: bool | None = None, block_sizes=None):
+    """`(h, tuple(y @ p for p in projections))` with `h, y = add_norm(x, residual, weight,
+    bias, ...)`: a pre-norm block's add, norm and the matmuls that read y (q/k/v, gate/up).
+
+    The same numbers as `add_norm` followed by the matmuls, but y is not kept for the
+    projections' gradients: the add_norm backward kernel rebuilds it (bitwise equal) while it
+    writes dx. Saved: h, its row statistics, the weights and the projections. That is one
+    [..., D] array fewer per call to hold and, under `lax.scan` over layers, one fewer to copy
+    into and out of the stacked residuals; the rebuild writes it once more. Each projection is
+    [D, N] in x's dtype; sharded, N may split (column-parallel), the rows as for `add_norm`.
+
+    >>> h, (q, k, v) = jaxfuse.add_norm_linear(delta, h, w_norm, projections=(wq, wk, wv))
+    """
+    return route(impl, _s_blocks.add_norm_linear, _r_anl.add_norm_linear, x, residual, weight,
+                 bias, projections=tuple(projections) if isinstance(projections, list)
+                 else projections, norm=norm, eps=eps, rate=rate, key=key,
+                 interpret=interpret, block_sizes=block_sizes)
+
+
 def swiglu(gate: jax.Array, up: jax.Array, *, impl: str = "pallas",
            interpret: bool | None = None, block_sizes=None) -> jax.Array:
     """`silu(gate) * up` (SwiGLU's gate) in one pass; the backward recomputes silu from gate,
@@ -297,6 +321,23 @@ def swiglu(gate: jax.Array, up: jax.Array, *, impl: str = "pallas",
     """
     return route(impl, _s_blocks.swiglu, _r_swiglu.swiglu, gate, up, interpret=interpret,
                  block_sizes=block_sizes)
+
+
+def swiglu_linear(gate: jax.Array, up: jax.Array, weight: jax.Array, *, impl: str = "pallas",
+                  interpret: bool | None = None, block_sizes=None) -> jax.Array:
+    """`swiglu(gate, up) @ weight`: SwiGLU, then the MLP's down projection (weight [F, D]).
+
+    The same numbers as the two ops in a row, but the backward does not keep the [..., F]
+    product for the weight's gradient: the SwiGLU backward kernel rebuilds it (bitwise equal)
+    while it writes dgate and dup. Saved for the backward: gate, up and weight only. That is
+    one array fewer per layer to hold and, under `lax.scan` over layers, one fewer to copy into
+    and out of the stacked residuals; the rebuild writes it once more. Sharded, F may split
+    (the product's partial sums are summed by XLA, as for any row-parallel matmul).
+
+    >>> out = jaxfuse.swiglu_linear(x @ w_gate, x @ w_up, w_down)   # the MLP of a block
+    """
+    return route(impl, _s_blocks.swiglu_linear, _r_swl.swiglu_linear, gate, up, weight,
+                 interpret=interpret, block_sizes=block_sizes)
 
 
 def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleaved: bool = True,

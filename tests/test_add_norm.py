@@ -1,4 +1,5 @@
-"""add_norm: h = residual + dropout(x), y = norm(h), one kernel each way (`pallas/add_norm.py`)."""
+"""add_norm: h = residual + dropout(x), y = norm(h), one kernel each way (`pallas/add_norm.py`);
+add_norm_linear: the same with the matmuls that read y, y rebuilt by the backward's kernel."""
 import chex
 import jax
 import jax.numpy as jnp
@@ -76,6 +77,86 @@ class AddNormTest(chex.TestCase):
             jaxfuse.add_norm(x, x, None, rate=1.0, key=jax.random.key(0))
         with self.assertRaisesRegex(ValueError, "eps=-1"):
             jaxfuse.add_norm(x, x, None, eps=-1)
+
+
+class AddNormLinearTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(dtype=DTYPES, norm=["rms", "layer"], rate=[0.0, 0.3])
+    def test_matches_reference_with_grads(self, dtype, norm, rate):
+        # Every CASES shape (one pass, column tiles, one column, 3-D), one or three
+        # projections of prime widths.
+        shape, blocks = CASES[(DTYPES.index(dtype) + 2 * int(rate > 0) + int(norm == "layer"))
+                              % len(CASES)]
+        widths = (7,) if rate else (11, 5, 3)
+        k = keys(shape[-1] + 5 * DTYPES.index(dtype), 8)
+        x, res = randn(k[0], shape, dtype), randn(k[1], shape, dtype, scale=2.0, shift=0.5)
+        w = randn(k[2], shape[-1:], dtype)
+        b = randn(k[3], shape[-1:], dtype) if norm == "layer" else None
+        ps = tuple(randn(kk, (shape[-1], n), dtype, scale=shape[-1] ** -0.5)
+                   for kk, n in zip(jax.random.split(k[4], 3), widths))
+        cts = (randn(k[5], shape, dtype),
+               tuple(randn(kk, (*shape[:-1], n), dtype)
+                     for kk, n in zip(jax.random.split(k[6], 3), widths)))
+
+        def f(impl, **kw):
+            return lambda x, res, w, ps: jaxfuse.add_norm_linear(
+                x, res, w, b, projections=ps, norm=norm, rate=rate, key=k[7], impl=impl, **kw)
+        out, vjp = jax.vjp(self.variant(f("pallas", block_sizes=blocks)), x, res, w, ps)
+        outr, vjpr = jax.vjp(f("reference"), x, res, w, ps)
+        chex.assert_trees_all_equal_dtypes(out, outr)
+        assert_close(out, outr, dtype, scale=2.0)
+        assert_close(vjp(cts), vjpr(cts), dtype, scale=4.0)
+
+    @parameterized.product(dtype=DTYPES, case=CASES[:2])
+    def test_backward_rebuilds_y_bitwise(self, dtype, case):
+        # The projections' gradients read the y the backward kernel writes: it must be the
+        # forward's, bit for bit (one pass and column tiles), else dW drifts from add_norm's.
+        shape, blocks = case
+        k = keys(7, 5)
+        x, res = randn(k[0], shape, dtype), randn(k[1], shape, dtype, shift=0.5)
+        w, b = randn(k[2], shape[-1:], dtype), randn(k[3], shape[-1:], dtype)
+        eye = jnp.eye(shape[-1], dtype=dtype)     # y @ I = y, and dI = y^T dout
+        dout = randn(k[4], shape, dtype)
+
+        def f(ps):
+            return jaxfuse.add_norm_linear(x, res, w, b, projections=ps, norm="layer",
+                                           block_sizes=blocks)[1][0]
+        y, vjp = jax.vjp(f, (eye,))
+        _, y_kept = jaxfuse.add_norm(x, res, w, b, norm="layer", block_sizes=blocks)
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_kept, np.float32))
+        dw = jax.vjp(lambda p: y_kept @ p, eye)[1](dout)[0]
+        np.testing.assert_array_equal(np.asarray(vjp(dout)[0][0], np.float32),
+                                      np.asarray(dw, np.float32))
+
+    def test_keeps_h_and_statistics_not_y(self):
+        import contextlib
+        import io
+        k = keys(8, 4)
+        x, res, w = randn(k[0], (4, 24)), randn(k[1], (4, 24)), randn(k[2], (24,))
+        p = randn(k[3], (24, 6))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(
+                lambda x, r, w, p: jaxfuse.add_norm_linear(x, r, w, projections=(p,)), x, res, w, p)
+        saved = sorted(line.split(" ")[0] for line in out.getvalue().splitlines())
+        # h [4, 24], mean and rstd [4], w [24], p [24, 6]: no second [4, 24] (y)
+        self.assertEqual(saved, ["f32[24,6]", "f32[24]", "f32[4,24]", "f32[4]", "f32[4]"])
+
+    def test_bad_input(self):
+        x = jnp.ones((3, 8))
+        with self.assertRaisesRegex(ValueError, "projections must be a non-empty tuple"):
+            jaxfuse.add_norm_linear(x, x, None, projections=())
+        with self.assertRaisesRegex(ValueError, "projections must be a non-empty tuple"):
+            jaxfuse.add_norm_linear(x, x, None, projections=jnp.ones((8, 2)))
+        with self.assertRaisesRegex(ValueError, "projections\\[1\\] \\(shape=\\(7, 2\\)\\) must be "
+                                                "\\[D, N\\] with D = x.shape\\[-1\\] = 8"):
+            jaxfuse.add_norm_linear(x, x, None, projections=(jnp.ones((8, 2)), jnp.ones((7, 2))))
+        with self.assertRaisesRegex(ValueError, "projections\\[0\\].dtype=bfloat16 must match "
+                                                "x.dtype=float32"):
+            jaxfuse.add_norm_linear(x, x, None, projections=(jnp.ones((8, 2), jnp.bfloat16),))
+        with self.assertRaisesRegex(ValueError, "bias must be None for norm='rms'"):
+            jaxfuse.add_norm_linear(x, x, jnp.ones(8), jnp.ones(8), projections=(x.T,))
 
 
 if __name__ == "__main__":

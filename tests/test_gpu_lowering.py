@@ -212,6 +212,22 @@ def test_swiglu_and_rope_lower(interleaved):
         _fwd_bwd(lambda q: jaxfuse.rope(q, pos, interleaved=interleaved, interpret=False), q)
 
 
+@pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
+def test_fused_projections_lower(shape):
+    # The backward kernels that rebuild swiglu's product and add_norm's y (one tile and column
+    # tiles), LayerNorm with bias and dropout.
+    x = jnp.zeros(shape, jnp.bfloat16)
+    w = jnp.zeros(shape[-1:], jnp.bfloat16)
+    p = jnp.zeros((shape[-1], 16), jnp.bfloat16)
+    kw = dict(interpret=False)
+    _fwd_bwd(lambda g, u, p: jaxfuse.swiglu_linear(g, u, p, **kw), x, x, p)
+    _fwd_bwd(lambda x, r, w, p: jaxfuse.add_norm_linear(x, r, w, projections=(p, p), **kw),
+             x, x, w, p)
+    _fwd_bwd(lambda x, r, w, p: jaxfuse.add_norm_linear(
+        x, r, w, w, projections=(p,), norm="layer", rate=0.1, key=jax.random.key(0), **kw),
+        x, x, w, p)
+
+
 @pytest.mark.parametrize("with_pos", [False, True])
 def test_embedding_lowers(with_pos):
     table = jnp.zeros((1000, 256), jnp.bfloat16)

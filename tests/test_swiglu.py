@@ -1,7 +1,9 @@
-"""swiglu: silu(gate) * up, one kernel forward, one backward (recomputing silu)."""
+"""swiglu: silu(gate) * up, one kernel forward, one backward (recomputing silu); swiglu_linear:
+the same followed by the down projection, its backward rebuilding the product."""
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from absl.testing import parameterized
 
@@ -40,6 +42,80 @@ class SwiGLUTest(chex.TestCase):
             jaxfuse.swiglu(jnp.ones((3, 8)), jnp.ones((3, 7)))
         with self.assertRaisesRegex(ValueError, "gate.dtype=int32"):
             jaxfuse.swiglu(jnp.ones((3, 8), jnp.int32), jnp.ones((3, 8), jnp.int32))
+
+
+# (gate shape, weight's output columns, row tiles): one element, primes, tiles not dividing
+LINEAR_CASES = [((1, 1), 1, None), ((5, 37), 11, RowBlocks(2, 8)), ((2, 3, 131), 7, None)]
+
+
+class SwiGLULinearTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(case=LINEAR_CASES, dtype=DTYPES)
+    def test_matches_reference_with_grads(self, case, dtype):
+        shape, d, blocks = case
+        k = keys(shape[-1] + 7 * DTYPES.index(dtype), 4)
+        gate, up = randn(k[0], shape, dtype, scale=3.0), randn(k[1], shape, dtype)
+        w = randn(k[2], (shape[-1], d), dtype, scale=shape[-1] ** -0.5)
+        ct = randn(k[3], (*shape[:-1], d), dtype)
+        f = self.variant(lambda g, u, w: jaxfuse.swiglu_linear(g, u, w, block_sizes=blocks))
+        y, vjp = jax.vjp(f, gate, up, w)
+        yr, vjpr = jax.vjp(lambda g, u, w: jaxfuse.swiglu_linear(g, u, w, impl="reference"),
+                           gate, up, w)
+        self.assertEqual(y.dtype, dtype)
+        assert_close(y, yr, dtype)
+        assert_close(vjp(ct), vjpr(ct), dtype, scale=2.0)
+
+    @parameterized.parameters(*DTYPES)
+    def test_backward_rebuilds_the_forward_product_bitwise(self, dtype):
+        # dW = swiglu(gate, up)^T dout is formed from the product the backward kernel writes:
+        # it must be the forward's own, bit for bit, or the weight gradient drifts from the
+        # unfused ops'.
+        k = keys(3, 3)
+        gate, up, dy = (randn(k[i], (6, 45), dtype, scale=2.0) for i in range(3))
+        blocks = RowBlocks(4, 16)
+        dg, du, product = jaxfuse.pallas.swiglu.swiglu_grads(gate, up, dy, block_sizes=blocks)
+        np.testing.assert_array_equal(np.asarray(product, np.float32), np.asarray(
+            jaxfuse.swiglu(gate, up, block_sizes=blocks), np.float32))
+        grads = jax.vjp(lambda g, u: jaxfuse.swiglu(g, u, block_sizes=blocks), gate, up)[1](dy)
+        assert_close((dg, du), grads, dtype, scale=0.0)
+
+    def test_keeps_only_gate_up_and_weight(self):
+        # The point of the op: the [..., F] product is not a residual (the unfused pair keeps
+        # it for the matmul's weight gradient).
+        import contextlib
+        import io
+        k = keys(4, 3)
+        gate, up = randn(k[0], (4, 24)), randn(k[1], (4, 24))
+        w = randn(k[2], (24, 8))
+        saved = {}
+        for name, f in (("fused", lambda g, u, w: jaxfuse.swiglu_linear(g, u, w)),
+                        ("unfused", lambda g, u, w: jaxfuse.swiglu(g, u) @ w)):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                jax.ad_checkpoint.print_saved_residuals(f, gate, up, w)
+            saved[name] = sorted(line.split(" ")[0] for line in out.getvalue().splitlines())
+        self.assertEqual(saved["fused"], ["f32[24,8]", "f32[4,24]", "f32[4,24]"])
+        self.assertIn("f32[4,24]", saved["unfused"])
+        self.assertEqual(len(saved["unfused"]), 4)
+
+    def test_vmap(self):
+        k = keys(5, 3)
+        gate, up, w = randn(k[0], (3, 4, 10)), randn(k[1], (3, 4, 10)), randn(k[2], (3, 10, 5))
+        assert_close(jax.vmap(jaxfuse.swiglu_linear)(gate, up, w),
+                     jnp.einsum("bti,bio->bto", jax.nn.silu(gate) * up, w), jnp.float32)
+
+    def test_bad_input(self):
+        g = jnp.ones((3, 8))
+        with self.assertRaisesRegex(ValueError, "weight \\(shape=\\(7, 4\\)\\) must be \\[F, D\\]"):
+            jaxfuse.swiglu_linear(g, g, jnp.ones((7, 4)))
+        with self.assertRaisesRegex(ValueError, "weight \\(shape=\\(8,\\)\\)"):
+            jaxfuse.swiglu_linear(g, g, jnp.ones((8,)))
+        with self.assertRaisesRegex(ValueError, "weight.dtype=bfloat16 must match gate.dtype="
+                                                "float32"):
+            jaxfuse.swiglu_linear(g, g, jnp.ones((8, 4), jnp.bfloat16))
+        with self.assertRaisesRegex(ValueError, "up \\(shape=\\(3, 7\\)"):
+            jaxfuse.swiglu_linear(g, jnp.ones((3, 7)), jnp.ones((8, 4)))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Every block-level op of the model, in one place: add + norm, SwiGLU, RoPE, the embedding,
 dropout and attention (with probability dropout).
 
-These are the fused block kernels of issue 15 (`jaxfuse.add_norm`, `jaxfuse.swiglu`,
-`jaxfuse.rope`, `jaxfuse.embedding`, `jaxfuse.dropout`, `jaxfuse.flash_attention(...,
-dropout_rate=, dropout_key=)`), whose dropout masks come from one counter-based generator
+These are the fused block kernels of issue 15 (`jaxfuse.add_norm` and `add_norm_linear`,
+`jaxfuse.swiglu_linear`, `jaxfuse.rope`, `jaxfuse.embedding`, `jaxfuse.dropout`,
+`jaxfuse.flash_attention(..., dropout_rate=, dropout_key=)`), whose dropout masks come from one counter-based generator
 (Philox) in every kernel. The model calls them only through this module, so swapping an
 implementation (a benchmark's cuDNN attention, a future kernel) changes this file alone.
 `impl="reference"` routes every one of them to its jax.numpy reference.
@@ -58,9 +58,26 @@ def add_norm(x: jax.Array, residual: jax.Array, weight: jax.Array, bias: jax.Arr
                             impl=_unless_few(impl, math.prod(x.shape[:-1])))
 
 
-def swiglu(gate: jax.Array, up: jax.Array, *, impl: str = "pallas") -> jax.Array:
-    """silu(gate) * up (`jaxfuse.swiglu`)."""
-    return jaxfuse.swiglu(gate, up, impl=_unless_few(impl, math.prod(gate.shape[:-1])))
+def add_norm_linear(x: jax.Array, residual: jax.Array, weight: jax.Array,
+                    bias: jax.Array | None = None, *, projections: tuple, norm: str = "rms",
+                    rate: float = 0.0, key: jax.Array | None = None,
+                    impl: str = "pallas") -> tuple[jax.Array, tuple]:
+    """(h, tuple(norm(h) @ p for p in projections)), h = residual + dropout(x)
+    (`jaxfuse.add_norm_linear`: its backward rebuilds norm(h) instead of keeping it)."""
+    return jaxfuse.add_norm_linear(x, residual, weight, bias, projections=projections, norm=norm,
+                                   rate=rate, key=key,
+                                   impl=_unless_few(impl, math.prod(x.shape[:-1])))
+
+
+def swiglu_linear(gate: jax.Array, up: jax.Array, weight: jax.Array, *,
+                  impl: str = "pallas") -> jax.Array:
+    """silu(gate) * up @ weight, the MLP's down projection included (`jaxfuse.swiglu_linear`:
+    its backward rebuilds the product instead of keeping it). gate and up are named like SwiGLU's
+    outputs (`jaxfuse.residual_name("swiglu")`), so `Config.remat="...+swiglu"` keeps them and
+    the backward reruns neither the gate/up matmuls nor the kernel."""
+    gate, up = (checkpoint_name(a, jaxfuse.residual_name("swiglu")) for a in (gate, up))
+    return jaxfuse.swiglu_linear(gate, up, weight,
+                                 impl=_unless_few(impl, math.prod(gate.shape[:-1])))
 
 
 def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleaved: bool = True,

@@ -1,12 +1,15 @@
 """A tiny Flax-free Transformer whose every op goes through jaxfuse.
 
     h, d = embed(tokens), 0
-    for each block:  h, y = add_norm(d, h);  h, y = add_norm(attn(y), h);  d = swiglu(y)
+    for each block:  h, y = add_norm(d, h);  h, y = add_norm(attn(y), h);  d = swiglu(y) @ w2
     logits = add_norm(d, h)[1] @ unembed
 
 Each residual add is fused with the norm that follows it (`add_norm` returns the new residual
 stream h and its normalization y), so a block carries (h, d): the stream and the MLP output
-still to be added. The layers' parameters are stacked ([n_layers, ...] leaves) and run with
+still to be added. Inside a block the norm and the matmuls that read y are one op
+(`add_norm_linear`), and so are SwiGLU and the down projection (`swiglu_linear`): their
+backward kernels rebuild y and swiglu's product for the weight gradients instead of keeping them
+(fewer residuals; under `lax.scan`, fewer stacked copies). The layers' parameters are stacked ([n_layers, ...] leaves) and run with
 `lax.scan`, optionally rematerialized per block (`Config.remat`).
 
 Mixed precision: parameters are stored in `Config.param_dtype` (float32 master weights for
@@ -82,14 +85,26 @@ def add_norm(p: dict, delta: jax.Array, h: jax.Array, cfg: Config, impl: str,
                         key=key, impl=impl)
 
 
-def qkv(blk: dict, y: jax.Array, positions: jax.Array, cfg: Config, impl: str):
-    """Projections with RoPE: q [B, T, H, hd], k and v [B, T, Hkv, hd]."""
-    b, t, _ = y.shape
-    if "wqkv" in blk:        # decoding's one matmul for the three (`decode_params`)
+def add_norm_project(p: dict, delta: jax.Array, h: jax.Array, weights: tuple, cfg: Config,
+                     impl: str, key: jax.Array | None = None):
+    """(h + dropout(delta), (norm of it) @ w for w in weights): the norm's output is not kept
+    for the weights' gradients but rebuilt in the backward (`jaxfuse.add_norm_linear`)."""
+    return ops.add_norm_linear(delta, h, p["weight"], p.get("bias"), projections=weights,
+                               norm=cfg.norm, rate=cfg.dropout, key=key, impl=impl)
+
+
+def qkv_weights(blk: dict) -> tuple:
+    """The attention input projections: decoding's one fused matrix (`decode_params`) or three."""
+    return (blk["wqkv"],) if "wqkv" in blk else (blk["wq"], blk["wk"], blk["wv"])
+
+
+def qkv(outs: tuple, positions: jax.Array, cfg: Config, impl: str):
+    """The projections' outputs as heads, with RoPE: q [B, T, H, hd], k and v [B, T, Hkv, hd]."""
+    if len(outs) == 1:
         nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        q, k, v = jnp.split(y @ blk["wqkv"], [nq, nq + nk], axis=-1)
-    else:
-        q, k, v = y @ blk["wq"], y @ blk["wk"], y @ blk["wv"]
+        outs = jnp.split(outs[0], [nq, nq + nk], axis=-1)
+    q, k, v = outs
+    b, t, _ = q.shape
     q = constrain(q.reshape(b, t, cfg.n_heads, cfg.head_dim), "batch", "seq", "heads", None)
     k = constrain(k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), "batch", "seq", "kv_heads", None)
     v = constrain(v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), "batch", "seq", "kv_heads", None)
@@ -109,13 +124,16 @@ def attn_out(blk: dict, o: jax.Array, head_mask: jax.Array | None) -> jax.Array:
     return jnp.einsum("...hd,hde->...e", o, blk["wo"].reshape(h, hd, -1))
 
 
-def mlp(blk: dict, y: jax.Array, impl: str) -> jax.Array:
-    if "w13" in blk:         # decoding's one matmul for gate and up (`decode_params`)
-        gate, up = jnp.split(y @ blk["w13"], 2, axis=-1)
-    else:
-        gate, up = y @ blk["w1"], y @ blk["w3"]
+def mlp_weights(blk: dict) -> tuple:
+    """The MLP's gate and up projections: decoding's one fused matrix or two."""
+    return (blk["w13"],) if "w13" in blk else (blk["w1"], blk["w3"])
+
+
+def mlp(blk: dict, outs: tuple, impl: str) -> jax.Array:
+    """SwiGLU and the down projection of the gate/up projections' outputs."""
+    gate, up = jnp.split(outs[0], 2, axis=-1) if len(outs) == 1 else outs
     gate, up = (constrain(x, "batch", "seq", "ff") for x in (gate, up))
-    return ops.swiglu(gate, up, impl=impl) @ blk["w2"]
+    return ops.swiglu_linear(gate, up, blk["w2"], impl=impl)
 
 
 def block(blk: dict, h: jax.Array, delta: jax.Array, positions: jax.Array, cfg: Config, attend,
@@ -125,11 +143,11 @@ def block(blk: dict, h: jax.Array, delta: jax.Array, positions: jax.Array, cfg: 
     `attend(q, k, v, key)` is the attention: causal flash attention in training and prefill, the
     KV cache in decoding."""
     keys = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
-    h, y = add_norm(blk["attn_norm"], delta, h, cfg, impl, keys[0])
-    q, k, v = qkv(blk, y, positions, cfg, impl)
-    h, y = add_norm(blk["mlp_norm"], attn_out(blk, attend(q, k, v, keys[1]), head_mask), h, cfg,
-                    impl, keys[2])
-    return h, _stream(mlp(blk, y, impl)), (q, k, v)
+    h, outs = add_norm_project(blk["attn_norm"], delta, h, qkv_weights(blk), cfg, impl, keys[0])
+    q, k, v = qkv(outs, positions, cfg, impl)
+    h, outs = add_norm_project(blk["mlp_norm"], attn_out(blk, attend(q, k, v, keys[1]), head_mask),
+                               h, mlp_weights(blk), cfg, impl, keys[2])
+    return h, _stream(mlp(blk, outs, impl)), (q, k, v)
 
 
 def _stream(x: jax.Array) -> jax.Array:

@@ -115,18 +115,21 @@ def _forward(x2, weight, bias, st: _Static, merge=None):
 
 
 def _backward(x2, weight, mean, rstd, g2, st: _Static, dh2=None, rate: float = 0.0,
-              key_w=None, merge=None, n_cols=None):
+              key_w=None, merge=None, n_cols=None, bias=None, with_output: bool = False):
     """(dx, [dweight, dbias] column sums). With `dh2` (add_norm: the norm's input h also had a
     cotangent of its own) the same kernel returns (d residual = dh + dx, dropout'(d residual)
     when `rate`) instead of dx: no extra pass over the rows. `merge` sums the per-row sums over
     every device's columns and `n_cols` is the whole row's length (columns split across
-    devices)."""
+    devices). `with_output` (add_norm only) appends the forward's output y = xhat * weight +
+    bias, rebuilt from the same saved statistics in the same order (bitwise the forward's), for
+    a caller that needs y again and did not keep it (`jaxfuse.add_norm_linear`)."""
     b = st.bwd_blocks
     n_tiles = C.cdiv(x2.shape[1], b.block_cols)
     if merge is not None:
         n_tiles = max(n_tiles, 2)       # the row sums come from their own pass, then merge
     n_cols = x2.shape[1] if n_cols is None else n_cols
-    per_col = [weight] if st.has_weight else []
+    rebuild_bias = with_output and st.has_bias
+    per_col = ([weight] if st.has_weight else []) + ([bias] if rebuild_bias else [])
 
     def terms(tile, mean_, rstd_):
         x, g = tile.x[:2]
@@ -168,10 +171,16 @@ def _backward(x2, weight, mean, rstd, g2, st: _Static, dh2=None, rate: float = 0
         outs = (dres,)
         if rate:
             outs += (_dropout.drop(tile, dres, rate, st.interpret),)
+        if with_output:
+            cols = iter(tile.per_col)
+            y = xhat * next(cols) if st.has_weight else xhat
+            outs += (y + next(cols) if rebuild_bias else y,)
         return outs, (), col_sums
 
+    if with_output and dh2 is None:
+        raise AssertionError("with_output is add_norm's (dh2 given)")
     tiled = [x2, g2] + ([] if dh2 is None else [dh2])
-    n_out = 1 if dh2 is None else 1 + int(bool(rate))
+    n_out = 1 if dh2 is None else 1 + int(bool(rate)) + int(with_output)
     *dxs, = _rows.map_pass(
         emit, tiled=tiled, fills=[0.0] * len(tiled), per_row=per_row, per_col=per_col,
         out_dtypes=(g2.dtype,) * n_out, n_col_sums=int(st.has_weight) + int(st.has_bias),

@@ -75,18 +75,24 @@ def _add_norm_fwd(x2, res2, weight, bias, key_w, st):
     return (h2, y2), (h2, weight, bias, mean, rstd, key_w)
 
 
-def _add_norm_bwd(st, saved, cts):
+def _grads(st, saved, cts, with_output: bool = False):
+    """(dx, dresidual, dweight, dbias, key cotangent), and with `with_output` y = norm(h)
+    rebuilt by the same kernel (bitwise the forward's; `jaxfuse.add_norm_linear`)."""
     h2, weight, bias, mean, rstd, key_w = saved
     dh2, dy2 = cts
     douts, sums = _norm._backward(h2, weight, mean, rstd, dy2, st.norm, dh2=dh2, rate=st.rate,
-                                  key_w=key_w)
+                                  key_w=key_w, bias=bias, with_output=with_output)
     dres = douts[0]
     dx = douts[1] if st.rate else dres
     sums = iter(sums)
     dw = next(sums).astype(weight.dtype) if weight is not None else None
     db = next(sums).astype(bias.dtype) if bias is not None else None
     key_ct = None if key_w is None else jnp.zeros(key_w.shape, jax.dtypes.float0)
-    return dx, dres, dw, db, key_ct
+    return (dx, dres, dw, db, key_ct) + ((douts[-1],) if with_output else ())
+
+
+def _add_norm_bwd(st, saved, cts):
+    return _grads(st, saved, cts)
 
 
 _add_norm.defvjp(_add_norm_fwd, _add_norm_bwd)

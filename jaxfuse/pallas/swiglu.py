@@ -35,16 +35,23 @@ def _swiglu_fwd(g2, u2, st):
     return _swiglu(g2, u2, st), (g2, u2)
 
 
-def _swiglu_bwd(st, saved, dy2):
-    g2, u2 = saved
-
+def _grads(g2, u2, dy2, st: _Static, with_product: bool = False):
+    """(dgate, dup), and with `with_product` also silu(gate) * up rebuilt in the same pass: a
+    caller that multiplies the product by a weight (`jaxfuse.swiglu_linear`) needs it again for
+    the weight's gradient, and writing it here costs one array where keeping it from the
+    forward costs holding it (under `lax.scan`: copying it into and out of the layer stack)."""
     def emit(t):
         g, u, dy = t.x
-        return (dy * u * _dropout.act_grad("silu", g), dy * _dropout.act("silu", g)), (), ()
-    dg, du = _rows.map_pass(emit, tiled=[g2, u2, dy2], fills=[0.0] * 3,
-                            out_dtypes=(g2.dtype, u2.dtype), blocks=st.blocks,
-                            name="jaxfuse_swiglu_bwd", interpret=st.interpret)
-    return dg, du
+        silu = _dropout.act("silu", g)
+        grads = (dy * u * _dropout.act_grad("silu", g), dy * silu)
+        return (*grads, *((silu * u,) if with_product else ())), (), ()
+    return tuple(_rows.map_pass(emit, tiled=[g2, u2, dy2], fills=[0.0] * 3,
+                                out_dtypes=(g2.dtype,) * (2 + with_product), blocks=st.blocks,
+                                name="jaxfuse_swiglu_bwd", interpret=st.interpret))
+
+
+def _swiglu_bwd(st, saved, dy2):
+    return _grads(*saved, dy2, st)
 
 
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
@@ -58,3 +65,15 @@ def swiglu(gate: jax.Array, up: jax.Array, *, interpret: bool | None = None,
     g2, u2 = _rows.as_rows(gate), _rows.as_rows(up)
     blocks = _rows.resolve_blocks(block_sizes, *g2.shape, interpret)
     return _swiglu(g2, u2, _Static(blocks, interpret)).reshape(gate.shape)
+
+
+def swiglu_grads(gate: jax.Array, up: jax.Array, dy: jax.Array, *,
+                 interpret: bool | None = None, block_sizes: RowBlocks | None = None):
+    """(dgate, dup, swiglu(gate, up)) for the cotangent dy, in one pass over gate, up and dy:
+    the backward of `swiglu` that also rebuilds its output (bitwise equal to the forward's)."""
+    ref.validate(gate, up)
+    interpret = C.resolve_interpret(interpret)
+    g2, u2 = _rows.as_rows(gate), _rows.as_rows(up)
+    blocks = _rows.resolve_blocks(block_sizes, *g2.shape, interpret)
+    outs = _grads(g2, u2, _rows.as_rows(dy), _Static(blocks, interpret), with_product=True)
+    return tuple(o.reshape(gate.shape) for o in outs)

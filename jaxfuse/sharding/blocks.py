@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxfuse import _philox
 from jaxfuse.pallas import _common as C
@@ -36,6 +37,7 @@ from jaxfuse.pallas import rope as _p_rope
 from jaxfuse.pallas import swiglu as _p_swiglu
 from jaxfuse.pallas._rows import RowBlocks, as_rows
 from jaxfuse.reference import add_norm as _r_an
+from jaxfuse.reference import add_norm_linear as _r_anl
 from jaxfuse.reference import beam_top_k as _r_topk
 from jaxfuse.reference import bias_act_dropout as _r_bad
 from jaxfuse.reference import bias_dropout_add as _r_bda
@@ -44,7 +46,9 @@ from jaxfuse.reference import embedding as _r_emb
 from jaxfuse.reference import reorder_beams as _r_reo
 from jaxfuse.reference import rope as _r_rope
 from jaxfuse.reference import swiglu as _r_swiglu
-from jaxfuse.sharding._core import Layout, lead, partitioned, present, vjp_op
+from jaxfuse.reference import swiglu_linear as _r_swl
+from jaxfuse.sharding._core import (Layout, lead, partitioned, present, residual_name,
+                                   vjp_op)
 from jaxfuse.sharding.rows import psum_over, size
 
 KEY = ("k",)         # Philox key words: never split
@@ -110,6 +114,47 @@ def swiglu(gate, up, *, interpret=None, block_sizes=None):
     """`jaxfuse.pallas.swiglu` partitioned over every axis (elementwise)."""
     _r_swiglu.validate(gate, up)
     return _swiglu_op(gate.ndim, interpret, block_sizes)(gate, up)[0]
+
+
+# ---- swiglu_linear ---------------------------------------------------------------------------
+
+def _project(s, w):
+    return s @ w
+
+
+@functools.lru_cache(maxsize=None)
+def _swiglu_linear_op(ndim: int, interpret, block_sizes):
+    x = (*lead(ndim - 1), "f")
+    kw = dict(interpret=interpret, block_sizes=block_sizes)
+    product = lambda plan, g, u: (_p_swiglu.swiglu(g, u, **kw),)
+    grads = lambda plan, g, u, ds: _p_swiglu.swiglu_grads(g, u, ds, **kw)
+    fwd, bwd = Layout((x, x), (x,), x), Layout((x, x, x), (x, x, x), x)
+
+    # The kernels run per shard; the projections are XLA's matmuls, which XLA partitions (a
+    # split F is a split contraction: XLA sums the partial products, Megatron's row-parallel
+    # down projection).
+    @jax.custom_vjp
+    def op(g, u, w):
+        return _project(partitioned(product, fwd, (g, u))[0], w)
+
+    def op_fwd(g, u, w):
+        return op(g, u, w), (g, u, w)      # not the product: the backward rebuilds it
+
+    def op_bwd(res, dout):
+        g, u, w = res
+        ds, = jax.linear_transpose(lambda s: _project(s, w), g)(dout)
+        dg, du, s = partitioned(grads, bwd, (g, u, ds))
+        dw, = jax.linear_transpose(lambda w: _project(s, w), w)(dout)
+        return dg, du, dw
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
+
+
+def swiglu_linear(gate, up, weight, *, interpret=None, block_sizes=None):
+    """`swiglu(gate, up) @ weight` whose backward rebuilds the product in its SwiGLU kernel."""
+    _r_swl.validate(gate, up, weight)
+    return _swiglu_linear_op(gate.ndim, interpret, block_sizes)(gate, up, weight)
 
 
 # ---- rope ------------------------------------------------------------------------------------
@@ -226,18 +271,19 @@ def _an_fwd(cfg, plan, x, res, *rest):
             rstd.reshape(x.shape[:-1]))
 
 
-def _an_bwd(cfg, plan, *rest):
+def _an_bwd(cfg, plan, *rest, with_output=False):
     # Operands: the weights and key words, then h, mean, rstd (the residuals the kernel's
-    # backward reads; not x, residual or y) and the cotangents dh, dy.
+    # backward reads; not x, residual or y) and the cotangents dh, dy. `with_output`: y too.
     w, b, key_w, (h, mean, rstd, dh, dy) = _an_unpack(cfg, rest)
     rows = lead(h.ndim - 1)
     key_w = shard_key(key_w, plan, h.shape[:-1], rows) if cfg[4] else None
     h2 = as_rows(h)
-    dx, dres, dw, db, _ = _p_an._add_norm_bwd(
+    dx, dres, dw, db, _, *y = _p_an._grads(
         _an_static(cfg, h2), (h2, w, b, mean.reshape(-1), rstd.reshape(-1), key_w),
-        (as_rows(dh), as_rows(dy)))
+        (as_rows(dh), as_rows(dy)), with_output=with_output)
     params = tuple(psum_over(g, plan, rows) for g in (dw, db) if g is not None)
-    return (dx.reshape(h.shape), dres.reshape(h.shape), *params)
+    return (dx.reshape(h.shape), dres.reshape(h.shape), *params,
+            *(a.reshape(h.shape) for a in y))
 
 
 @functools.lru_cache(maxsize=None)
@@ -268,6 +314,69 @@ def add_norm(x, residual, weight, bias=None, *, norm="rms", eps=None, rate=0.0, 
     key_w = _philox.key_words(key) if rate else None
     h, y = _add_norm_op(x.ndim, cfg)(*present(x, residual, weight, bias, key_w))
     return h, y
+
+
+# ---- add_norm_linear -------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _add_norm_linear_op(ndim: int, cfg, n_proj: int):
+    rows = lead(ndim - 1)
+    x, vec = (*rows, "d"), ("d",)
+    n_params = int(cfg[2]) + int(cfg[3])
+    keys = (KEY,) if cfg[4] else ()
+    operands = (x, x, *(vec,) * n_params, *keys)
+    splittable = _row_splittable(rows, bool(cfg[4]))
+    fwd = Layout(operands, (x, x, rows, rows), splittable)
+    bwd = Layout(((vec,) * n_params + keys + (x, rows, rows, x, x)),
+                 (x, x, *(vec,) * n_params, x), splittable)
+    n_in = len(operands)
+    tag = residual_name("add_norm")
+
+    def forward(args):
+        h, y, mean, rstd = partitioned(functools.partial(_an_fwd, cfg), fwd, args[:n_in])
+        return h, y, mean, rstd, tuple(_project(y, p) for p in args[n_in:])
+
+    # As swiglu_linear: the kernels per shard, the projections XLA's (a projection split over
+    # its output columns is Megatron's column-parallel matmul, nothing to sum).
+    @jax.custom_vjp
+    def op(*args):
+        h, _, _, _, outs = forward(args)
+        return h, outs
+
+    def op_fwd(*args):
+        h, _, mean, rstd, outs = forward(args)
+        h, mean, rstd = (checkpoint_name(a, tag) for a in (h, mean, rstd))
+        # Saved: h and its statistics, the norm's weights, key words and the projections;
+        # not y (the backward's kernel rebuilds it) and not x or residual.
+        return (h, outs), (args[2:n_in], h, mean, rstd, args[n_in:])
+
+    def op_bwd(saved, cts):
+        params, h, mean, rstd, projs = saved
+        dh, douts = cts
+        dy = functools.reduce(jnp.add, (jax.linear_transpose(lambda y: _project(y, p), h)(d)[0]
+                                        for p, d in zip(projs, douts)))
+        dx, dres, *dparams, y = partitioned(
+            functools.partial(_an_bwd, cfg, with_output=True), bwd,
+            (*params, h, mean, rstd, dh, dy))
+        dprojs = tuple(jax.linear_transpose(lambda p: _project(y, p), p)(d)[0]
+                       for p, d in zip(projs, douts))
+        return (dx, dres, *dparams, *(None,) * len(keys), *dprojs)
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
+
+
+def add_norm_linear(x, residual, weight, bias=None, *, projections, norm="rms", eps=None,
+                    rate=0.0, key=None, interpret=None, block_sizes=None):
+    """`jaxfuse.add_norm` then y @ p for each p in projections; the backward's add_norm kernel
+    rebuilds y for the projections' gradients instead of keeping it."""
+    _r_anl.validate(x, residual, weight, bias, projections, norm, rate, key)
+    eps = _r_an.resolve_eps(norm, eps)
+    rate = float(rate) if _philox.active(rate, key) else 0.0
+    cfg = (norm, float(eps), weight is not None, bias is not None, rate, interpret, block_sizes)
+    key_w = _philox.key_words(key) if rate else None
+    op = _add_norm_linear_op(x.ndim, cfg, len(projections))
+    return op(*present(x, residual, weight, bias, key_w), *projections)
 
 
 # ---- embedding -------------------------------------------------------------------------------

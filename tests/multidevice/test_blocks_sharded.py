@@ -53,6 +53,21 @@ def test_add_norm_rows_split_with_dropout(norm):
     assert "all-reduce" in hlo          # dweight (and dbias): psum of per-device row sums
 
 
+def test_add_norm_linear_column_parallel_with_dropout():
+    """Rows split over batch and time, the projections over their output columns (Megatron's
+    column-parallel q/k/v): equal to one device, dropout masks included."""
+    k = keys(44, 6)
+    x, res = randn(k[0], (4, 8, 32)), randn(k[1], (4, 8, 32), shift=1.0)
+    w, b = randn(k[2], (32,)), randn(k[3], (32,))
+    ps = (randn(k[4], (32, 16), scale=0.2), randn(k[5], (32, 8), scale=0.2))
+    f = lambda x, r, w, b, ps: jaxfuse.add_norm_linear(x, r, w, b, projections=ps, norm="layer",
+                                                        rate=0.25, key=KEY)
+    specs = [P("data", "seq"), P("data", "seq"), P(), P(), P(None, "tensor")]
+    one, many, hlo = run_both(f, (x, res, w, b, ps), specs, diff=(0, 1, 2, 3, 4))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
 def test_swiglu_and_rope_split_everywhere():
     k = keys(42, 4)
     g, u = randn(k[0], (4, 8, 24)), randn(k[1], (4, 8, 24))
@@ -66,6 +81,19 @@ def test_swiglu_and_rope_split_everywhere():
     one, many, hlo = run_both(f, (g, u, q, pos), specs, diff=(0, 1, 2))
     assert_same(one, many)
     assert gathered_shapes(hlo) == []
+
+
+def test_swiglu_linear_row_parallel():
+    """gate/up split over rows and F (Megatron's MLP: the down projection's contraction over F
+    is split, XLA sums its partial products); w2 split over F, its gradient stays split."""
+    k = keys(43, 3)
+    g, u = randn(k[0], (4, 8, 24)), randn(k[1], (4, 8, 24))
+    w = randn(k[2], (24, 16), scale=0.2)
+    specs = [P("data", "seq", "tensor")] * 2 + [P("tensor", None)]
+    one, many, hlo = run_both(jaxfuse.swiglu_linear, (g, u, w), specs, diff=(0, 1, 2))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+    assert "all-reduce" in hlo or "reduce-scatter" in hlo   # the split contraction's sum
 
 
 def test_embedding_vocab_parallel_with_dropout():

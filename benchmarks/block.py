@@ -19,6 +19,7 @@ no kernel keeps a mask (XLA's composition does).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -214,7 +215,10 @@ def check_projections():
     """add_norm_linear and swiglu_linear compiled: forward and gradients against the float32
     reference, and the backward kernels' rebuilt y / SwiGLU product bitwise equal to the
     forward's (the weight gradients are formed from them)."""
-    shapes = [(7, 131, 5), (33, 1000, 96)] + ([] if SMALL else [(1000, 4096, 384)])
+    # (rows, d, projection width m); swiglu_linear's gate/up are [rows, m]: [256, 512] is whole
+    # tiles of the Hopper SwiGLU kernels (taken on an sm90 GPU), the others take Triton's.
+    shapes = [(7, 131, 5), (33, 1000, 96), (256, 1024, 512)] + (
+        [] if SMALL else [(1000, 4096, 384)])
     for dtype in DTYPES:
         for n, d, m in shapes:
             name = jnp.dtype(dtype).name
@@ -257,10 +261,13 @@ def check_projections():
                 # With P = I and a one-hot cotangent (row i picks column i), dP = y^T dout has
                 # one nonzero term per element: its first n columns are the rebuilt y^T
                 # exactly, whatever the matmul's summation order.
+                # (float32: at "highest" precision, not the GPU default's TF32 inputs, which
+                # would round y before the check sees it.)
                 eye, onehot = jnp.eye(d, dtype=x.dtype), jnp.eye(n, d, dtype=x.dtype)
-                dp = jax.jit(lambda x, r, w, e, c: jax.vjp(
-                    lambda e: jaxfuse.add_norm_linear(x, r, w, projections=(e,))[1][0], e)[1](c)[0])(
-                    x, res, w, eye, onehot)
+                with jax.default_matmul_precision("highest"):
+                    dp = jax.jit(lambda x, r, w, e, c: jax.vjp(
+                        lambda e: jaxfuse.add_norm_linear(x, r, w, projections=(e,))[1][0],
+                        e)[1](c)[0])(x, res, w, eye, onehot)
                 y_kept = jax.jit(lambda x, r, w: jaxfuse.add_norm(x, r, w)[1])(x, res, w)
                 same_y = bool(jnp.array_equal(dp[:, :n].T, y_kept))
                 record(S, f"check rebuilt y and SwiGLU product bitwise [{n}, {d}]", name,
@@ -388,13 +395,18 @@ def perf(copy_bw: float, sweep: bool = False):
     if _wanted("attention"):
         perf_attention()
     sh = _shapes()
-    impls = {"jaxfuse": _ours("pallas"), "xla": XLA, "xla_philox": _ours("reference")}
+    triton = lambda g, u: jaxfuse.swiglu(g, u, block_sizes=dataclasses.replace(
+        jaxfuse.RowBlocks.for_shape(g.shape[0], g.shape[1], interpret=SMALL), hopper=False))
+    impls = {"jaxfuse": _ours("pallas"), "jaxfuse_triton": {"swiglu": triton}, "xla": XLA,
+             "xla_philox": _ours("reference")}
     for name in filter(_wanted, _FWD_UNITS):
         sets = [_args(name, jax.random.key(10 + i), jnp.bfloat16, **sh) for i in range(3)]
         unit = sets[0][2][0] if name == "add_norm" else sets[0][2]
         nbytes = _FWD_UNITS[name] * unit.size * unit.dtype.itemsize
         wl = f"{name} {tuple(unit.shape)} bf16"
         for impl, ops in impls.items():
+            if name not in ops:
+                continue
             f = ops[name]
 
             def run_fwd(f=f, impl=impl):

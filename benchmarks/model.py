@@ -27,6 +27,7 @@ on an H200, most of it compiling.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -176,6 +177,20 @@ def _with_kept_projections(fn):
     return swapped
 
 
+@contextlib.contextmanager
+def _triton_swiglu():
+    """While open, SwiGLU takes its Triton kernels where the Hopper ones would run (a diagnostic
+    row: the Hopper kernels read the scan's stacked gate and up in place, Triton's get copies).
+    Held over the whole lowering: a custom_vjp's backward is traced after the forward returns."""
+    from jaxfuse.pallas import swiglu_hopper
+    original = swiglu_hopper.fits
+    swiglu_hopper.fits = lambda *a, **k: False
+    try:
+        yield
+    finally:
+        swiglu_hopper.fits = original
+
+
 def profile_attention(cfg, b, t):
     """The model's attention alone (forward, and forward + backward), kernel by kernel: how many
     launches one call makes, to set against the train step's profile."""
@@ -217,6 +232,7 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
                M.loss, cfg=dataclasses.replace(cfg, loss_token_slab=token_slab), impl="pallas"),
            "jaxfuse, y and SwiGLU product kept": _with_kept_projections(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
+           "jaxfuse, Triton SwiGLU": functools.partial(M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            f"plain JAX + {attn or 'xla'}": functools.partial(plain_loss, cfg=cfg, attn_impl=attn),
@@ -228,7 +244,8 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
 
         def run(impl=impl):
             step = jax.jit(jax.value_and_grad(lambda p, x, y: fns[impl](p, x, y)))
-            compiled = step.lower(params, tokens, targets).compile()
+            with (_triton_swiglu() if "Triton SwiGLU" in impl else contextlib.nullcontext()):
+                compiled = step.lower(params, tokens, targets).compile()
             temp = compiled.memory_analysis().temp_size_in_bytes
             (loss, grads) = compiled(params, tokens, targets)
             sec = bench(compiled, [(params, tokens, targets)], reps=reps, repeats=3, warmup=1)
@@ -384,6 +401,9 @@ def main(argv=None) -> None:
     ap.add_argument("--kept-projections", action="store_true",
                     help="also time jaxfuse with add_norm_linear and swiglu_linear unfused "
                          "(y and the SwiGLU product kept for the backward, as before s11)")
+    ap.add_argument("--triton-swiglu", action="store_true",
+                    help="also time jaxfuse with SwiGLU's Triton kernels instead of the Hopper "
+                         "ones (which read the scan's stacked residuals in place)")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the impl=\"reference\" train row (slow; a diagnostic run)")
     ap.add_argument("--no-scan", action="store_true",
@@ -427,7 +447,8 @@ def main(argv=None) -> None:
         ("jaxfuse, cuDNN",) if args.swap_attention else ())
     slab = () if args.loss_token_slab is None else ("jaxfuse, loss_token_slab",)
     token_slab = None if args.loss_token_slab in (None, "none") else args.loss_token_slab
-    kept = ("jaxfuse, y and SwiGLU",) if args.kept_projections else ()
+    kept = (("jaxfuse, y and SwiGLU",) if args.kept_projections else ()) + (
+        ("jaxfuse, Triton SwiGLU",) if args.triton_swiglu else ())
     impls157 += slab + kept
     impls1b = ("jaxfuse", "jaxfuse, nondet", "plain") + slab + kept
     tasks = {"train157": len(impls157), "train1b": len(impls1b), "decode": 4}

@@ -228,6 +228,19 @@ def test_fused_projections_lower(shape):
         x, x, w, p)
 
 
+def test_hopper_swiglu_lowers():
+    """The Mosaic GPU SwiGLU kernels (TMA tiles in and out, one warpgroup per CTA) lower for
+    sm90, forward and the backward that rebuilds the product."""
+    x = jnp.zeros((64, 512), jnp.bfloat16)
+    p = jnp.zeros((512, 16), jnp.bfloat16)
+    blocks = jaxfuse.RowBlocks(8, 512, hopper=True)
+    module = _fwd_bwd(lambda g, u, p: jaxfuse.swiglu_linear(g, u, p, interpret=False,
+                                                            block_sizes=blocks),
+                      x, x, p).mlir_module()
+    for name in ("jaxfuse_swiglu_fwd_hopper", "jaxfuse_swiglu_bwd_hopper"):
+        assert name in module
+
+
 @pytest.mark.parametrize("with_pos", [False, True])
 def test_embedding_lowers(with_pos):
     table = jnp.zeros((1000, 256), jnp.bfloat16)

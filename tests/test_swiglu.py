@@ -80,6 +80,34 @@ class SwiGLULinearTest(chex.TestCase):
         grads = jax.vjp(lambda g, u: jaxfuse.swiglu(g, u, block_sizes=blocks), gate, up)[1](dy)
         assert_close((dg, du), grads, dtype, scale=0.0)
 
+    @parameterized.parameters(jnp.bfloat16, jnp.float16)
+    def test_hopper_kernels_equal_triton(self, dtype):
+        # The Mosaic GPU kernels (`swiglu_hopper.py`, in its interpreter here) compute what the
+        # Triton ones do: forward, gradients and the rebuilt product. Interpreted, both are
+        # XLA:CPU arithmetic, so they agree bit for bit and a wrong tile shows as a mismatch
+        # (compiled, their exp differs by an ulp: benchmarks/swiglu_tiles.py). [2, 32, 512] is
+        # 2 x 4 tiles of theirs.
+        k = keys(6, 4)
+        gate, up = randn(k[0], (2, 32, 512), dtype, scale=3.0), randn(k[1], (2, 32, 512), dtype)
+        w = randn(k[2], (512, 24), dtype, scale=0.05)
+        ct = randn(k[3], (2, 32, 24), dtype)
+        outs = []
+        for hopper in (True, False):
+            blocks = RowBlocks(8, 512, hopper=hopper)
+            y, vjp = jax.vjp(lambda g, u, w: jaxfuse.swiglu_linear(g, u, w, block_sizes=blocks),
+                             gate, up, w)
+            outs.append((y, vjp(ct), jaxfuse.swiglu(gate, up, block_sizes=blocks)))
+        chex.assert_trees_all_equal(*outs)
+
+    def test_hopper_kernels_take_whole_tiles_only(self):
+        g = jnp.ones((31, 512), jnp.bfloat16)
+        with self.assertRaisesRegex(ValueError, "rows a multiple of 32 and cols of 128, got "
+                                                "bfloat16 \\(31, 512\\)"):
+            jaxfuse.swiglu(g, g, block_sizes=RowBlocks(8, 512, hopper=True))
+        with self.assertRaisesRegex(ValueError, "got float32"):
+            f = jnp.ones((32, 512))
+            jaxfuse.swiglu(f, f, block_sizes=RowBlocks(8, 512, hopper=True))
+
     def test_keeps_only_gate_up_and_weight(self):
         # The point of the op: the [..., F] product is not a residual (the unfused pair keeps
         # it for the matmul's weight gradient).

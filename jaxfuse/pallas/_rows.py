@@ -39,11 +39,15 @@ class RowBlocks:
     `rows_per_program` only matters for passes that sum over rows (weight gradients): each
     program walks that many rows in chunks of `block_rows` and writes one partial row.
     `num_warps` is ignored in interpret mode.
+    `hopper` (ops that have Hopper kernels: `swiglu`, `swiglu_linear`): None takes them on an
+    sm90 GPU where the shape is whole tiles of theirs, True forces them (a shape they cannot
+    take raises; on a CPU they run in Mosaic GPU's interpreter), False keeps the Triton kernels.
     """
     block_rows: int
     block_cols: int
     num_warps: int = 4
     rows_per_program: int | None = None
+    hopper: bool | None = None
 
     @classmethod
     def for_shape(cls, n_rows: int, n_cols: int, *, interpret: bool,

@@ -1,7 +1,9 @@
 """Fused SwiGLU gate: silu(gate) * up in one read of both and one write.
 
 Unfused, XLA keeps silu(gate) (or sigmoid(gate)) for the backward; here the backward recomputes
-the sigmoid from gate, so nothing but the inputs is saved, and writes both gradients in one pass:
+the sigmoid from gate, so nothing but the inputs is saved, and writes both gradients in one pass
+(Triton kernels; on an sm90 GPU Mosaic GPU ones where the shape is whole tiles of theirs, which
+read a `lax.scan`'s stacked residuals in place: `swiglu_hopper.py`):
 
     s = sigmoid(gate),  dup = dy * gate * s,  dgate = dy * up * s * (1 + gate * (1 - s)).
 """
@@ -13,7 +15,7 @@ import functools
 import jax
 
 from jaxfuse.pallas import _common as C
-from jaxfuse.pallas import _dropout, _rows
+from jaxfuse.pallas import _dropout, _hopper, _rows, swiglu_hopper
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.reference import swiglu as ref
 
@@ -22,10 +24,26 @@ from jaxfuse.reference import swiglu as ref
 class _Static:
     blocks: RowBlocks
     interpret: bool
+    hopper: bool = False     # the Mosaic GPU kernels (`swiglu_hopper.py`)
+
+
+def _static(blocks: RowBlocks | None, g2, interpret: bool) -> _Static:
+    blocks = _rows.resolve_blocks(blocks, *g2.shape, interpret)
+    hopper = blocks.hopper
+    if hopper is None:
+        hopper = not interpret and _hopper.available() and swiglu_hopper.fits(g2)
+    elif hopper and not swiglu_hopper.fits(g2):
+        raise ValueError(f"RowBlocks(hopper=True): the Hopper SwiGLU kernels take 16-bit "
+                         f"[rows, cols] with rows a multiple of {swiglu_hopper.ROWS} and cols "
+                         f"of {swiglu_hopper.COLS}, got {g2.dtype} {tuple(g2.shape)}; leave "
+                         f"hopper=None to pick by shape")
+    return _Static(blocks, interpret, bool(hopper))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _swiglu(g2, u2, st: _Static):
+    if st.hopper:
+        return swiglu_hopper.swiglu(g2, u2, interpret=st.interpret)
     emit = lambda t: ((_dropout.act("silu", t.x[0]) * t.x[1],), (), ())
     return _rows.map_pass(emit, tiled=[g2, u2], fills=[0.0, 0.0], out_dtypes=(g2.dtype,),
                           blocks=st.blocks, name="jaxfuse_swiglu_fwd", interpret=st.interpret)[0]
@@ -40,6 +58,10 @@ def _grads(g2, u2, dy2, st: _Static, with_product: bool = False):
     caller that multiplies the product by a weight (`jaxfuse.swiglu_linear`) needs it again for
     the weight's gradient, and writing it here costs one array where keeping it from the
     forward costs holding it (under `lax.scan`: copying it into and out of the layer stack)."""
+    if st.hopper:
+        return swiglu_hopper.grads(g2, u2, dy2, with_product=with_product,
+                                   interpret=st.interpret)
+
     def emit(t):
         g, u, dy = t.x
         silu = _dropout.act("silu", g)
@@ -63,8 +85,7 @@ def swiglu(gate: jax.Array, up: jax.Array, *, interpret: bool | None = None,
     ref.validate(gate, up)
     interpret = C.resolve_interpret(interpret)
     g2, u2 = _rows.as_rows(gate), _rows.as_rows(up)
-    blocks = _rows.resolve_blocks(block_sizes, *g2.shape, interpret)
-    return _swiglu(g2, u2, _Static(blocks, interpret)).reshape(gate.shape)
+    return _swiglu(g2, u2, _static(block_sizes, g2, interpret)).reshape(gate.shape)
 
 
 def swiglu_grads(gate: jax.Array, up: jax.Array, dy: jax.Array, *,
@@ -74,6 +95,6 @@ def swiglu_grads(gate: jax.Array, up: jax.Array, dy: jax.Array, *,
     ref.validate(gate, up)
     interpret = C.resolve_interpret(interpret)
     g2, u2 = _rows.as_rows(gate), _rows.as_rows(up)
-    blocks = _rows.resolve_blocks(block_sizes, *g2.shape, interpret)
-    outs = _grads(g2, u2, _rows.as_rows(dy), _Static(blocks, interpret), with_product=True)
+    outs = _grads(g2, u2, _rows.as_rows(dy), _static(block_sizes, g2, interpret),
+                  with_product=True)
     return tuple(o.reshape(gate.shape) for o in outs)

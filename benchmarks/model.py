@@ -178,6 +178,26 @@ def _with_kept_projections(fn):
 
 
 @contextlib.contextmanager
+def _three_qkv_matmuls():
+    """While open, the model forms q, k and v with three matmuls (before session s11) instead of
+    one on `qkv_weight`'s grouped matrix (a diagnostic row)."""
+    original = T.qkv_weights, T.qkv
+
+    def qkv(outs, positions, cfg, impl):
+        b, t, _ = outs[0].shape
+        q, k, v = (o.reshape(b, t, -1, cfg.head_dim) for o in outs)
+        rope = functools.partial(T.ops.rope, positions=positions, base=cfg.rope_base, impl=impl)
+        return rope(q), rope(k), v
+
+    T.qkv_weights = lambda blk, cfg: (blk["wq"], blk["wk"], blk["wv"])
+    T.qkv = qkv
+    try:
+        yield
+    finally:
+        T.qkv_weights, T.qkv = original
+
+
+@contextlib.contextmanager
 def _triton_swiglu():
     """While open, SwiGLU takes its Triton kernels where the Hopper ones would run (a diagnostic
     row: the Hopper kernels read the scan's stacked gate and up in place, Triton's get copies).
@@ -233,6 +253,7 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
            "jaxfuse, y and SwiGLU product kept": _with_kept_projections(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            "jaxfuse, Triton SwiGLU": functools.partial(M.loss, cfg=cfg, impl="pallas"),
+           "jaxfuse, three q/k/v matmuls": functools.partial(M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            f"plain JAX + {attn or 'xla'}": functools.partial(plain_loss, cfg=cfg, attn_impl=attn),
@@ -244,7 +265,10 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
 
         def run(impl=impl):
             step = jax.jit(jax.value_and_grad(lambda p, x, y: fns[impl](p, x, y)))
-            with (_triton_swiglu() if "Triton SwiGLU" in impl else contextlib.nullcontext()):
+            context = {"jaxfuse, Triton SwiGLU": _triton_swiglu,
+                       "jaxfuse, three q/k/v matmuls": _three_qkv_matmuls}.get(
+                           impl, contextlib.nullcontext)
+            with context():
                 compiled = step.lower(params, tokens, targets).compile()
             temp = compiled.memory_analysis().temp_size_in_bytes
             (loss, grads) = compiled(params, tokens, targets)
@@ -404,6 +428,9 @@ def main(argv=None) -> None:
     ap.add_argument("--triton-swiglu", action="store_true",
                     help="also time jaxfuse with SwiGLU's Triton kernels instead of the Hopper "
                          "ones (which read the scan's stacked residuals in place)")
+    ap.add_argument("--three-qkv", action="store_true",
+                    help="also time jaxfuse with q, k and v formed by three matmuls (before "
+                         "s11) instead of one on the grouped [d, Hkv (G + 2) hd] matrix")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the impl=\"reference\" train row (slow; a diagnostic run)")
     ap.add_argument("--no-scan", action="store_true",
@@ -448,7 +475,8 @@ def main(argv=None) -> None:
     slab = () if args.loss_token_slab is None else ("jaxfuse, loss_token_slab",)
     token_slab = None if args.loss_token_slab in (None, "none") else args.loss_token_slab
     kept = (("jaxfuse, y and SwiGLU",) if args.kept_projections else ()) + (
-        ("jaxfuse, Triton SwiGLU",) if args.triton_swiglu else ())
+        ("jaxfuse, Triton SwiGLU",) if args.triton_swiglu else ()) + (
+        ("jaxfuse, three q/k/v",) if args.three_qkv else ())
     impls157 += slab + kept
     impls1b = ("jaxfuse", "jaxfuse, nondet", "plain") + slab + kept
     tasks = {"train157": len(impls157), "train1b": len(impls1b), "decode": 4}

@@ -46,7 +46,7 @@ def decode_params(params: dict, cfg: Config) -> dict:
     blocks = []
     for i in range(cfg.n_layers):
         blk = jax.tree.map(lambda x: x[i], p["blocks"])
-        blk["wqkv"] = jnp.concatenate([blk.pop("wq"), blk.pop("wk"), blk.pop("wv")], axis=-1)
+        blk["wqkv"] = T.qkv_weight(blk.pop("wq"), blk.pop("wk"), blk.pop("wv"), cfg)
         blk["w13"] = jnp.concatenate([blk.pop("w1"), blk.pop("w3")], axis=-1)
         blocks.append(blk)
     p["blocks"] = tuple(blocks)

@@ -93,21 +93,36 @@ def add_norm_project(p: dict, delta: jax.Array, h: jax.Array, weights: tuple, cf
                                norm=cfg.norm, rate=cfg.dropout, key=key, impl=impl)
 
 
-def qkv_weights(blk: dict) -> tuple:
-    """The attention input projections: decoding's one fused matrix (`decode_params`) or three."""
-    return (blk["wqkv"],) if "wqkv" in blk else (blk["wq"], blk["wk"], blk["wv"])
+def qkv_weight(wq: jax.Array, wk: jax.Array, wv: jax.Array, cfg: Config) -> jax.Array:
+    """wq, wk, wv ([..., d, H hd], [..., d, Hkv hd] twice) as one [..., d, Hkv (G + 2) hd]
+    matrix, grouped by KV head: each KV head's G query heads, then its k, then its v.
+
+    One matmul then forms q, k and v, and its backward one dy = dqkv W^T, where three matmuls
+    left XLA three [tokens, d] products to add (an elementwise pass; 157M model on an H200,
+    session s11). Grouped, not [wq | wk | wv]: split over devices by KV head (Megatron's
+    tensor parallel), each device's columns are then its own heads' q, k and v."""
+    *lead, d, _ = wq.shape
+    hkv, hd = cfg.n_kv_heads, cfg.head_dim
+    parts = [w.reshape(*lead, d, hkv, -1, hd) for w in (wq, wk, wv)]
+    return jnp.concatenate(parts, axis=-2).reshape(*lead, d, -1)
+
+
+def qkv_weights(blk: dict, cfg: Config) -> tuple:
+    """The attention input projection: decoding's precomputed `qkv_weight` or the layer's."""
+    return (blk["wqkv"],) if "wqkv" in blk else (qkv_weight(blk["wq"], blk["wk"], blk["wv"],
+                                                             cfg),)
 
 
 def qkv(outs: tuple, positions: jax.Array, cfg: Config, impl: str):
-    """The projections' outputs as heads, with RoPE: q [B, T, H, hd], k and v [B, T, Hkv, hd]."""
-    if len(outs) == 1:
-        nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        outs = jnp.split(outs[0], [nq, nq + nk], axis=-1)
-    q, k, v = outs
-    b, t, _ = q.shape
-    q = constrain(q.reshape(b, t, cfg.n_heads, cfg.head_dim), "batch", "seq", "heads", None)
-    k = constrain(k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), "batch", "seq", "kv_heads", None)
-    v = constrain(v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), "batch", "seq", "kv_heads", None)
+    """The `qkv_weight` projection's output as heads, with RoPE: q [B, T, H, hd], k and v
+    [B, T, Hkv, hd]."""
+    b, t, _ = outs[0].shape
+    hkv, g, hd = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    grouped = outs[0].reshape(b, t, hkv, g + 2, hd)
+    q = constrain(grouped[..., :g, :].reshape(b, t, cfg.n_heads, hd), "batch", "seq", "heads",
+                  None)
+    k = constrain(grouped[..., g, :], "batch", "seq", "kv_heads", None)
+    v = constrain(grouped[..., g + 1, :], "batch", "seq", "kv_heads", None)
     rope = functools.partial(ops.rope, positions=positions, base=cfg.rope_base, impl=impl)
     return rope(q), rope(k), v
 
@@ -143,7 +158,8 @@ def block(blk: dict, h: jax.Array, delta: jax.Array, positions: jax.Array, cfg: 
     `attend(q, k, v, key)` is the attention: causal flash attention in training and prefill, the
     KV cache in decoding."""
     keys = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
-    h, outs = add_norm_project(blk["attn_norm"], delta, h, qkv_weights(blk), cfg, impl, keys[0])
+    h, outs = add_norm_project(blk["attn_norm"], delta, h, qkv_weights(blk, cfg), cfg, impl,
+                               keys[0])
     q, k, v = qkv(outs, positions, cfg, impl)
     h, outs = add_norm_project(blk["mlp_norm"], attn_out(blk, attend(q, k, v, keys[1]), head_mask),
                                h, mlp_weights(blk), cfg, impl, keys[2])

@@ -39,6 +39,16 @@ def vjp_both(f_pallas, f_ref, args, ct):
     return (y, vjp(ct)), (y_ref, vjp_ref(ct))
 
 
+def saved_residuals(f, *args) -> list[str]:
+    """The types of the residuals jax.vjp(f, *args) keeps ("f32[4,24]", ...), sorted."""
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(f, *args)
+    return sorted(line.split(" ")[0] for line in out.getvalue().splitlines())
+
+
 def kernel_names(jaxpr) -> list[str]:
     """The names of the pallas_calls in a jaxpr and all its sub-jaxprs, in order."""
     import jax.extend

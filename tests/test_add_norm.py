@@ -9,7 +9,7 @@ from absl.testing import parameterized
 
 import jaxfuse
 from jaxfuse import RowBlocks
-from tests._util import DTYPES, assert_close, keys, randn
+from tests._util import DTYPES, assert_close, keys, randn, saved_residuals
 
 # Whole rows in one tile (one pass), rows split over column tiles (the add and norm kernels),
 # one column, a 3-D input.
@@ -100,10 +100,10 @@ class AddNormLinearTest(chex.TestCase):
                      for kk, n in zip(jax.random.split(k[6], 3), widths)))
 
         def f(impl, **kw):
-            return lambda x, res, w, ps: jaxfuse.add_norm_linear(
+            return lambda x, res, w, b, ps: jaxfuse.add_norm_linear(
                 x, res, w, b, projections=ps, norm=norm, rate=rate, key=k[7], impl=impl, **kw)
-        out, vjp = jax.vjp(self.variant(f("pallas", block_sizes=blocks)), x, res, w, ps)
-        outr, vjpr = jax.vjp(f("reference"), x, res, w, ps)
+        out, vjp = jax.vjp(self.variant(f("pallas", block_sizes=blocks)), x, res, w, b, ps)
+        outr, vjpr = jax.vjp(f("reference"), x, res, w, b, ps)
         chex.assert_trees_all_equal_dtypes(out, outr)
         assert_close(out, outr, dtype, scale=2.0)
         assert_close(vjp(cts), vjpr(cts), dtype, scale=4.0)
@@ -130,16 +130,11 @@ class AddNormLinearTest(chex.TestCase):
                                       np.asarray(dw, np.float32))
 
     def test_keeps_h_and_statistics_not_y(self):
-        import contextlib
-        import io
         k = keys(8, 4)
         x, res, w = randn(k[0], (4, 24)), randn(k[1], (4, 24)), randn(k[2], (24,))
         p = randn(k[3], (24, 6))
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            jax.ad_checkpoint.print_saved_residuals(
-                lambda x, r, w, p: jaxfuse.add_norm_linear(x, r, w, projections=(p,)), x, res, w, p)
-        saved = sorted(line.split(" ")[0] for line in out.getvalue().splitlines())
+        saved = saved_residuals(
+            lambda x, r, w, p: jaxfuse.add_norm_linear(x, r, w, projections=(p,)), x, res, w, p)
         # h [4, 24], mean and rstd [4], w [24], p [24, 6]: no second [4, 24] (y)
         self.assertEqual(saved, ["f32[24,6]", "f32[24]", "f32[4,24]", "f32[4]", "f32[4]"])
 

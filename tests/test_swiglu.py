@@ -9,7 +9,7 @@ from absl.testing import parameterized
 
 import jaxfuse
 from jaxfuse import RowBlocks
-from tests._util import DTYPES, assert_close, keys, randn
+from tests._util import DTYPES, assert_close, keys, randn, saved_residuals
 
 CASES = [((1, 1), None), ((5, 37), RowBlocks(2, 8)), ((2, 3, 131), None)]
 
@@ -98,6 +98,10 @@ class SwiGLULinearTest(chex.TestCase):
                              gate, up, w)
             outs.append((y, vjp(ct), jaxfuse.swiglu(gate, up, block_sizes=blocks)))
         chex.assert_trees_all_equal(*outs)
+        # and under vmap (Mosaic GPU's kernel batches with a grid axis of its own)
+        f = lambda b: jax.vmap(lambda g, u: jaxfuse.swiglu(g, u, block_sizes=b))(gate, up)
+        chex.assert_trees_all_equal(f(RowBlocks(8, 512, hopper=True)),
+                                    f(RowBlocks(8, 512, hopper=False)))
 
     def test_hopper_kernels_take_whole_tiles_only(self):
         g = jnp.ones((31, 512), jnp.bfloat16)
@@ -111,18 +115,12 @@ class SwiGLULinearTest(chex.TestCase):
     def test_keeps_only_gate_up_and_weight(self):
         # The point of the op: the [..., F] product is not a residual (the unfused pair keeps
         # it for the matmul's weight gradient).
-        import contextlib
-        import io
         k = keys(4, 3)
         gate, up = randn(k[0], (4, 24)), randn(k[1], (4, 24))
         w = randn(k[2], (24, 8))
-        saved = {}
-        for name, f in (("fused", lambda g, u, w: jaxfuse.swiglu_linear(g, u, w)),
-                        ("unfused", lambda g, u, w: jaxfuse.swiglu(g, u) @ w)):
-            out = io.StringIO()
-            with contextlib.redirect_stdout(out):
-                jax.ad_checkpoint.print_saved_residuals(f, gate, up, w)
-            saved[name] = sorted(line.split(" ")[0] for line in out.getvalue().splitlines())
+        saved = {name: saved_residuals(f, gate, up, w) for name, f in (
+            ("fused", lambda g, u, w: jaxfuse.swiglu_linear(g, u, w)),
+            ("unfused", lambda g, u, w: jaxfuse.swiglu(g, u) @ w))}
         self.assertEqual(saved["fused"], ["f32[24,8]", "f32[4,24]", "f32[4,24]"])
         self.assertIn("f32[4,24]", saved["unfused"])
         self.assertEqual(len(saved["unfused"]), 4)

@@ -12,9 +12,12 @@ from jaxfuse.sharding._core import residual_name
 _FLOAT_NAMES = ("float32", "bfloat16", "float16")
 
 
-# The ops inside a block whose outputs carry a checkpoint name (`jaxfuse.residual_name`) that a
+# The ops inside a block whose arrays carry a checkpoint name (`jaxfuse.residual_name`) that a
 # remat policy can keep (names exist on the Pallas path only: impl="reference" has none, and an
-# interpreted model computes RoPE with its reference).
+# interpreted model computes RoPE with its reference): "attention" its q, k, v (named by the
+# model), o and softmax statistics; "add_norm" h and its row statistics (add_norm_linear keeps
+# no y: its backward rebuilds it); "rope" its outputs; "swiglu" gate and up, the inputs of
+# swiglu_linear (named by the model; its product is rebuilt, never kept).
 NAMED_OPS = ("attention", "add_norm", "rope", "swiglu")
 # The jax.checkpoint_policies that are policies themselves (the others build one from arguments).
 POLICIES = ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
@@ -26,9 +29,9 @@ def remat_policy(remat: str):
 
     "none": no remat. "block": save only each block's input (policy None). One of `POLICIES`
     (e.g. "dots_with_no_batch_dims_saveable"): that `jax.checkpoint_policies` policy. Either may
-    be followed by "+op" (repeatable) to keep the outputs of jaxfuse op `op` as well, which the
-    policy alone would recompute: a policy sees primitives, not ops, so it saves a kernel's
-    outputs only by name. "block+attention" recomputes the block but its attention forward
+    be followed by "+op" (repeatable) to keep the named arrays of jaxfuse op `op` as well
+    (`NAMED_OPS`), which the policy alone would recompute: a policy sees primitives, not ops, so
+    it saves a kernel's arrays only by name. "block+attention" recomputes the block but its attention forward
     (the costliest non-matmul part; q, k, v, o and the softmax statistics are kept).
     """
     base, *ops = remat.split("+")

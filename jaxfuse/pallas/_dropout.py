@@ -81,6 +81,19 @@ def act_grad(name: str, z):
     return s * (1.0 + z * (1.0 - s))                             # silu
 
 
+def swiglu(g, u):
+    """silu(gate) * up on float32 tiles: the one formula of both SwiGLU kernels (Triton and
+    Mosaic GPU), so that the backward's rebuilt product is the forward's."""
+    return act("silu", g) * u
+
+
+def swiglu_grads(g, u, dy, with_product: bool = False) -> tuple:
+    """(dgate, dup), and with `with_product` silu(gate) * up, on float32 tiles."""
+    silu = act("silu", g)
+    grads = (dy * u * act_grad("silu", g), dy * silu)
+    return (*grads, *((silu * u,) if with_product else ()))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     activation: str | None

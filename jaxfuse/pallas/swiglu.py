@@ -44,7 +44,7 @@ def _static(blocks: RowBlocks | None, g2, interpret: bool) -> _Static:
 def _swiglu(g2, u2, st: _Static):
     if st.hopper:
         return swiglu_hopper.swiglu(g2, u2, interpret=st.interpret)
-    emit = lambda t: ((_dropout.act("silu", t.x[0]) * t.x[1],), (), ())
+    emit = lambda t: ((_dropout.swiglu(*t.x),), (), ())
     return _rows.map_pass(emit, tiled=[g2, u2], fills=[0.0, 0.0], out_dtypes=(g2.dtype,),
                           blocks=st.blocks, name="jaxfuse_swiglu_fwd", interpret=st.interpret)[0]
 
@@ -62,11 +62,7 @@ def _grads(g2, u2, dy2, st: _Static, with_product: bool = False):
         return swiglu_hopper.grads(g2, u2, dy2, with_product=with_product,
                                    interpret=st.interpret)
 
-    def emit(t):
-        g, u, dy = t.x
-        silu = _dropout.act("silu", g)
-        grads = (dy * u * _dropout.act_grad("silu", g), dy * silu)
-        return (*grads, *((silu * u,) if with_product else ())), (), ()
+    emit = lambda t: (_dropout.swiglu_grads(*t.x, with_product), (), ())
     return tuple(_rows.map_pass(emit, tiled=[g2, u2, dy2], fills=[0.0] * 3,
                                 out_dtypes=(g2.dtype,) * (2 + with_product), blocks=st.blocks,
                                 name="jaxfuse_swiglu_bwd", interpret=st.interpret))

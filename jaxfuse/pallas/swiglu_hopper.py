@@ -40,8 +40,9 @@ ROWS, COLS = 32, 128
 def fits(x: jax.Array, tile: tuple[int, int] = (ROWS, COLS)) -> bool:
     """Whether these kernels take x ([rows, cols]) as it is: 16-bit, whole tiles."""
     n, f = x.shape
+    # (A grid dimension beyond 65535 CTAs is more than CUDA launches: 2M rows.)
     return (x.dtype in (jnp.bfloat16, jnp.float16) and n > 0 and n % tile[0] == 0
-            and f % tile[1] == 0)
+            and f % tile[1] == 0 and max(n // tile[0], f // tile[1]) <= 65535)
 
 
 def _elementwise(emit, ins, n_out: int, *, name: str, interpret: bool, tile=(ROWS, COLS)):
@@ -80,7 +81,7 @@ def _elementwise(emit, ins, n_out: int, *, name: str, interpret: bool, tile=(ROW
 
 def swiglu(g2: jax.Array, u2: jax.Array, *, interpret: bool, tile=(ROWS, COLS)) -> jax.Array:
     """silu(gate) * up of [rows, cols] arrays that `fits`."""
-    emit = lambda g, u: (_dropout.act("silu", g) * u,)
+    emit = lambda g, u: (_dropout.swiglu(g, u),)
     return _elementwise(emit, (g2, u2), 1, name="jaxfuse_swiglu_fwd_hopper",
                         interpret=interpret, tile=tile)[0]
 
@@ -88,9 +89,6 @@ def swiglu(g2: jax.Array, u2: jax.Array, *, interpret: bool, tile=(ROWS, COLS)) 
 def grads(g2: jax.Array, u2: jax.Array, dy2: jax.Array, *, with_product: bool,
           interpret: bool, tile=(ROWS, COLS)) -> tuple:
     """(dgate, dup[, silu(gate) * up]) as `swiglu._grads` computes them."""
-    def emit(g, u, dy):
-        silu = _dropout.act("silu", g)
-        grads_ = (dy * u * _dropout.act_grad("silu", g), dy * silu)
-        return (*grads_, *((silu * u,) if with_product else ()))
+    emit = lambda g, u, dy: _dropout.swiglu_grads(g, u, dy, with_product)
     return _elementwise(emit, (g2, u2, dy2), 2 + with_product, name="jaxfuse_swiglu_bwd_hopper",
                         interpret=interpret, tile=tile)

@@ -233,8 +233,9 @@ def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
 
 
 def residual_name(op: str) -> str:
-    """The `checkpoint_name` of the outputs of jaxfuse op `op` ("attention", "add_norm",
-    "swiglu", ...; the partitioned `impl="pallas"` path): under
+    """The `checkpoint_name` of the arrays jaxfuse op `op` keeps for its backward ("attention",
+    "add_norm", ...; the partitioned `impl="pallas"` path; `jaxfuse.model.config.NAMED_OPS` says
+    which arrays each name covers in the model): under
     `jax.checkpoint_policies.save_only_these_names(residual_name("attention"))` a block keeps
     attention's o and its softmax statistics and does not rerun the attention forward."""
     return f"jaxfuse.{op}"

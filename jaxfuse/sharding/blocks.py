@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from jaxfuse import _philox
 from jaxfuse.pallas import _common as C
@@ -47,8 +48,8 @@ from jaxfuse.reference import reorder_beams as _r_reo
 from jaxfuse.reference import rope as _r_rope
 from jaxfuse.reference import swiglu as _r_swiglu
 from jaxfuse.reference import swiglu_linear as _r_swl
-from jaxfuse.sharding._core import (Layout, lead, partitioned, present, residual_name,
-                                   vjp_op)
+from jaxfuse.sharding._core import (Layout, _explicit_mesh, lead, partitioned, placed_for,
+                                   present, residual_name, vjp_op)
 from jaxfuse.sharding.rows import psum_over, size
 
 KEY = ("k",)         # Philox key words: never split
@@ -119,7 +120,14 @@ def swiglu(gate, up, *, interpret=None, block_sizes=None):
 # ---- swiglu_linear ---------------------------------------------------------------------------
 
 def _project(s, w):
-    return s @ w
+    """s @ w ([..., F] by [F, N]). In explicit sharding mode the result's sharding is named
+    (rows as s's, columns as w's): with F split over devices the product is a sum of partial
+    products, which JAX will not guess."""
+    if _explicit_mesh((s, w)) is None:
+        return s @ w
+    lead = tuple(jax.typeof(s).sharding.spec) + (None,) * s.ndim
+    cols = tuple(jax.typeof(w).sharding.spec) + (None,) * 2
+    return jnp.matmul(s, w, out_sharding=P(*lead[:s.ndim - 1], cols[1]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,6 +162,10 @@ def _swiglu_linear_op(ndim: int, interpret, block_sizes):
 def swiglu_linear(gate, up, weight, *, interpret=None, block_sizes=None):
     """`swiglu(gate, up) @ weight` whose backward rebuilds the product in its SwiGLU kernel."""
     _r_swl.validate(gate, up, weight)
+    x = (*lead(gate.ndim - 1), "f")
+    # gate and up placed as the kernels split them (explicit mode; see `placed_for`), so that
+    # the cotangents the backward returns are typed like them and like the rebuilt product.
+    gate, up = placed_for(Layout((x, x), (x,), x), (gate, up))
     return _swiglu_linear_op(gate.ndim, interpret, block_sizes)(gate, up, weight)
 
 
@@ -286,21 +298,37 @@ def _an_bwd(cfg, plan, *rest, with_output=False):
             *(a.reshape(h.shape) for a in y))
 
 
-@functools.lru_cache(maxsize=None)
-def _add_norm_op(ndim: int, cfg):
+def _an_layouts(ndim: int, cfg):
+    """(forward, backward) layouts of the add_norm kernels; the backward's results are dx,
+    dresidual and the weights' gradients, then y where `with_output` rebuilds it."""
     rows = lead(ndim - 1)
     x, vec = (*rows, "d"), ("d",)
     params = (vec,) * (int(cfg[2]) + int(cfg[3]))
     keys = (KEY,) if cfg[4] else ()
-    operands = (x, x, *params, *keys)
     splittable = _row_splittable(rows, bool(cfg[4]))
-    fwd = Layout(operands, (x, x, rows, rows), splittable)
+    fwd = Layout((x, x, *params, *keys), (x, x, rows, rows), splittable)
     bwd = Layout((*params, *keys, x, rows, rows, x, x), (x, x, *params), splittable)
+    return fwd, bwd
+
+
+def _an_args(x, residual, weight, bias, norm, eps, rate, key, interpret, block_sizes):
+    """(cfg, the kernels' operands) of an add_norm call."""
+    eps = _r_an.resolve_eps(norm, eps)
+    rate = float(rate) if _philox.active(rate, key) else 0.0
+    cfg = (norm, float(eps), weight is not None, bias is not None, rate, interpret, block_sizes)
+    key_w = _philox.key_words(key) if rate else None
+    return cfg, present(x, residual, weight, bias, key_w)
+
+
+@functools.lru_cache(maxsize=None)
+def _add_norm_op(ndim: int, cfg):
+    fwd, bwd = _an_layouts(ndim, cfg)
+    n_params, n_keys = int(cfg[2]) + int(cfg[3]), int(bool(cfg[4]))
     # Saved: the weights, key words, h, mean and rstd; not x, residual (the backward needs
     # neither) or y (the next matmul keeps its own).
-    saved = (False, False) + (True,) * (len(params) + len(keys)) + (True, False, True, True)
+    saved = (False, False) + (True,) * (n_params + n_keys) + (True, False, True, True)
     return vjp_op(functools.partial(_an_fwd, cfg), functools.partial(_an_bwd, cfg), fwd, bwd,
-                  n_out=2, diff=(True,) * (2 + len(params)) + (False,) * len(keys), saved=saved,
+                  n_out=2, diff=(True,) * (2 + n_params) + (False,) * n_keys, saved=saved,
                   name="add_norm")
 
 
@@ -308,11 +336,8 @@ def add_norm(x, residual, weight, bias=None, *, norm="rms", eps=None, rate=0.0, 
              interpret=None, block_sizes=None):
     """`jaxfuse.pallas.add_norm` partitioned over the rows; dweight and dbias are psum'd."""
     _r_an.validate(x, residual, weight, bias, norm, rate, key)
-    eps = _r_an.resolve_eps(norm, eps)
-    rate = float(rate) if _philox.active(rate, key) else 0.0
-    cfg = (norm, float(eps), weight is not None, bias is not None, rate, interpret, block_sizes)
-    key_w = _philox.key_words(key) if rate else None
-    h, y = _add_norm_op(x.ndim, cfg)(*present(x, residual, weight, bias, key_w))
+    cfg, args = _an_args(x, residual, weight, bias, norm, eps, rate, key, interpret, block_sizes)
+    h, y = _add_norm_op(x.ndim, cfg)(*args)
     return h, y
 
 
@@ -320,16 +345,10 @@ def add_norm(x, residual, weight, bias=None, *, norm="rms", eps=None, rate=0.0, 
 
 @functools.lru_cache(maxsize=None)
 def _add_norm_linear_op(ndim: int, cfg, n_proj: int):
-    rows = lead(ndim - 1)
-    x, vec = (*rows, "d"), ("d",)
-    n_params = int(cfg[2]) + int(cfg[3])
-    keys = (KEY,) if cfg[4] else ()
-    operands = (x, x, *(vec,) * n_params, *keys)
-    splittable = _row_splittable(rows, bool(cfg[4]))
-    fwd = Layout(operands, (x, x, rows, rows), splittable)
-    bwd = Layout(((vec,) * n_params + keys + (x, rows, rows, x, x)),
-                 (x, x, *(vec,) * n_params, x), splittable)
-    n_in = len(operands)
+    fwd, bwd = _an_layouts(ndim, cfg)
+    x = fwd.operands[0]
+    bwd = Layout(bwd.operands, (*bwd.results, x), bwd.splittable)    # and y, rebuilt
+    n_in, n_keys = len(fwd.operands), int(bool(cfg[4]))
     tag = residual_name("add_norm")
 
     def forward(args):
@@ -360,10 +379,10 @@ def _add_norm_linear_op(ndim: int, cfg, n_proj: int):
             (*params, h, mean, rstd, dh, dy))
         dprojs = tuple(jax.linear_transpose(lambda p: _project(y, p), p)(d)[0]
                        for p, d in zip(projs, douts))
-        return (dx, dres, *dparams, *(None,) * len(keys), *dprojs)
+        return (dx, dres, *dparams, *(None,) * n_keys, *dprojs)
 
     op.defvjp(op_fwd, op_bwd)
-    return op
+    return op, fwd
 
 
 def add_norm_linear(x, residual, weight, bias=None, *, projections, norm="rms", eps=None,
@@ -371,12 +390,9 @@ def add_norm_linear(x, residual, weight, bias=None, *, projections, norm="rms", 
     """`jaxfuse.add_norm` then y @ p for each p in projections; the backward's add_norm kernel
     rebuilds y for the projections' gradients instead of keeping it."""
     _r_anl.validate(x, residual, weight, bias, projections, norm, rate, key)
-    eps = _r_an.resolve_eps(norm, eps)
-    rate = float(rate) if _philox.active(rate, key) else 0.0
-    cfg = (norm, float(eps), weight is not None, bias is not None, rate, interpret, block_sizes)
-    key_w = _philox.key_words(key) if rate else None
-    op = _add_norm_linear_op(x.ndim, cfg, len(projections))
-    return op(*present(x, residual, weight, bias, key_w), *projections)
+    cfg, args = _an_args(x, residual, weight, bias, norm, eps, rate, key, interpret, block_sizes)
+    op, layout = _add_norm_linear_op(x.ndim, cfg, len(projections))
+    return op(*placed_for(layout, args), *projections)
 
 
 # ---- embedding -------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxfuse
 from tests._util import keys, randn
@@ -93,7 +93,42 @@ def test_swiglu_linear_row_parallel():
     one, many, hlo = run_both(jaxfuse.swiglu_linear, (g, u, w), specs, diff=(0, 1, 2))
     assert_same(one, many)
     assert gathered_shapes(hlo) == []
-    assert "all-reduce" in hlo or "reduce-scatter" in hlo   # the split contraction's sum
+    # The forward alone, F split and the rows whole: only the split contraction can reduce.
+    with jax.set_mesh(AUTO):
+        placed = [jax.device_put(a, NamedSharding(AUTO, P(None, None, "tensor")))
+                  for a in (g, u)] + [jax.device_put(w, NamedSharding(AUTO, P("tensor")))]
+        fwd = jax.jit(jaxfuse.swiglu_linear).lower(*placed).compile().as_text()
+    assert "all-reduce" in fwd or "reduce-scatter" in fwd
+
+
+EXPLICIT = jax.make_mesh((2, 2, 2), ("data", "tensor", "seq"), axis_types=(AxisType.Explicit,) * 3)
+
+
+@pytest.mark.parametrize("case", ["norm weight split", "x split over d", "gate and up apart",
+                                  "F split"])
+def test_fused_projections_on_an_explicit_mesh(case):
+    """Explicit mode types every value with its sharding: operands the kernels split otherwise
+    are resharded before the op, the cotangents come back typed like the caller's arguments,
+    and a projection over a split F names its summed result (these raised type errors first)."""
+    k = keys(45, 7)
+    x, res = randn(k[0], (4, 8, 32)), randn(k[1], (4, 8, 32))
+    w, ps = randn(k[2], (32,)), (randn(k[3], (32, 16), scale=0.2),)
+    g, u, w2 = randn(k[4], (4, 8, 16)), randn(k[5], (4, 8, 16)), randn(k[6], (16, 32), scale=0.2)
+    if case in ("norm weight split", "x split over d"):
+        f = lambda x, r, w, ps: jaxfuse.add_norm_linear(x, r, w, projections=ps)
+        args = (x, res, w, ps)
+        specs = ([P("data", "seq"), P("data", "seq"), P("tensor"), P()]
+                 if case == "norm weight split" else
+                 [P("data", None, "tensor"), P("data"), P(), P(None, "tensor")])
+    else:
+        f, args = jaxfuse.swiglu_linear, (g, u, w2)
+        specs = ([P("data"), P(None, "seq"), P()] if case == "gate and up apart" else
+                 [P("data", None, "tensor"), P("data", None, "tensor"), P("tensor", None)])
+    one, many, _ = run_both(f, args, specs, diff=tuple(range(len(args))), mesh=EXPLICIT)
+    assert_same(one, many)
+    for grad, spec in zip(jax.tree.leaves(many[1]), specs):
+        padded = lambda s: tuple(s) + (None,) * (grad.ndim - len(tuple(s)))
+        assert padded(grad.sharding.spec) == padded(spec), (case, grad.sharding, spec)
 
 
 def test_embedding_vocab_parallel_with_dropout():

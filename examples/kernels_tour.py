@@ -81,6 +81,11 @@ def _block_cases(k):
     yield "add_norm (rms)", x, lambda impl: jax.jit(
         lambda x, b: jaxfuse.add_norm(x, x, b, impl=impl)), (x, b)
     yield "swiglu", x, lambda impl: jax.jit(lambda x: jaxfuse.swiglu(x, x, impl=impl)), (x,)
+    w = (jax.random.normal(k[5], (512, 128)) / 24).astype(jnp.bfloat16)
+    yield "add_norm_linear (rms, 2 projections)", x, lambda impl: jax.jit(
+        lambda x, b, w: jaxfuse.add_norm_linear(x, x, b, projections=(w, w), impl=impl)), (x, b, w)
+    yield "swiglu_linear", x, lambda impl: jax.jit(
+        lambda x, w: jaxfuse.swiglu_linear(x, x, w, impl=impl)), (x, w)
     q = jax.random.normal(k[2], (2, 64, 4, 64), jnp.bfloat16)
     pos = jnp.broadcast_to(jnp.arange(64), (2, 64))
     yield "rope (interleaved)", q, lambda impl: jax.jit(

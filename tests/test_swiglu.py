@@ -111,6 +111,9 @@ class SwiGLULinearTest(chex.TestCase):
         with self.assertRaisesRegex(ValueError, "got float32"):
             f = jnp.ones((32, 512))
             jaxfuse.swiglu(f, f, block_sizes=RowBlocks(8, 512, hopper=True))
+        # an op without Hopper kernels refuses the flag instead of ignoring it
+        with self.assertRaisesRegex(ValueError, "this op has no Hopper kernels"):
+            jaxfuse.rms_norm(g, block_sizes=RowBlocks(8, 512, hopper=True))
 
     def test_keeps_only_gate_up_and_weight(self):
         # The point of the op: the [..., F] product is not a residual (the unfused pair keeps

@@ -74,7 +74,12 @@ class RowBlocks:
             rpp = br * C.cdiv(C.cdiv(n_rows, groups), br)
         return cls(br, bc, warps, rpp)
 
-    def validate(self, interpret: bool) -> None:
+    def validate(self, interpret: bool, has_hopper: bool = False) -> None:
+        """Raises ValueError for a tile the kernels cannot take. `has_hopper`: the op has
+        Hopper kernels (else `hopper=True` is refused rather than ignored)."""
+        if self.hopper and not has_hopper:
+            raise ValueError("RowBlocks(hopper=True): this op has no Hopper kernels (swiglu and "
+                             "swiglu_linear do); leave hopper=None")
         for name in ("block_rows", "block_cols"):
             v = getattr(self, name)
             if v < 1 or (not interpret and v != C.next_pow2(v)):
@@ -86,11 +91,13 @@ class RowBlocks:
 
 
 def resolve_blocks(blocks: RowBlocks | None, n_rows: int, n_cols: int, interpret: bool,
-                   accumulate_rows: bool = False) -> RowBlocks:
+                   accumulate_rows: bool = False, has_hopper: bool = False) -> RowBlocks:
+    """`blocks`, or the rule's tile. `has_hopper`: the op has Hopper kernels (else
+    `RowBlocks(hopper=True)` is refused rather than ignored)."""
     if blocks is None:
         return RowBlocks.for_shape(n_rows, n_cols, interpret=interpret,
                                    accumulate_rows=accumulate_rows)
-    blocks.validate(interpret)
+    blocks.validate(interpret, has_hopper)
     if accumulate_rows and blocks.rows_per_program is None:
         target = n_rows if interpret else RowBlocks.for_shape(
             n_rows, n_cols, interpret=False, accumulate_rows=True).rows_per_program

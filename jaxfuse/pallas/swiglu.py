@@ -28,7 +28,7 @@ class _Static:
 
 
 def _static(blocks: RowBlocks | None, g2, interpret: bool) -> _Static:
-    blocks = _rows.resolve_blocks(blocks, *g2.shape, interpret)
+    blocks = _rows.resolve_blocks(blocks, *g2.shape, interpret, has_hopper=True)
     hopper = blocks.hopper
     if hopper is None:
         hopper = not interpret and _hopper.available() and swiglu_hopper.fits(g2)

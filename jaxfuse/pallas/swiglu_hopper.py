@@ -15,7 +15,9 @@ operand by TMA into shared memory, computes in float32 registers and stores its 
 TMA; several CTAs share a multiprocessor, so one's loads are in flight while another computes.
 They run at the Triton kernels' speed (90-94% of the copy rate) and, compiled, round like them
 to within an ulp (`exp` differs), not bit for bit; the forward and the backward's rebuilt
-product always take the same kernels, so those two agree bit for bit.
+product take the same kernels (the same [rows, cols] decides both; sharded, as long as the
+cotangent is not split where gate and up are whole, each shard's shape does), so those two
+agree bit for bit.
 Whole tiles only (`fits`): other shapes take the Triton kernels, which mask a ragged edge.
 On a CPU the same kernels run in Mosaic GPU's interpreter (the tests); `available()` picks
 them on an sm90 GPU.
@@ -32,7 +34,7 @@ from jaxfuse.pallas import _dropout, _hopper
 # A tile of each operand per CTA: 32 x 128 16-bit elements (8 KiB; the backward's six take 48
 # KiB, so four CTAs share a multiprocessor). Swept on an H200 (benchmarks/swiglu_tiles.py, run
 # s11-4): at [16384, 2816] bf16 forward + backward 0.223 ms against 0.224-0.229 for 32 x 256,
-# 16 x 256 and 64 x 128, 0.230 for the Triton kernels, 0.39 for 64 x 256 (two CTAs a
+# 16 x 256 and 64 x 128, 0.230 for the Triton kernels, 0.31 for 64 x 256 (two CTAs a
 # multiprocessor); at [16384, 4096] 0.319 against 0.313-0.325 and Triton's 0.319.
 ROWS, COLS = 32, 128
 

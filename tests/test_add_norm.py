@@ -81,7 +81,7 @@ class AddNormTest(chex.TestCase):
 
 class AddNormLinearTest(chex.TestCase):
 
-    @chex.variants(with_jit=True, without_jit=True)
+    @chex.variants(with_jit=True)   # eager dispatch of the same kernels: AddNormTest
     @parameterized.product(dtype=DTYPES, norm=["rms", "layer"], rate=[0.0, 0.3])
     def test_matches_reference_with_grads(self, dtype, norm, rate):
         # Every CASES shape (one pass, column tiles, one column, 3-D), one or three

@@ -50,7 +50,7 @@ LINEAR_CASES = [((1, 1), 1, None), ((5, 37), 11, RowBlocks(2, 8)), ((2, 3, 131),
 
 class SwiGLULinearTest(chex.TestCase):
 
-    @chex.variants(with_jit=True, without_jit=True)
+    @chex.variants(with_jit=True)   # eager dispatch of the same kernels: SwiGLUTest
     @parameterized.product(case=LINEAR_CASES, dtype=DTYPES)
     def test_matches_reference_with_grads(self, case, dtype):
         shape, d, blocks = case

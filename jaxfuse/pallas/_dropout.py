@@ -88,9 +88,11 @@ def swiglu(g, u):
 
 
 def swiglu_grads(g, u, dy, with_product: bool = False) -> tuple:
-    """(dgate, dup), and with `with_product` silu(gate) * up, on float32 tiles."""
-    silu = act("silu", g)
-    grads = (dy * u * act_grad("silu", g), dy * silu)
+    """(dgate, dup), and with `with_product` silu(gate) * up, on float32 tiles: `act` and
+    `act_grad`'s silu formulas on one sigmoid (the product bitwise `swiglu`'s)."""
+    s = _sigmoid(g)
+    silu = g * s
+    grads = (dy * u * (s * (1.0 + g * (1.0 - s))), dy * silu)
     return (*grads, *((silu * u,) if with_product else ()))
 
 

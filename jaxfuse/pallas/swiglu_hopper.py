@@ -51,31 +51,31 @@ def _elementwise(emit, ins, n_out: int, *, name: str, interpret: bool, tile=(ROW
     """outs = emit(*float32 tiles of ins) (n_out arrays like ins[0]), tile by tile."""
     n, f = ins[0].shape
     dt = ins[0].dtype
-    ROWS, COLS = tile      # noqa: N806 (the tile, as above unless a benchmark sweeps it)
+    rows, cols = tile
 
     def body(*refs):
         srcs, dsts = refs[:len(ins)], refs[len(ins):]
-        window = (pl.ds(jax.lax.axis_index("r") * ROWS, ROWS),
-                  pl.ds(jax.lax.axis_index("c") * COLS, COLS))
+        window = (pl.ds(jax.lax.axis_index("r") * rows, rows),
+                  pl.ds(jax.lax.axis_index("c") * cols, cols))
 
         def scope(in_smem, out_smem, loaded):
-            for src, tile in zip(srcs, in_smem):
-                plgpu.copy_gmem_to_smem(src.at[window], tile, loaded)
+            for src, buf in zip(srcs, in_smem):
+                plgpu.copy_gmem_to_smem(src.at[window], buf, loaded)
             plgpu.barrier_wait(loaded)
-            outs = emit(*(t[...].astype(jnp.float32) for t in in_smem))
-            for tile, value in zip(out_smem, outs):
-                tile[...] = value.astype(dt)
+            outs = emit(*(buf[...].astype(jnp.float32) for buf in in_smem))
+            for buf, value in zip(out_smem, outs):
+                buf[...] = value.astype(dt)
             plgpu.commit_smem()
-            for tile, dst in zip(out_smem, dsts):
-                plgpu.copy_smem_to_gmem(tile, dst.at[window])
+            for buf, dst in zip(out_smem, dsts):
+                plgpu.copy_smem_to_gmem(buf, dst.at[window])
             plgpu.wait_smem_to_gmem(0)
 
-        tile = plgpu.SMEM((ROWS, COLS), dt)
-        pl.run_scoped(scope, [tile] * len(ins), [tile] * n_out,
+        smem = plgpu.SMEM((rows, cols), dt)
+        pl.run_scoped(scope, [smem] * len(ins), [smem] * n_out,
                       plgpu.Barrier(num_arrivals=len(ins)))
 
     kernel = plgpu.kernel(body, out_type=[jax.ShapeDtypeStruct((n, f), dt)] * n_out,
-                          grid=(n // ROWS, f // COLS), grid_names=("r", "c"),
+                          grid=(n // rows, f // cols), grid_names=("r", "c"),
                           kernel_name=name,
                           **({"interpret": _hopper._interpret_params()} if interpret else {}))
     return tuple(kernel(*ins))

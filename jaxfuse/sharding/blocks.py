@@ -130,6 +130,16 @@ def _project(s, w):
     return jnp.matmul(s, w, out_sharding=P(*lead[:s.ndim - 1], cols[1]))
 
 
+def _project_input_grad(dout, w, like):
+    """d(s @ w)/ds applied to dout, typed like `like` (s's shape and sharding)."""
+    return jax.linear_transpose(lambda s: _project(s, w), like)(dout)[0]
+
+
+def _project_weight_grad(s, dout, w):
+    """d(s @ w)/dw applied to dout (summed over s's rows)."""
+    return jax.linear_transpose(lambda w: _project(s, w), w)(dout)[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _swiglu_linear_op(ndim: int, interpret, block_sizes):
     x = (*lead(ndim - 1), "f")
@@ -150,10 +160,8 @@ def _swiglu_linear_op(ndim: int, interpret, block_sizes):
 
     def op_bwd(res, dout):
         g, u, w = res
-        ds, = jax.linear_transpose(lambda s: _project(s, w), g)(dout)
-        dg, du, s = partitioned(grads, bwd, (g, u, ds))
-        dw, = jax.linear_transpose(lambda w: _project(s, w), w)(dout)
-        return dg, du, dw
+        dg, du, s = partitioned(grads, bwd, (g, u, _project_input_grad(dout, w, g)))
+        return dg, du, _project_weight_grad(s, dout, w)
 
     op.defvjp(op_fwd, op_bwd)
     return op
@@ -344,7 +352,7 @@ def add_norm(x, residual, weight, bias=None, *, norm="rms", eps=None, rate=0.0, 
 # ---- add_norm_linear -------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _add_norm_linear_op(ndim: int, cfg, n_proj: int):
+def _add_norm_linear_op(ndim: int, cfg):
     fwd, bwd = _an_layouts(ndim, cfg)
     x = fwd.operands[0]
     bwd = Layout(bwd.operands, (*bwd.results, x), bwd.splittable)    # and y, rebuilt
@@ -372,13 +380,12 @@ def _add_norm_linear_op(ndim: int, cfg, n_proj: int):
     def op_bwd(saved, cts):
         params, h, mean, rstd, projs = saved
         dh, douts = cts
-        dy = functools.reduce(jnp.add, (jax.linear_transpose(lambda y: _project(y, p), h)(d)[0]
+        dy = functools.reduce(jnp.add, (_project_input_grad(d, p, h)
                                         for p, d in zip(projs, douts)))
         dx, dres, *dparams, y = partitioned(
             functools.partial(_an_bwd, cfg, with_output=True), bwd,
             (*params, h, mean, rstd, dh, dy))
-        dprojs = tuple(jax.linear_transpose(lambda p: _project(y, p), p)(d)[0]
-                       for p, d in zip(projs, douts))
+        dprojs = tuple(_project_weight_grad(y, d, p) for p, d in zip(projs, douts))
         return (dx, dres, *dparams, *(None,) * n_keys, *dprojs)
 
     op.defvjp(op_fwd, op_bwd)
@@ -391,7 +398,7 @@ def add_norm_linear(x, residual, weight, bias=None, *, projections, norm="rms", 
     rebuilds y for the projections' gradients instead of keeping it."""
     _r_anl.validate(x, residual, weight, bias, projections, norm, rate, key)
     cfg, args = _an_args(x, residual, weight, bias, norm, eps, rate, key, interpret, block_sizes)
-    op, layout = _add_norm_linear_op(x.ndim, cfg, len(projections))
+    op, layout = _add_norm_linear_op(x.ndim, cfg)
     return op(*placed_for(layout, args), *projections)
 
 

@@ -108,6 +108,58 @@ def check():
         _check_case(i, shape, opts, jnp.float16, True)
 
 
+GARBAGE = [   # shape, options, (key row whose V is NaN, key row whose K is +inf)
+    ((1, 256, 256, 4, 2, 64), dict(causal=True), (100, 180)),
+    ((1, 384, 512, 8, 2, 128), dict(causal=True, sliding_window=100), (300, 450)),
+    ((1, 256, 384, 6, 2, 64), dict(sliding_window=77), (40, 200)),
+]
+
+
+def garbage():
+    """Masked keys may hold garbage, compiled: one key's V NaN and another's K +inf. The rows
+    that see neither (by the masks) must have o and dq equal to those of the clean inputs, and
+    the keys that none of the rows seeing junk sees must have dk and dv equal to theirs
+    (bitwise with deterministic=True, to 1e-2 with False); every row that sees junk has a
+    non-finite o. The Hopper path (forward and backward) and the portable one (`hopper=False`)."""
+    from jaxfuse.reference._masks import keep_mask
+    for i, (shape, opts, (bad_v, bad_k)) in enumerate(GARBAGE):
+        b, tq, tk = shape[:3]
+        keep = keep_mask(jnp.arange(tq)[:, None], jnp.arange(tk)[None], n_q=tq,
+                                 n_k=tk, causal=opts.get("causal", False),
+                                 window=opts.get("sliding_window"))
+        sees = keep[:, bad_v] | keep[:, bad_k]                          # rows that see junk
+        tainted = (keep & sees[:, None]).any(0)                         # keys such rows see
+        for path, det in (("hopper", True), ("hopper", False), ("portable", True)):
+            name = f"garbage {shape} {opts} {path} det={det}"
+
+            def run(opts=opts, bad_v=bad_v, bad_k=bad_k, path=path, det=det, sees=sees,
+                    tainted=tainted):
+                q, k, v, do, dlse = _inputs(jax.random.key(50 + i), *shape, jnp.bfloat16)
+                jk, jv = k.at[:, bad_k].set(jnp.inf), v.at[:, bad_v].set(jnp.nan)
+                kw = dict(opts, return_lse=True, deterministic=det,
+                          block_sizes=AttnBlocks(hopper=path == "hopper"))
+
+                @jax.jit
+                def fb(q, k, v):
+                    (o, lse), vjp = jax.vjp(
+                        lambda q, k, v: jaxfuse.flash_attention(q, k, v, **kw), q, k, v)
+                    return (o, *vjp((do, jnp.where(jnp.isfinite(lse), dlse, 0.0))))
+                clean, junk = fb(q, k, v), fb(q, jk, jv)
+                leaks = []
+                for what, c, j, rows in zip(("o", "dq", "dk", "dv"), clean, junk,
+                                            (~sees, ~sees, ~tainted, ~tainted)):
+                    c, j = c[:, rows].astype(jnp.float32), j[:, rows].astype(jnp.float32)
+                    same = jnp.array_equal(c, j) if det else jnp.allclose(c, j, 1e-2, 1e-2)
+                    if not bool(same):
+                        leaks.append(what)
+                nan_rows = bool((~jnp.isfinite(junk[0][:, sees])).any(axis=(-2, -1)).all())
+                ok = not leaks and nan_rows
+                record(S, name, "bfloat16", rows_seeing_junk=int(sees.sum()),
+                       keys_they_see=int(tainted.sum()), leaks=",".join(leaks) or "none",
+                       junk_rows_nonfinite=nan_rows, status="ok" if ok else "FAIL")
+            guarded(S, name, "bfloat16", run)
+
+
 def _fwd_bwd(f):
     """One forward + backward call of attention f (the cotangent of o is the 4th argument)."""
     def step(q, k, v, do):
@@ -214,12 +266,41 @@ def probe(sweep=None):
                             bench(jax.jit(step), sets, reps=5, repeats=3)))
 
 
+def idle(label="D128 full"):
+    """Why a call's wall time exceeds its kernels' time: for one workload, ours (deterministic)
+    and cuDNN, the wall time of back-to-back calls (as `perf` times them), the profiler's
+    kernel time, and (ours) the GPU's idle stretches between kernels inside a call.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py idle
+    """
+    from benchmarks import _profile
+    shape, causal = WORKLOADS[label]
+    b, t, h, d = shape
+    sets = [_inputs(jax.random.key(100 + i), b, t, t, h, h, d, jnp.bfloat16)[:4]
+            for i in range(2)]
+    fns = {"jaxfuse det": functools.partial(jaxfuse.flash_attention, causal=causal),
+           "cudnn": functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                      implementation="cudnn")}
+    for name, f in fns.items():
+        step = jax.jit(_fwd_bwd(f))
+        record(S, f"{label} fwd+bwd wall, 20 calls a sync", name, bench(step, sets))
+        record(S, f"{label} fwd+bwd wall, 1 call a sync", name,
+               bench(step, sets, reps=1, repeats=9))
+        _profile.report(S, f"{label} {name}", step, sets[0], top=8)
+        _profile.gaps(step, sets[0], reps=3, top=8)
+
+
 if __name__ == "__main__":
     import sys
     from benchmarks import _timing
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
+    if sys.argv[1:2] == ["garbage"]:
+        garbage()
+    if sys.argv[1:2] == ["idle"]:
+        idle()
     if sys.argv[1:2] == ["quick"]:          # checks, the three workloads, kernel times
         check()
+        garbage()
         perf(0.0, sweep=False)
         # The consumers' ping-pong (the default, s9) against their running free.
         probe({w: [HopperBwdTiles(pingpong=False)] for w in WORKLOADS})

@@ -211,6 +211,20 @@ def _triton_swiglu():
         swiglu_hopper.fits = original
 
 
+@contextlib.contextmanager
+def _unguarded_attention():
+    """While open, the Hopper attention kernels get K and V as they are, without the XLA pass
+    that cleans masked keys' garbage (`_attn.hide_masked_garbage`): the pass's cost in a step.
+    Held over the whole lowering, as `_triton_swiglu`."""
+    from jaxfuse.pallas import _attn
+    original = _attn.hide_masked_garbage
+    _attn.hide_masked_garbage = lambda k, v, forward: (k, v)
+    try:
+        yield
+    finally:
+        _attn.hide_masked_garbage = original
+
+
 def profile_attention(cfg, b, t):
     """The model's attention alone (forward, and forward + backward), kernel by kernel: how many
     launches one call makes, to set against the train step's profile."""
@@ -254,6 +268,8 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            "jaxfuse, Triton SwiGLU": functools.partial(M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, three q/k/v matmuls": functools.partial(M.loss, cfg=cfg, impl="pallas"),
+           "jaxfuse, attention without the garbage pass": functools.partial(
+               M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            f"plain JAX + {attn or 'xla'}": functools.partial(plain_loss, cfg=cfg, attn_impl=attn),
@@ -266,7 +282,8 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
         def run(impl=impl):
             step = jax.jit(jax.value_and_grad(lambda p, x, y: fns[impl](p, x, y)))
             context = {"jaxfuse, Triton SwiGLU": _triton_swiglu,
-                       "jaxfuse, three q/k/v matmuls": _three_qkv_matmuls}.get(
+                       "jaxfuse, three q/k/v matmuls": _three_qkv_matmuls,
+                       "jaxfuse, attention without the garbage pass": _unguarded_attention}.get(
                            impl, contextlib.nullcontext)
             with context():
                 compiled = step.lower(params, tokens, targets).compile()
@@ -431,6 +448,9 @@ def main(argv=None) -> None:
     ap.add_argument("--three-qkv", action="store_true",
                     help="also time jaxfuse with q, k and v formed by three matmuls (before "
                          "s11) instead of one on the grouped [d, Hkv (G + 2) hd] matrix")
+    ap.add_argument("--unguarded", action="store_true",
+                    help="also time jaxfuse without the XLA pass that cleans masked keys' "
+                         "garbage before the Hopper attention kernels")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the impl=\"reference\" train row (slow; a diagnostic run)")
     ap.add_argument("--no-scan", action="store_true",
@@ -476,7 +496,8 @@ def main(argv=None) -> None:
     token_slab = None if args.loss_token_slab in (None, "none") else args.loss_token_slab
     kept = (("jaxfuse, y and SwiGLU",) if args.kept_projections else ()) + (
         ("jaxfuse, Triton SwiGLU",) if args.triton_swiglu else ()) + (
-        ("jaxfuse, three q/k/v",) if args.three_qkv else ())
+        ("jaxfuse, three q/k/v",) if args.three_qkv else ()) + (
+        ("jaxfuse, attention without",) if args.unguarded else ())
     impls157 += slab + kept
     impls1b = ("jaxfuse", "jaxfuse, nondet", "plain") + slab + kept
     tasks = {"train157": len(impls157), "train1b": len(impls1b), "decode": 4}

@@ -1,5 +1,6 @@
 """add_norm: h = residual + dropout(x), y = norm(h), one kernel each way (`pallas/add_norm.py`);
 add_norm_linear: the same with the matmuls that read y, y rebuilt by the backward's kernel."""
+import math
 import chex
 import jax
 import jax.numpy as jnp
@@ -117,17 +118,23 @@ class AddNormLinearTest(chex.TestCase):
         x, res = randn(k[0], shape, dtype), randn(k[1], shape, dtype, shift=0.5)
         w, b = randn(k[2], shape[-1:], dtype), randn(k[3], shape[-1:], dtype)
         eye = jnp.eye(shape[-1], dtype=dtype)     # y @ I = y, and dI = y^T dout
-        dout = randn(k[4], shape, dtype)
+        # dout one-hot in each column c, at row c % rows: dI[:, c] = y[c % rows] exactly,
+        # whatever order a matmul sums in (every other term is a zero), so dI shows the
+        # backward's rebuilt y itself, bit for bit.
+        rows, cols = math.prod(shape[:-1]), shape[-1]
+        assert cols >= rows       # every row of y appears in some column
+        pick = np.arange(cols) % rows
+        dout = jnp.zeros((rows, cols), dtype).at[pick, np.arange(cols)].set(1).reshape(shape)
 
         def f(ps):
             return jaxfuse.add_norm_linear(x, res, w, b, projections=ps, norm="layer",
                                            block_sizes=blocks)[1][0]
         y, vjp = jax.vjp(f, (eye,))
         _, y_kept = jaxfuse.add_norm(x, res, w, b, norm="layer", block_sizes=blocks)
-        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_kept, np.float32))
-        dw = jax.vjp(lambda p: y_kept @ p, eye)[1](dout)[0]
+        y_kept = np.asarray(y_kept, np.float32).reshape(rows, cols)
+        np.testing.assert_array_equal(np.asarray(y, np.float32).reshape(rows, cols), y_kept)
         np.testing.assert_array_equal(np.asarray(vjp(dout)[0][0], np.float32),
-                                      np.asarray(dw, np.float32))
+                                      y_kept[pick].T)
 
     def test_keeps_h_and_statistics_not_y(self):
         k = keys(8, 4)

@@ -72,3 +72,34 @@ def test_visible_nan_key_gives_nan_row_only(impl, blocks):
     o = jaxfuse.flash_attention(q, k.at[:, -1].set(jnp.nan), v, causal=True, impl=impl,
                                 **({} if blocks is None else dict(block_sizes=blocks)))
     assert bool(jnp.isfinite(o[:, :-1]).all()) and bool(jnp.isnan(o[:, -1]).all())
+
+
+def test_hopper_forward_hides_masked_garbage():
+    """The Hopper forward (Mosaic GPU's interpreter) reads K and V tiles as they lie, so P V
+    would multiply a hidden key's zero probability by its NaN value: the XLA pass before it
+    (`_attn.hide_masked_garbage`) must keep every row that does not see the junk bitwise equal
+    to the clean run's, and make every row that sees it NaN (o and lse). Window 40, Tk 256 >
+    Tq 128 (bottom-right; no causal mask, so no upper bound): query i sees keys i + 89 and
+    above. Key 60's value (NaN) is seen by no query but sits in a tile that rows 0..38 partly
+    see (an edge tile; without the pass rows 0..63, the first consumer's, turn NaN); key 150's
+    K (+inf) is seen by rows 0..61. Only windows run here: causal tiles stall the
+    interpreter's threads on 2 cores (test_attention_hopper.py); the GPU check
+    (`benchmarks/attention_bwd.py garbage`) runs causal cases and the Hopper backward."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    kq, kk, kv = keys(12, 3)
+    q = randn(kq, (1, 128, 1, 64), jnp.bfloat16)
+    k = randn(kk, (1, 256, 1, 64), jnp.bfloat16)
+    v = randn(kv, (1, 256, 1, 64), jnp.bfloat16)
+    blocks = AttnBlocks(hopper=HopperAttnTiles(consumers=2, backward=False))
+    # eager: Mosaic GPU's interpreter (io callbacks) does not run under jit's partitioning
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, sliding_window=40, return_lse=True,
+                                                block_sizes=blocks)
+    o0, lse0 = f(q, k, v)
+    o, lse = f(q, k, v.at[:, 60].set(jnp.nan))          # seen by no query
+    np.testing.assert_array_equal(o, o0)
+    np.testing.assert_array_equal(lse, lse0)
+    o, lse = f(q, k.at[:, 150].set(jnp.inf), v)          # seen by rows 0..61
+    sees = np.arange(128) < 62
+    np.testing.assert_array_equal(o[:, ~sees], o0[:, ~sees])
+    np.testing.assert_array_equal(lse[..., ~sees], lse0[..., ~sees])
+    assert bool(jnp.isnan(o[:, sees]).all()) and bool(jnp.isnan(lse[..., sees]).all())

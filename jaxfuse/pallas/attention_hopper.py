@@ -23,6 +23,10 @@ arithmetic, and only the tiles on an edge are masked. With `causal`, CTAs are la
 first (the last query tiles, which see the most keys, get the first multiprocessors) so the
 short tiles fill in at the end of the wave.
 
+Masked keys may hold garbage: P V multiplies a hidden key's zero probability by its value
+row as it lies in shared memory, so with a causal mask or a window the caller passes K and V
+through `_attn.hide_masked_garbage` first (one elementwise XLA pass, `attention._forward`).
+
 What it takes (`fits`): bf16/f16, D in {64, 128, 256}, Tq a multiple of 2 * block_q and Tk of
 block_k; no segment ids. Anything else runs the portable Triton kernels (`attention.py`).
 The backward is `attention_hopper_bwd` where it takes the problem (D 64 or 128, Tk a multiple

@@ -75,9 +75,9 @@ No ping-pong between the consumers yet (the forward has it).
 What it takes (`fits`): what the Hopper forward takes (bf16/f16, no segment ids, Tq a multiple
 of 128) with D in {64, 128} and Tk a multiple of 128; anything else (and dropout, float32,
 D = 256) runs the portable kernels of `attention_bwd`. Garbage in masked keys: scores and dS
-of masked pairs are selected away on edge tiles; the K rows that multiply a zero dS in
-dQ = dS K are not cleaned (the portable path does), so a NaN/inf key hidden by the causal
-edge or a window may reach dQ here (as in the Hopper forward's P V, see `attention_hopper`).
+of masked pairs are selected away on edge tiles (and P of a NaN row, which saw garbage);
+the K rows that multiply a zero dS in dQ = dS K come cleaned by an XLA pass before the
+kernels (`_attn.hide_masked_garbage`, as the forward's V).
 
 Regimes: compiled by Mosaic GPU on an sm90 GPU. In Mosaic GPU's interpreter (jax 0.10.2) the
 products are plain dots of the same tiles (it reads no register or transposed wgmma operand),

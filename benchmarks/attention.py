@@ -166,6 +166,21 @@ def _time_row(label, fns, shape, causal, *, backward: bool, reps: int = 10):
         guarded(S, f"{label} {'fwd+bwd' if backward else 'fwd'}", impl, run)
 
 
+def _unguarded(f):
+    """f traced as if no mask hid keys from the garbage guard (`_attn.hides_keys`): the Hopper
+    forward's producer cleans no edge tiles (a forward-only diagnostic row: a custom_vjp's
+    backward is traced after f returns, with its guard)."""
+    def g(q, k, v):
+        from jaxfuse.pallas import _attn
+        original = _attn.hides_keys
+        _attn.hides_keys = lambda spec: False
+        try:
+            return f(q, k, v)
+        finally:
+            _attn.hides_keys = original
+    return g
+
+
 MAIN = ("jaxfuse", "jaxfuse_triton", "cudnn", "tokamax_mosaic")
 
 
@@ -181,6 +196,8 @@ def perf(copy_bw: float, sweep: bool = True):
                 fns[f"jaxfuse[{t}]"] = functools.partial(
                     lambda q, k, v, t: jaxfuse.flash_attention(
                         q, k, v, causal=causal, block_sizes=AttnBlocks(hopper=t)), t=t)
+        if causal:     # the cost of cleaning masked keys' garbage (the forward's producer)
+            fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
         _time_row(label, fns, shape, causal, backward=False)
         fb = {k: v for k, v in fns.items() if not k.startswith(("xla", "jaxfuse["))}
         _time_row(label, fb, shape, causal, backward=True, reps=5)

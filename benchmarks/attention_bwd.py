@@ -298,6 +298,11 @@ if __name__ == "__main__":
         garbage()
     if sys.argv[1:2] == ["idle"]:
         idle()
+    if sys.argv[1:2] == ["checks"]:         # the compiled checks alone
+        check()
+        garbage()
+    if sys.argv[1:2] == ["perf"]:           # the three workloads against cuDNN, no sweep
+        perf(0.0, sweep=False)
     if sys.argv[1:2] == ["quick"]:          # checks, the three workloads, kernel times
         check()
         garbage()

@@ -213,16 +213,17 @@ def _triton_swiglu():
 
 @contextlib.contextmanager
 def _unguarded_attention():
-    """While open, the Hopper attention kernels get K and V as they are, without the XLA pass
-    that cleans masked keys' garbage (`_attn.hide_masked_garbage`): the pass's cost in a step.
-    Held over the whole lowering, as `_triton_swiglu`."""
+    """While open, the Hopper attention kernels take no guard against masked keys' garbage
+    (`_attn.hides_keys` False: the forward's producer cleans no edge tiles, the backward gets
+    no XLA pass over K): the guard's cost in a step. Held over the whole lowering, as
+    `_triton_swiglu`."""
     from jaxfuse.pallas import _attn
-    original = _attn.hide_masked_garbage
-    _attn.hide_masked_garbage = lambda k, v, forward: (k, v)
+    original = _attn.hides_keys
+    _attn.hides_keys = lambda spec: False
     try:
         yield
     finally:
-        _attn.hide_masked_garbage = original
+        _attn.hides_keys = original
 
 
 def profile_attention(cfg, b, t):
@@ -268,7 +269,7 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            "jaxfuse, Triton SwiGLU": functools.partial(M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, three q/k/v matmuls": functools.partial(M.loss, cfg=cfg, impl="pallas"),
-           "jaxfuse, attention without the garbage pass": functools.partial(
+           "jaxfuse, attention without the garbage guard": functools.partial(
                M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
@@ -283,7 +284,7 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
             step = jax.jit(jax.value_and_grad(lambda p, x, y: fns[impl](p, x, y)))
             context = {"jaxfuse, Triton SwiGLU": _triton_swiglu,
                        "jaxfuse, three q/k/v matmuls": _three_qkv_matmuls,
-                       "jaxfuse, attention without the garbage pass": _unguarded_attention}.get(
+                       "jaxfuse, attention without the garbage guard": _unguarded_attention}.get(
                            impl, contextlib.nullcontext)
             with context():
                 compiled = step.lower(params, tokens, targets).compile()
@@ -449,8 +450,9 @@ def main(argv=None) -> None:
                     help="also time jaxfuse with q, k and v formed by three matmuls (before "
                          "s11) instead of one on the grouped [d, Hkv (G + 2) hd] matrix")
     ap.add_argument("--unguarded", action="store_true",
-                    help="also time jaxfuse without the XLA pass that cleans masked keys' "
-                         "garbage before the Hopper attention kernels")
+                    help="also time jaxfuse without the guard against masked keys' garbage "
+                         "in the Hopper attention kernels (forward: the producer cleans edge "
+                         "tiles; backward: an XLA pass over K)")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the impl=\"reference\" train row (slow; a diagnostic run)")
     ap.add_argument("--no-scan", action="store_true",

@@ -261,6 +261,11 @@ def finite_rows(x):
             jnp.max(jnp.where(ok, 0, 1), axis=-1) > 0)
 
 
+def hides_keys(spec: AttnSpec) -> bool:
+    """Whether masks hide some keys from some queries (where masked keys may hold garbage)."""
+    return spec.causal or spec.window is not None or spec.segments
+
+
 def hide_masked_garbage(k, v, *, forward: bool):
     """K (and V) for kernels whose products read a key's row as it lies in memory, where a
     zero weight times garbage is NaN: the Hopper kernels (a wgmma operand in shared memory

@@ -84,8 +84,7 @@ def _key_spec(spec: AttnSpec, key):
 
 def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks, key=None):
     if isinstance(blocks.hopper, attention_hopper.HopperAttnTiles):   # resolved by `plan`
-        if _hides_keys(spec):
-            k, v = A.hide_masked_garbage(k, v, forward=True)
+        # (masked keys' garbage: the Hopper forward's producer cleans its edge tiles)
         return attention_hopper.forward(q, k, v, spec, blocks.hopper)
     bq, bk = blocks.block_q, blocks.block_k
     dp, g = spec.head_dim_pad, spec.groups
@@ -154,15 +153,10 @@ def _backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnB
         bt = t.backward if isinstance(t.backward, attention_hopper_bwd.HopperBwdTiles) \
             else attention_hopper_bwd.HopperBwdTiles()
         if attention_hopper_bwd.fits(q.dtype, spec, bt):
-            if _hides_keys(spec):
+            if A.hides_keys(spec):
                 k, v = A.hide_masked_garbage(k, v, forward=False)
             return attention_hopper_bwd.backward(q, k, v, o, lse_u, do, dlse, spec, bt)
     return attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks, key)
-
-
-def _hides_keys(spec: AttnSpec) -> bool:
-    """Whether masks hide some keys from some queries (then masked keys may hold garbage)."""
-    return spec.causal or spec.window is not None or spec.segments
 
 
 def check_head_dim(d: int) -> None:

@@ -237,21 +237,46 @@ _REGISTERS = {2: (40, 232), 3: (24, 160)}
 
 
 def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full, empty,
-               registers: int = 40):
+               registers: int = 40, edges=None, interpret: bool = False):
     """The producer warpgroup of a kernel that walks n key blocks from block lo: K and V of
     (b, h_kv) through a ring of `stages` shared-memory slots, (k, v) pairs of smem refs,
-    'full' barriers it arrives on and 'empty' barriers the consumers release."""
+    'full' barriers it arrives on and 'empty' barriers the consumers release.
+
+    edges=(e_lo, e_hi, landed): blocks j < e_lo or j >= e_hi (relative to lo: the CTA's edge
+    tiles, where masks hide some keys from some rows) land on the `landed` barrier instead;
+    the producer cleans them in shared memory (`_hide_masked_garbage`) and then completes
+    their 'full' barriers itself, so the consumers wait as for any tile."""
     plgpu.set_max_registers(registers, action="decrease")
     kv = lambda ref, j: ref.at[b, pl.ds((lo + j) * bk, bk), h_kv]
 
-    @pl.loop(0, n)
-    def _step(j):
-        slot = lax.rem(j, stages)
-        for src, dst, f, e in zip((k_gmem, v_gmem), smem, full, empty):
+    def load(j, slot, barriers):
+        for src, dst, f, e in zip((k_gmem, v_gmem), smem, barriers, empty):
             @pl.when(j >= stages)
             def _():
                 plgpu.barrier_wait(e.at[slot])
             plgpu.copy_gmem_to_smem(kv(src, j), dst.at[slot], f.at[slot])
+
+    @pl.loop(0, n)
+    def _step(j):
+        slot = lax.rem(j, stages)
+        if edges is None:
+            load(j, slot, full)
+            return
+        e_lo, e_hi, landed = edges
+        edge = (j < e_lo) | (j >= e_hi)
+
+        @pl.when(jnp.logical_not(edge))
+        def _():
+            load(j, slot, full)
+
+        @pl.when(edge)
+        def _():
+            load(j, slot, (landed, landed))
+            plgpu.barrier_wait(landed.at[slot])
+            _hide_masked_garbage(smem[0].at[slot], smem[1].at[slot], interpret)
+            plgpu.commit_smem()              # the consumers' wgmma reads through the async proxy
+            for f in full:
+                plgpu.barrier_arrive(f.at[slot])
 
     # Observe the last releases, so every barrier completion is waited for before the kernel
     # ends (the interpreter checks it; on the GPU it costs nothing).
@@ -260,6 +285,38 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
         slot = lax.rem(j, stages)
         for e in empty:
             plgpu.barrier_wait(e.at[slot])
+
+
+# Elements of a K/V tile the producer cleans at a time: four of the TMA layout's [8, 64] tiles
+# (one a warp, the copy layout's unit), 16 a thread of K and of V, within its 24-40 registers.
+_CLEAN_ELEMS = 4 * 8 * 64
+
+
+def _hide_masked_garbage(k_tile, v_tile, interpret: bool):
+    """`_attn.hide_masked_garbage(forward=True)` on one [bk, D] K/V tile in shared memory: V's
+    non-finite entries 0 (P V then adds 0 * 0 for a key the masks hide), K NaN wherever K or V
+    is not finite (a row that sees such a key gets a NaN score; the mask's select drops it for
+    a row that does not). Only edge tiles need it: on a tile every row sees, a non-finite
+    value reaches exactly the rows that see it, as it should."""
+    bk, d = v_tile.shape
+    dt = v_tile.dtype
+    chunk = _CLEAN_ELEMS // d                   # rows: 32 at D = 64, 16 at 128, 8 at 256
+
+    def load(ref):
+        if interpret:
+            return ref[...]
+        # The layout TMA's swizzled tiles are copied with (vectorized, one tile a warp).
+        return plgpu.load(ref, (), layout=plgpu.Layout.SMEM_GMEM_COPY(
+            (chunk, d), dt, H._swizzle_elems(dt, d) * jnp.dtype(dt).itemsize))
+
+    @pl.loop(0, bk // chunk)
+    def _chunk(c):
+        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        v, k = load(v_tile.at[rows]), load(k_tile.at[rows])
+        v_ok = (v - v) == 0                     # False for NaN and +-inf
+        ok = jnp.logical_and(v_ok, (k - k) == 0)
+        v_tile[rows, :] = jnp.where(v_ok, v, jnp.zeros_like(v))
+        k_tile[rows, :] = jnp.where(ok, k, jnp.full_like(k, jnp.nan))
 
 
 def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
@@ -272,15 +329,17 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
     producer_regs, consumer_regs = _REGISTERS[nc]
 
     def scoped(q_smem, k_smem, v_smem, lse_smem, k_full, v_full, q_full, k_empty, v_empty,
-               turn):
-        b, h, row0, (lo, _, _, hi) = query_tile(spec, q_gmem.shape[2], n_q_tiles, bk, nc)
+               turn, *landed):
+        b, h, row0, (lo, flo, fhi, hi) = query_tile(spec, q_gmem.shape[2], n_q_tiles, bk, nc)
         n = hi - lo
         wg = lax.axis_index("wg")
 
         @pl.when(wg == nc)
         def _producer():
+            edges = (flo - lo, fhi - lo, landed[0]) if landed else None
             produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
-                       (k_full, v_full), (k_empty, v_empty), producer_regs)
+                       (k_full, v_full), (k_empty, v_empty), producer_regs, edges,
+                       spec.interpret)
 
         @pl.when(wg < nc)
         def _consumer():
@@ -389,6 +448,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
         plgpu.Barrier(num_arrivals=nc, num_barriers=stages),
         plgpu.Barrier(num_arrivals=nc, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
+        # Masks hide keys: the producer cleans the CTA's edge tiles, which land here first.
+        *([plgpu.Barrier(num_arrivals=2, num_barriers=stages)] if A.hides_keys(spec) else []),
         collective_axes="wg")
 
 

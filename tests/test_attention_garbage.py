@@ -75,10 +75,11 @@ def test_visible_nan_key_gives_nan_row_only(impl, blocks):
 
 
 def test_hopper_forward_hides_masked_garbage():
-    """The Hopper forward (Mosaic GPU's interpreter) reads K and V tiles as they lie, so P V
-    would multiply a hidden key's zero probability by its NaN value: the XLA pass before it
-    (`_attn.hide_masked_garbage`) must keep every row that does not see the junk bitwise equal
-    to the clean run's, and make every row that sees it NaN (o and lse). Window 40, Tk 256 >
+    """The Hopper forward (Mosaic GPU's interpreter) reads K and V tiles from shared memory, so
+    P V would multiply a hidden key's zero probability by its NaN value: the producer's cleaning
+    of the CTA's edge tiles (`attention_hopper._hide_masked_garbage`) must keep every row that
+    does not see the junk bitwise equal to the clean run's, and make every row that sees it NaN
+    (o and lse). Window 40, Tk 256 >
     Tq 128 (bottom-right; no causal mask, so no upper bound): query i sees keys i + 89 and
     above. Key 60's value (NaN) is seen by no query but sits in a tile that rows 0..38 partly
     see (an edge tile; without the pass rows 0..63, the first consumer's, turn NaN); key 150's

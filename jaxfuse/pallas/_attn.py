@@ -266,26 +266,15 @@ def hides_keys(spec: AttnSpec) -> bool:
     return spec.causal or spec.window is not None or spec.segments
 
 
-def hide_masked_garbage(k, v, *, forward: bool):
-    """K (and V) for kernels whose products read a key's row as it lies in memory, where a
-    zero weight times garbage is NaN: the Hopper kernels (a wgmma operand in shared memory
-    cannot be cleaned in registers as `finite_rows` cleans a Triton tile). One elementwise XLA
-    pass, only where masks hide keys (causal, window; the Hopper path takes no segment ids).
-
-    forward=True: (k_fwd, v_clean). v's non-finite entries become 0, so P V adds 0 * 0 for a
-    hidden value; k becomes NaN wherever k or v is non-finite, so a query that *sees* such a
-    key gets a NaN score, hence a NaN row and lse (as from the portable kernels), while a
-    hidden one's NaN score is dropped by the mask's select. The elementwise NaN needs no
-    reduction along D: one NaN of a row makes every score with it NaN.
-    forward=False: (k_clean, v) for the backward: k's non-finite entries 0 for dQ = dS K (a
-    hidden key's dS is 0); the scores S = Q K^T recomputed from k_clean differ from the
-    forward's only in rows whose lse is already NaN, whose gradients are NaN through P. v
-    stays: dP = dO V^T of a hidden key is dropped by the select on dS."""
-    if forward:
-        ok = jnp.isfinite(k) & jnp.isfinite(v)
-        return (jnp.where(ok, k, jnp.array(jnp.nan, k.dtype)),
-                jnp.where(jnp.isfinite(v), v, jnp.zeros((), v.dtype)))
-    return jnp.where(jnp.isfinite(k), k, jnp.zeros((), k.dtype)), v
+def clean_keys(k):
+    """k with its non-finite entries 0, for the Hopper backward (one elementwise XLA pass, only
+    where masks hide keys): its dQ = dS K multiplies a hidden key's zero dS by the key's row as
+    it lies in shared memory, where a Triton tile is cleaned in registers (`finite_rows`). The
+    scores S = Q K^T recomputed from it differ from the forward's only in rows that saw a
+    non-finite key, whose lse is already NaN (the forward made their scores NaN), so their
+    gradients are NaN through P as before; dP = dO V^T of a hidden key is dropped by the select
+    on dS. (The forward cleans its edge tiles in the kernel: `attention_hopper`.)"""
+    return jnp.where(jnp.isfinite(k), k, jnp.zeros((), k.dtype))
 
 
 def sees(keep, bad):

@@ -84,7 +84,6 @@ def _key_spec(spec: AttnSpec, key):
 
 def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks, key=None):
     if isinstance(blocks.hopper, attention_hopper.HopperAttnTiles):   # resolved by `plan`
-        # (masked keys' garbage: the Hopper forward's producer cleans its edge tiles)
         return attention_hopper.forward(q, k, v, spec, blocks.hopper)
     bq, bk = blocks.block_q, blocks.block_k
     dp, g = spec.head_dim_pad, spec.groups
@@ -153,8 +152,8 @@ def _backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnB
         bt = t.backward if isinstance(t.backward, attention_hopper_bwd.HopperBwdTiles) \
             else attention_hopper_bwd.HopperBwdTiles()
         if attention_hopper_bwd.fits(q.dtype, spec, bt):
-            if A.hides_keys(spec):
-                k, v = A.hide_masked_garbage(k, v, forward=False)
+            if A.hides_keys(spec):       # masked keys may hold garbage (`_attn.clean_keys`)
+                k = A.clean_keys(k)
             return attention_hopper_bwd.backward(q, k, v, o, lse_u, do, dlse, spec, bt)
     return attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks, key)
 

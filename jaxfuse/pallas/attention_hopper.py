@@ -23,9 +23,12 @@ arithmetic, and only the tiles on an edge are masked. With `causal`, CTAs are la
 first (the last query tiles, which see the most keys, get the first multiprocessors) so the
 short tiles fill in at the end of the wave.
 
-Masked keys may hold garbage: P V multiplies a hidden key's zero probability by its value
-row as it lies in shared memory, so with a causal mask or a window the caller passes K and V
-through `_attn.hide_masked_garbage` first (one elementwise XLA pass, `attention._forward`).
+Masked keys may hold garbage: P V multiplies a hidden key's zero probability by its value row
+as it lies in shared memory, so with a causal mask or a window the producer cleans the CTA's
+edge tiles (those outside its wholly visible key blocks) in shared memory before the consumers
+see them (`_hide_masked_garbage`: V's non-finite entries 0, K NaN where K or V is not finite,
+so a row that sees such a key still gets a NaN row). H200, B4 H32 T4096 D128 causal (s12-5):
+1.031 ms against 0.990 without it; an XLA pass over K and V before the kernel had cost 1.118.
 
 What it takes (`fits`): bf16/f16, D in {64, 128, 256}, Tq a multiple of 2 * block_q and Tk of
 block_k; no segment ids. Anything else runs the portable Triton kernels (`attention.py`).
@@ -293,8 +296,7 @@ _CLEAN_ELEMS = 4 * 8 * 64
 
 
 def _hide_masked_garbage(k_tile, v_tile, interpret: bool):
-    """`_attn.hide_masked_garbage(forward=True)` on one [bk, D] K/V tile in shared memory: V's
-    non-finite entries 0 (P V then adds 0 * 0 for a key the masks hide), K NaN wherever K or V
+    """Masked keys' garbage out of one [bk, D] K/V tile in shared memory: V's non-finite entries 0 (P V then adds 0 * 0 for a key the masks hide), K NaN wherever K or V
     is not finite (a row that sees such a key gets a NaN score; the mask's select drops it for
     a row that does not). Only edge tiles need it: on a tile every row sees, a non-finite
     value reaches exactly the rows that see it, as it should."""

@@ -296,10 +296,11 @@ _CLEAN_ELEMS = 4 * 8 * 64
 
 
 def _hide_masked_garbage(k_tile, v_tile, interpret: bool):
-    """Masked keys' garbage out of one [bk, D] K/V tile in shared memory: V's non-finite entries 0 (P V then adds 0 * 0 for a key the masks hide), K NaN wherever K or V
-    is not finite (a row that sees such a key gets a NaN score; the mask's select drops it for
-    a row that does not). Only edge tiles need it: on a tile every row sees, a non-finite
-    value reaches exactly the rows that see it, as it should."""
+    """Masked keys' garbage out of one [bk, D] K/V tile in shared memory: V's non-finite
+    entries 0 (P V then adds 0 * 0 for a key the masks hide), K NaN wherever K or V is not
+    finite (a row that sees such a key gets a NaN score; the mask's select drops it for a row
+    that does not). Only edge tiles need it: on a tile every row sees, a non-finite value
+    reaches exactly the rows that see it, as it should."""
     bk, d = v_tile.shape
     dt = v_tile.dtype
     chunk = _CLEAN_ELEMS // d                   # rows: 32 at D = 64, 16 at 128, 8 at 256

@@ -266,15 +266,20 @@ def hides_keys(spec: AttnSpec) -> bool:
     return spec.causal or spec.window is not None or spec.segments
 
 
-def clean_keys(k):
-    """k with its non-finite entries 0, for the Hopper backward (one elementwise XLA pass, only
-    where masks hide keys): its dQ = dS K multiplies a hidden key's zero dS by the key's row as
-    it lies in shared memory, where a Triton tile is cleaned in registers (`finite_rows`). The
-    scores S = Q K^T recomputed from it differ from the forward's only in rows that saw a
-    non-finite key, whose lse is already NaN (the forward made their scores NaN), so their
-    gradients are NaN through P as before; dP = dO V^T of a hidden key is dropped by the select
-    on dS. (The forward cleans its edge tiles in the kernel: `attention_hopper`.)"""
-    return jnp.where(jnp.isfinite(k), k, jnp.zeros((), k.dtype))
+def clean_keys(k, v):
+    """(k, v) for the Hopper backward (one elementwise XLA pass, only where masks hide keys):
+    k's non-finite entries 0, since dQ = dS K multiplies a hidden key's zero dS by the key's
+    row as it lies in shared memory (a Triton tile is cleaned in registers: `finite_rows`);
+    v NaN wherever k is not finite, so that dP = dO V^T is NaN on such a key's column. Hidden
+    pairs drop it (the select on dS); a row that sees the key gets NaN dq, as it would from the
+    raw key. Without v's NaN a row that saw the key through a tile every row sees (raw there,
+    in the forward) with a -inf score, so a finite row, would recompute a finite score from
+    the cleaned k and get finite, wrong gradients. Rows that saw junk on an edge tile already
+    have lse = NaN (the forward's producer made the key NaN there:
+    `attention_hopper._hide_masked_garbage`)."""
+    ok = jnp.isfinite(k)
+    return (jnp.where(ok, k, jnp.zeros((), k.dtype)),
+            jnp.where(ok, v, jnp.array(jnp.nan, v.dtype)))
 
 
 def sees(keep, bad):

@@ -153,7 +153,7 @@ def _backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnB
             else attention_hopper_bwd.HopperBwdTiles()
         if attention_hopper_bwd.fits(q.dtype, spec, bt):
             if A.hides_keys(spec):       # masked keys may hold garbage (`_attn.clean_keys`)
-                k = A.clean_keys(k)
+                k, v = A.clean_keys(k, v)
             return attention_hopper_bwd.backward(q, k, v, o, lse_u, do, dlse, spec, bt)
     return attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks, key)
 

@@ -77,7 +77,8 @@ of 128) with D in {64, 128} and Tk a multiple of 128; anything else (and dropout
 D = 256) runs the portable kernels of `attention_bwd`. Garbage in masked keys: scores and dS
 of masked pairs are selected away on edge tiles (and P of a NaN row, which saw garbage);
 the K rows that multiply a zero dS in dQ = dS K come cleaned by an XLA pass before the
-kernels (`_attn.clean_keys`; the forward cleans its tiles in its producer).
+kernels (`_attn.clean_keys`, which also makes V NaN where K is not finite; the forward
+cleans its tiles in its producer).
 
 Regimes: compiled by Mosaic GPU on an sm90 GPU. In Mosaic GPU's interpreter (jax 0.10.2) the
 products are plain dots of the same tiles (it reads no register or transposed wgmma operand),

@@ -167,17 +167,10 @@ def _time_row(label, fns, shape, causal, *, backward: bool, reps: int = 10):
 
 
 def _unguarded(f):
-    """f traced as if no mask hid keys from the garbage guard (`_attn.hides_keys`): the Hopper
-    forward's producer cleans no edge tiles (a forward-only diagnostic row: a custom_vjp's
-    backward is traced after f returns, with its guard)."""
+    """f traced without the guard against masked keys' garbage (a forward-only row)."""
     def g(q, k, v):
-        from jaxfuse.pallas import _attn
-        original = _attn.hides_keys
-        _attn.hides_keys = lambda spec: False
-        try:
+        with _timing.unguarded_attention():
             return f(q, k, v)
-        finally:
-            _attn.hides_keys = original
     return g
 
 

@@ -211,21 +211,6 @@ def _triton_swiglu():
         swiglu_hopper.fits = original
 
 
-@contextlib.contextmanager
-def _unguarded_attention():
-    """While open, the Hopper attention kernels take no guard against masked keys' garbage
-    (`_attn.hides_keys` False: the forward's producer cleans no edge tiles, the backward gets
-    no XLA pass over K): the guard's cost in a step. Held over the whole lowering, as
-    `_triton_swiglu`."""
-    from jaxfuse.pallas import _attn
-    original = _attn.hides_keys
-    _attn.hides_keys = lambda spec: False
-    try:
-        yield
-    finally:
-        _attn.hides_keys = original
-
-
 def profile_attention(cfg, b, t):
     """The model's attention alone (forward, and forward + backward), kernel by kernel: how many
     launches one call makes, to set against the train step's profile."""
@@ -284,7 +269,7 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
             step = jax.jit(jax.value_and_grad(lambda p, x, y: fns[impl](p, x, y)))
             context = {"jaxfuse, Triton SwiGLU": _triton_swiglu,
                        "jaxfuse, three q/k/v matmuls": _three_qkv_matmuls,
-                       "jaxfuse, attention without the garbage guard": _unguarded_attention}.get(
+                       "jaxfuse, attention without the garbage guard": _timing.unguarded_attention}.get(
                            impl, contextlib.nullcontext)
             with context():
                 compiled = step.lower(params, tokens, targets).compile()

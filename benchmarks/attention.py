@@ -202,3 +202,27 @@ def perf(copy_bw: float, sweep: bool = True):
         fns = _peers(True, MAIN)
         _time_row(label, fns, shp, True, backward=False, reps=5)
         _time_row(label, fns, shp, True, backward=True, reps=3)
+
+
+def perf_d256():
+    """The D = 256 forward's tiles against cuDNN and tokamax in one run (the issue's D256 row,
+    causal, B2 H16 T4096): its default is 64-key tiles in 2 stages (a [64, 256] float32
+    accumulator is 128 registers a thread)."""
+    shape, causal = (2, 4096, 16, 16, 256), True
+    fns = _peers(causal, MAIN)
+    for t in [HopperAttnTiles(block_k=64, pingpong=False), HopperAttnTiles(block_k=64, stages=1),
+              HopperAttnTiles(block_k=32), HopperAttnTiles(block_k=32, pingpong=False),
+              HopperAttnTiles(block_k=128)]:
+        fns[f"jaxfuse[{t}]"] = functools.partial(
+            lambda q, k, v, t: jaxfuse.flash_attention(
+                q, k, v, causal=causal, block_sizes=AttnBlocks(hopper=t)), t=t)
+    fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
+    _time_row("D256 B2 H16 T4096 causal", fns, shape, causal, backward=False)
+
+
+if __name__ == "__main__":
+    import sys
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
+    if sys.argv[1:2] == ["d256"]:
+        perf_d256()
+    _timing.save(sys.argv[2] if len(sys.argv) > 2 else None)

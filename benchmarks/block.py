@@ -389,6 +389,39 @@ def perf_sweep(copy_bw: float):
             guarded(S, f"sweep {name}", str((br, bc, w)), run)
 
 
+def perf_rows_sweep():
+    """Rows per program of the passes that sum over rows (dbias, dweight): the backward of
+    bias_dropout_add, bias_act_dropout and add_norm at the issue's [16384, 4096] and the 157M
+    model's [16384, 1024]. The default (`RowBlocks.for_shape(accumulate_rows=True)`) gives the
+    GPU two programs per multiprocessor; more programs hold more loads in flight but write more
+    float32 partial rows. fwd+bwd only: the forward ignores rows_per_program."""
+    makers = {
+        "bias_dropout_add": lambda bl: lambda x, b, r, key: jaxfuse.bias_dropout_add(
+            x, b, r, rate=RATE, key=key, block_sizes=bl),
+        "bias_act_dropout": lambda bl: lambda x, b, key: jaxfuse.bias_act_dropout(
+            x, b, activation="gelu", rate=RATE, key=key, block_sizes=bl),
+        "add_norm": lambda bl: lambda x, r, w, key: jaxfuse.add_norm(
+            x, r, w, rate=RATE, key=key, block_sizes=bl),
+    }
+    sh = _shapes()
+    for rows in ([sh["rows"]] if SMALL else [sh["rows"], (16384, 1024)]):
+        base = jaxfuse.RowBlocks.for_shape(*rows, interpret=SMALL, accumulate_rows=True)
+        rpps = [base.rows_per_program] + [r for r in ((2, 4) if SMALL else (8, 16, 32))
+                                          if r % base.block_rows == 0]
+        for name, make in makers.items():
+            sets = [_args(name, jax.random.key(10 + i), jnp.bfloat16, **{**sh, "rows": rows})
+                    for i in range(3)]
+            for rpp in rpps:
+                bl = dataclasses.replace(base, rows_per_program=rpp)
+
+                def run(bl=bl, make=make, name=name, sets=sets):
+                    t = bench(jax.jit(_fwd_bwd(name, make(bl))), sets, reps=10)
+                    record(S, f"{name} {rows} bf16 fwd+bwd", f"rows_per_program {bl.rows_per_program}"
+                           f" (tile {bl.block_rows}x{bl.block_cols}, {bl.num_warps} warps)", t)
+                guarded(S, f"rows sweep {name} {rows}", str(rpp), run)
+            del sets
+
+
 def perf(copy_bw: float, sweep: bool = False):
     if sweep:
         perf_sweep(copy_bw)
@@ -434,6 +467,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default=None, help="comma-separated check dtypes, e.g. bfloat16")
     ap.add_argument("--only", default=None, help="comma-separated ops, e.g. rope,swiglu,attention")
     ap.add_argument("--sweep", action="store_true", help="also time dropout's row tiles")
+    ap.add_argument("--rows-sweep", action="store_true",
+                    help="only time the backward's rows per program (dbias/dweight passes)")
     args = ap.parse_args()
     SMALL = args.small
     ONLY = set(args.only.split(",")) if args.only else None
@@ -442,9 +477,12 @@ def main() -> None:
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
     copy_bw = _timing.copy_ceiling() if not SMALL else 1e11
     record("ceiling", "copy 1 GiB f32 (read+write)", "xla", None, TBps=copy_bw / 1e12)
-    if not args.no_check:
-        check()
-    perf(copy_bw, sweep=args.sweep)
+    if args.rows_sweep:
+        perf_rows_sweep()
+    else:
+        if not args.no_check:
+            check()
+        perf(copy_bw, sweep=args.sweep)
     _timing.save(args.out)
 
 

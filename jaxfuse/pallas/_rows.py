@@ -98,7 +98,11 @@ def resolve_blocks(blocks: RowBlocks | None, n_rows: int, n_cols: int, interpret
         return RowBlocks.for_shape(n_rows, n_cols, interpret=interpret,
                                    accumulate_rows=accumulate_rows)
     blocks.validate(interpret, has_hopper)
-    if accumulate_rows and blocks.rows_per_program is None:
+    if not accumulate_rows:
+        # rows_per_program is for passes that sum over rows (the docstring's contract): a
+        # forward given the backward's tile keeps one chunk of rows per program.
+        return dataclasses.replace(blocks, rows_per_program=None)
+    if blocks.rows_per_program is None:
         target = n_rows if interpret else RowBlocks.for_shape(
             n_rows, n_cols, interpret=False, accumulate_rows=True).rows_per_program
         blocks = dataclasses.replace(

@@ -223,6 +223,8 @@ def perf_d256():
 if __name__ == "__main__":
     import sys
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
+    if sys.argv[1:2] == ["check"]:
+        check()
     if sys.argv[1:2] == ["d256"]:
         perf_d256()
     _timing.save(sys.argv[2] if len(sys.argv) > 2 else None)

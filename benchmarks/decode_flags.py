@@ -1,0 +1,72 @@
+"""Does the decoding step pay for its launches? Greedy decoding of the 157M preset (B=32, prompt
+512, 256 new tokens, bf16) compiled with XLA GPU options that change how kernels are launched
+(CUDA graphs: `xla_gpu_enable_command_buffer`, its minimum graph size), each against the
+default in one run, with the reference's call as the issue's yardstick.
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py [OUT.json]
+
+A step of ~10 launches per layer takes 3.3-3.5x its bytes floor (BENCHMARKS.md); if the gaps
+between small kernels are part of that, graphs shorten the step; if the kernels' own latency
+fills it, nothing here moves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import jaxfuse.model as M
+from benchmarks import _timing
+from benchmarks._timing import bench, guarded, record
+
+VARIANTS = {
+    "default": {},
+    "no graphs": {"xla_gpu_enable_command_buffer": ""},
+    "graphs of any size": {"xla_gpu_graph_min_graph_size": 1},
+    "graphs + while/conditional": {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
+                                         "CONDITIONAL"},
+}
+
+
+def main():
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
+    b, prompt, new = 32, 512, 256
+    cfg = M.preset("157m")
+    cfg = dataclasses.replace(cfg, max_len=max(cfg.max_len, prompt + new))
+    params = M.init(jax.random.key(0), cfg)
+    prompts = jax.random.randint(jax.random.key(2), (b, prompt), 0, cfg.vocab_size)
+    lengths = jnp.full((b,), prompt, jnp.int32)
+    base = {}
+    for impl in ("pallas", "reference"):
+        for name, opts in VARIANTS.items():
+            if impl == "reference" and name != "default":
+                continue
+
+            def run(impl=impl, name=name, opts=opts):
+                times = {}
+                # the step time (less the prefill) for the default only: one compile each
+                for n in ((new, 1) if name == "default" else (new,)):
+                    f = jax.jit(lambda p, x, l, n=n: M.greedy(p, cfg, x, l, max_new_tokens=n,
+                                                             eos_id=-1, impl=impl),
+                                compiler_options=opts or None)
+                    times[n] = bench(f, [(params, prompts, lengths)], reps=1, repeats=5,
+                                     warmup=1)
+                extra = {}
+                if 1 in times:
+                    extra["step_ms"] = (times[new] - times[1]) / (new - 1) * 1e3
+                base.setdefault(impl, times[new])
+                record("decode", f"greedy B{b} P{prompt} new{new}", f"{impl} [{name}]",
+                       times[new], tokens_per_s=b * new / times[new],
+                       vs_default=base[impl] / times[new], **extra)
+            guarded("decode", f"greedy {impl}", name, run)
+    if "pallas" in base and "reference" in base:
+        record("decode", "greedy: jaxfuse (default) vs reference", "pallas", None,
+               speedup=base["reference"] / base["pallas"])
+    _timing.save(sys.argv[1] if len(sys.argv) > 1 else None)
+
+
+if __name__ == "__main__":
+    main()

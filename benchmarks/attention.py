@@ -225,6 +225,10 @@ if __name__ == "__main__":
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
     if sys.argv[1:2] == ["check"]:
         check()
+    if sys.argv[1:2] == ["check_hopper"]:     # the Hopper path's cases alone
+        for dtype in (jnp.bfloat16, jnp.float16):
+            for i, c in enumerate(HOPPER_CASES):
+                _check_case(i, c, dtype, AttnBlocks(hopper=True), " hopper")
     if sys.argv[1:2] == ["d256"]:
         perf_d256()
     _timing.save(sys.argv[2] if len(sys.argv) > 2 else None)

@@ -220,6 +220,18 @@ def perf_d256():
     _time_row("D256 B2 H16 T4096 causal", fns, shape, causal, backward=False)
 
 
+def perf_guard():
+    """The forward's cost of cleaning masked keys' garbage (causal rows, jaxfuse with and
+    without the guard, cuDNN in the same run)."""
+    for label, shp in [("B4 H32 T4096 D128 causal", (4, 4096, 32, 32, 128)),
+                       ("D64 B8 H16 T2048 causal", (8, 2048, 16, 16, 64)),
+                       ("D256 B2 H16 T4096 causal", (2, 4096, 16, 16, 256)),
+                       ("GQA B4 Hq32 Hkv8 T4096 D128 causal", (4, 4096, 32, 8, 128))]:
+        fns = _peers(True, ("jaxfuse", "cudnn"))
+        fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
+        _time_row(label, fns, shp, True, backward=False)
+
+
 if __name__ == "__main__":
     import sys
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
@@ -231,4 +243,6 @@ if __name__ == "__main__":
                 _check_case(i, c, dtype, AttnBlocks(hopper=True), " hopper")
     if sys.argv[1:2] == ["d256"]:
         perf_d256()
+    if sys.argv[1:2] == ["guard"]:
+        perf_guard()
     _timing.save(sys.argv[2] if len(sys.argv) > 2 else None)

@@ -4,6 +4,7 @@
 default in one run, with the reference's call as the issue's yardstick.
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py [OUT.json]
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py profile [OUT_DIR]
 
 A step of ~10 launches per layer takes 3.3-3.5x its bytes floor (BENCHMARKS.md); if the gaps
 between small kernels are part of that, graphs shorten the step; if the kernels' own latency
@@ -31,14 +32,38 @@ VARIANTS = {
 }
 
 
-def main():
-    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
-    b, prompt, new = 32, 512, 256
+def _setup(b=32, prompt=512, new=256):
     cfg = M.preset("157m")
     cfg = dataclasses.replace(cfg, max_len=max(cfg.max_len, prompt + new))
     params = M.init(jax.random.key(0), cfg)
     prompts = jax.random.randint(jax.random.key(2), (b, prompt), 0, cfg.vocab_size)
-    lengths = jnp.full((b,), prompt, jnp.int32)
+    return cfg, params, prompts, jnp.full((b,), prompt, jnp.int32)
+
+
+def profile(out_dir: str | None):
+    """Kernels and idle gaps of a 32-token greedy call (prefill + 31 steps), and its optimized
+    HLO (which kernels a step launches, which of them XLA put in command buffers)."""
+    import gzip
+    import os
+    from benchmarks._profile import gaps, report
+    cfg, params, prompts, lengths = _setup()
+    f = jax.jit(lambda p, x, l: M.greedy(p, cfg, x, l, max_new_tokens=32, eos_id=-1))
+    report("decode", "greedy pallas kernels (prefill + 31 steps)", f, (params, prompts, lengths),
+           top=30)
+    gaps(f, (params, prompts, lengths), top=16)
+    if out_dir:
+        text = f.lower(params, prompts, lengths).compile().as_text()
+        with gzip.open(os.path.join(out_dir, "decode_greedy.hlo.txt.gz"), "wt") as fh:
+            fh.write(text)
+
+
+def main():
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
+    if sys.argv[1:2] == ["profile"]:
+        profile(sys.argv[2] if len(sys.argv) > 2 else None)
+        return
+    b, prompt, new = 32, 512, 256
+    cfg, params, prompts, lengths = _setup(b, prompt, new)
     base = {}
     for impl in ("pallas", "reference"):
         for name, opts in VARIANTS.items():

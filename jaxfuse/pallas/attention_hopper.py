@@ -254,7 +254,10 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
     edges=(e_lo, e_hi, landed): blocks j < e_lo or j >= e_hi (relative to lo: the CTA's edge
     tiles, where masks hide some keys from some rows) land on the `landed` barrier instead;
     the producer cleans them in shared memory (`_hide_masked_garbage`) and then completes
-    their 'full' barriers itself, so the consumers wait as for any tile."""
+    their 'full' barriers itself, so the consumers wait as for any tile. With two slots or
+    more it cleans block j - 1 after issuing block j's copy, so that a second edge tile's
+    copy is in flight while the first is cleaned (causal CTAs end on two or three edge tiles);
+    with one slot block j reuses block j - 1's slot, so each is cleaned as soon as it lands."""
     plgpu.set_max_registers(registers, action="decrease")
     kv = lambda ref, j: ref.at[b, pl.ds((lo + j) * bk, bk), h_kv]
 
@@ -265,14 +268,26 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
                 plgpu.barrier_wait(e.at[slot])
             plgpu.copy_gmem_to_smem(kv(src, j), dst.at[slot], f.at[slot])
 
+    if edges is not None:
+        e_lo, e_hi, landed = edges
+        is_edge = lambda j: (j < e_lo) | (j >= e_hi)
+    defer = stages >= 2
+
+    def clean(j):
+        slot = lax.rem(j, stages)
+        plgpu.barrier_wait(landed.at[slot])
+        _hide_masked_garbage(smem[0].at[slot], smem[1].at[slot], interpret)
+        plgpu.commit_smem()                  # the consumers' wgmma reads through the async proxy
+        for f in full:
+            plgpu.barrier_arrive(f.at[slot])
+
     @pl.loop(0, n)
     def _step(j):
         slot = lax.rem(j, stages)
         if edges is None:
             load(j, slot, full)
             return
-        e_lo, e_hi, landed = edges
-        edge = (j < e_lo) | (j >= e_hi)
+        edge = is_edge(j)
 
         @pl.when(jnp.logical_not(edge))
         def _():
@@ -281,11 +296,14 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
         @pl.when(edge)
         def _():
             load(j, slot, (landed, landed))
-            plgpu.barrier_wait(landed.at[slot])
-            _hide_masked_garbage(smem[0].at[slot], smem[1].at[slot], interpret)
-            plgpu.commit_smem()              # the consumers' wgmma reads through the async proxy
-            for f in full:
-                plgpu.barrier_arrive(f.at[slot])
+            if not defer:
+                clean(j)
+
+        if defer:
+            pl.when((j >= 1) & is_edge(j - 1))(lambda: clean(j - 1))
+
+    if edges is not None and defer:
+        pl.when((n >= 1) & is_edge(n - 1))(lambda: clean(n - 1))
 
     # Observe the last releases, so every barrier completion is waited for before the kernel
     # ends (the interpreter checks it; on the GPU it costs nothing).

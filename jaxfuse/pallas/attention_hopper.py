@@ -66,7 +66,8 @@ _SMEM_BYTES = 227 * 1024 - 8192   # less the barriers and what Mosaic GPU reserv
 @dataclasses.dataclass(frozen=True)
 class HopperAttnTiles:
     """block_k: keys per step; stages: K/V ring depth (None: as many as shared memory holds,
-    at most 4); pingpong: the consumers take turns on the tensor cores (False: they run free);
+    at most 4); pingpong: the consumers take turns on the tensor cores (False: they run free;
+    the default tiles of D = 256, `for_head_dim`, run free);
     backward: the Hopper backward (`attention_hopper_bwd`) follows where it takes the problem,
     with its default tiles (True) or with these (`attention_hopper_bwd.HopperBwdTiles`); False:
     the portable backward after this forward; consumers: consumer warpgroups of 64 query rows

@@ -229,6 +229,16 @@ def perf_guard():
                        ("GQA B4 Hq32 Hkv8 T4096 D128 causal", (4, 4096, 32, 8, 128))]:
         fns = _peers(True, ("jaxfuse", "cudnn"))
         fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
+
+        def agree(fns=fns, shp=shp, label=label):   # o against cuDNN's, same inputs
+            b, t, hq, hkv, d = shp
+            q, k, v, _ = _inputs(jax.random.key(7), b, t, t, hq, hkv, d, jnp.bfloat16)
+            want = jax.jit(fns["cudnn"])(q, k, v)
+            for impl in ("jaxfuse", "jaxfuse[no garbage guard]"):
+                err = rel_err(jax.jit(fns[impl])(q, k, v), want)
+                record(S, f"{label} fwd o vs cudnn", impl, rel_err=err,
+                       status="ok" if err < TOL[jnp.bfloat16] else "FAIL")
+        guarded(S, f"{label} fwd o vs cudnn", "jaxfuse", agree)
         _time_row(label, fns, shp, True, backward=False)
 
 

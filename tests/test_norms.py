@@ -153,6 +153,18 @@ class NormTest(chex.TestCase):
         with self.assertRaisesRegex(ValueError, "rows_per_program=3"):
             jaxfuse.layer_norm(x, block_sizes=RowBlocks(2, 8, rows_per_program=3))
 
+    def test_rows_per_program_only_where_rows_are_summed(self):
+        # rows_per_program is for the passes that sum over rows (dweight, dbias): a forward
+        # given the same tile keeps one chunk of rows per program, the backward walks them.
+        from jaxfuse.pallas import _rows
+        bl = RowBlocks(2, 8, rows_per_program=4)
+        fwd = _rows.resolve_blocks(bl, 37, 8, interpret=True)
+        bwd = _rows.resolve_blocks(bl, 37, 8, interpret=True, accumulate_rows=True)
+        self.assertIsNone(fwd.rows_per_program)
+        self.assertEqual(bwd.rows_per_program, 4)
+        self.assertEqual(_rows.resolve_blocks(RowBlocks(2, 8), 37, 8, interpret=True,
+                                              accumulate_rows=True).rows_per_program, 38)
+
 
 if __name__ == "__main__":
     pytest.main([__file__])

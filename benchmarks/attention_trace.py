@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import jaxfuse
 from jaxfuse import AttnBlocks
 from jaxfuse.pallas import _hopper as H
+from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
 from benchmarks._timing import guarded, record
 
 S = "attn_trace"
@@ -36,9 +38,9 @@ WORKLOADS = {"1B-like B1 T4096 H16/4 D64 causal": (1, 4096, 16, 4, 64, True),
              "B1 T2048 H32 D128": (1, 2048, 32, 32, 128, False),
              "B1 T2048 H32 D128 causal": (1, 2048, 32, 32, 128, True)}
 # Scopes that are products (tensor cores) and vector work; the rest are waits.
-MMA = {"qk", "pv", "st", "dv_dpt", "dk", "s_dp", "drain"}
+MMA = {"qk", "pv", "st", "dv_dpt", "dk", "s_dp", "drain", "dq"}
 VEC = {"softmax", "p", "ds"}
-STEP = {"fwd": "wait_k", "dkv": "wait_q", "dq": "wait_kv"}      # one per step
+STEP = {"fwd": "wait_k", "dkv": "wait_q", "dq": "wait_kv", "dkv_dq": "wait_q"}   # one a step
 
 
 def _intervals(events):
@@ -119,14 +121,22 @@ def main() -> None:
         # forward steps of 6 scopes, g * T / 64 dK/dV steps of 7 (11 with its ping-pong's 4
         # turns), T / 64 dQ steps of 6.
         g = hq // hkv
+        # "dkv_dq": the fused dQ (deterministic=False) forced, where the consumer whose turn
+        # it is also forms dQ ("dq") and sends it out by reducing stores ("dq_store"):
+        # 3 more scopes every other step (and "bwd_dkv" names it too, so it runs alone).
         kernels = {"fwd": ("flash_fwd", 6 * (t // 128)), "dkv": ("bwd_dkv", 11 * g * t // 64),
-                   "dq": ("bwd_dq", 6 * (t // 64))}
+                   "dq": ("bwd_dq", 6 * (t // 64)),
+                   "dkv_dq": ("bwd_dkv_dq", 13 * g * t // 64)}
+        fused = functools.partial(
+            jaxfuse.flash_attention, causal=causal, deterministic=False,
+            block_sizes=AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True))))
         for kernel, (part, entries) in kernels.items():
             def run(kernel=kernel, part=part, entries=entries):
                 d_out = tempfile.mkdtemp()
                 with H.traced({part: entries + 8}, d_out):
-                    fn = attend if kernel == "fwd" else (
-                        lambda q, k, v: jax.vjp(attend, q, k, v)[1](do))
+                    f = fused if kernel == "dkv_dq" else attend
+                    fn = f if kernel == "fwd" else (
+                        lambda q, k, v: jax.vjp(f, q, k, v)[1](do))
                     jax.block_until_ready(jax.jit(fn)(q, k, v))
                     jax.effects_barrier()
                 (path,) = glob.glob(os.path.join(d_out, "*-trace.json"))

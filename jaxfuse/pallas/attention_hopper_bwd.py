@@ -475,12 +475,15 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 if fused_dq:
                     @pl.when(turn == wg)
                     def _():
-                        plgpu.barrier_wait(ds_full.at[turn])
-                        # dS K [bq, D] over both consumers' 64 keys
-                        (dq,) = mma.run(tn(ds_smem.at[pl.ds(2 * turn, 2)], k_smem))
+                        with jax.named_scope("wait_ds"):
+                            plgpu.barrier_wait(ds_full.at[turn])
+                        with jax.named_scope("dq"):     # dS K [bq, D] over both consumers' keys
+                            (dq,) = mma.run(tn(ds_smem.at[pl.ds(2 * turn, 2)], k_smem))
                         plgpu.barrier_arrive(ds_free.at[turn])
-                        _add_dq(dq * spec.scale, dq_smem.at[wg], dq_gmem, wg, b, q0,
-                                hk * g + gi, (j // 2) * (d // tiles.piece(d)), spec.interpret)
+                        with jax.named_scope("dq_store"):
+                            _add_dq(dq * spec.scale, dq_smem.at[wg], dq_gmem, wg, b, q0,
+                                    hk * g + gi, (j // 2) * (d // tiles.piece(d)),
+                                    spec.interpret)
                 return dk, dv
 
             def pass_over(j, carry):

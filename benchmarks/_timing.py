@@ -6,12 +6,12 @@ counted. Inputs rotate between several sets so that nothing is served from L2 by
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
 import time
 import traceback
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -120,16 +120,10 @@ def script(main) -> None:
     save(sys.argv[1] if len(sys.argv) > 1 else None)
 
 
-@contextlib.contextmanager
 def unguarded_attention():
-    """While open, the Hopper attention kernels take no guard against masked keys' garbage
-    (`_attn.hides_keys` False: the forward's producer cleans no edge tiles, the backward gets
-    no XLA pass): a diagnostic for the guard's cost. Hold it over the whole lowering: a
+    """A context in which the Hopper attention kernels take no guard against masked keys'
+    garbage (`_attn.hides_keys` False: the forward's producer cleans no edge tiles, the backward
+    gets no XLA pass): a diagnostic for the guard's cost. Hold it over the whole lowering: a
     custom_vjp's backward is traced after the forward returns."""
     from jaxfuse.pallas import _attn
-    original = _attn.hides_keys
-    _attn.hides_keys = lambda spec: False
-    try:
-        yield
-    finally:
-        _attn.hides_keys = original
+    return mock.patch.object(_attn, "hides_keys", lambda spec: False)

@@ -8,6 +8,7 @@ tokamax, all in one process. FLOPs: 4 B H Tq Tk D forward (half for causal), 2.5
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -174,13 +175,8 @@ def _producer_registers(f, regs: int):
     from jaxfuse.pallas import attention_hopper as AH
 
     def g(q, k, v):
-        original = dict(AH._REGISTERS)
-        AH._REGISTERS[3] = (regs, AH._REGISTERS[3][1])
-        try:
+        with mock.patch.dict(AH._REGISTERS, {3: (regs, AH._REGISTERS[3][1])}):
             return f(q, k, v)
-        finally:
-            AH._REGISTERS.clear()
-            AH._REGISTERS.update(original)
     return g
 
 
@@ -224,12 +220,12 @@ def perf(copy_bw: float, sweep: bool = True):
 
 def perf_d256():
     """The D = 256 forward's tiles against cuDNN and tokamax in one run (the issue's D256 row,
-    causal, B2 H16 T4096): its default is 64-key tiles in 2 stages (a [64, 256] float32
-    accumulator is 128 registers a thread)."""
+    causal, B2 H16 T4096): its default (`HopperAttnTiles.for_head_dim`) is 64-key tiles in 2
+    stages, consumers running free (a [64, 256] float32 accumulator is 128 registers a
+    thread). 32-key tiles are refused by wgmma (P V's K must be a multiple of 64, s13-1)."""
     shape, causal = (2, 4096, 16, 16, 256), True
     fns = _peers(causal, MAIN)
-    for t in [HopperAttnTiles(block_k=64, pingpong=False), HopperAttnTiles(block_k=64, stages=1),
-              HopperAttnTiles(block_k=32), HopperAttnTiles(block_k=32, pingpong=False),
+    for t in [HopperAttnTiles(block_k=64, pingpong=True), HopperAttnTiles(block_k=64, stages=1),
               HopperAttnTiles(block_k=128)]:
         fns[f"jaxfuse[{t}]"] = functools.partial(
             lambda q, k, v, t: jaxfuse.flash_attention(

@@ -67,12 +67,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     peers = args.peers.split(",")
     groups, heads = [], []
+    many = len(args.runs) > 1          # workloads then carry their run's tag
     for path in args.runs:
         with open(path) as fh:
             run = json.load(fh)
         tag = os.path.basename(path).rsplit(".", 1)[0]
         heads.append(f"{run.get('device', '?')}, jax {run.get('jax', '?')}, {run.get('date', '?')}")
-        many = len(args.runs) > 1
         groups += [(f"{wl} [{tag.rsplit('-', 1)[-1]}]" if many else wl, r)
                    for wl, r in ratios(run["rows"], args.ours, peers)]
     if not groups:

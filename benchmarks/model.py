@@ -33,6 +33,7 @@ import functools
 import os
 import sys
 import time
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -142,15 +143,13 @@ def _with_cudnn_attention(fn):
     how much of the gap to the plain model is attention)."""
     from jaxfuse.model import _block_ops
 
+    cudnn = lambda q, k, v, *, causal=True, **_: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal,
+        implementation="cudnn" if jax.default_backend() == "gpu" else None)
+
     def swapped(*args, **kwargs):
-        original = _block_ops.attention
-        _block_ops.attention = lambda q, k, v, *, causal=True, **_: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal,
-            implementation="cudnn" if jax.default_backend() == "gpu" else None)
-        try:
+        with mock.patch.object(_block_ops, "attention", cudnn):
             return fn(*args, **kwargs)
-        finally:
-            _block_ops.attention = original
     return swapped
 
 
@@ -168,47 +167,32 @@ def _with_kept_projections(fn):
         return jaxfuse.swiglu(gate, up, impl=impl) @ weight
 
     def swapped(*args, **kwargs):
-        original = _block_ops.add_norm_linear, _block_ops.swiglu_linear
-        _block_ops.add_norm_linear, _block_ops.swiglu_linear = add_norm_linear, swiglu_linear
-        try:
+        with mock.patch.multiple(_block_ops, add_norm_linear=add_norm_linear,
+                                 swiglu_linear=swiglu_linear):
             return fn(*args, **kwargs)
-        finally:
-            _block_ops.add_norm_linear, _block_ops.swiglu_linear = original
     return swapped
 
 
-@contextlib.contextmanager
 def _three_qkv_matmuls():
-    """While open, the model forms q, k and v with three matmuls (before session s11) instead of
-    one on `qkv_weight`'s grouped matrix (a diagnostic row)."""
-    original = T.qkv_weights, T.qkv
-
+    """A context in which the model forms q, k and v with three matmuls (before session s11)
+    instead of one on `qkv_weight`'s grouped matrix (a diagnostic row)."""
     def qkv(outs, positions, cfg, impl):
         b, t, _ = outs[0].shape
         q, k, v = (o.reshape(b, t, -1, cfg.head_dim) for o in outs)
         rope = functools.partial(T.ops.rope, positions=positions, base=cfg.rope_base, impl=impl)
         return rope(q), rope(k), v
 
-    T.qkv_weights = lambda blk, cfg: (blk["wq"], blk["wk"], blk["wv"])
-    T.qkv = qkv
-    try:
-        yield
-    finally:
-        T.qkv_weights, T.qkv = original
+    return mock.patch.multiple(T, qkv=qkv,
+                               qkv_weights=lambda blk, cfg: (blk["wq"], blk["wk"], blk["wv"]))
 
 
-@contextlib.contextmanager
 def _triton_swiglu():
-    """While open, SwiGLU takes its Triton kernels where the Hopper ones would run (a diagnostic
-    row: the Hopper kernels read the scan's stacked gate and up in place, Triton's get copies).
-    Held over the whole lowering: a custom_vjp's backward is traced after the forward returns."""
+    """A context in which SwiGLU takes its Triton kernels where the Hopper ones would run (a
+    diagnostic row: the Hopper kernels read the scan's stacked gate and up in place, Triton's
+    get copies). Held over the whole lowering: a custom_vjp's backward is traced after the
+    forward returns."""
     from jaxfuse.pallas import swiglu_hopper
-    original = swiglu_hopper.fits
-    swiglu_hopper.fits = lambda *a, **k: False
-    try:
-        yield
-    finally:
-        swiglu_hopper.fits = original
+    return mock.patch.object(swiglu_hopper, "fits", lambda *a, **k: False)
 
 
 def profile_attention(cfg, b, t):

@@ -320,8 +320,7 @@ if __name__ == "__main__":
         # The consumers' ping-pong (the default, s9) against their running free.
         probe({w: [HopperBwdTiles(pingpong=False)] for w in WORKLOADS})
     if sys.argv[1:2] == ["probe"]:
-        probe({"D128 full": [HopperBwdTiles(fused_dq=True, dq_piece=64),
+        probe({"D128 full": [HopperBwdTiles(fused_dq=True),
                              HopperBwdTiles(fused_dq=True, stages=2)],
-               "D64 causal": [HopperBwdTiles(block_q=128), HopperBwdTiles(stages=2),
-                              HopperBwdTiles(dq_piece=64)]})
+               "D64 causal": [HopperBwdTiles(block_q=128), HopperBwdTiles(stages=2)]})
     _timing.save(sys.argv[2] if len(sys.argv) > 2 else None)

@@ -55,8 +55,10 @@ def _blocks(fwd_consumers=2, **bwd):
     # schedule without overlap
     (jnp.bfloat16, 2, 2, 384, True, dict(), False, dict(stages=2, **TWO)),
     (jnp.float16, 2, 2, 384, True, dict(), False, dict(stages=2, overlap=False, **TWO)),
-    # fused dQ: 2 key tiles, GQA (4 steps per CTA: both dS^T slots reused), vmap
+    # fused dQ: 2 key tiles, GQA (4 steps per CTA: both dS^T slots reused), vmap; at D = 64
+    # the consumers take turns, at D = 128 each forms its half of the columns every step
     (jnp.float16, 2, 1, 256, False, dict(scale=0.3), True, {}),
+    (jnp.bfloat16, 2, 1, 256, False, dict(head_dim=128), False, dict(fused_dq=True)),
     # three dK/dV consumers: one CTA of 192 keys whose third is past Tk = 128, GQA
     pytest.param(jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0), False,
                  dict(consumers=3), marks=needs_cores),
@@ -70,10 +72,12 @@ def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, op
     axis into the batch)."""
     kq, kk, kv, kd, kl = keys(7, 5)
     lead = (2, 1) if vmapped else (1,)
-    q = randn(kq, lead + (128, hq, 64), dtype)
-    k = randn(kk, lead + (tk, hkv, 64), dtype)
-    v = randn(kv, lead + (tk, hkv, 64), dtype)
-    do = randn(kd, lead + (128, hq, 64), dtype)
+    opts = dict(opts)
+    d = opts.pop("head_dim", 64)
+    q = randn(kq, lead + (128, hq, d), dtype)
+    k = randn(kk, lead + (tk, hkv, d), dtype)
+    v = randn(kv, lead + (tk, hkv, d), dtype)
+    do = randn(kd, lead + (128, hq, d), dtype)
     dlse = randn(kl, lead + (hq, 128))
 
     def grads(attn, *args):

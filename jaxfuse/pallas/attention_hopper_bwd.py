@@ -113,9 +113,7 @@ class HopperBwdTiles:
     """block_q: query rows per dK/dV step (the N of S^T); block_k_dq: keys per dQ-kernel step
     (None: 128 at D = 64, 64 above, for registers); stages: ring depth (None: as many as
     shared memory holds, at most 4, but 2 in the dK/dV kernel at D = 64 without the fused dQ,
-    measured faster); dq_piece: columns of the float32 pieces through which
-    the fused dQ (deterministic=False) leaves by reducing TMA stores (None: 32; each store
-    first waits for the one before last, through two slots); fused_dq: with
+    measured faster); fused_dq: with
     deterministic=False, dQ from the dK/dV kernel (True) or the separate dQ kernel (False;
     None: fused at D <= 64, where it is faster: at D = 128 its reducing stores cost more than
     the two products the dQ kernel recomputes, BENCHMARKS.md); overlap: the dQ kernel issues
@@ -136,7 +134,6 @@ class HopperBwdTiles:
     block_q: int = 64
     block_k_dq: int | None = None
     stages: int | None = None
-    dq_piece: int | None = None
     fused_dq: bool | None = None
     overlap: bool = True
     pingpong: bool | None = None
@@ -164,18 +161,24 @@ class HopperBwdTiles:
     def k_dq(self, d: int) -> int:
         return self.block_k_dq or (128 if d <= 64 else 64)
 
-    def piece(self, d: int) -> int:
-        piece = self.dq_piece or 32
-        if d % piece or piece % 8:
-            raise ValueError(f"HopperBwdTiles.dq_piece={piece} must be a multiple of 8 that "
-                             f"divides head_dim={d}")
-        return piece
+    @staticmethod
+    def dq_split(d: int) -> bool:
+        """Whether the fused dQ's product is split by columns (each consumer forms dS K over
+        the CTA's keys for its D / 2 columns, every step) rather than taken in turns (one
+        consumer forms all D columns, every other step): a column half must be whole
+        128-byte swizzle rows of K (64 elements) for wgmma's B operand, so D = 128 splits
+        and D = 64 takes turns."""
+        return d % 128 == 0
+
+    def dq_cols(self, d: int) -> int:
+        """Columns of the float32 dQ tile one consumer stores at a time."""
+        return d // 2 if self.dq_split(d) else d
 
     def dkv_stages(self, d: int, itemsize: int, fused_dq: bool) -> int:
         fixed = 2 * self.dkv_consumers(d, fused_dq) * _ROWS * d * itemsize   # K, V
         if fused_dq:
             fixed += 4 * _ROWS * self.block_q * itemsize         # dS^T [2 turns x 2 consumers]
-            fixed += 2 * 2 * _ROWS * self.piece(d) * 4           # dQ pieces
+            fixed += 2 * self.block_q * self.dq_cols(d) * 4      # a dQ tile per consumer
         stage = 2 * self.block_q * d * itemsize + 2 * self.block_q * 4
         fit = self._fit(fixed, stage)
         if self.stages is None and d <= 64 and not fused_dq:
@@ -355,6 +358,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
     dtype = q_gmem.dtype
     mma = _Mma(spec.interpret)
     transforms = H._tma_transforms(dtype, d)
+    split, cols = tiles.dq_split(d), tiles.dq_cols(d)
 
     def scoped(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                kv_full, q_full, do_full, empty, ds_full, ds_free, turns):
@@ -456,9 +460,9 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                              t, keep)
                     ds = ds.astype(dtype)
                 if fused_dq:
-                    # Both consumers' dS^T go to this turn's two [64 keys, bq] slots, and the
-                    # consumer whose turn it is (steps alternate) forms dQ = dS K over the 128:
-                    # one float32 [bq, D] reducing store per step, half the bytes of one
+                    # Both consumers' dS^T go to this step's two [64 keys, bq] slots (steps
+                    # alternate between two pairs), and dQ = dS K is formed over the CTA's 128
+                    # keys: one float32 [bq, D] reducing store per step, half the bytes of one
                     # per consumer (FlashAttention-3 sec. 3.3's dQ).
                     turn = lax.rem(j, 2)
 
@@ -473,17 +477,27 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                     (dk,) = mma.run(rs(dk, ds, q_smem.at[slot]))               # += dS^T Q
                 plgpu.barrier_arrive(empty.at[slot])
                 if fused_dq:
-                    @pl.when(turn == wg)
-                    def _():
+                    def dq_product(c0):
+                        """dQ[:, c0:c0 + cols] = dS K over both consumers' keys, added
+                        into dq_gmem from this consumer's shared-memory tile."""
                         with jax.named_scope("wait_ds"):
                             plgpu.barrier_wait(ds_full.at[turn])
-                        with jax.named_scope("dq"):     # dS K [bq, D] over both consumers' keys
-                            (dq,) = mma.run(tn(ds_smem.at[pl.ds(2 * turn, 2)], k_smem))
+                        with jax.named_scope("dq"):
+                            (dq,) = mma.run(tn(ds_smem.at[pl.ds(2 * turn, 2)],
+                                               k_smem.at[:, :, pl.ds(c0, cols)]))
                         plgpu.barrier_arrive(ds_free.at[turn])
                         with jax.named_scope("dq_store"):
                             _add_dq(dq * spec.scale, dq_smem.at[wg], dq_gmem, wg, b, q0,
-                                    hk * g + gi, (j // 2) * (d // tiles.piece(d)),
-                                    spec.interpret)
+                                    hk * g + gi, c0, spec.interpret)
+                    if split:
+                        # Both consumers every step, each its half of the columns: the same
+                        # work for both, so neither waits on the other's turn. (Two static
+                        # branches: the column offset of a swizzled tile must be static.)
+                        for w in range(2):
+                            pl.when(wg == w)(functools.partial(dq_product, w * cols))
+                    else:
+                        # The consumer whose turn it is (steps alternate), all D columns.
+                        pl.when(turn == wg)(functools.partial(dq_product, 0))
                 return dk, dv
 
             def pass_over(j, carry):
@@ -538,8 +552,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
     # on a [2, 2, 64, bq] buffer here).
     ds_type = (plgpu.SMEM((4, _ROWS, bq), dtype, transforms=H._tma_transforms(dtype, bq))
                if fused_dq else plgpu.SMEM((1, 8), _F32))
-    piece = tiles.piece(d)
-    dq_type = (plgpu.SMEM((2, 2, _ROWS, piece), _F32, transforms=H._tma_transforms(_F32, piece))
+    dq_type = (plgpu.SMEM((2, bq, cols), _F32, transforms=H._tma_transforms(_F32, cols))
                if fused_dq and not spec.interpret else plgpu.SMEM((1, 8), _F32))
     pl.run_scoped(
         scoped,
@@ -556,20 +569,26 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # dO and delta copies
         plgpu.Barrier(num_arrivals=nc, num_barriers=stages),        # every consumer done
         plgpu.Barrier(num_arrivals=2, num_barriers=2),              # both dS^T halves written
-        plgpu.Barrier(num_arrivals=1, num_barriers=2),              # dQ has read the dS^T
+        plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=2),  # dQ read the dS^T
         plgpu.Barrier(num_arrivals=2),                              # the consumers' turns
         collective_axes="wg")
 
 
-def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, k, interpret: bool):
-    """dq_gmem[b, q0:q0 + 64, h] += dq ([64, D] float32): a reducing TMA store in pieces (`k`:
-    the pieces stored before, which picks the slot, see `_hopper.store_tile`); in the
-    interpreter (no reducing store) a read-add-write of this consumer's own buffer."""
+def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, c0, interpret: bool):
+    """dq_gmem[b, q0:q0 + 64, h, c0:c0 + n] += dq ([64, n] float32): one reducing TMA store
+    from this consumer's shared-memory tile, not waited for: the next call waits only until
+    that store has read the tile, a step or two later (long done), so the consumer never
+    waits on global memory. In the interpreter (no reducing store) a read-add-write of this
+    consumer's own buffer."""
+    rows, cols = pl.ds(q0, dq.shape[0]), pl.ds(c0, dq.shape[1])
     if interpret:
-        dst = dq_gmem.at[wg, b, pl.ds(q0, dq.shape[0]), h]
+        dst = dq_gmem.at[wg, b, rows, h, cols]
         dst[...] = dst[...] + dq
         return
-    H.store_tile(dq, smem, dq_gmem.at[b, :, h, :], q0, 0, k, reduction_op="add")
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    smem[...] = dq
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, dq_gmem.at[b, rows, h, cols], reduction_op="add")
 
 
 def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,

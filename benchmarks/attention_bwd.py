@@ -276,6 +276,46 @@ def probe(sweep=None):
                             bench(jax.jit(step), sets, reps=5, repeats=3)))
 
 
+def fused():
+    """What the fused dQ's reducing stores cost: fwd+bwd of the fused dQ (deterministic=False,
+    forced) against the same kernel whose dQ tiles go to shared memory but never leave
+    (diagnostic: its dq is wrong), the deterministic pair and cuDNN, at the D = 128 workloads.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fused [OUT.json]
+    """
+    from unittest import mock
+    from jaxfuse.pallas import attention_hopper_bwd as AHB
+
+    def smem_only(dq, smem, *args):
+        smem[...] = dq
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+        plgpu.commit_smem()
+    fused_tiles = AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True)))
+    for label in ("D128 full", "D128 causal"):
+        (b, t, h, d), causal = WORKLOADS[label]
+        sets = [_inputs(jax.random.key(100 + i), b, t, t, h, h, d, jnp.bfloat16)[:4]
+                for i in range(2)]
+        fns = {"jaxfuse det": (functools.partial(jaxfuse.flash_attention, causal=causal), None),
+               "jaxfuse nondet fused": (functools.partial(
+                   jaxfuse.flash_attention, causal=causal, deterministic=False,
+                   block_sizes=fused_tiles), None),
+               "jaxfuse nondet fused [dq never stored]": (functools.partial(
+                   jaxfuse.flash_attention, causal=causal, deterministic=False,
+                   block_sizes=fused_tiles), smem_only),
+               "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                           implementation="cudnn"), None)}
+        for name, (f, patch) in fns.items():
+            def run(f=f, patch=patch, name=name):
+                step = jax.jit(_fwd_bwd(f))
+                if patch is None:
+                    tm = bench(step, sets, reps=5, repeats=3)
+                else:
+                    with mock.patch.object(AHB, "_add_dq", patch):   # traced under it
+                        tm = bench(step, sets, reps=5, repeats=3)
+                record(S, f"{label} fwd+bwd", name, tm)
+            guarded(S, f"{label} fwd+bwd", name, run)
+
+
 def idle(label="D128 full"):
     """Why a call's wall time exceeds its kernels' time: for one workload, ours (deterministic)
     and cuDNN, the wall time of back-to-back calls (as `perf` times them), the profiler's
@@ -308,6 +348,8 @@ if __name__ == "__main__":
         garbage()
     if sys.argv[1:2] == ["idle"]:
         idle()
+    if sys.argv[1:2] == ["fused"]:
+        fused()
     if sys.argv[1:2] == ["checks"]:         # the compiled checks alone
         check()
         garbage()

@@ -8,7 +8,11 @@ consumers' time. "overlap": of the time both consumers of a CTA are busy, the fr
 one runs a product while the other runs vector work (what ping-pong scheduling is for), and
 where both run vector work at once (the exponentials then queue on the same units).
 
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_trace.py [OUT.json]
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_trace.py [OUT.json [KERNELS [WORKLOAD]]]
+
+KERNELS (comma-separated, of fwd, dkv, dq, dkv_dq) and WORKLOAD (a part of a workload's
+label) trace only those: one kernel of one workload is a minute of the GPU, all of them
+three.
 """
 from __future__ import annotations
 
@@ -110,7 +114,12 @@ def summarize(path: str, kernel: str) -> dict:
 
 
 def main() -> None:
+    import sys
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    workload = sys.argv[3] if len(sys.argv) > 3 else ""
     for label, (b, t, hq, hkv, d, causal) in WORKLOADS.items():
+        if workload not in label:
+            continue
         ks = jax.random.split(jax.random.key(0), 4)
         q = jax.random.normal(ks[0], (b, t, hq, d), jnp.bfloat16)
         k, v = (jax.random.normal(kk, (b, t, hkv, d), jnp.bfloat16) for kk in ks[1:3])
@@ -131,6 +140,9 @@ def main() -> None:
             jaxfuse.flash_attention, causal=causal, deterministic=False,
             block_sizes=AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True))))
         for kernel, (part, entries) in kernels.items():
+            if only and kernel not in only:
+                continue
+
             def run(kernel=kernel, part=part, entries=entries):
                 d_out = tempfile.mkdtemp()
                 with H.traced({part: entries + 8}, d_out):

@@ -574,6 +574,11 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
         collective_axes="wg")
 
 
+# The fused dQ's float32 buffer as [B, Hq, Tq, D] (True: a [64, D] tile is one contiguous
+# 32 KiB at D = 128) or as q, [B, Tq, Hq, D] (False: its rows 16 KiB apart at Hq = 32).
+_DQ_HEAD_MAJOR = False
+
+
 def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, c0, interpret: bool):
     """dq_gmem[b, q0:q0 + 64, h, c0:c0 + n] += dq ([64, n] float32): one reducing TMA store
     from this consumer's shared-memory tile, not waited for: the next call waits only until
@@ -581,14 +586,15 @@ def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, c0, interpret: bool):
     waits on global memory. In the interpreter (no reducing store) a read-add-write of this
     consumer's own buffer."""
     rows, cols = pl.ds(q0, dq.shape[0]), pl.ds(c0, dq.shape[1])
+    at = (b, h, rows, cols) if _DQ_HEAD_MAJOR else (b, rows, h, cols)
     if interpret:
-        dst = dq_gmem.at[wg, b, rows, h, cols]
+        dst = dq_gmem.at[(wg,) + at]
         dst[...] = dst[...] + dq
         return
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     smem[...] = dq
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(smem, dq_gmem.at[b, rows, h, cols], reduction_op="add")
+    plgpu.copy_smem_to_gmem(smem, dq_gmem.at[at], reduction_op="add")
 
 
 def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
@@ -767,14 +773,18 @@ def _fused(q, k, v, do, lse_u, delta, *, spec: AttnSpec, tiles: HopperBwdTiles):
     # A ref with a memory space (the interpreter's) only lives inside a jit.
     @jax.jit
     def run(q, k, v, do, lse_u, delta):
+        b, tq, hq, d = q.shape
+        shape = (b, hq, tq, d) if _DQ_HEAD_MAJOR else q.shape
         if spec.interpret:     # one buffer per consumer (module docstring)
-            dq_ref = jax.new_ref(jnp.zeros((2,) + q.shape, _F32), memory_space=plgpu.GMEM)
+            dq_ref = jax.new_ref(jnp.zeros((2,) + shape, _F32), memory_space=plgpu.GMEM)
         else:
-            dq_ref = jax.new_ref(jnp.zeros(q.shape, _F32))
+            dq_ref = jax.new_ref(jnp.zeros(shape, _F32))
         dk, dv = _dkv(q, k, spec, tiles, True)(q, k, v, do, lse_u, delta, dq_ref)
         dq = dq_ref[...]
         if spec.interpret:
             dq = dq[0] + dq[1]
+        if _DQ_HEAD_MAJOR:
+            dq = dq.transpose(0, 2, 1, 3)
         return dq.astype(q.dtype), dk, dv
     return run(q, k, v, do, lse_u, delta)
 

@@ -279,7 +279,8 @@ def probe(sweep=None):
 def fused():
     """What the fused dQ's reducing stores cost: fwd+bwd of the fused dQ (deterministic=False,
     forced) against the same kernel whose dQ tiles go to shared memory but never leave
-    (diagnostic: its dq is wrong), the deterministic pair and cuDNN, at the D = 128 workloads.
+    (diagnostic: its dq is wrong) and with its float32 dQ buffer head-major, the deterministic
+    pair and cuDNN, at the D = 128 workloads.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fused [OUT.json]
     """
@@ -301,7 +302,10 @@ def fused():
                    block_sizes=fused_tiles), None),
                "jaxfuse nondet fused [dq never stored]": (functools.partial(
                    jaxfuse.flash_attention, causal=causal, deterministic=False,
-                   block_sizes=fused_tiles), smem_only),
+                   block_sizes=fused_tiles), ("_add_dq", smem_only)),
+               "jaxfuse nondet fused [dq head-major]": (functools.partial(
+                   jaxfuse.flash_attention, causal=causal, deterministic=False,
+                   block_sizes=fused_tiles), ("_DQ_HEAD_MAJOR", True)),
                "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                            implementation="cudnn"), None)}
         for name, (f, patch) in fns.items():
@@ -310,7 +314,7 @@ def fused():
                 if patch is None:
                     tm = bench(step, sets, reps=5, repeats=3)
                 else:
-                    with mock.patch.object(AHB, "_add_dq", patch):   # traced under it
+                    with mock.patch.object(AHB, *patch):   # traced under it
                         tm = bench(step, sets, reps=5, repeats=3)
                 record(S, f"{label} fwd+bwd", name, tm)
             guarded(S, f"{label} fwd+bwd", name, run)

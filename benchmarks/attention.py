@@ -8,7 +8,6 @@ tokamax, all in one process. FLOPs: 4 B H Tq Tk D forward (half for causal), 2.5
 from __future__ import annotations
 
 import functools
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -167,19 +166,6 @@ def _time_row(label, fns, shape, causal, *, backward: bool, reps: int = 10):
         guarded(S, f"{label} {'fwd+bwd' if backward else 'fwd'}", impl, run)
 
 
-def _producer_registers(f, regs: int):
-    """f traced with the forward's producer warpgroup at `regs` registers where three consumers
-    run (D = 64; the default 24 leaves 160 to each consumer; 32 is FlashAttention-3's split,
-    32 x 128 + 160 x 384 = 65536): a diagnostic of the guard's cost there, whose cleaning loop
-    the producer runs (s13-6)."""
-    from jaxfuse.pallas import attention_hopper as AH
-
-    def g(q, k, v):
-        with mock.patch.dict(AH._REGISTERS, {3: (regs, AH._REGISTERS[3][1])}):
-            return f(q, k, v)
-    return g
-
-
 def _unguarded(f):
     """f traced without the guard against masked keys' garbage (a forward-only row)."""
     def g(q, k, v):
@@ -243,8 +229,6 @@ def perf_guard():
                        ("GQA B4 Hq32 Hkv8 T4096 D128 causal", (4, 4096, 32, 8, 128))]:
         fns = _peers(True, ("jaxfuse", "cudnn"))
         fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
-        if shp[-1] == 64:
-            fns["jaxfuse[producer 32 registers]"] = _producer_registers(fns["jaxfuse"], 32)
 
         def agree(fns=fns, shp=shp, label=label):   # o against cuDNN's, same inputs
             b, t, hq, hkv, d = shp

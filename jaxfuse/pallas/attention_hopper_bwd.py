@@ -26,11 +26,18 @@ dQ, two ways (`AttnSpec.deterministic`):
   its 128 keys (the fifth GEMM) and adds it into a float32 [B, Tq, Hq, D] buffer with a
   reducing TMA store; the sum's order depends on which CTA comes first, so the bits may differ
   between runs. Cast to the input dtype afterwards. Both consumers put their dS^T [64 keys,
-  bq] in shared memory and the consumers take turns (even steps the first, odd the second)
-  forming dQ from both halves, A operand read transposed: one [bq, D] store per step, as
-  FlashAttention-3 does. (One store per consumer, of its own 64 keys' partial, moved twice the
-  bytes: B4 H32 T4096 D128 fwd+bwd 12.07 against 10.02 ms, the 157M model's D = 64
-  0.998-1.074 against 0.910 ms, H200.)
+  bq] in shared memory, and dQ is formed from both halves (A operand read transposed): one
+  [bq, D] float32 store per step, as FlashAttention-3 does. At D = 128 each consumer forms
+  its half of the columns every step (FlashAttention-3's split of the dQ product); at D = 64
+  a half would be 32 columns, less than wgmma's 64-element swizzle row of K, so there the
+  consumers take turns (even steps the first, odd the second) forming all D columns. Each
+  dQ tile leaves by one reducing TMA store from the consumer's own shared-memory tile, not
+  waited for (the next store into that tile waits only until it was read, a step later).
+  (One store per consumer, of its own 64 keys' partial, moved twice the bytes: B4 H32 T4096
+  D128 fwd+bwd 12.07 against 10.02 ms, the 157M model's D = 64 0.998-1.074 against 0.910
+  ms, H200. Turns at D = 128, with each tile in four pieces that waited on each other: the
+  consumers serialized on each other's dQ work, 6085 cycles a step against 4815 for the
+  kernel pair, s14-1; the split: fwd+bwd 9.82 ms, s14-2.)
 * True (default): a separate dQ kernel, one CTA per (batch * query head, 128 rows), walks the
   key tiles like the forward (S, dP and dQ += dS K: 3 GEMMs) and writes dQ once: a fixed
   summation order, bitwise identical across runs, at the cost of recomputing S and dP
@@ -48,12 +55,14 @@ Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
   head, which run together, add into the same 2 MiB of dQ at T = 4096, D = 128).
 * shared memory (227 KiB, less ~8 for barriers and Mosaic GPU's own = 219): K, V 64 KiB at
   D = 128 (32 at 64); one ring stage (Q, dO [64, D], lse, delta [64] f32) 32.5 KiB (16.5);
-  fused dQ: dS^T [2 turns x 2 consumers, 64, 64] 32 KiB and the float32 dQ pieces [2
-  consumers, 2 slots, 64, 32] 32 KiB. D = 128: 4 stages (194 KiB), 2 with the fused dQ (193);
+  fused dQ: dS^T [2 steps x 2 consumers, 64, 64] 32 KiB and a float32 dQ tile a consumer
+  [bq, D / 2] (D = 128) or [bq, D] (D = 64), 32 KiB. D = 128: 4 stages (194 KiB), 2 with the
+  fused dQ (193);
   D = 64: 4 stages (98 / 162 KiB; the ring is capped at 4).
 * registers (232 per consumer thread): dK and dV [64, D] float32 take D / 2 each per thread
-  (128 at D = 128), S^T and dP^T [64, 64] 32 each; the fused dQ's [64, D] product (64) lives
-  after S^T and dP^T are dead, on every other step. D = 256 would need 256 for dK and dV
+  (128 at D = 128), S^T and dP^T [64, 64] 32 each; the fused dQ's product (32 at D = 128,
+  its half of the columns; 32 at D = 64 on every other step) lives after S^T and dP^T are
+  dead. D = 256 would need 256 for dK and dV
   alone: it falls back to the portable backward (`fits`).
 * dQ kernel (per consumer 64 query rows; key tiles of 64 at D = 128, 128 at D = 64): Q, dO of
   both consumers 4 * 64 * D * 2 (64 KiB at D = 128) + one K/V stage 2 * bk * D * 2 = 32 KiB:

@@ -279,8 +279,7 @@ def probe(sweep=None):
 def fused():
     """What the fused dQ's reducing stores cost: fwd+bwd of the fused dQ (deterministic=False,
     forced) against the same kernel whose dQ tiles go to shared memory but never leave
-    (diagnostic: its dq is wrong) and with its float32 dQ buffer head-major, the deterministic
-    pair and cuDNN, at the D = 128 workloads.
+    (diagnostic: its dq is wrong), the deterministic pair and cuDNN, at the D = 128 workloads.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fused [OUT.json]
     """
@@ -303,9 +302,6 @@ def fused():
                "jaxfuse nondet fused [dq never stored]": (functools.partial(
                    jaxfuse.flash_attention, causal=causal, deterministic=False,
                    block_sizes=fused_tiles), ("_add_dq", smem_only)),
-               "jaxfuse nondet fused [dq head-major]": (functools.partial(
-                   jaxfuse.flash_attention, causal=causal, deterministic=False,
-                   block_sizes=fused_tiles), ("_DQ_HEAD_MAJOR", True)),
                "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                            implementation="cudnn"), None)}
         for name, (f, patch) in fns.items():

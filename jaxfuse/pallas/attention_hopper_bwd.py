@@ -37,7 +37,12 @@ dQ, two ways (`AttnSpec.deterministic`):
   D128 fwd+bwd 12.07 against 10.02 ms, the 157M model's D = 64 0.998-1.074 against 0.910
   ms, H200. Turns at D = 128, with each tile in four pieces that waited on each other: the
   consumers serialized on each other's dQ work, 6085 cycles a step against 4815 for the
-  kernel pair, s14-1; the split: fwd+bwd 9.82 ms, s14-2.)
+  kernel pair, s14-1; the split: fwd+bwd 9.82-9.86 ms, s14-2/3.) What bounds it at D = 128
+  (H200, s14-3, B4 H32 T4096 fwd+bwd): the reducing stores, 9.86 ms with them against 7.72
+  with the dQ tiles left in shared memory (8.6 GB of float32 additions into L2), and then
+  its products, which take twice as long a step as in the dK/dV kernel beside the fifth
+  (S^T 1036 against 500 cycles, dV + dP^T 1222 against 645: five products of N = 64 with
+  shared-memory operands a step); the kernel pair takes 8.81, cuDNN 6.78.
 * True (default): a separate dQ kernel, one CTA per (batch * query head, 128 rows), walks the
   key tiles like the forward (S, dP and dQ += dS K: 3 GEMMs) and writes dQ once: a fixed
   summation order, bitwise identical across runs, at the cost of recomputing S and dP
@@ -583,11 +588,6 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
         collective_axes="wg")
 
 
-# The fused dQ's float32 buffer as [B, Hq, Tq, D] (True: a [64, D] tile is one contiguous
-# 32 KiB at D = 128) or as q, [B, Tq, Hq, D] (False: its rows 16 KiB apart at Hq = 32).
-_DQ_HEAD_MAJOR = False
-
-
 def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, c0, interpret: bool):
     """dq_gmem[b, q0:q0 + 64, h, c0:c0 + n] += dq ([64, n] float32): one reducing TMA store
     from this consumer's shared-memory tile, not waited for: the next call waits only until
@@ -595,7 +595,9 @@ def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, c0, interpret: bool):
     waits on global memory. In the interpreter (no reducing store) a read-add-write of this
     consumer's own buffer."""
     rows, cols = pl.ds(q0, dq.shape[0]), pl.ds(c0, dq.shape[1])
-    at = (b, h, rows, cols) if _DQ_HEAD_MAJOR else (b, rows, h, cols)
+    # (A head-major float32 buffer, [B, Hq, Tq, D], whose [64, D] tiles are contiguous, was
+    # no faster: B4 H32 T4096 D128 fwd+bwd 10.22 against 9.86 ms, H200, s14-3.)
+    at = (b, rows, h, cols)
     if interpret:
         dst = dq_gmem.at[(wg,) + at]
         dst[...] = dst[...] + dq
@@ -782,18 +784,14 @@ def _fused(q, k, v, do, lse_u, delta, *, spec: AttnSpec, tiles: HopperBwdTiles):
     # A ref with a memory space (the interpreter's) only lives inside a jit.
     @jax.jit
     def run(q, k, v, do, lse_u, delta):
-        b, tq, hq, d = q.shape
-        shape = (b, hq, tq, d) if _DQ_HEAD_MAJOR else q.shape
         if spec.interpret:     # one buffer per consumer (module docstring)
-            dq_ref = jax.new_ref(jnp.zeros((2,) + shape, _F32), memory_space=plgpu.GMEM)
+            dq_ref = jax.new_ref(jnp.zeros((2,) + q.shape, _F32), memory_space=plgpu.GMEM)
         else:
-            dq_ref = jax.new_ref(jnp.zeros(shape, _F32))
+            dq_ref = jax.new_ref(jnp.zeros(q.shape, _F32))
         dk, dv = _dkv(q, k, spec, tiles, True)(q, k, v, do, lse_u, delta, dq_ref)
         dq = dq_ref[...]
         if spec.interpret:
             dq = dq[0] + dq[1]
-        if _DQ_HEAD_MAJOR:
-            dq = dq.transpose(0, 2, 1, 3)
         return dq.astype(q.dtype), dk, dv
     return run(q, k, v, do, lse_u, delta)
 

@@ -242,6 +242,29 @@ def perf_guard():
         _time_row(label, fns, shp, True, backward=False)
 
 
+def perf_guard_ab(rounds: int = 7):
+    """The forward guard's cost measured interleaved: jaxfuse with and without the guard and
+    cuDNN timed in turn, `rounds` times, medians recorded. Back-to-back rows of one run
+    disagreed by up to 12% on the guard (s14-1: 1.032 guarded against 1.106 unguarded at B4
+    D128 causal; s14-4: 1.084 against 0.970) as the H200's clock moved under its power cap;
+    interleaving puts both under the same clock."""
+    import statistics
+    for label, (b, t, hq, hkv, d) in [("B4 H32 T4096 D128 causal", (4, 4096, 32, 32, 128)),
+                                      ("D64 B8 H16 T2048 causal", (8, 2048, 16, 16, 64))]:
+        fns = _peers(True, ("jaxfuse", "cudnn"))
+        fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
+        sets = [_inputs(jax.random.key(100 + i), b, t, t, hq, hkv, d, jnp.bfloat16)[:3]
+                for i in range(2)]
+        jitted = {impl: jax.jit(f) for impl, f in fns.items()}
+        times = {impl: [] for impl in jitted}
+        for _ in range(rounds):
+            for impl, fn in jitted.items():
+                times[impl].append(bench(fn, sets, reps=10, repeats=3))
+        for impl, ts in times.items():
+            record(S, f"{label} fwd, interleaved x{rounds}", impl, statistics.median(ts),
+                   spread=(max(ts) - min(ts)) / statistics.median(ts))
+
+
 if __name__ == "__main__":
     import sys
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
@@ -255,4 +278,6 @@ if __name__ == "__main__":
         perf_d256()
     if sys.argv[1:2] == ["guard"]:
         perf_guard()
+    if sys.argv[1:2] == ["guard_ab"]:
+        perf_guard_ab()
     _timing.save(sys.argv[2] if len(sys.argv) > 2 else None)

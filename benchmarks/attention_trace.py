@@ -85,20 +85,29 @@ def _overlap(x, y) -> float:
     return total
 
 
-def summarize(path: str, kernel: str) -> dict:
+def summarize(path: str, kernel: str, wgs: int = 3) -> dict:
+    """The trace's per-scope cycles (module docstring); `wgs`: warpgroups a CTA (consumers and
+    the producer, which comes last). The producer's own scopes (the forward's "land" and
+    "clean" of edge tiles) are reported as cycles per occurrence."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     ivs = _intervals(events)
     per_scope, steps, span = collections.Counter(), 0, 0.0
     mixed = both_vec = both_busy = 0.0
+    producer, producer_n = collections.Counter(), collections.Counter()
     for tid, xs in ivs.items():
-        if (tid - 1) % 3 == 2 or not xs:          # the producer warpgroup
+        if (tid - 1) % wgs == wgs - 1:            # the producer warpgroup
+            for name, a, b in xs:
+                producer[name] += b - a
+                producer_n[name] += 1
+            continue
+        if not xs:
             continue
         for name, a, b in xs:
             per_scope[name] += b - a
         steps += sum(1 for n, _, _ in xs if n == STEP[kernel])
         span += max(b for _, _, b in xs) - min(a for _, a, _ in xs)
-        if (tid - 1) % 3 == 0 and tid + 1 in ivs:  # consumer 0 with its CTA's consumer 1
+        if (tid - 1) % wgs == 0 and tid + 1 in ivs:  # consumer 0 with its CTA's consumer 1
             other = ivs[tid + 1]
             m0, v0, m1, v1 = (_busy(i, k) for i in (xs, other) for k in (MMA, VEC))
             mixed += _overlap(m0, v1) + _overlap(v0, m1)
@@ -110,6 +119,9 @@ def summarize(path: str, kernel: str) -> dict:
     out.update(steps=steps, span_cyc_per_step=round(span / steps, 1),
                mma_under_vec=round(mixed / max(both_busy, 1), 3),
                vec_with_vec=round(both_vec / max(both_busy, 1), 3))
+    out.update({f"producer {n} cyc/each": round(c / producer_n[n], 1)
+                for n, c in producer.most_common() if n != "Init"})
+    out.update({f"producer {n} count": producer_n[n] for n in producer_n if n != "Init"})
     return out
 
 
@@ -152,7 +164,9 @@ def main() -> None:
                     jax.block_until_ready(jax.jit(fn)(q, k, v))
                     jax.effects_barrier()
                 (path,) = glob.glob(os.path.join(d_out, "*-trace.json"))
-                record(S, label, kernel, None, **summarize(path, kernel))
+                # Warpgroups a CTA: the forward's consumers (three at D = 64) and the producer.
+                wgs = (HopperAttnTiles().n_consumers(d) if kernel == "fwd" else 2) + 1
+                record(S, label, kernel, None, **summarize(path, kernel, wgs))
             guarded(S, label, kernel, run)
 
 

@@ -283,8 +283,10 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
 
     def clean(j):
         slot = lax.rem(j, stages)
-        plgpu.barrier_wait(landed.at[slot])
-        _hide_masked_garbage(smem[0].at[slot], smem[1].at[slot], interpret)
+        with jax.named_scope("land"):            # scopes for benchmarks/attention_trace.py
+            plgpu.barrier_wait(landed.at[slot])
+        with jax.named_scope("clean"):
+            _hide_masked_garbage(smem[0].at[slot], smem[1].at[slot], interpret)
         plgpu.commit_smem()                  # the consumers' wgmma reads through the async proxy
         for f in full:
             plgpu.barrier_arrive(f.at[slot])

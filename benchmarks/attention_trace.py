@@ -107,6 +107,8 @@ def summarize(path: str, kernel: str, wgs: int = 3) -> dict:
             per_scope[name] += b - a
         steps += sum(1 for n, _, _ in xs if n == STEP[kernel])
         span += max(b for _, _, b in xs) - min(a for _, a, _ in xs)
+        # The overlap figures pair consumers 0 and 1 of a CTA (a third, D = 64's forward,
+        # is left out of them; its scopes count above).
         if (tid - 1) % wgs == 0 and tid + 1 in ivs:  # consumer 0 with its CTA's consumer 1
             other = ivs[tid + 1]
             m0, v0, m1, v1 = (_busy(i, k) for i in (xs, other) for k in (MMA, VEC))
@@ -142,12 +144,13 @@ def main() -> None:
         # forward steps of 6 scopes, g * T / 64 dK/dV steps of 7 (11 with its ping-pong's 4
         # turns), T / 64 dQ steps of 6.
         g = hq // hkv
-        # "dkv_dq": the fused dQ (deterministic=False) forced, where the consumer whose turn
-        # it is also forms dQ ("dq") and sends it out by reducing stores ("dq_store"):
-        # 3 more scopes every other step (and "bwd_dkv" names it too, so it runs alone).
+        # "dkv_dq": the fused dQ (deterministic=False) forced, where the consumers also form
+        # dQ ("wait_ds", "dq", "dq_store": 3 more scopes every step at D = 128, where each
+        # forms half the columns; every other step at 64), and the ping-pong's 4 "turn"
+        # scopes if on: 14 (and "bwd_dkv" names it too, so it runs alone).
         kernels = {"fwd": ("flash_fwd", 6 * (t // 128)), "dkv": ("bwd_dkv", 11 * g * t // 64),
                    "dq": ("bwd_dq", 6 * (t // 64)),
-                   "dkv_dq": ("bwd_dkv_dq", 13 * g * t // 64)}
+                   "dkv_dq": ("bwd_dkv_dq", 14 * g * t // 64)}
         fused = functools.partial(
             jaxfuse.flash_attention, causal=causal, deterministic=False,
             block_sizes=AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True))))

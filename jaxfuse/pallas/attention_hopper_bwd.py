@@ -32,7 +32,7 @@ dQ, two ways (`AttnSpec.deterministic`):
   a half would be 32 columns, less than wgmma's 64-element swizzle row of K, so there the
   consumers take turns (even steps the first, odd the second) forming all D columns. Each
   dQ tile leaves by one reducing TMA store from the consumer's own shared-memory tile, not
-  waited for (the next store into that tile waits only until it was read, a step later).
+  waited for (the next store into that tile waits only until it was read, a step or two later).
   (One store per consumer, of its own 64 keys' partial, moved twice the bytes: B4 H32 T4096
   D128 fwd+bwd 12.07 against 10.02 ms, the 157M model's D = 64 0.998-1.074 against 0.910
   ms, H200. Turns at D = 128, with each tile in four pieces that waited on each other: the
@@ -191,8 +191,10 @@ class HopperBwdTiles:
     def dkv_stages(self, d: int, itemsize: int, fused_dq: bool) -> int:
         fixed = 2 * self.dkv_consumers(d, fused_dq) * _ROWS * d * itemsize   # K, V
         if fused_dq:
-            fixed += 4 * _ROWS * self.block_q * itemsize         # dS^T [2 turns x 2 consumers]
-            fixed += 2 * self.block_q * self.dq_cols(d) * 4      # a dQ tile per consumer
+            fixed += 4 * _ROWS * self.block_q * itemsize         # dS^T [2 steps x 2 consumers]
+            # A float32 dQ tile per consumer, [block_q, cols]: 32 KiB at block_q = 64 (at 128
+            # with D = 64, 64 KiB: the ring then gets one stage and the ping-pong is off).
+            fixed += 2 * self.block_q * self.dq_cols(d) * 4
         stage = 2 * self.block_q * d * itemsize + 2 * self.block_q * 4
         fit = self._fit(fixed, stage)
         if self.stages is None and d <= 64 and not fused_dq:
@@ -476,8 +478,9 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 if fused_dq:
                     # Both consumers' dS^T go to this step's two [64 keys, bq] slots (steps
                     # alternate between two pairs), and dQ = dS K is formed over the CTA's 128
-                    # keys: one float32 [bq, D] reducing store per step, half the bytes of one
-                    # per consumer (FlashAttention-3 sec. 3.3's dQ).
+                    # keys: [bq, D] float32 of reducing stores per step (two column halves at
+                    # D = 128, one tile by the consumer whose turn it is at 64), half the
+                    # bytes of a partial per consumer (FlashAttention-3 sec. 3.3's dQ).
                     turn = lax.rem(j, 2)
 
                     @pl.when(j >= 2)
@@ -562,7 +565,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_gmem.at[b, pl.ds(kr, _ROWS), hk])
                 plgpu.wait_smem_to_gmem(0)
 
-    # [2 turns x 2 consumers, 64 keys, bq] (flat: Mosaic GPU's interpreter in jax 0.10.2 stalled
+    # [2 steps x 2 consumers, 64 keys, bq] (flat: Mosaic GPU's interpreter in jax 0.10.2 stalled
     # on a [2, 2, 64, bq] buffer here).
     ds_type = (plgpu.SMEM((4, _ROWS, bq), dtype, transforms=H._tma_transforms(dtype, bq))
                if fused_dq else plgpu.SMEM((1, 8), _F32))
@@ -589,7 +592,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
 
 
 def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, c0, interpret: bool):
-    """dq_gmem[b, q0:q0 + 64, h, c0:c0 + n] += dq ([64, n] float32): one reducing TMA store
+    """dq_gmem[b, q0:q0 + bq, h, c0:c0 + n] += dq ([bq, n] float32): one reducing TMA store
     from this consumer's shared-memory tile, not waited for: the next call waits only until
     that store has read the tile, a step or two later (long done), so the consumer never
     waits on global memory. In the interpreter (no reducing store) a read-add-write of this

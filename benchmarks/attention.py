@@ -8,6 +8,7 @@ tokamax, all in one process. FLOPs: 4 B H Tq Tk D forward (half for causal), 2.5
 from __future__ import annotations
 
 import functools
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -220,42 +221,29 @@ def perf_d256():
     _time_row("D256 B2 H16 T4096 causal", fns, shape, causal, backward=False)
 
 
-def perf_guard():
-    """The forward's cost of cleaning masked keys' garbage (causal rows, jaxfuse with and
-    without the guard, cuDNN in the same run)."""
-    for label, shp in [("B4 H32 T4096 D128 causal", (4, 4096, 32, 32, 128)),
-                       ("D64 B8 H16 T2048 causal", (8, 2048, 16, 16, 64)),
-                       ("D256 B2 H16 T4096 causal", (2, 4096, 16, 16, 256)),
-                       ("GQA B4 Hq32 Hkv8 T4096 D128 causal", (4, 4096, 32, 8, 128))]:
-        fns = _peers(True, ("jaxfuse", "cudnn"))
-        fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
-
-        def agree(fns=fns, shp=shp, label=label):   # o against cuDNN's, same inputs
-            b, t, hq, hkv, d = shp
-            q, k, v, _ = _inputs(jax.random.key(7), b, t, t, hq, hkv, d, jnp.bfloat16)
-            want = jax.jit(fns["cudnn"])(q, k, v)
-            for impl in (i for i in fns if i.startswith("jaxfuse")):
-                err = rel_err(jax.jit(fns[impl])(q, k, v), want)
-                record(S, f"{label} fwd o vs cudnn", impl, rel_err=err,
-                       status="ok" if err < TOL[jnp.bfloat16] else "FAIL")
-        guarded(S, f"{label} fwd o vs cudnn", "jaxfuse", agree)
-        _time_row(label, fns, shp, True, backward=False)
-
-
-def perf_guard_ab(rounds: int = 7):
-    """The forward guard's cost measured interleaved: jaxfuse with and without the guard and
-    cuDNN timed in turn, `rounds` times, medians recorded. Back-to-back rows of one run
-    disagreed by up to 12% on the guard (s14-1: 1.032 guarded against 1.106 unguarded at B4
-    D128 causal; s14-4: 1.084 against 0.970) as the H200's clock moved under its power cap;
-    interleaving puts both under the same clock."""
-    import statistics
+def perf_guard(rounds: int = 7):
+    """The forward's cost of cleaning masked keys' garbage (causal rows): o of jaxfuse with and
+    without the guard checked against cuDNN's, then the three timed interleaved, `rounds`
+    times, medians recorded. Back-to-back rows of one run disagreed by up to 12% on the guard
+    (s14-1: 1.032 guarded against 1.106 unguarded at B4 D128 causal; s14-4: 1.084 against
+    0.970) as the H200's clock moved under its power cap; interleaving puts all three under
+    the same clock."""
     for label, (b, t, hq, hkv, d) in [("B4 H32 T4096 D128 causal", (4, 4096, 32, 32, 128)),
-                                      ("D64 B8 H16 T2048 causal", (8, 2048, 16, 16, 64))]:
+                                      ("D64 B8 H16 T2048 causal", (8, 2048, 16, 16, 64)),
+                                      ("D256 B2 H16 T4096 causal", (2, 4096, 16, 16, 256)),
+                                      ("GQA B4 Hq32 Hkv8 T4096 D128 causal", (4, 4096, 32, 8, 128))]:
         fns = _peers(True, ("jaxfuse", "cudnn"))
         fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
+        jitted = {impl: jax.jit(f) for impl, f in fns.items()}
         sets = [_inputs(jax.random.key(100 + i), b, t, t, hq, hkv, d, jnp.bfloat16)[:3]
                 for i in range(2)]
-        jitted = {impl: jax.jit(f) for impl, f in fns.items()}
+
+        def agree(jitted=jitted, sets=sets, label=label):   # o against cuDNN's, same inputs
+            want = jitted["cudnn"](*sets[0])
+            for impl in (i for i in jitted if i.startswith("jaxfuse")):
+                err = rel_err(jitted[impl](*sets[0]), want)
+                record(S, f"{label} fwd o vs cudnn", impl, rel_err=err,
+                       status="ok" if err < TOL[jnp.bfloat16] else "FAIL")
 
         def run(jitted=jitted, sets=sets, label=label):
             times = {impl: [] for impl in jitted}
@@ -265,7 +253,8 @@ def perf_guard_ab(rounds: int = 7):
             for impl, ts in times.items():
                 record(S, f"{label} fwd, interleaved x{rounds}", impl, statistics.median(ts),
                        spread=(max(ts) - min(ts)) / statistics.median(ts))
-        # One failing implementation records an error row for the workload (not a crash).
+        # A failing implementation records an error row for the workload (not a crash).
+        guarded(S, f"{label} fwd o vs cudnn", "jaxfuse", agree)
         guarded(S, f"{label} fwd, interleaved x{rounds}", ",".join(jitted), run)
 
 
@@ -282,6 +271,4 @@ if __name__ == "__main__":
         perf_d256()
     if sys.argv[1:2] == ["guard"]:
         perf_guard()
-    if sys.argv[1:2] == ["guard_ab"]:
-        perf_guard_ab()
     _timing.save(sys.argv[2] if len(sys.argv) > 2 else None)

@@ -283,36 +283,33 @@ def fused():
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fused [OUT.json]
     """
+    import contextlib
     from unittest import mock
+    import jax.experimental.pallas.mosaic_gpu as plgpu
     from jaxfuse.pallas import attention_hopper_bwd as AHB
 
     def smem_only(dq, smem, *args):
         smem[...] = dq
-        import jax.experimental.pallas.mosaic_gpu as plgpu
         plgpu.commit_smem()
     fused_tiles = AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True)))
     for label in ("D128 full", "D128 causal"):
         (b, t, h, d), causal = WORKLOADS[label]
         sets = [_inputs(jax.random.key(100 + i), b, t, t, h, h, d, jnp.bfloat16)[:4]
                 for i in range(2)]
-        fns = {"jaxfuse det": (functools.partial(jaxfuse.flash_attention, causal=causal), None),
-               "jaxfuse nondet fused": (functools.partial(
-                   jaxfuse.flash_attention, causal=causal, deterministic=False,
-                   block_sizes=fused_tiles), None),
-               "jaxfuse nondet fused [dq never stored]": (functools.partial(
-                   jaxfuse.flash_attention, causal=causal, deterministic=False,
-                   block_sizes=fused_tiles), ("_add_dq", smem_only)),
+        fused_f = functools.partial(jaxfuse.flash_attention, causal=causal, deterministic=False,
+                                    block_sizes=fused_tiles)
+        fns = {"jaxfuse det": (functools.partial(jaxfuse.flash_attention, causal=causal),
+                               contextlib.nullcontext),
+               "jaxfuse nondet fused": (fused_f, contextlib.nullcontext),
+               "jaxfuse nondet fused [dq never stored]": (
+                   fused_f, lambda: mock.patch.object(AHB, "_add_dq", smem_only)),
                "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                                           implementation="cudnn"), None)}
-        for name, (f, patch) in fns.items():
-            def run(f=f, patch=patch, name=name):
+                                           implementation="cudnn"), contextlib.nullcontext)}
+        for name, (f, context) in fns.items():
+            def run(f=f, context=context, name=name):
                 step = jax.jit(_fwd_bwd(f))
-                if patch is None:
-                    tm = bench(step, sets, reps=5, repeats=3)
-                else:
-                    with mock.patch.object(AHB, *patch):   # traced under it
-                        tm = bench(step, sets, reps=5, repeats=3)
-                record(S, f"{label} fwd+bwd", name, tm)
+                with context():                      # traced (and timed) under it
+                    record(S, f"{label} fwd+bwd", name, bench(step, sets, reps=5, repeats=3))
             guarded(S, f"{label} fwd+bwd", name, run)
 
 

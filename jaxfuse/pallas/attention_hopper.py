@@ -32,7 +32,8 @@ see them (`_hide_masked_garbage`: V's non-finite entries 0, K NaN where K or V i
 so a row that sees such a key still gets a NaN row). H200, B4 H32 T4096 D128 causal: 1.014 ms
 against 1.027 without it (s13-6; `produce_kv` overlaps an edge tile's cleaning with the next
 copy); an XLA pass over K and V before the kernel had cost 12% (s12-3). At D = 64 (three
-consumers, a 24-register producer) it still costs 10% of the forward in isolation, at 256 6%.
+consumers, 192-row CTAs) it still costs 16% of the forward in isolation (s14-5: 0.251 against
+0.217 ms, timed interleaved; cuDNN 0.221), at D = 256 nothing measurable (s14-1).
 
 What it takes (`fits`): bf16/f16, D in {64, 128, 256}, Tq a multiple of 2 * block_q and Tk of
 block_k; no segment ids. Anything else runs the portable Triton kernels (`attention.py`).

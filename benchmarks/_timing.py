@@ -127,3 +127,10 @@ def unguarded_attention():
     custom_vjp's backward is traced after the forward returns."""
     from jaxfuse.pallas import _attn
     return mock.patch.object(_attn, "hides_keys", lambda spec: False)
+
+
+def guard_always_writes():
+    """A context in which the Hopper forward's producer rewrites every edge tile instead of
+    only those holding a non-finite value (`attention_hopper._COUNT_FIRST`): a diagnostic."""
+    from jaxfuse.pallas import attention_hopper
+    return mock.patch.object(attention_hopper, "_COUNT_FIRST", False)

@@ -167,10 +167,11 @@ def _time_row(label, fns, shape, causal, *, backward: bool, reps: int = 10):
         guarded(S, f"{label} {'fwd+bwd' if backward else 'fwd'}", impl, run)
 
 
-def _unguarded(f):
-    """f traced without the guard against masked keys' garbage (a forward-only row)."""
+def _unguarded(f, context=None):
+    """f traced without the guard against masked keys' garbage (a forward-only row), or under
+    another of `_timing`'s diagnostic contexts."""
     def g(q, k, v):
-        with _timing.unguarded_attention():
+        with (context or _timing.unguarded_attention)():
             return f(q, k, v)
     return g
 
@@ -234,6 +235,8 @@ def perf_guard(rounds: int = 7):
                                       ("GQA B4 Hq32 Hkv8 T4096 D128 causal", (4, 4096, 32, 8, 128))]:
         fns = _peers(True, ("jaxfuse", "cudnn"))
         fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
+        fns["jaxfuse[guard writes every edge tile]"] = _unguarded(
+            fns["jaxfuse"], _timing.guard_always_writes)
         jitted = {impl: jax.jit(f) for impl, f in fns.items()}
         sets = [_inputs(jax.random.key(100 + i), b, t, t, hq, hkv, d, jnp.bfloat16)[:3]
                 for i in range(2)]

@@ -288,7 +288,6 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
             plgpu.barrier_wait(landed.at[slot])
         with jax.named_scope("clean"):
             _hide_masked_garbage(smem[0].at[slot], smem[1].at[slot], interpret)
-        plgpu.commit_smem()                  # the consumers' wgmma reads through the async proxy
         for f in full:
             plgpu.barrier_arrive(f.at[slot])
 
@@ -328,6 +327,9 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
 # Elements of a K/V tile the producer cleans at a time: four of the TMA layout's [8, 64] tiles
 # (one a warp, the copy layout's unit), 16 a thread of K and of V, within its 32-40 registers.
 _CLEAN_ELEMS = 4 * 8 * 64
+# Count before writing (below); False rewrites every edge tile (the code before s15, kept as a
+# diagnostic for benchmarks/attention.py guard).
+_COUNT_FIRST = True
 
 
 def _hide_masked_garbage(k_tile, v_tile, interpret: bool):
@@ -335,26 +337,51 @@ def _hide_masked_garbage(k_tile, v_tile, interpret: bool):
     entries 0 (P V then adds 0 * 0 for a key the masks hide), K NaN wherever K or V is not
     finite (a row that sees such a key gets a NaN score; the mask's select drops it for a row
     that does not). Only edge tiles need it: on a tile every row sees, a non-finite value
-    reaches exactly the rows that see it, as it should."""
+    reaches exactly the rows that see it, as it should.
+
+    Garbage is rare, so a first pass only reads: (k - k) + (v - v) is 0 for finite entries
+    and NaN otherwise, summed over the tile's chunks per thread and then across the
+    warpgroup; the tile is rewritten (a second read, the writes and the proxy fence before the
+    consumers' wgmma) only when that sum is not 0. Returns whether it wrote."""
     bk, d = v_tile.shape
     dt = v_tile.dtype
     chunk = _CLEAN_ELEMS // d                   # rows: 32 at D = 64, 16 at 128, 8 at 256
+    layout = plgpu.Layout.SMEM_GMEM_COPY(
+        (chunk, d), dt, H._swizzle_elems(dt, d) * jnp.dtype(dt).itemsize)
 
     def load(ref):
         if interpret:
             return ref[...]
         # The layout TMA's swizzled tiles are copied with (vectorized, one tile a warp).
-        return plgpu.load(ref, (), layout=plgpu.Layout.SMEM_GMEM_COPY(
-            (chunk, d), dt, H._swizzle_elems(dt, d) * jnp.dtype(dt).itemsize))
+        return plgpu.load(ref, (), layout=layout)
 
-    @pl.loop(0, bk // chunk)
-    def _chunk(c):
-        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        v, k = load(v_tile.at[rows]), load(k_tile.at[rows])
-        v_ok = (v - v) == 0                     # False for NaN and +-inf
-        ok = jnp.logical_and(v_ok, (k - k) == 0)
-        v_tile[rows, :] = jnp.where(v_ok, v, jnp.zeros_like(v))
-        k_tile[rows, :] = jnp.where(ok, k, jnp.full_like(k, jnp.nan))
+    def rows(c):
+        return pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+
+    def count(c, junk):
+        r = rows(c)
+        v, k = load(v_tile.at[r]), load(k_tile.at[r])
+        return junk + (k - k) + (v - v)         # NaN stays NaN: one NaN marks the tile
+
+    junk = jnp.zeros((chunk, d), dt)
+    if not interpret:
+        junk = plgpu.layout_cast(junk, layout)
+    junk = lax.fori_loop(0, bk // chunk, count, junk)
+    total = jnp.sum(jnp.sum(junk.astype(jnp.float32), axis=1), axis=0)
+    dirty = (total != 0) | (not _COUNT_FIRST)   # NaN != 0
+
+    @pl.when(dirty)
+    def _():
+        @pl.loop(0, bk // chunk)
+        def _chunk(c):
+            r = rows(c)
+            v, k = load(v_tile.at[r]), load(k_tile.at[r])
+            v_ok = (v - v) == 0                 # False for NaN and +-inf
+            ok = jnp.logical_and(v_ok, (k - k) == 0)
+            v_tile[r, :] = jnp.where(v_ok, v, jnp.zeros_like(v))
+            k_tile[r, :] = jnp.where(ok, k, jnp.full_like(k, jnp.nan))
+        plgpu.commit_smem()                 # the consumers' wgmma reads through the async proxy
+    return dirty
 
 
 def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,

@@ -74,8 +74,9 @@ def test_visible_nan_key_gives_nan_row_only(impl, blocks):
     assert bool(jnp.isfinite(o[:, :-1]).all()) and bool(jnp.isnan(o[:, -1]).all())
 
 
-@pytest.mark.parametrize("stages", [None, 1])
-def test_hopper_forward_hides_masked_garbage(stages):
+@pytest.mark.parametrize("stages,overlap", [(None, False), (1, False), (None, True),
+                                            (2, True)])
+def test_hopper_forward_hides_masked_garbage(stages, overlap):
     """The Hopper forward (Mosaic GPU's interpreter) reads K and V tiles from shared memory, so
     P V would multiply a hidden key's zero probability by its NaN value: the producer's cleaning
     of the CTA's edge tiles (`attention_hopper._hide_masked_garbage`) must keep every row that
@@ -88,13 +89,15 @@ def test_hopper_forward_hides_masked_garbage(stages):
     interpreter's threads on 2 cores (test_attention_hopper.py); the GPU check
     (`benchmarks/attention_bwd.py garbage`) runs causal cases and the Hopper backward.
     Both producer schedules (`attention_hopper.produce_kv`): with a ring of two slots or more
-    an edge tile is cleaned after the next tile's copy is issued, with one as soon as it lands."""
+    an edge tile is cleaned after the next tile's copy is issued, with one as soon as it lands;
+    with the overlap (V held a step longer) deferral needs 3 slots, so 2 clean as they land."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     kq, kk, kv = keys(12, 3)
     q = randn(kq, (1, 128, 1, 64), jnp.bfloat16)
     k = randn(kk, (1, 256, 1, 64), jnp.bfloat16)
     v = randn(kv, (1, 256, 1, 64), jnp.bfloat16)
-    blocks = AttnBlocks(hopper=HopperAttnTiles(consumers=2, stages=stages, backward=False))
+    blocks = AttnBlocks(hopper=HopperAttnTiles(consumers=2, stages=stages, overlap=overlap,
+                                               backward=False))
     # eager: Mosaic GPU's interpreter (io callbacks) does not run under jit's partitioning
     f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, sliding_window=40, return_lse=True,
                                                 block_sizes=blocks)

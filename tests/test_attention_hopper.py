@@ -22,14 +22,28 @@ from _util import keys, randn
 F32 = lambda x: x.astype(jnp.float32)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("tiles,opts", [
+_CASES = [
     (HopperAttnTiles(backward=False), dict(logits_soft_cap=30.0)),
     (HopperAttnTiles(block_k=64, stages=2, pingpong=False, backward=False), dict(scale=0.3)),
     # two consumers taking turns (the default above D = 64; at 64 three: the two cases
     # above, whose third consumer is past the last of the 128 rows and only releases the ring)
     (HopperAttnTiles(consumers=2, backward=False), dict()),
-])
+    # the intra-warpgroup overlap (S_j and P_{j-1} V_{j-1} issued together), two consumers on
+    # a ring of 4 slots, then of 2 (V held a step, edge tiles cleaned as they land) with a
+    # window whose every tile is an edge for some rows. Three consumers with the overlap stall
+    # the interpreter's threads on 2 cores (the callbacks that simulate barrier waits hold
+    # XLA's CPU threads); the sm90 lowering test and the GPU check cover them.
+    (HopperAttnTiles(overlap=True, consumers=2, backward=False), dict(logits_soft_cap=30.0)),
+    (HopperAttnTiles(overlap=True, consumers=2, stages=2, backward=False),
+     dict(sliding_window=40)),
+]
+
+
+# Both dtypes for the schedules before the overlap; bf16 alone for the overlap's (its products
+# are the same wgmma forms).
+@pytest.mark.parametrize("dtype,tiles,opts", [
+    (dtype, tiles, opts) for tiles, opts in _CASES
+    for dtype in ((jnp.bfloat16,) if tiles.overlap else (jnp.bfloat16, jnp.float16))])
 def test_hopper_forward_matches_reference(dtype, tiles, opts):
     """GQA (4 query heads on 1 KV head), Tk > Tq, a soft cap or a custom scale: o, lse and
     (through the portable backward, fed by the Hopper forward's o and lse) dq, dk, dv. The
@@ -63,6 +77,14 @@ def test_forced_hopper_rejects_what_it_cannot_take(shape, kw, what):
     q = jnp.zeros(shape, jnp.bfloat16)
     with pytest.raises(ValueError, match=what):
         jaxfuse.flash_attention(q, q, q, block_sizes=AttnBlocks(hopper=True), **kw)
+
+
+def test_overlap_needs_two_slots():
+    """The overlap holds a V tile a step longer: a ring of one slot is refused by name."""
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    tiles = HopperAttnTiles(overlap=True, stages=1, backward=False)
+    with pytest.raises(ValueError, match="overlap=True, stages=1"):
+        jaxfuse.flash_attention(q, q, q, block_sizes=AttnBlocks(hopper=tiles))
 
 
 def test_float32_rejected_when_forced_and_not_taken_by_default():

@@ -76,12 +76,17 @@ class HopperAttnTiles:
     the portable backward after this forward; consumers: consumer warpgroups of 64 query rows
     a CTA, 2 (ping-pong) or 3 (two softmaxes share the multiprocessor while the third
     multiplies; no ping-pong; a consumer past the last row, and each block wholly masked for
-    a consumer's own rows, only releases the ring); None: 3 at head_dim 64, else 2."""
+    a consumer's own rows, only releases the ring); None: 3 at head_dim 64, else 2;
+    overlap: each consumer issues S_{j+1} = Q K_{j+1}^T and P_j V_j together and runs softmax
+    j+1 while P_j V_j multiplies (FlashAttention-3 sec. 3.2, intra-warpgroup overlap); the
+    consumers then run free (`pingpong` is not used) and the ring needs 2 slots or more, since
+    each consumer holds a V tile one step longer."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
     backward: object = True
     consumers: int | None = None
+    overlap: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in _REGISTERS:
@@ -111,7 +116,13 @@ class HopperAttnTiles:
         q = self.n_consumers(d) * _ROWS * d * itemsize  # Q tiles (reused for O on the way out)
         stage = 2 * self.block_k * d * itemsize        # one K and one V tile
         fit = max(1, (_SMEM_BYTES - q) // stage)
-        return min(fit, 4) if self.stages is None else self.stages
+        stages = min(fit, 4) if self.stages is None else self.stages
+        if self.overlap and stages < 2:
+            raise ValueError(
+                f"HopperAttnTiles(overlap=True, stages={stages}) at head_dim {d}: the overlap "
+                f"holds each V tile a step longer and needs a ring of 2 slots or more; pass "
+                f"stages=None or >= 2 (and a block_k that lets two fit), or overlap=False")
+        return stages
 
 
 def fits(dtype, spec: AttnSpec, tiles: HopperAttnTiles) -> bool:
@@ -172,6 +183,43 @@ class _Mma:
             plgpu.wgmma(acc_ref, p, v_smem)
             after_issue()
         return pl.run_state(body)(plgpu.ACC.init(acc))
+
+    # The overlapped loop (`HopperAttnTiles.overlap`): O lives in one accumulator for the whole
+    # key loop (a wgmma accumulator on the GPU, a float32 shared-memory tile in the interpreter,
+    # `scratch`), and each step's two products are issued back to back.
+    def accumulate(self, body, shape, scratch=None):
+        """body(o_ref) with O's float32 accumulator of `shape`, zero at first (`scratch`: the
+        interpreter's shared-memory tile for it); returns what body returns."""
+        if self.interpret:
+            scratch[...] = jnp.zeros(shape, jnp.float32)
+            return body(scratch)
+        return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+    def drain(self):
+        """Waits for every product issued (the interpreter's have run)."""
+        if not self.interpret:
+            plgpu.wgmma_wait(0)
+
+    def qk_behind(self, q_smem, k_smem, o_ref, p, v_smem):
+        """Issues S = Q K^T, then O += P V behind it; returns S as float32 [64, bk] once it is
+        done, while P V may still run (wgmma groups complete in order)."""
+        if self.interpret:
+            s = A.dot(q_smem[...], k_smem[...], "qd,kd->qk")
+            o_ref[...] += A.dot(p, v_smem[...], "qk,kd->qd")
+            return s
+
+        def body(s_acc):
+            plgpu.wgmma(s_acc, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+            plgpu.wgmma(o_ref, p, v_smem)
+            return plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+        return pl.run_scoped(body, plgpu.ACC((_ROWS, k_smem.shape[0]), jnp.float32))
+
+    def pv_into(self, o_ref, p, v_smem):
+        """O += P V (the last tile's product, after the loop)."""
+        if self.interpret:
+            o_ref[...] += A.dot(p, v_smem[...], "qk,kd->qd")
+        else:
+            plgpu.wgmma(o_ref, p, v_smem)
 
 
 # Row reductions: Mosaic GPU reduces a row of a thread's registers as one chain of dependent
@@ -253,7 +301,7 @@ _REGISTERS = {2: (40, 232), 3: (32, 160)}
 
 
 def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full, empty,
-               registers: int = 40, edges=None, interpret: bool = False):
+               registers: int = 40, edges=None, interpret: bool = False, held: int = 0):
     """The producer warpgroup of a kernel that walks n key blocks from block lo: K and V of
     (b, h_kv) through a ring of `stages` shared-memory slots, (k, v) pairs of smem refs,
     'full' barriers it arrives on and 'empty' barriers the consumers release.
@@ -266,7 +314,12 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
     copy is in flight while the first is cleaned (causal CTAs end on two or three edge tiles);
     with one slot block j reuses block j - 1's slot, so each is cleaned as soon as it lands.
     H200, B4 H32 T4096 D128 causal: the guard cost 4% cleaning each tile as it landed (s12-5),
-    nothing this way (s13-6: 1.014 ms, 1.027 without the guard, same run)."""
+    nothing this way (s13-6: 1.014 ms, 1.027 without the guard, same run).
+
+    held: steps for which a consumer keeps a V tile after the next tile's K (the overlapped
+    forward holds 1). Deferring the cleaning then needs stages >= 2 + held: with 2 slots and a
+    held V, tile j's copy waits for tile j - 2's V, which the consumers release only after
+    tile j - 1, which would wait for the cleaning that comes after tile j's copy."""
     plgpu.set_max_registers(registers, action="decrease")
     kv = lambda ref, j: ref.at[b, pl.ds((lo + j) * bk, bk), h_kv]
 
@@ -280,7 +333,7 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
     if edges is not None:
         e_lo, e_hi, landed = edges
         is_edge = lambda j: (j < e_lo) | (j >= e_hi)
-    defer = stages >= 2
+    defer = stages >= 2 + held
 
     def clean(j):
         slot = lax.rem(j, stages)
@@ -394,7 +447,9 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
     producer_regs, consumer_regs = _REGISTERS[nc]
 
     def scoped(q_smem, k_smem, v_smem, lse_smem, k_full, v_full, q_full, k_empty, v_empty,
-               turn, *landed):
+               turn, *rest):
+        landed = rest[:1] if A.hides_keys(spec) else ()
+        o_scratch = rest[len(landed):]
         b, h, row0, (lo, flo, fhi, hi) = query_tile(spec, q_gmem.shape[2], n_q_tiles, bk, nc)
         n = hi - lo
         wg = lax.axis_index("wg")
@@ -404,7 +459,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
             edges = (flo - lo, fhi - lo, landed[0]) if landed else None
             produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
                        (k_full, v_full), (k_empty, v_empty), producer_regs, edges,
-                       spec.interpret)
+                       spec.interpret, held=int(tiles.overlap))
 
         @pl.when(wg < nc)
         def _consumer():
@@ -423,7 +478,23 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
             # for its 64 rows (causal, window) are passed over, only its own edges masked.
             c_lo, c_flo, c_fhi, c_hi = (jnp.where(active, x, lo) - lo for x in
                                         A.key_blocks(spec, r0, _ROWS, bk))
-            pp = PingPong(turn, wg, tiles.pingpong and nc == 2, stages)
+            pp = PingPong(turn, wg, tiles.pingpong and nc == 2 and not tiles.overlap, stages)
+
+            def softmax(j, s, m, l, masked):
+                """(p in the input dtype, alpha, m, l) of raw scores s of key block j."""
+                keep = None
+                if masked:   # positions made here, not held across the loop (registers)
+                    q_pos = r0 + _iota((_ROWS, bk), 0, spec.interpret)
+                    k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
+                    keep = A.visible(spec, q_pos, k_pos, None, None)
+                u, _ = A.transform(spec, s, keep)
+                m_new = jnp.maximum(m, jnp.max(fold_columns(u, jnp.maximum), axis=1))
+                shift = C.safe_max(m_new) * spec.c2
+                alpha = jnp.exp2(m * spec.c2 - shift)
+                # One FMA and one exp2 an element: u c2 - m c2 (FlashAttention-3's form).
+                p = jnp.exp2(u * spec.c2 - _row_vec(shift, bk))
+                l = l * _row_vec(alpha, _LANES) + fold_columns(p, jnp.add)
+                return p.astype(dtype), alpha, m_new, l
 
             # The named scopes are what `_hopper.traced` stamps (benchmarks/attention_trace.py).
             def step(j, carry, masked):
@@ -435,20 +506,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                     s = mma.qk(q_smem.at[wg], k_smem.at[slot], pp.switch)
                 plgpu.barrier_arrive(k_empty.at[slot])
                 with jax.named_scope("softmax"):
-                    keep = None
-                    if masked:   # positions made here, not held across the loop (registers)
-                        q_pos = r0 + _iota((_ROWS, bk), 0, spec.interpret)
-                        k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
-                        keep = A.visible(spec, q_pos, k_pos, None, None)
-                    u, _ = A.transform(spec, s, keep)
-                    m_new = jnp.maximum(m, jnp.max(fold_columns(u, jnp.maximum), axis=1))
-                    shift = C.safe_max(m_new) * spec.c2
-                    alpha = jnp.exp2(m * spec.c2 - shift)
-                    # One FMA and one exp2 an element: u c2 - m c2 (FlashAttention-3's form).
-                    p = jnp.exp2(u * spec.c2 - _row_vec(shift, bk))
-                    l = l * _row_vec(alpha, _LANES) + fold_columns(p, jnp.add)
+                    p, alpha, m, l = softmax(j, s, m, l, masked)
                     acc = acc * _row_vec(alpha, d)
-                    p = p.astype(dtype)
                 with jax.named_scope("wait_v"):
                     pp.arrive()                           # my softmax is done
                     plgpu.barrier_wait(v_full.at[slot])
@@ -456,7 +515,38 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                 with jax.named_scope("pv"):
                     acc = mma.pv(acc, p, v_smem.at[slot], lambda: None)
                 plgpu.barrier_arrive(v_empty.at[slot])
-                return acc, m_new, l
+                return acc, m, l
+
+            def step_behind(o_ref, j, carry, masked):
+                """`overlap`: S_j and P_{j-1} V_{j-1} issued together, softmax j under the
+                latter, then O rescaled by alpha_j (O_j - P_j V_j = alpha_j O_{j-1}); P_j waits
+                for the next step, V_j stays held. At the consumer's first block P is 0 against
+                that block's own V (one uniform step; a first block is cleaned or seen by all
+                rows, so 0 times its V is 0 or a NaN those rows get anyway)."""
+                p_prev, m, l = carry
+                slot = lax.rem(j, stages)
+                prev = jnp.where(j > c_lo, lax.rem(j - 1 + stages, stages), slot)
+                with jax.named_scope("wait_k"):
+                    plgpu.barrier_wait(k_full.at[slot])
+                    plgpu.barrier_wait(v_full.at[slot])
+                with jax.named_scope("qk"):
+                    s = mma.qk_behind(q_smem.at[wg], k_smem.at[slot], o_ref, p_prev,
+                                      v_smem.at[prev])
+                plgpu.barrier_arrive(k_empty.at[slot])
+                with jax.named_scope("softmax"):
+                    p, alpha, m, l = softmax(j, s, m, l, masked)
+                with jax.named_scope("pv"):            # waits for P_{j-1} V_{j-1}
+                    o_ref[...] = o_ref[...] * _row_vec(alpha, d)
+                pl.when(j > c_lo)(lambda: plgpu.barrier_arrive(v_empty.at[prev]))
+                return p, m, l
+
+            def last_pv(o_ref, carry):
+                """The held tile's product, once the consumer's blocks are done."""
+                p, m, l = carry
+                slot = lax.rem(c_hi - 1, stages)
+                mma.pv_into(o_ref, p, v_smem.at[slot])
+                mma.drain()                             # then the slot is free
+                plgpu.barrier_arrive(v_empty.at[slot])
 
             def pass_over(j, carry):
                 """A key block wholly masked for this consumer's rows: release its slots (and
@@ -471,18 +561,35 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                 plgpu.barrier_arrive(v_empty.at[slot])
                 return carry
 
-            acc = _zeros((_ROWS, d), spec.interpret)
+            def blocks(step, carry):
+                """The consumer's key blocks: passed over, masked edge, visible, masked edge,
+                passed over."""
+                carry = lax.fori_loop(0, c_lo, pass_over, carry)
+                carry = lax.fori_loop(c_lo, c_flo, lambda j, c: step(j, c, True), carry)
+                carry = lax.fori_loop(c_flo, c_fhi, lambda j, c: step(j, c, False), carry)
+                return lax.fori_loop(c_fhi, c_hi, lambda j, c: step(j, c, True), carry)
+
             l = _zeros((_ROWS, _LANES), spec.interpret)     # per-thread partial row sums
             m = jnp.full((_ROWS,), C.NEG_INF, jnp.float32)
             if not spec.interpret:
                 m = plgpu.layout_cast(m, plgpu.Layout.WGMMA.reduce(1))
             pp.start()
-            carry = (acc, m, l)
-            carry = lax.fori_loop(0, c_lo, pass_over, carry)
-            carry = lax.fori_loop(c_lo, c_flo, lambda j, c: step(j, c, True), carry)
-            carry = lax.fori_loop(c_flo, c_fhi, lambda j, c: step(j, c, False), carry)
-            carry = lax.fori_loop(c_fhi, c_hi, lambda j, c: step(j, c, True), carry)
-            acc, m, l = lax.fori_loop(c_hi, n, pass_over, carry)
+            if tiles.overlap:
+                def overlapped(o_ref):
+                    p0 = _zeros((_ROWS, bk), spec.interpret).astype(dtype)
+                    carry = blocks(lambda j, c, masked: step_behind(o_ref, j, c, masked),
+                                   (p0, m, l))
+                    # A loop of 0 or 1 steps rather than a branch: the accumulator stays a
+                    # loop carry, as in the key loop.
+                    carry = lax.fori_loop(0, jnp.minimum(c_hi - c_lo, 1),
+                                          lambda _, c: (last_pv(o_ref, c), c)[1], carry)
+                    _, m_, l_ = lax.fori_loop(c_hi, n, pass_over, carry)
+                    return o_ref[...], m_, l_
+                acc, m, l = mma.accumulate(overlapped, (_ROWS, d),
+                                           o_scratch[0].at[wg] if o_scratch else None)
+            else:
+                carry = blocks(step, (_zeros((_ROWS, d), spec.interpret), m, l))
+                acc, m, l = lax.fori_loop(c_hi, n, pass_over, carry)
             pp.end()
 
             @pl.when(active)
@@ -515,6 +622,11 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
         plgpu.Barrier(num_arrivals=2),
         # Masks hide keys: the producer cleans the CTA's edge tiles, which land here first.
         *([plgpu.Barrier(num_arrivals=2, num_barriers=stages)] if A.hides_keys(spec) else []),
+        # The overlapped O in the interpreter (a wgmma accumulator on the GPU). Allocated last:
+        # a small buffer between the lse tile and the barriers stalled Mosaic GPU's
+        # interpreter (jax 0.10.2) on every forward.
+        *([plgpu.SMEM((nc, _ROWS, d), jnp.float32)] if tiles.overlap and spec.interpret
+          else []),
         collective_axes="wg")
 
 

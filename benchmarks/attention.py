@@ -7,6 +7,7 @@ tokamax, all in one process. FLOPs: 4 B H Tq Tk D forward (half for causal), 2.5
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 
@@ -222,43 +223,90 @@ def perf_d256():
     _time_row("D256 B2 H16 T4096 causal", fns, shape, causal, backward=False)
 
 
+def _interleaved(label, shape, causal, fns, rounds: int):
+    """Each of `fns` checked against cuDNN's o (the first set of inputs), then all timed
+    interleaved, `rounds` times, medians recorded: back-to-back rows of one run disagreed by up
+    to 12% (s14-1: 1.032 guarded against 1.106 unguarded at B4 D128 causal; s14-4: 1.084
+    against 0.970) as the H200's clock moved under its power cap; interleaving puts every
+    variant under the same clock."""
+    b, t, hq, hkv, d = shape
+    jitted = {impl: jax.jit(f) for impl, f in fns.items()}
+    sets = [_inputs(jax.random.key(100 + i), b, t, t, hq, hkv, d, jnp.bfloat16)[:3]
+            for i in range(2)]
+
+    def agree():   # o against cuDNN's, same inputs
+        want = jitted["cudnn"](*sets[0])
+        for impl in (i for i in jitted if i.startswith("jaxfuse")):
+            err = rel_err(jitted[impl](*sets[0]), want)
+            record(S, f"{label} fwd o vs cudnn", impl, rel_err=err,
+                   status="ok" if err < TOL[jnp.bfloat16] else "FAIL")
+
+    def run():
+        times = {impl: [] for impl in jitted}
+        for _ in range(rounds):
+            for impl, fn in jitted.items():
+                times[impl].append(bench(fn, sets, reps=10, repeats=3))
+        flops = 4 * b * hq * t * t * d * (0.5 if causal else 1.0)
+        for impl, ts in times.items():
+            tm = statistics.median(ts)
+            record(S, f"{label} fwd, interleaved x{rounds}", impl, tm,
+                   TFLOPs=flops / tm / 1e12, spread=(max(ts) - min(ts)) / tm)
+    # A failing implementation records an error row for the workload (not a crash).
+    guarded(S, f"{label} fwd o vs cudnn", "jaxfuse", agree)
+    guarded(S, f"{label} fwd, interleaved x{rounds}", ",".join(jitted), run)
+
+
+CAUSAL_ROWS = [("B4 H32 T4096 D128 causal", (4, 4096, 32, 32, 128)),
+               ("D64 B8 H16 T2048 causal", (8, 2048, 16, 16, 64)),
+               ("D256 B2 H16 T4096 causal", (2, 4096, 16, 16, 256)),
+               ("GQA B4 Hq32 Hkv8 T4096 D128 causal", (4, 4096, 32, 8, 128))]
+
+
 def perf_guard(rounds: int = 7):
-    """The forward's cost of cleaning masked keys' garbage (causal rows): o of jaxfuse with and
-    without the guard checked against cuDNN's, then the three timed interleaved, `rounds`
-    times, medians recorded. Back-to-back rows of one run disagreed by up to 12% on the guard
-    (s14-1: 1.032 guarded against 1.106 unguarded at B4 D128 causal; s14-4: 1.084 against
-    0.970) as the H200's clock moved under its power cap; interleaving puts all three under
-    the same clock."""
-    for label, (b, t, hq, hkv, d) in [("B4 H32 T4096 D128 causal", (4, 4096, 32, 32, 128)),
-                                      ("D64 B8 H16 T2048 causal", (8, 2048, 16, 16, 64)),
-                                      ("D256 B2 H16 T4096 causal", (2, 4096, 16, 16, 256)),
-                                      ("GQA B4 Hq32 Hkv8 T4096 D128 causal", (4, 4096, 32, 8, 128))]:
+    """The forward's cost of cleaning masked keys' garbage (causal rows): jaxfuse, jaxfuse
+    rewriting every edge tile (before s15), jaxfuse without the guard, cuDNN (`_interleaved`)."""
+    for label, shape in CAUSAL_ROWS:
         fns = _peers(True, ("jaxfuse", "cudnn"))
         fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
         fns["jaxfuse[guard writes every edge tile]"] = _unguarded(
             fns["jaxfuse"], _timing.guard_always_writes)
-        jitted = {impl: jax.jit(f) for impl, f in fns.items()}
-        sets = [_inputs(jax.random.key(100 + i), b, t, t, hq, hkv, d, jnp.bfloat16)[:3]
-                for i in range(2)]
+        _interleaved(label, shape, True, fns, rounds)
 
-        def agree(jitted=jitted, sets=sets, label=label):   # o against cuDNN's, same inputs
-            want = jitted["cudnn"](*sets[0])
-            for impl in (i for i in jitted if i.startswith("jaxfuse")):
-                err = rel_err(jitted[impl](*sets[0]), want)
-                record(S, f"{label} fwd o vs cudnn", impl, rel_err=err,
-                       status="ok" if err < TOL[jnp.bfloat16] else "FAIL")
 
-        def run(jitted=jitted, sets=sets, label=label):
-            times = {impl: [] for impl in jitted}
-            for _ in range(rounds):
-                for impl, fn in jitted.items():
-                    times[impl].append(bench(fn, sets, reps=10, repeats=3))
-            for impl, ts in times.items():
-                record(S, f"{label} fwd, interleaved x{rounds}", impl, statistics.median(ts),
-                       spread=(max(ts) - min(ts)) / statistics.median(ts))
-        # A failing implementation records an error row for the workload (not a crash).
-        guarded(S, f"{label} fwd o vs cudnn", "jaxfuse", agree)
-        guarded(S, f"{label} fwd, interleaved x{rounds}", ",".join(jitted), run)
+def _overlapped(d: int, **kw) -> AttnBlocks:
+    return AttnBlocks(hopper=dataclasses.replace(HopperAttnTiles.for_head_dim(d), overlap=True,
+                                                 **kw))
+
+
+def perf_overlap(rounds: int = 7):
+    """The intra-warpgroup overlap (`HopperAttnTiles(overlap=True)`, with the head dim's default
+    ping-pong) against the default schedule and cuDNN, forward, interleaved; D = 64 also with
+    two consumers, D = 128 also each schedule with the consumers running free."""
+    rows = [("B4 H32 T4096 D128", (4, 4096, 32, 32, 128), False)]
+    rows += [(label, shape, True) for label, shape in CAUSAL_ROWS]
+    for label, shape, causal in rows:
+        d = shape[-1]
+        fns = _peers(causal, ("jaxfuse", "cudnn"))
+        variants = {"overlap": _overlapped(d)}
+        if d == 64:
+            variants["overlap, 2 consumers"] = _overlapped(d, consumers=2)
+        if d == 128:    # the default takes turns: each half of the pair alone
+            variants["overlap, free"] = _overlapped(d, pingpong=False)
+            variants["free"] = AttnBlocks(hopper=HopperAttnTiles(pingpong=False))
+        for name, blocks in variants.items():
+            fns[f"jaxfuse[{name}]"] = functools.partial(
+                lambda q, k, v, blocks: jaxfuse.flash_attention(q, k, v, causal=causal,
+                                                                block_sizes=blocks),
+                blocks=blocks)
+        _interleaved(label, shape, causal, fns, rounds)
+
+
+def check_overlap():
+    """HOPPER_CASES through the overlapped forward (its default tiles at each head dim, three
+    consumers at D = 64), bf16, against the float32 reference (with the portable or Hopper
+    backward as the defaults pick)."""
+    for i, c in enumerate(HOPPER_CASES):
+        _check_case(i, c, jnp.bfloat16, _overlapped(c["d"]), " hopper overlap")
 
 
 if __name__ == "__main__":
@@ -274,4 +322,7 @@ if __name__ == "__main__":
         perf_d256()
     if sys.argv[1:2] == ["guard"]:
         perf_guard()
+    if sys.argv[1:2] == ["overlap"]:
+        check_overlap()
+        perf_overlap()
     _timing.save(sys.argv[2] if len(sys.argv) > 2 else None)

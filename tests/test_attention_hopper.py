@@ -28,12 +28,14 @@ _CASES = [
     # two consumers taking turns (the default above D = 64; at 64 three: the two cases
     # above, whose third consumer is past the last of the 128 rows and only releases the ring)
     (HopperAttnTiles(consumers=2, backward=False), dict()),
-    # the intra-warpgroup overlap (S_j and P_{j-1} V_{j-1} issued together), two consumers on
-    # a ring of 4 slots, then of 2 (V held a step, edge tiles cleaned as they land) with a
+    # the intra-warpgroup overlap (S_j and P_{j-1} V_{j-1} issued together): two consumers
+    # running free on a ring of 4 slots, then taking turns on a ring of 2 (V held a step, edge
+    # tiles cleaned as they land, the held tile released before the turn passes) with a
     # window whose every tile is an edge for some rows. Three consumers with the overlap stall
     # the interpreter's threads on 2 cores (the callbacks that simulate barrier waits hold
     # XLA's CPU threads); the sm90 lowering test and the GPU check cover them.
-    (HopperAttnTiles(overlap=True, consumers=2, backward=False), dict(logits_soft_cap=30.0)),
+    (HopperAttnTiles(overlap=True, consumers=2, pingpong=False, backward=False),
+     dict(logits_soft_cap=30.0)),
     (HopperAttnTiles(overlap=True, consumers=2, stages=2, backward=False),
      dict(sliding_window=40)),
 ]

@@ -171,18 +171,20 @@ def test_hopper_consumers_lower(opts, consumers):
 
 @pytest.mark.parametrize("d,consumers,stages", [(128, 2, None), (64, 3, None), (64, 2, 2),
                                                (256, 2, None)])
+@pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("opts", [dict(causal=True), dict(sliding_window=100,
                                                           logits_soft_cap=20.0)])
-def test_hopper_overlap_lowers(opts, d, consumers, stages):
+def test_hopper_overlap_lowers(opts, d, consumers, stages, pingpong):
     """`HopperAttnTiles(overlap=True)`: O in one wgmma accumulator across the key loop, S
     read after `wgmma_wait(1)` while P V runs, O rescaled by assignment, the held tile's last
-    product in a loop of 0 or 1 steps; 2 and 3 consumers, a 2-slot ring (cleaning without
-    deferral) and D = 256 (64-key tiles)."""
+    product in a loop of 0 or 1 steps; 2 and 3 consumers (three never take turns), taking
+    turns or not, a 2-slot ring (cleaning without deferral) and D = 256 (64-key tiles)."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
     tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(d), overlap=True,
-                                consumers=consumers, stages=stages, backward=False)
+                                consumers=consumers, stages=stages, pingpong=pingpong,
+                                backward=False)
     module = _lower(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()

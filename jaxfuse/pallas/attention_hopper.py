@@ -78,9 +78,10 @@ class HopperAttnTiles:
     multiplies; no ping-pong; a consumer past the last row, and each block wholly masked for
     a consumer's own rows, only releases the ring); None: 3 at head_dim 64, else 2;
     overlap: each consumer issues S_{j+1} = Q K_{j+1}^T and P_j V_j together and runs softmax
-    j+1 while P_j V_j multiplies (FlashAttention-3 sec. 3.2, intra-warpgroup overlap); the
-    consumers then run free (`pingpong` is not used) and the ring needs 2 slots or more, since
-    each consumer holds a V tile one step longer."""
+    j+1 while P_j V_j multiplies (FlashAttention-3 sec. 3.2, intra-warpgroup overlap); with
+    `pingpong` the two consumers also take turns (one issues its two products while the other
+    runs its softmax); the ring needs 2 slots or more, since each consumer holds a V tile one
+    step longer."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
@@ -200,10 +201,12 @@ class _Mma:
         if not self.interpret:
             plgpu.wgmma_wait(0)
 
-    def qk_behind(self, q_smem, k_smem, o_ref, p, v_smem):
+    def qk_behind(self, q_smem, k_smem, o_ref, p, v_smem, after_issue):
         """Issues S = Q K^T, then O += P V behind it; returns S as float32 [64, bk] once it is
-        done, while P V may still run (wgmma groups complete in order)."""
+        done, while P V may still run (wgmma groups complete in order). `after_issue` runs
+        while both are in flight."""
         if self.interpret:
+            after_issue()
             s = A.dot(q_smem[...], k_smem[...], "qd,kd->qk")
             o_ref[...] += A.dot(p, v_smem[...], "qk,kd->qd")
             return s
@@ -211,6 +214,7 @@ class _Mma:
         def body(s_acc):
             plgpu.wgmma(s_acc, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
             plgpu.wgmma(o_ref, p, v_smem)
+            after_issue()
             return plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
         return pl.run_scoped(body, plgpu.ACC((_ROWS, k_smem.shape[0]), jnp.float32))
 
@@ -478,7 +482,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
             # for its 64 rows (causal, window) are passed over, only its own edges masked.
             c_lo, c_flo, c_fhi, c_hi = (jnp.where(active, x, lo) - lo for x in
                                         A.key_blocks(spec, r0, _ROWS, bk))
-            pp = PingPong(turn, wg, tiles.pingpong and nc == 2 and not tiles.overlap, stages)
+            pp = PingPong(turn, wg, tiles.pingpong and nc == 2, stages)
 
             def softmax(j, s, m, l, masked):
                 """(p in the input dtype, alpha, m, l) of raw scores s of key block j."""
@@ -531,13 +535,17 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                     plgpu.barrier_wait(v_full.at[slot])
                 with jax.named_scope("qk"):
                     s = mma.qk_behind(q_smem.at[wg], k_smem.at[slot], o_ref, p_prev,
-                                      v_smem.at[prev])
+                                      v_smem.at[prev], pp.switch)
                 plgpu.barrier_arrive(k_empty.at[slot])
                 with jax.named_scope("softmax"):
                     p, alpha, m, l = softmax(j, s, m, l, masked)
                 with jax.named_scope("pv"):            # waits for P_{j-1} V_{j-1}
                     o_ref[...] = o_ref[...] * _row_vec(alpha, d)
                 pl.when(j > c_lo)(lambda: plgpu.barrier_arrive(v_empty.at[prev]))
+                # Released before the turn passes: with 2 slots the other consumer's next
+                # V tile may wait for this one.
+                with jax.named_scope("turn_end"):
+                    pp.switch()
                 return p, m, l
 
             def last_pv(o_ref, carry):

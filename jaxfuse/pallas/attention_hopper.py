@@ -532,7 +532,12 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                 prev = jnp.where(j > c_lo, lax.rem(j - 1 + stages, stages), slot)
                 with jax.named_scope("wait_k"):
                     plgpu.barrier_wait(k_full.at[slot])
-                    plgpu.barrier_wait(v_full.at[slot])
+                    # V is waited for when it is multiplied, a step after its K: V_{j-1}
+                    # here, except that the first block's own V (the operand of P = 0) is
+                    # waited for at the first block and so not again at the second. Waiting
+                    # for V_j with K_j exposed each copy's latency with 2 slots, where V_j's
+                    # copy waits for V_{j-2}'s release at the end of step j - 1.
+                    pl.when(j != c_lo + 1)(lambda: plgpu.barrier_wait(v_full.at[prev]))
                 with jax.named_scope("qk"):
                     s = mma.qk_behind(q_smem.at[wg], k_smem.at[slot], o_ref, p_prev,
                                       v_smem.at[prev], pp.switch)
@@ -552,6 +557,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                 """The held tile's product, once the consumer's blocks are done."""
                 p, m, l = carry
                 slot = lax.rem(c_hi - 1, stages)
+                pl.when(c_hi - 1 != c_lo)(lambda: plgpu.barrier_wait(v_full.at[slot]))
                 mma.pv_into(o_ref, p, v_smem.at[slot])
                 mma.drain()                             # then the slot is free
                 plgpu.barrier_arrive(v_empty.at[slot])

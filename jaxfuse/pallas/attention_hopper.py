@@ -17,7 +17,9 @@ One CTA computes a [consumers * 64, D] tile of o for one (batch, query head):
   rendezvous, the second warpgroup one phase behind): while one runs its softmax the other's
   GEMMs run, so the exponentials hide under matrix work (FlashAttention-3 sec. 3.1, ping-pong).
   At D = 256 they run free (`HopperAttnTiles.for_head_dim`): 64-key tiles make the softmax
-  short beside the products.
+  short beside the products, and each consumer overlaps its own softmax with its P V product
+  instead (`HopperAttnTiles.overlap`: S_{j+1} and P_j V_j issued together, FlashAttention-3
+  sec. 3.2).
 
 Causal and sliding-window masks come from `_attn.key_blocks`, shared with the Triton kernels:
 key tiles wholly masked for the CTA's rows are never loaded, tiles wholly visible take no mask
@@ -101,8 +103,12 @@ class HopperAttnTiles:
         # consumers run free: a [64, 64] softmax is short beside its two [64, 64, 256]
         # products, so waiting for the other consumer's turn costs more than it hides (H200,
         # s13-1, B2 H16 T4096 causal: 0.534 ms free against 0.562 taking turns; cuDNN 0.514;
-        # 128-key tiles 0.564, one stage 0.566).
-        return cls(block_k=64, pingpong=False) if d > 128 else cls()
+        # 128-key tiles 0.564, one stage 0.566), and each overlaps its softmax with its own
+        # P V (s15-4, same shape, interleaved: 0.496 ms against 0.538 without; cuDNN 0.540).
+        # At D = 128 the overlap ties the ping-pong without masks and loses 6% causal (1.889
+        # / 1.101 ms against 1.872 / 1.037, free or taking turns with it 1.973 / 1.175), at
+        # D = 64 7% (0.230 against 0.214 ms): there the defaults stay.
+        return cls(block_k=64, pingpong=False, overlap=True) if d > 128 else cls()
 
     def n_consumers(self, d: int) -> int:
         # D = 64: three consumers (160 registers each: acc 32, S 64, P 32). Measured (H200,

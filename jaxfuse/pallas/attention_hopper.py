@@ -31,11 +31,12 @@ Masked keys may hold garbage: P V multiplies a hidden key's zero probability by 
 as it lies in shared memory, so with a causal mask or a window the producer cleans the CTA's
 edge tiles (those outside its wholly visible key blocks) in shared memory before the consumers
 see them (`_hide_masked_garbage`: V's non-finite entries 0, K NaN where K or V is not finite,
-so a row that sees such a key still gets a NaN row). H200, B4 H32 T4096 D128 causal: 1.014 ms
-against 1.027 without it (s13-6; `produce_kv` overlaps an edge tile's cleaning with the next
-copy); an XLA pass over K and V before the kernel had cost 12% (s12-3). At D = 64 (three
-consumers, 192-row CTAs) it still costs 16% of the forward in isolation (s14-5: 0.251 against
-0.217 ms, timed interleaved; cuDNN 0.221), at D = 256 nothing measurable (s14-1).
+so a row that sees such a key still gets a NaN row). A first read-only pass counts the tile's
+non-finite entries; only a dirty tile is rewritten. H200, causal, timed interleaved with the
+kernel without the guard (s15-1): D = 64 B8 H16 T2048 0.215 ms against 0.218 (rewriting every
+edge tile, as before s15: 0.229; s14-5 measured it at +16%), B4 H32 T4096 D128 1.064 against
+1.086 (1.123), D = 256 0.545 against 0.529 (0.544); an XLA pass over K and V before the kernel
+had cost 12% (s12-3).
 
 What it takes (`fits`): bf16/f16, D in {64, 128, 256}, Tq a multiple of 2 * block_q and Tk of
 block_k; no segment ids. Anything else runs the portable Triton kernels (`attention.py`).
@@ -81,9 +82,8 @@ class HopperAttnTiles:
     a consumer's own rows, only releases the ring); None: 3 at head_dim 64, else 2;
     overlap: each consumer issues S_{j+1} = Q K_{j+1}^T and P_j V_j together and runs softmax
     j+1 while P_j V_j multiplies (FlashAttention-3 sec. 3.2, intra-warpgroup overlap); with
-    `pingpong` the two consumers also take turns (one issues its two products while the other
-    runs its softmax); the ring needs 2 slots or more, since each consumer holds a V tile one
-    step longer."""
+    `pingpong` two consumers also pass a turn to issue their products (`Turns`); the ring
+    needs 2 slots or more, since each consumer holds a V tile one step longer."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
@@ -283,6 +283,36 @@ class PingPong:
 
     def end(self):
         pl.when(self.wg == 0)(self.switch)
+
+
+class Turns:
+    """Two consumer warpgroups passing a turn to issue their products (FlashAttention-3's
+    scheduler barrier), for the overlapped step: each waits for its turn on its own barrier
+    (`take`), issues S and P V, and passes the turn on the other's (`give`); the softmaxes are
+    not inside the turn, so one consumer's softmax runs under the other's products without the
+    two waiting for each other's whole step (the rendezvous of `PingPong` made them
+    alternate: s15-4). The first consumer starts with the turn; the last pass comes back to
+    it and is taken at the end, so every barrier completion is waited for."""
+
+    def __init__(self, barriers, wg, on: bool):
+        self.barriers, self.wg, self.on = barriers, wg, on
+
+    def take(self):
+        if self.on:
+            with jax.named_scope("turn"):
+                plgpu.barrier_wait(self.barriers.at[self.wg])
+
+    def give(self):
+        if self.on:
+            plgpu.barrier_arrive(self.barriers.at[1 - self.wg])
+
+    def start(self):
+        if self.on:
+            pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(self.barriers.at[0]))
+
+    def end(self):
+        if self.on:
+            pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(self.barriers.at[0]))
 
 
 def _row_vec(x, n: int):
@@ -488,7 +518,9 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
             # for its 64 rows (causal, window) are passed over, only its own edges masked.
             c_lo, c_flo, c_fhi, c_hi = (jnp.where(active, x, lo) - lo for x in
                                         A.key_blocks(spec, r0, _ROWS, bk))
-            pp = PingPong(turn, wg, tiles.pingpong and nc == 2, stages)
+            takes_turns = tiles.pingpong and nc == 2 and stages >= 2
+            pp = PingPong(turn, wg, takes_turns and not tiles.overlap, stages)
+            turns = Turns(turn, wg, takes_turns and tiles.overlap)
 
             def softmax(j, s, m, l, masked):
                 """(p in the input dtype, alpha, m, l) of raw scores s of key block j."""
@@ -544,19 +576,16 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                     # for V_j with K_j exposed each copy's latency with 2 slots, where V_j's
                     # copy waits for V_{j-2}'s release at the end of step j - 1.
                     pl.when(j != c_lo + 1)(lambda: plgpu.barrier_wait(v_full.at[prev]))
+                turns.take()
                 with jax.named_scope("qk"):
                     s = mma.qk_behind(q_smem.at[wg], k_smem.at[slot], o_ref, p_prev,
-                                      v_smem.at[prev], pp.switch)
+                                      v_smem.at[prev], turns.give)
                 plgpu.barrier_arrive(k_empty.at[slot])
                 with jax.named_scope("softmax"):
                     p, alpha, m, l = softmax(j, s, m, l, masked)
                 with jax.named_scope("pv"):            # waits for P_{j-1} V_{j-1}
                     o_ref[...] = o_ref[...] * _row_vec(alpha, d)
                 pl.when(j > c_lo)(lambda: plgpu.barrier_arrive(v_empty.at[prev]))
-                # Released before the turn passes: with 2 slots the other consumer's next
-                # V tile may wait for this one.
-                with jax.named_scope("turn_end"):
-                    pp.switch()
                 return p, m, l
 
             def last_pv(o_ref, carry):
@@ -573,6 +602,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                 keep the ping-pong's count of switches)."""
                 slot = lax.rem(j, stages)
                 plgpu.barrier_wait(k_full.at[slot])
+                turns.take()
+                turns.give()
                 pp.switch()
                 plgpu.barrier_arrive(k_empty.at[slot])
                 pp.arrive()
@@ -594,6 +625,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
             if not spec.interpret:
                 m = plgpu.layout_cast(m, plgpu.Layout.WGMMA.reduce(1))
             pp.start()
+            turns.start()
             if tiles.overlap:
                 def overlapped(o_ref):
                     p0 = _zeros((_ROWS, bk), spec.interpret).astype(dtype)
@@ -611,6 +643,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                 carry = blocks(step, (_zeros((_ROWS, d), spec.interpret), m, l))
                 acc, m, l = lax.fori_loop(c_hi, n, pass_over, carry)
             pp.end()
+            turns.end()
 
             @pl.when(active)
             def _():
@@ -639,7 +672,9 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
         plgpu.Barrier(num_barriers=nc),
         plgpu.Barrier(num_arrivals=nc, num_barriers=stages),
         plgpu.Barrier(num_arrivals=nc, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2),
+        # The consumers' turns: a rendezvous of two (`PingPong`), or one barrier each that
+        # the other arrives on (`Turns`, with the overlap).
+        (plgpu.Barrier(num_barriers=2) if tiles.overlap else plgpu.Barrier(num_arrivals=2)),
         # Masks hide keys: the producer cleans the CTA's edge tiles, which land here first.
         *([plgpu.Barrier(num_arrivals=2, num_barriers=stages)] if A.hides_keys(spec) else []),
         # The overlapped O in the interpreter (a wgmma accumulator on the GPU). Allocated last:

@@ -105,9 +105,10 @@ class HopperAttnTiles:
         # s13-1, B2 H16 T4096 causal: 0.534 ms free against 0.562 taking turns; cuDNN 0.514;
         # 128-key tiles 0.564, one stage 0.566), and each overlaps its softmax with its own
         # P V (s15-4, same shape, interleaved: 0.496 ms against 0.538 without; cuDNN 0.540).
-        # At D = 128 the overlap ties the ping-pong without masks and loses 6% causal (1.889
-        # / 1.101 ms against 1.872 / 1.037, free or taking turns with it 1.973 / 1.175), at
-        # D = 64 7% (0.230 against 0.214 ms): there the defaults stay.
+        # At D = 128 the overlap ties the ping-pong without masks and loses 5-6% causal
+        # (s15-4: 1.889 / 1.101 ms against 1.872 / 1.037; passing turns with it, s15-6: 1.946
+        # / 1.132 against 1.923 / 1.083), at D = 64 3-7% (0.223-0.230 against 0.214-0.217):
+        # there the defaults stay.
         return cls(block_k=64, pingpong=False, overlap=True) if d > 128 else cls()
 
     def n_consumers(self, d: int) -> int:

@@ -168,11 +168,11 @@ def _time_row(label, fns, shape, causal, *, backward: bool, reps: int = 10):
         guarded(S, f"{label} {'fwd+bwd' if backward else 'fwd'}", impl, run)
 
 
-def _unguarded(f, context=None):
-    """f traced without the guard against masked keys' garbage (a forward-only row), or under
-    another of `_timing`'s diagnostic contexts."""
+def _traced_under(f, context=_timing.unguarded_attention):
+    """f traced under one of `_timing`'s diagnostic contexts (a forward-only row); by default
+    without the guard against masked keys' garbage."""
     def g(q, k, v):
-        with (context or _timing.unguarded_attention)():
+        with context():
             return f(q, k, v)
     return g
 
@@ -193,7 +193,7 @@ def perf(copy_bw: float, sweep: bool = True):
                     lambda q, k, v, t: jaxfuse.flash_attention(
                         q, k, v, causal=causal, block_sizes=AttnBlocks(hopper=t)), t=t)
         if causal:     # the cost of cleaning masked keys' garbage (the forward's producer)
-            fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
+            fns["jaxfuse[no garbage guard]"] = _traced_under(fns["jaxfuse"])
         _time_row(label, fns, shape, causal, backward=False)
         fb = {k: v for k, v in fns.items() if not k.startswith(("xla", "jaxfuse["))}
         _time_row(label, fb, shape, causal, backward=True, reps=5)
@@ -219,7 +219,7 @@ def perf_d256():
         fns[f"jaxfuse[{t}]"] = functools.partial(
             lambda q, k, v, t: jaxfuse.flash_attention(
                 q, k, v, causal=causal, block_sizes=AttnBlocks(hopper=t)), t=t)
-    fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
+    fns["jaxfuse[no garbage guard]"] = _traced_under(fns["jaxfuse"])
     _time_row("D256 B2 H16 T4096 causal", fns, shape, causal, backward=False)
 
 
@@ -267,8 +267,8 @@ def perf_guard(rounds: int = 7):
     rewriting every edge tile (before s15), jaxfuse without the guard, cuDNN (`_interleaved`)."""
     for label, shape in CAUSAL_ROWS:
         fns = _peers(True, ("jaxfuse", "cudnn"))
-        fns["jaxfuse[no garbage guard]"] = _unguarded(fns["jaxfuse"])
-        fns["jaxfuse[guard writes every edge tile]"] = _unguarded(
+        fns["jaxfuse[no garbage guard]"] = _traced_under(fns["jaxfuse"])
+        fns["jaxfuse[guard writes every edge tile]"] = _traced_under(
             fns["jaxfuse"], _timing.guard_always_writes)
         _interleaved(label, shape, True, fns, rounds)
 
@@ -295,9 +295,7 @@ def perf_overlap(rounds: int = 7):
             variants["free"] = AttnBlocks(hopper=HopperAttnTiles(pingpong=False))
         for name, blocks in variants.items():
             fns[f"jaxfuse[{name}]"] = functools.partial(
-                lambda q, k, v, blocks: jaxfuse.flash_attention(q, k, v, causal=causal,
-                                                                block_sizes=blocks),
-                blocks=blocks)
+                jaxfuse.flash_attention, causal=causal, block_sizes=blocks)
         _interleaved(label, shape, causal, fns, rounds)
 
 

@@ -169,9 +169,9 @@ def test_hopper_consumers_lower(opts, consumers):
         assert name in module, name
 
 
-@pytest.mark.parametrize("d,consumers,stages", [(128, 2, None), (64, 3, None), (64, 2, 2),
-                                               (256, 2, None)])
-@pytest.mark.parametrize("pingpong", [True, False])
+@pytest.mark.parametrize("d,consumers,stages,pingpong", [
+    (128, 2, None, True), (128, 2, None, False), (64, 3, None, False), (64, 2, 2, True),
+    (64, 2, 2, False), (256, 2, None, False)])
 @pytest.mark.parametrize("opts", [dict(causal=True), dict(sliding_window=100,
                                                           logits_soft_cap=20.0)])
 def test_hopper_overlap_lowers(opts, d, consumers, stages, pingpong):

@@ -436,7 +436,7 @@ def _hide_masked_garbage(k_tile, v_tile, interpret: bool):
     Garbage is rare, so a first pass only reads: (k - k) + (v - v) is 0 for finite entries
     and NaN otherwise, summed over the tile's chunks per thread and then across the
     warpgroup; the tile is rewritten (a second read, the writes and the proxy fence before the
-    consumers' wgmma) only when that sum is not 0. Returns whether it wrote."""
+    consumers' wgmma) only when that sum is not 0."""
     bk, d = v_tile.shape
     dt = v_tile.dtype
     chunk = _CLEAN_ELEMS // d                   # rows: 32 at D = 64, 16 at 128, 8 at 256
@@ -475,7 +475,6 @@ def _hide_masked_garbage(k_tile, v_tile, interpret: bool):
             v_tile[r, :] = jnp.where(v_ok, v, jnp.zeros_like(v))
             k_tile[r, :] = jnp.where(ok, k, jnp.full_like(k, jnp.nan))
         plgpu.commit_smem()                 # the consumers' wgmma reads through the async proxy
-    return dirty
 
 
 def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
@@ -591,12 +590,13 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
 
             def last_pv(o_ref, carry):
                 """The held tile's product, once the consumer's blocks are done."""
-                p, m, l = carry
+                p = carry[0]
                 slot = lax.rem(c_hi - 1, stages)
                 pl.when(c_hi - 1 != c_lo)(lambda: plgpu.barrier_wait(v_full.at[slot]))
                 mma.pv_into(o_ref, p, v_smem.at[slot])
                 mma.drain()                             # then the slot is free
                 plgpu.barrier_arrive(v_empty.at[slot])
+                return carry
 
             def pass_over(j, carry):
                 """A key block wholly masked for this consumer's rows: release its slots (and
@@ -635,7 +635,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                     # A loop of 0 or 1 steps rather than a branch: the accumulator stays a
                     # loop carry, as in the key loop.
                     carry = lax.fori_loop(0, jnp.minimum(c_hi - c_lo, 1),
-                                          lambda _, c: (last_pv(o_ref, c), c)[1], carry)
+                                          lambda _, c: last_pv(o_ref, c), carry)
                     _, m_, l_ = lax.fori_loop(c_hi, n, pass_over, carry)
                     return o_ref[...], m_, l_
                 acc, m, l = mma.accumulate(overlapped, (_ROWS, d),

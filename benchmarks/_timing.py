@@ -129,6 +129,14 @@ def unguarded_attention():
     return mock.patch.object(_attn, "hides_keys", lambda spec: False)
 
 
+def no_auto_barriers():
+    """A context in which the Hopper forward compiles without Mosaic GPU's automatic barriers
+    around shared-memory accesses and TMA issues (`attention_hopper._AUTO_BARRIERS`, tokamax's
+    `unsafe_no_auto_barriers`): a diagnostic."""
+    from jaxfuse.pallas import attention_hopper
+    return mock.patch.object(attention_hopper, "_AUTO_BARRIERS", False)
+
+
 def guard_always_writes():
     """A context in which the Hopper forward's producer rewrites every edge tile instead of
     only those holding a non-finite value (`attention_hopper._COUNT_FIRST`): a diagnostic."""

@@ -307,6 +307,51 @@ def check_overlap():
         _check_case(i, c, jnp.bfloat16, _overlapped(c["d"]), " hopper overlap")
 
 
+FULL_ROWS = [("B4 H32 T4096 D128 full", (4, 4096, 32, 32, 128)),
+             ("GQA B4 Hq32 Hkv8 T4096 D128 full", (4, 4096, 32, 8, 128)),
+             ("D64 B8 H16 T2048 full", (8, 2048, 16, 16, 64))]
+
+
+def _tiles(**kw) -> AttnBlocks:
+    return AttnBlocks(hopper=HopperAttnTiles(**kw))
+
+
+def check_persistent():
+    """HOPPER_CASES (but D = 256's, whose O buffer does not fit beside two ring slots) through
+    persistent CTAs, masks included (`HopperAttnTiles(persistent=True)`), bf16, against the
+    float32 reference."""
+    for i, c in enumerate(HOPPER_CASES):
+        if c["d"] <= 128:
+            _check_case(i, c, jnp.bfloat16, _tiles(persistent=True), " hopper persistent")
+
+
+def perf_persistent(rounds: int = 7):
+    """Persistent CTAs (`HopperAttnTiles.persistent`, the default where no mask hides keys)
+    against one CTA a work tile, cuDNN and tokamax, forward, interleaved; also without Mosaic
+    GPU's automatic barriers (`_timing.no_auto_barriers`) and, causal, persistent forced."""
+    rows = [(label, shape, False) for label, shape in FULL_ROWS]
+    rows += [(label, shape, True) for label, shape in CAUSAL_ROWS[:2]]
+    for label, shape, causal in rows:
+        fns = _peers(causal, ("jaxfuse", "cudnn", "tokamax_mosaic"))
+        fns["jaxfuse[persistent]" if causal else "jaxfuse[not persistent]"] = functools.partial(
+            jaxfuse.flash_attention, causal=causal, block_sizes=_tiles(persistent=causal))
+        fns["jaxfuse[no auto barriers]"] = _traced_under(fns["jaxfuse"],
+                                                         _timing.no_auto_barriers)
+        _interleaved(label, shape, causal, fns, rounds)
+
+
+def perf_persistent_overlap(rounds: int = 7):
+    """The intra-warpgroup overlap (with turns, and free) on persistent CTAs against the
+    default (persistent, ping-pong without the overlap), cuDNN and tokamax: full D = 128."""
+    for label, shape in FULL_ROWS[:2]:
+        fns = _peers(False, ("jaxfuse", "cudnn", "tokamax_mosaic"))
+        for name, blocks in {"overlap + turns": _overlapped(128),
+                             "overlap, free": _overlapped(128, pingpong=False)}.items():
+            fns[f"jaxfuse[{name}]"] = functools.partial(jaxfuse.flash_attention,
+                                                        block_sizes=blocks)
+        _interleaved(label, shape, False, fns, rounds)
+
+
 if __name__ == "__main__":
     import sys
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
@@ -320,6 +365,11 @@ if __name__ == "__main__":
         perf_d256()
     if sys.argv[1:2] == ["guard"]:
         perf_guard()
+    if sys.argv[1:2] == ["persistent"]:
+        check_persistent()
+        perf_persistent()
+    if sys.argv[1:2] == ["persistent_overlap"]:
+        perf_persistent_overlap()
     if sys.argv[1:2] == ["overlap"]:
         check_overlap()
         perf_overlap()

@@ -191,6 +191,25 @@ def test_hopper_overlap_lowers(opts, d, consumers, stages, pingpong):
     assert "jaxfuse_flash_fwd_hopper" in module
 
 
+@pytest.mark.parametrize("d,overlap,opts", [
+    (64, False, {}), (128, False, dict(logits_soft_cap=30.0)), (128, True, {}),
+    (128, False, dict(causal=True, sliding_window=100))])
+def test_hopper_persistent_lowers(d, overlap, opts):
+    """`HopperAttnTiles(persistent=True)`: one CTA a multiprocessor walking the work tiles,
+    ring slots and barrier phases running on across them, each consumer's next Q loaded after
+    its last S, O through a buffer of its own, stores waited for only before that buffer is
+    rewritten; three consumers (D = 64), the overlap, and masks (persistence forced)."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    q = jnp.zeros((2, 256, 4, d), jnp.bfloat16)
+    k = jnp.zeros((2, 384, 2, d), jnp.bfloat16)
+    tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(d), persistent=True,
+                                overlap=overlap, backward=False)
+    module = _lower(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
+        q, k, k).mlir_module()
+    assert "jaxfuse_flash_fwd_hopper" in module
+
+
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
 def test_dropout_kernels_lower(shape):
     x = jnp.zeros(shape, jnp.bfloat16)

@@ -232,6 +232,12 @@ def matmul_epilogue(a: jax.Array, b: jax.Array, off=0, per_row: jax.Array | None
     return f(jnp.asarray(off, jnp.int32).reshape(1), a, b, *per_row, *refs)
 
 
+def cta_share(n_tiles, ctas: int, cta):
+    """Work tiles of CTA `cta` of a persistent grid of `ctas` walking `n_tiles` round robin
+    (tiles cta, cta + ctas, ...)."""
+    return (n_tiles - cta + ctas - 1) // ctas
+
+
 # Shared memory a CTA may use on an H100/H200 (227 KiB), less a little for the barriers.
 _SMEM_BYTES = 227 * 1024 - 1024
 
@@ -388,7 +394,7 @@ def _pingpong(g: _Gemm, off, off_gmem, a_gmem, b_gmem, *refs_):
 
     def scope(a_smem, b_smem, rows_smem, full, empty, rows_full, rows_empty, scratch):
         wg, sm = lax.axis_index("wg"), lax.axis_index("sm")
-        local = (n_tiles - sm + g.n_sms - 1) // g.n_sms      # this CTA's tiles
+        local = cta_share(n_tiles, g.n_sms, sm)
         off_, a_rows, b_cols = g.views(off, off_gmem, a_gmem, b_gmem)
 
         def coords(j):

@@ -21,6 +21,15 @@ One CTA computes a [consumers * 64, D] tile of o for one (batch, query head):
   instead (`HopperAttnTiles.overlap`: S_{j+1} and P_j V_j issued together, FlashAttention-3
   sec. 3.2).
 
+Without masks that hide keys (no causal mask, no window) the CTAs are persistent
+(`HopperAttnTiles.persistent`): one a multiprocessor walks the (batch, head, query tile) work
+tiles round robin, so a tile's start (its first K and V, its Q) no longer waits behind the last
+one's end: the producer runs on into the next tile's keys, each consumer loads its next Q once
+its last S is formed, and O leaves through a buffer of its own. H200, s16-1, interleaved: B4
+H32 T4096 D128 1.895 ms against 2.008 with a CTA a tile (cuDNN 1.918), GQA 32/8 1.879 against
+1.945, D64 B8 H16 T2048 0.312 against 0.344 (cuDNN 0.346). Causal CTAs are not: a static walk
+lost 5% at D128 and 43% at D64 to the dynamic launch order below.
+
 Causal and sliding-window masks come from `_attn.key_blocks`, shared with the Triton kernels:
 key tiles wholly masked for the CTA's rows are never loaded, tiles wholly visible take no mask
 arithmetic, and only the tiles on an edge are masked. With `causal`, CTAs are launched heaviest
@@ -83,13 +92,22 @@ class HopperAttnTiles:
     overlap: each consumer issues S_{j+1} = Q K_{j+1}^T and P_j V_j together and runs softmax
     j+1 while P_j V_j multiplies (FlashAttention-3 sec. 3.2, intra-warpgroup overlap); with
     `pingpong` two consumers also pass a turn to issue their products (`Turns`); the ring
-    needs 2 slots or more, since each consumer holds a V tile one step longer."""
+    needs 2 slots or more, since each consumer holds a V tile one step longer;
+    persistent: one CTA a multiprocessor walks the (batch, head, query tile) work tiles in
+    turn (round robin), so the producer loads the next tile's K and V while the consumers
+    finish the last one, each consumer loads its next Q as soon as its last S is formed, and O
+    leaves through a buffer of its own; None: where no mask hides keys (no causal mask, no
+    window: there CTAs launched heaviest first balance the wave better than a static walk;
+    H200, s16-1, causal B4 H32 T4096 D128 1.159 ms persistent against 1.104, D64 B8 H16
+    T2048 0.298 against 0.209) and the O buffer fits beside two ring slots (head_dim <= 128;
+    without masks it gained 3-9%: module docstring)."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
     backward: object = True
     consumers: int | None = None
     overlap: bool = False
+    persistent: bool | None = None
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in _REGISTERS:
@@ -120,8 +138,20 @@ class HopperAttnTiles:
         # accumulator does not fit in 160 registers.
         return self.consumers or (3 if d <= 64 else 2)
 
-    def stages_for(self, d: int, itemsize: int) -> int:
-        q = self.n_consumers(d) * _ROWS * d * itemsize  # Q tiles (reused for O on the way out)
+    def persists(self, spec: AttnSpec) -> bool:
+        """Whether the forward of `spec` runs persistent CTAs (see the class docstring)."""
+        if self.persistent is not None:
+            return self.persistent
+        # Not by default in the interpreter: its simulated threads hung intermittently on
+        # persistent walks with 2-slot rings under pytest (all three waiting on barriers that
+        # were never to complete; never in 52 standalone runs, nor on the GPU, where D = 128
+        # runs 2 slots; benchmarks/NOTES.md s16). Its tests force it on 4-slot rings.
+        return not A.hides_keys(spec) and spec.head_dim <= 128 and not spec.interpret
+
+    def stages_for(self, d: int, itemsize: int, persistent: bool = False) -> int:
+        # Q tiles, reused for O on the way out; a persistent CTA's O has a buffer of its own
+        # (the next Q lands while O leaves).
+        q = self.n_consumers(d) * _ROWS * d * itemsize * (2 if persistent else 1)
         stage = 2 * self.block_k * d * itemsize        # one K and one V tile
         fit = max(1, (_SMEM_BYTES - q) // stage)
         stages = min(fit, 4) if self.stages is None else self.stages
@@ -321,11 +351,15 @@ def _row_vec(x, n: int):
     return lax.broadcast_in_dim(x, (x.shape[0], n), (0,))
 
 
-def query_tile(spec: AttnSpec, hq: int, n_q_tiles: int, bk: int, consumers: int = 2):
-    """(b, h, row0, key block bounds `A.key_blocks`) of this CTA's consumers x 64 query rows,
-    grid ("bh", "q"); causal: heaviest first (the last query tiles see the most keys)."""
-    bh = lax.axis_index("bh")
-    tile = lax.axis_index("q")
+def query_tile(spec: AttnSpec, hq: int, n_q_tiles: int, bk: int, consumers: int = 2,
+               item=None):
+    """(b, h, row0, key block bounds `A.key_blocks`) of consumers x 64 query rows: this CTA's,
+    grid ("bh", "q"), or work tile `item` of a persistent walk (bh major, then the query tile);
+    causal: heaviest first (the last query tiles see the most keys)."""
+    if item is None:
+        bh, tile = lax.axis_index("bh"), lax.axis_index("q")
+    else:
+        bh, tile = item // n_q_tiles, lax.rem(item, n_q_tiles)
     if spec.causal:
         tile = n_q_tiles - 1 - tile
     row0 = tile * (consumers * _ROWS)
@@ -342,7 +376,8 @@ _REGISTERS = {2: (40, 232), 3: (32, 160)}
 
 
 def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full, empty,
-               registers: int = 40, edges=None, interpret: bool = False, held: int = 0):
+               registers: int | None = 40, edges=None, interpret: bool = False, held: int = 0,
+               base=0, drain: bool = True):
     """The producer warpgroup of a kernel that walks n key blocks from block lo: K and V of
     (b, h_kv) through a ring of `stages` shared-memory slots, (k, v) pairs of smem refs,
     'full' barriers it arrives on and 'empty' barriers the consumers release.
@@ -360,13 +395,19 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
     held: steps for which a consumer keeps a V tile after the next tile's K (the overlapped
     forward holds 1). Deferring the cleaning then needs stages >= 2 + held: with 2 slots and a
     held V, tile j's copy waits for tile j - 2's V, which the consumers release only after
-    tile j - 1, which would wait for the cleaning that comes after tile j's copy."""
-    plgpu.set_max_registers(registers, action="decrease")
+    tile j - 1, which would wait for the cleaning that comes after tile j's copy.
+
+    base: ring steps taken before these (a persistent CTA's earlier work tiles: slots and
+    barrier phases run on across them); drain: observe the ring's last releases at the end
+    (`drain_ring`; a persistent CTA drains once, after its last tile). registers: None
+    leaves the count as it is (set once by a persistent CTA)."""
+    if registers is not None:
+        plgpu.set_max_registers(registers, action="decrease")
     kv = lambda ref, j: ref.at[b, pl.ds((lo + j) * bk, bk), h_kv]
 
     def load(j, slot, barriers):
         for src, dst, f, e in zip((k_gmem, v_gmem), smem, barriers, empty):
-            @pl.when(j >= stages)
+            @pl.when(base + j >= stages)
             def _():
                 plgpu.barrier_wait(e.at[slot])
             plgpu.copy_gmem_to_smem(kv(src, j), dst.at[slot], f.at[slot])
@@ -377,7 +418,7 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
     defer = stages >= 2 + held
 
     def clean(j):
-        slot = lax.rem(j, stages)
+        slot = lax.rem(base + j, stages)
         with jax.named_scope("land"):            # scopes for benchmarks/attention_trace.py
             plgpu.barrier_wait(landed.at[slot])
         with jax.named_scope("clean"):
@@ -387,7 +428,7 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
 
     @pl.loop(0, n)
     def _step(j):
-        slot = lax.rem(j, stages)
+        slot = lax.rem(base + j, stages)
         if edges is None:
             load(j, slot, full)
             return
@@ -408,10 +449,15 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
 
     if edges is not None and defer:
         pl.when((n >= 1) & is_edge(n - 1))(lambda: clean(n - 1))
+    if drain:
+        drain_ring(empty, stages, base + n)
 
-    # Observe the last releases, so every barrier completion is waited for before the kernel
-    # ends (the interpreter checks it; on the GPU it costs nothing).
-    @pl.loop(jnp.maximum(n, stages), n + stages)
+
+def drain_ring(empty, stages: int, steps):
+    """Observes the releases ('empty' barriers) of a ring's last `stages` steps of `steps`, so
+    every barrier completion is waited for before the kernel ends (the interpreter checks it;
+    on the GPU it costs nothing)."""
+    @pl.loop(jnp.maximum(steps, stages), steps + stages)
     def _drain(j):
         slot = lax.rem(j, stages)
         for e in empty:
@@ -424,6 +470,10 @@ _CLEAN_ELEMS = 4 * 8 * 64
 # Count before writing (below); False rewrites every edge tile (the code before s15, kept as a
 # diagnostic for benchmarks/attention.py guard).
 _COUNT_FIRST = True
+# Mosaic GPU's barriers around shared-memory loads, stores and TMA issues (False: its
+# `unsafe_no_auto_barriers`, as tokamax compiles; a diagnostic for benchmarks/attention.py
+# persistent, not a default: the producer's cleaning rewrites what it reads).
+_AUTO_BARRIERS = True
 
 
 def _hide_masked_garbage(k_tile, v_tile, interpret: bool):
@@ -478,188 +528,246 @@ def _hide_masked_garbage(k_tile, v_tile, interpret: bool):
 
 
 def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
-                  tiles: HopperAttnTiles, stages: int, n_q_tiles: int):
+                  tiles: HopperAttnTiles, stages: int, n_q_tiles: int, ctas: int | None):
+    """ctas: None, a CTA a work tile (grid ("bh", "q")); else a persistent grid ("sm",) of
+    `ctas` CTAs walking the work tiles (`HopperAttnTiles.persistent`)."""
     bk, d, g = tiles.block_k, spec.head_dim, spec.groups
     nc = tiles.n_consumers(d)
     mma = _Mma(spec.interpret)
     dtype = q_gmem.dtype
     transforms = H._tma_transforms(dtype, d)
     producer_regs, consumer_regs = _REGISTERS[nc]
+    hq = q_gmem.shape[2]
+    where = lambda item: query_tile(spec, hq, n_q_tiles, bk, nc, item)
+
+    def walk(body, carry):
+        """body(i, item, has_next, carry) over this CTA's work tiles (i: its own count)."""
+        if ctas is None:
+            return body(0, None, False, carry)
+        sm = lax.axis_index("sm")
+        local = H.cta_share(q_gmem.shape[0] * hq * n_q_tiles, ctas, sm)
+        return lax.fori_loop(
+            0, local, lambda i, c: body(i, sm + i * ctas, i + 1 < local, c), carry)
 
     def scoped(q_smem, k_smem, v_smem, lse_smem, k_full, v_full, q_full, k_empty, v_empty,
                turn, *rest):
         landed = rest[:1] if A.hides_keys(spec) else ()
-        o_scratch = rest[len(landed):]
-        b, h, row0, (lo, flo, fhi, hi) = query_tile(spec, q_gmem.shape[2], n_q_tiles, bk, nc)
-        n = hi - lo
+        rest = rest[len(landed):]
+        o_smem = rest[0] if ctas is not None else q_smem     # O leaves through here
+        o_scratch = rest[1:] if ctas is not None else rest
         wg = lax.axis_index("wg")
 
         @pl.when(wg == nc)
         def _producer():
-            edges = (flo - lo, fhi - lo, landed[0]) if landed else None
-            produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
-                       (k_full, v_full), (k_empty, v_empty), producer_regs, edges,
-                       spec.interpret, held=int(tiles.overlap))
+            plgpu.set_max_registers(producer_regs, action="decrease")
+
+            def item_kv(i, item, has_next, base):
+                b, h, row0, (lo, flo, fhi, hi) = where(item)
+                n = hi - lo
+                edges = (flo - lo, fhi - lo, landed[0]) if landed else None
+                produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
+                           (k_full, v_full), (k_empty, v_empty), None, edges, spec.interpret,
+                           held=int(tiles.overlap), base=base, drain=False)
+                return base + n
+            drain_ring((k_empty, v_empty), stages, walk(item_kv, jnp.int32(0)))
 
         @pl.when(wg < nc)
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
-            r0 = row0 + wg * _ROWS
-            # A consumer past the last query row (the last CTA when Tq is not a multiple of
-            # its rows) only releases the ring's slots.
-            active = r0 < spec.n_q
-
-            @pl.when(active)
-            def _():
-                plgpu.copy_gmem_to_smem(q_gmem.at[b, pl.ds(r0, _ROWS), h], q_smem.at[wg],
-                                        q_full.at[wg])
-                plgpu.barrier_wait(q_full.at[wg])
-            # This consumer's own key blocks within the CTA's [lo, hi): blocks wholly masked
-            # for its 64 rows (causal, window) are passed over, only its own edges masked.
-            c_lo, c_flo, c_fhi, c_hi = (jnp.where(active, x, lo) - lo for x in
-                                        A.key_blocks(spec, r0, _ROWS, bk))
             takes_turns = tiles.pingpong and nc == 2 and stages >= 2
             pp = PingPong(turn, wg, takes_turns and not tiles.overlap, stages)
             turns = Turns(turn, wg, takes_turns and tiles.overlap)
 
-            def softmax(j, s, m, l, masked):
-                """(p in the input dtype, alpha, m, l) of raw scores s of key block j."""
-                keep = None
-                if masked:   # positions made here, not held across the loop (registers)
-                    q_pos = r0 + _iota((_ROWS, bk), 0, spec.interpret)
-                    k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
-                    keep = A.visible(spec, q_pos, k_pos, None, None)
-                u, _ = A.transform(spec, s, keep)
-                m_new = jnp.maximum(m, jnp.max(fold_columns(u, jnp.maximum), axis=1))
-                shift = C.safe_max(m_new) * spec.c2
-                alpha = jnp.exp2(m * spec.c2 - shift)
-                # One FMA and one exp2 an element: u c2 - m c2 (FlashAttention-3's form).
-                p = jnp.exp2(u * spec.c2 - _row_vec(shift, bk))
-                l = l * _row_vec(alpha, _LANES) + fold_columns(p, jnp.add)
-                return p.astype(dtype), alpha, m_new, l
+            def my_rows(item):
+                """(b, h, first row of this consumer, whether it has rows) of work tile item."""
+                b, h, row0, _ = where(item)
+                r0 = row0 + wg * _ROWS
+                # A consumer past the last query row (the last CTA when Tq is not a multiple
+                # of its rows) only releases the ring's slots.
+                return b, h, r0, r0 < spec.n_q
 
-            # The named scopes are what `_hopper.traced` stamps (benchmarks/attention_trace.py).
-            def step(j, carry, masked):
-                acc, m, l = carry
-                slot = lax.rem(j, stages)
-                with jax.named_scope("wait_k"):
+            def load_q(item):
+                b, h, r0, active = my_rows(item)
+                pl.when(active)(lambda: plgpu.copy_gmem_to_smem(
+                    q_gmem.at[b, pl.ds(r0, _ROWS), h], q_smem.at[wg], q_full.at[wg]))
+
+            def item_o(i, item, has_next, base):
+                b, h, r0, active = my_rows(item)
+                _, _, _, (lo, _, _, hi) = where(item)
+                n = hi - lo
+                if ctas is None:
+                    load_q(item)
+                else:
+                    pl.when(i == 0)(lambda: load_q(item))
+                pl.when(active)(lambda: plgpu.barrier_wait(q_full.at[wg]))
+                # A persistent consumer loads its next Q once its last S is formed.
+                load_next_q = lambda: load_q(item + ctas) if ctas is not None else None
+                # This consumer's own key blocks within the CTA's [lo, hi): blocks wholly
+                # masked for its 64 rows (causal, window) are passed over, only its own edges
+                # masked.
+                c_lo, c_flo, c_fhi, c_hi = (jnp.where(active, x, lo) - lo for x in
+                                            A.key_blocks(spec, r0, _ROWS, bk))
+                ring = lambda j: lax.rem(base + j, stages)     # slot of key block j
+
+                def s_done(j):
+                    """After key block j's S is formed: Q is free after the last one."""
+                    if has_next is not False:
+                        pl.when((j == c_hi - 1) & has_next)(load_next_q)
+
+                def softmax(j, s, m, l, masked):
+                    """(p in the input dtype, alpha, m, l) of raw scores s of key block j."""
+                    keep = None
+                    if masked:   # positions made here, not held across the loop (registers)
+                        q_pos = r0 + _iota((_ROWS, bk), 0, spec.interpret)
+                        k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
+                        keep = A.visible(spec, q_pos, k_pos, None, None)
+                    u, _ = A.transform(spec, s, keep)
+                    m_new = jnp.maximum(m, jnp.max(fold_columns(u, jnp.maximum), axis=1))
+                    shift = C.safe_max(m_new) * spec.c2
+                    alpha = jnp.exp2(m * spec.c2 - shift)
+                    # One FMA and one exp2 an element: u c2 - m c2 (FlashAttention-3's form).
+                    p = jnp.exp2(u * spec.c2 - _row_vec(shift, bk))
+                    l = l * _row_vec(alpha, _LANES) + fold_columns(p, jnp.add)
+                    return p.astype(dtype), alpha, m_new, l
+
+                # The named scopes are what `_hopper.traced` stamps
+                # (benchmarks/attention_trace.py).
+                def step(j, carry, masked):
+                    acc, m, l = carry
+                    slot = ring(j)
+                    with jax.named_scope("wait_k"):
+                        plgpu.barrier_wait(k_full.at[slot])
+                    with jax.named_scope("qk"):
+                        s = mma.qk(q_smem.at[wg], k_smem.at[slot], pp.switch)
+                    plgpu.barrier_arrive(k_empty.at[slot])
+                    s_done(j)
+                    with jax.named_scope("softmax"):
+                        p, alpha, m, l = softmax(j, s, m, l, masked)
+                        acc = acc * _row_vec(alpha, d)
+                    with jax.named_scope("wait_v"):
+                        pp.arrive()                           # my softmax is done
+                        plgpu.barrier_wait(v_full.at[slot])
+                        pp.wait()                             # the other's GEMMs are issued
+                    with jax.named_scope("pv"):
+                        acc = mma.pv(acc, p, v_smem.at[slot], lambda: None)
+                    plgpu.barrier_arrive(v_empty.at[slot])
+                    return acc, m, l
+
+                def step_behind(o_ref, j, carry, masked):
+                    """`overlap`: S_j and P_{j-1} V_{j-1} issued together, softmax j under
+                    the latter, then O rescaled by alpha_j (O_j - P_j V_j = alpha_j O_{j-1});
+                    P_j waits for the next step, V_j stays held. At the consumer's first block
+                    P is 0 against that block's own V (one uniform step; a first block is
+                    cleaned or seen by all rows, so 0 times its V is 0 or a NaN those rows
+                    get anyway)."""
+                    p_prev, m, l = carry
+                    slot = ring(j)
+                    prev = jnp.where(j > c_lo, ring(j - 1 + stages), slot)
+                    with jax.named_scope("wait_k"):
+                        plgpu.barrier_wait(k_full.at[slot])
+                        # V is waited for when it is multiplied, a step after its K: V_{j-1}
+                        # here, except that the first block's own V (the operand of P = 0) is
+                        # waited for at the first block and so not again at the second.
+                        # Waiting for V_j with K_j exposed each copy's latency with 2 slots,
+                        # where V_j's copy waits for V_{j-2}'s release at the end of step
+                        # j - 1.
+                        pl.when(j != c_lo + 1)(lambda: plgpu.barrier_wait(v_full.at[prev]))
+                    turns.take()
+                    with jax.named_scope("qk"):
+                        s = mma.qk_behind(q_smem.at[wg], k_smem.at[slot], o_ref, p_prev,
+                                          v_smem.at[prev], turns.give)
+                    plgpu.barrier_arrive(k_empty.at[slot])
+                    s_done(j)
+                    with jax.named_scope("softmax"):
+                        p, alpha, m, l = softmax(j, s, m, l, masked)
+                    with jax.named_scope("pv"):            # waits for P_{j-1} V_{j-1}
+                        o_ref[...] = o_ref[...] * _row_vec(alpha, d)
+                    pl.when(j > c_lo)(lambda: plgpu.barrier_arrive(v_empty.at[prev]))
+                    return p, m, l
+
+                def last_pv(o_ref, carry):
+                    """The held tile's product, once the consumer's blocks are done."""
+                    p = carry[0]
+                    slot = ring(c_hi - 1)
+                    pl.when(c_hi - 1 != c_lo)(lambda: plgpu.barrier_wait(v_full.at[slot]))
+                    mma.pv_into(o_ref, p, v_smem.at[slot])
+                    mma.drain()                             # then the slot is free
+                    plgpu.barrier_arrive(v_empty.at[slot])
+                    return carry
+
+                def pass_over(j, carry):
+                    """A key block wholly masked for this consumer's rows: release its slots
+                    (and keep the ping-pong's count of switches)."""
+                    slot = ring(j)
                     plgpu.barrier_wait(k_full.at[slot])
-                with jax.named_scope("qk"):
-                    s = mma.qk(q_smem.at[wg], k_smem.at[slot], pp.switch)
-                plgpu.barrier_arrive(k_empty.at[slot])
-                with jax.named_scope("softmax"):
-                    p, alpha, m, l = softmax(j, s, m, l, masked)
-                    acc = acc * _row_vec(alpha, d)
-                with jax.named_scope("wait_v"):
-                    pp.arrive()                           # my softmax is done
+                    turns.take()
+                    turns.give()
+                    pp.switch()
+                    plgpu.barrier_arrive(k_empty.at[slot])
+                    pp.arrive()
                     plgpu.barrier_wait(v_full.at[slot])
-                    pp.wait()                             # the other's GEMMs have been issued
-                with jax.named_scope("pv"):
-                    acc = mma.pv(acc, p, v_smem.at[slot], lambda: None)
-                plgpu.barrier_arrive(v_empty.at[slot])
-                return acc, m, l
+                    pp.wait()
+                    plgpu.barrier_arrive(v_empty.at[slot])
+                    return carry
 
-            def step_behind(o_ref, j, carry, masked):
-                """`overlap`: S_j and P_{j-1} V_{j-1} issued together, softmax j under the
-                latter, then O rescaled by alpha_j (O_j - P_j V_j = alpha_j O_{j-1}); P_j waits
-                for the next step, V_j stays held. At the consumer's first block P is 0 against
-                that block's own V (one uniform step; a first block is cleaned or seen by all
-                rows, so 0 times its V is 0 or a NaN those rows get anyway)."""
-                p_prev, m, l = carry
-                slot = lax.rem(j, stages)
-                prev = jnp.where(j > c_lo, lax.rem(j - 1 + stages, stages), slot)
-                with jax.named_scope("wait_k"):
-                    plgpu.barrier_wait(k_full.at[slot])
-                    # V is waited for when it is multiplied, a step after its K: V_{j-1}
-                    # here, except that the first block's own V (the operand of P = 0) is
-                    # waited for at the first block and so not again at the second. Waiting
-                    # for V_j with K_j exposed each copy's latency with 2 slots, where V_j's
-                    # copy waits for V_{j-2}'s release at the end of step j - 1.
-                    pl.when(j != c_lo + 1)(lambda: plgpu.barrier_wait(v_full.at[prev]))
-                turns.take()
-                with jax.named_scope("qk"):
-                    s = mma.qk_behind(q_smem.at[wg], k_smem.at[slot], o_ref, p_prev,
-                                      v_smem.at[prev], turns.give)
-                plgpu.barrier_arrive(k_empty.at[slot])
-                with jax.named_scope("softmax"):
-                    p, alpha, m, l = softmax(j, s, m, l, masked)
-                with jax.named_scope("pv"):            # waits for P_{j-1} V_{j-1}
-                    o_ref[...] = o_ref[...] * _row_vec(alpha, d)
-                pl.when(j > c_lo)(lambda: plgpu.barrier_arrive(v_empty.at[prev]))
-                return p, m, l
+                def blocks(step, carry):
+                    """The consumer's key blocks: passed over, masked edge, visible, masked
+                    edge, passed over."""
+                    carry = lax.fori_loop(0, c_lo, pass_over, carry)
+                    carry = lax.fori_loop(c_lo, c_flo, lambda j, c: step(j, c, True), carry)
+                    carry = lax.fori_loop(c_flo, c_fhi, lambda j, c: step(j, c, False), carry)
+                    return lax.fori_loop(c_fhi, c_hi, lambda j, c: step(j, c, True), carry)
 
-            def last_pv(o_ref, carry):
-                """The held tile's product, once the consumer's blocks are done."""
-                p = carry[0]
-                slot = lax.rem(c_hi - 1, stages)
-                pl.when(c_hi - 1 != c_lo)(lambda: plgpu.barrier_wait(v_full.at[slot]))
-                mma.pv_into(o_ref, p, v_smem.at[slot])
-                mma.drain()                             # then the slot is free
-                plgpu.barrier_arrive(v_empty.at[slot])
-                return carry
+                l = _zeros((_ROWS, _LANES), spec.interpret)     # per-thread partial row sums
+                m = jnp.full((_ROWS,), C.NEG_INF, jnp.float32)
+                if not spec.interpret:
+                    m = plgpu.layout_cast(m, plgpu.Layout.WGMMA.reduce(1))
+                if tiles.overlap:
+                    def overlapped(o_ref):
+                        p0 = _zeros((_ROWS, bk), spec.interpret).astype(dtype)
+                        carry = blocks(lambda j, c, masked: step_behind(o_ref, j, c, masked),
+                                       (p0, m, l))
+                        # A loop of 0 or 1 steps rather than a branch: the accumulator stays
+                        # a loop carry, as in the key loop.
+                        carry = lax.fori_loop(0, jnp.minimum(c_hi - c_lo, 1),
+                                              lambda _, c: last_pv(o_ref, c), carry)
+                        _, m_, l_ = lax.fori_loop(c_hi, n, pass_over, carry)
+                        return o_ref[...], m_, l_
+                    acc, m, l = mma.accumulate(overlapped, (_ROWS, d),
+                                               o_scratch[0].at[wg] if o_scratch else None)
+                else:
+                    carry = blocks(step, (_zeros((_ROWS, d), spec.interpret), m, l))
+                    acc, m, l = lax.fori_loop(c_hi, n, pass_over, carry)
+                if has_next is not False:       # no S formed here: load the next Q now
+                    pl.when((c_hi <= c_lo) & has_next)(load_next_q)
 
-            def pass_over(j, carry):
-                """A key block wholly masked for this consumer's rows: release its slots (and
-                keep the ping-pong's count of switches)."""
-                slot = lax.rem(j, stages)
-                plgpu.barrier_wait(k_full.at[slot])
-                turns.take()
-                turns.give()
-                pp.switch()
-                plgpu.barrier_arrive(k_empty.at[slot])
-                pp.arrive()
-                plgpu.barrier_wait(v_full.at[slot])
-                pp.wait()
-                plgpu.barrier_arrive(v_empty.at[slot])
-                return carry
+                @pl.when(active)
+                def _():
+                    # As `_attn.online_finish`: lse_u in the scores' units, only l == 0 is an
+                    # empty row.
+                    lsum = jnp.sum(l, axis=1)
+                    empty = lsum == 0
+                    inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, lsum))
+                    lse = jnp.where(empty, C.NEG_INF,
+                                    m + jnp.log2(jnp.where(empty, 1.0, lsum)) * (1.0 / spec.c2))
+                    if ctas is not None:    # the last tile's O and lse have left the buffers
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    o_smem[wg] = (acc * _row_vec(inv, d)).astype(dtype)
+                    lse_smem[wg] = lse
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[b, pl.ds(r0, _ROWS), h])
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                            lse_gmem.at[b, h, pl.ds(r0, _ROWS)])
+                    if ctas is None:
+                        plgpu.wait_smem_to_gmem(0)
+                return base + n
 
-            def blocks(step, carry):
-                """The consumer's key blocks: passed over, masked edge, visible, masked edge,
-                passed over."""
-                carry = lax.fori_loop(0, c_lo, pass_over, carry)
-                carry = lax.fori_loop(c_lo, c_flo, lambda j, c: step(j, c, True), carry)
-                carry = lax.fori_loop(c_flo, c_fhi, lambda j, c: step(j, c, False), carry)
-                return lax.fori_loop(c_fhi, c_hi, lambda j, c: step(j, c, True), carry)
-
-            l = _zeros((_ROWS, _LANES), spec.interpret)     # per-thread partial row sums
-            m = jnp.full((_ROWS,), C.NEG_INF, jnp.float32)
-            if not spec.interpret:
-                m = plgpu.layout_cast(m, plgpu.Layout.WGMMA.reduce(1))
             pp.start()
             turns.start()
-            if tiles.overlap:
-                def overlapped(o_ref):
-                    p0 = _zeros((_ROWS, bk), spec.interpret).astype(dtype)
-                    carry = blocks(lambda j, c, masked: step_behind(o_ref, j, c, masked),
-                                   (p0, m, l))
-                    # A loop of 0 or 1 steps rather than a branch: the accumulator stays a
-                    # loop carry, as in the key loop.
-                    carry = lax.fori_loop(0, jnp.minimum(c_hi - c_lo, 1),
-                                          lambda _, c: last_pv(o_ref, c), carry)
-                    _, m_, l_ = lax.fori_loop(c_hi, n, pass_over, carry)
-                    return o_ref[...], m_, l_
-                acc, m, l = mma.accumulate(overlapped, (_ROWS, d),
-                                           o_scratch[0].at[wg] if o_scratch else None)
-            else:
-                carry = blocks(step, (_zeros((_ROWS, d), spec.interpret), m, l))
-                acc, m, l = lax.fori_loop(c_hi, n, pass_over, carry)
+            walk(item_o, jnp.int32(0))
             pp.end()
             turns.end()
-
-            @pl.when(active)
-            def _():
-                # As `_attn.online_finish`: lse_u in the scores' units, only l == 0 is an
-                # empty row.
-                lsum = jnp.sum(l, axis=1)
-                empty = lsum == 0
-                inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, lsum))
-                lse = jnp.where(empty, C.NEG_INF,
-                                m + jnp.log2(jnp.where(empty, 1.0, lsum)) * (1.0 / spec.c2))
-                q_smem[wg] = (acc * _row_vec(inv, d)).astype(dtype)   # Q is done with: O here
-                lse_smem[wg] = lse
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_smem.at[wg], o_gmem.at[b, pl.ds(r0, _ROWS), h])
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[b, h, pl.ds(r0, _ROWS)])
+            if ctas is not None:
                 plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(
@@ -678,6 +786,9 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
         (plgpu.Barrier(num_barriers=2) if tiles.overlap else plgpu.Barrier(num_arrivals=2)),
         # Masks hide keys: the producer cleans the CTA's edge tiles, which land here first.
         *([plgpu.Barrier(num_arrivals=2, num_barriers=stages)] if A.hides_keys(spec) else []),
+        # A persistent CTA's O buffer (the next Q lands in Q's while O leaves).
+        *([plgpu.SMEM((nc, _ROWS, d), dtype, transforms=transforms)] if ctas is not None
+          else []),
         # The overlapped O in the interpreter (a wgmma accumulator on the GPU). Allocated last:
         # a small buffer between the lse tile and the barriers stalled Mosaic GPU's
         # interpreter (jax 0.10.2) on every forward.
@@ -702,18 +813,26 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
     q [B, Tq, Hq, D] over k, v
     [B, Tk, Hkv, D]; the problem must `fit`."""
     b, tq, hq, d = q.shape
-    stages = tiles.stages_for(d, q.dtype.itemsize)
+    persistent = tiles.persists(spec)
+    stages = tiles.stages_for(d, q.dtype.itemsize, persistent)
     nc = tiles.n_consumers(d)
     n_q_tiles = C.cdiv(tq, nc * _ROWS)
+    ctas = None
+    grid, grid_names = (b * hq, n_q_tiles), ("bh", "q")
+    if persistent:
+        # Two CTAs in the interpreter, so that each walks several tiles.
+        ctas = min(b * hq * n_q_tiles, 2 if spec.interpret else C.num_multiprocessors())
+        grid, grid_names = (ctas,), ("sm",)
     body = functools.partial(_forward_body, spec=spec, tiles=tiles, stages=stages,
-                             n_q_tiles=n_q_tiles)
+                             n_q_tiles=n_q_tiles, ctas=ctas)
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, hq, tq), jnp.float32))
     name = "jaxfuse_flash_fwd_hopper"
     kw = {"interpret": H._interpret_params()} if spec.interpret else {}
-    f = plgpu.kernel(body, out_type=out_types, grid=(b * hq, n_q_tiles),
-                     grid_names=("bh", "q"), num_threads=nc + 1, thread_name="wg",
-                     compiler_params=H.compiler_params(name, approx_math=True),
+    f = plgpu.kernel(body, out_type=out_types, grid=grid, grid_names=grid_names,
+                     num_threads=nc + 1, thread_name="wg",
+                     compiler_params=H.compiler_params(
+                         name, approx_math=True, unsafe_no_auto_barriers=not _AUTO_BARRIERS),
                      kernel_name=name, **kw)
     # The barrier keeps XLA from running the kernel twice. Inside a scanned, differentiated
     # model, o is both used and stacked as a residual, and XLA's GPU dynamic-slice fusion

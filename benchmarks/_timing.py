@@ -137,6 +137,13 @@ def no_auto_barriers():
     return mock.patch.object(attention_hopper, "_AUTO_BARRIERS", False)
 
 
+def named_pingpong():
+    """A context in which the Hopper forward's two consumers take turns on a hardware named
+    barrier (`bar.sync`) instead of an mbarrier (`attention_hopper._NAMED_PINGPONG`)."""
+    from jaxfuse.pallas import attention_hopper
+    return mock.patch.object(attention_hopper, "_NAMED_PINGPONG", True)
+
+
 def guard_always_writes():
     """A context in which the Hopper forward's producer rewrites every edge tile instead of
     only those holding a non-finite value (`attention_hopper._COUNT_FIRST`): a diagnostic."""

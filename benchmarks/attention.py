@@ -352,6 +352,18 @@ def perf_persistent_overlap(rounds: int = 7):
         _interleaved(label, shape, False, fns, rounds)
 
 
+def perf_named(rounds: int = 7):
+    """The consumers' ping-pong on a hardware named barrier (`bar.sync`;
+    `_timing.named_pingpong`) against the mbarrier rendezvous (the default), cuDNN and
+    tokamax: the D = 128 rows, which take turns (D = 64 runs three consumers free)."""
+    rows = [(label, shape, False) for label, shape in FULL_ROWS[:2]]
+    rows += [(label, shape, True) for label, shape in (CAUSAL_ROWS[0], CAUSAL_ROWS[3])]
+    for label, shape, causal in rows:
+        fns = _peers(causal, ("jaxfuse", "cudnn", "tokamax_mosaic"))
+        fns["jaxfuse[named ping-pong]"] = _traced_under(fns["jaxfuse"], _timing.named_pingpong)
+        _interleaved(label, shape, causal, fns, rounds)
+
+
 if __name__ == "__main__":
     import sys
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
@@ -368,6 +380,11 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["persistent"]:
         check_persistent()
         perf_persistent()
+    if sys.argv[1:2] == ["named"]:
+        for i, c in enumerate(HOPPER_CASES):
+            with _timing.named_pingpong():
+                _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper named")
+        perf_named()
     if sys.argv[1:2] == ["persistent_overlap"]:
         perf_persistent_overlap()
     if sys.argv[1:2] == ["overlap"]:

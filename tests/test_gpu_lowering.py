@@ -210,6 +210,21 @@ def test_hopper_persistent_lowers(d, overlap, opts):
     assert "jaxfuse_flash_fwd_hopper" in module
 
 
+@pytest.mark.parametrize("opts", [{}, dict(causal=True)])
+def test_hopper_named_pingpong_lowers(opts, monkeypatch):
+    """The forward's ping-pong on a hardware named barrier (`attention_hopper._NAMED_PINGPONG`:
+    `bar.sync` inlined through `plgpu.inline_mgpu`), persistent and not."""
+    from jaxfuse.pallas import attention_hopper as AH
+    monkeypatch.setattr(AH, "_NAMED_PINGPONG", True)
+    q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+    k = jnp.zeros((1, 384, 2, 128), jnp.bfloat16)
+    module = _lower(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(
+            hopper=AH.HopperAttnTiles(backward=False)), **opts), q, k, k).mlir_module()
+    assert "jaxfuse_flash_fwd_hopper" in module
+    assert f"bar.sync {AH._PINGPONG_BARRIER_ID}, 256" in module
+
+
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
 def test_dropout_kernels_lower(shape):
     x = jnp.zeros(shape, jnp.bfloat16)

@@ -292,16 +292,24 @@ class PingPong:
     ring of fewer than 2 slots (`stages`): with one, the consumer ahead would wait for the slot
     that the one behind releases only after their next switch."""
 
-    def __init__(self, barrier, wg, on: bool, stages: int):
+    def __init__(self, barrier, wg, on: bool, stages: int, named: bool = False):
         self.barrier, self.wg, self.on = barrier, wg, on and stages >= 2
+        # named: the rendezvous is a hardware named barrier of both warpgroups (`bar.sync`,
+        # one instruction that parks the warps) instead of an mbarrier's arrive and polling
+        # wait; an arrival then cannot be split from its wait, so `arrive` does nothing and
+        # `wait` is the whole rendezvous. GPU only (the interpreter has no named barriers).
+        self.named = named
 
     def arrive(self):
-        if self.on:
+        if self.on and not self.named:
             plgpu.barrier_arrive(self.barrier)
 
     def wait(self):
         if self.on:
-            plgpu.barrier_wait(self.barrier)
+            if self.named:
+                _named_barrier_sync(_PINGPONG_BARRIER_ID, 2 * 128)
+            else:
+                plgpu.barrier_wait(self.barrier)
 
     def switch(self):
         if self.on:
@@ -314,6 +322,26 @@ class PingPong:
 
     def end(self):
         pl.when(self.wg == 0)(self.switch)
+
+
+# A hardware named barrier for the ping-pong (`PingPong(named=True)`): Mosaic GPU uses 0 (the
+# CTA) and 1 + warpgroup (its warpgroup barriers); 16 exist.
+_PINGPONG_BARRIER_ID = 8
+# Named barriers for the ping-pong on the GPU (False: mbarriers; a diagnostic for
+# benchmarks/attention.py named).
+_NAMED_PINGPONG = False
+
+
+def _named_barrier_sync(barrier_id: int, threads: int):
+    """`bar.sync barrier_id, threads` (PTX): waits until `threads` threads have reached it."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+
+    @plgpu.inline_mgpu()
+    def sync(_):
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], f"bar.sync {barrier_id}, {threads};",
+                        "", has_side_effects=True)
+    sync()
 
 
 class Turns:
@@ -575,7 +603,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
             takes_turns = tiles.pingpong and nc == 2 and stages >= 2
-            pp = PingPong(turn, wg, takes_turns and not tiles.overlap, stages)
+            pp = PingPong(turn, wg, takes_turns and not tiles.overlap, stages,
+                          named=_NAMED_PINGPONG and not spec.interpret)
             turns = Turns(turn, wg, takes_turns and tiles.overlap)
 
             def my_rows(item):

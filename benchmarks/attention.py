@@ -355,12 +355,17 @@ def perf_persistent_overlap(rounds: int = 7):
 def perf_named(rounds: int = 7):
     """The consumers' ping-pong on a hardware named barrier (`bar.sync`;
     `_timing.named_pingpong`) against the mbarrier rendezvous (the default), cuDNN and
-    tokamax: the D = 128 rows, which take turns (D = 64 runs three consumers free)."""
+    tokamax: the D = 128 rows, which take turns (D = 64 runs three consumers free); without
+    GQA also the intra-warpgroup overlap passing turns on named barriers."""
     rows = [(label, shape, False) for label, shape in FULL_ROWS[:2]]
     rows += [(label, shape, True) for label, shape in (CAUSAL_ROWS[0], CAUSAL_ROWS[3])]
     for label, shape, causal in rows:
         fns = _peers(causal, ("jaxfuse", "cudnn", "tokamax_mosaic"))
         fns["jaxfuse[named ping-pong]"] = _traced_under(fns["jaxfuse"], _timing.named_pingpong)
+        if shape[1] == shape[2]:        # not GQA: the overlap taking turns on named barriers
+            fns["jaxfuse[overlap + named turns]"] = _traced_under(functools.partial(
+                jaxfuse.flash_attention, causal=causal, block_sizes=_overlapped(128)),
+                _timing.named_pingpong)
         _interleaved(label, shape, causal, fns, rounds)
 
 
@@ -384,6 +389,8 @@ if __name__ == "__main__":
         for i, c in enumerate(HOPPER_CASES):
             with _timing.named_pingpong():
                 _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper named")
+                if c["d"] == 128:
+                    _check_case(i, c, jnp.bfloat16, _overlapped(128), " hopper overlap named")
         perf_named()
     if sys.argv[1:2] == ["persistent_overlap"]:
         perf_persistent_overlap()

@@ -210,19 +210,26 @@ def test_hopper_persistent_lowers(d, overlap, opts):
     assert "jaxfuse_flash_fwd_hopper" in module
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("opts", [{}, dict(causal=True)])
-def test_hopper_named_pingpong_lowers(opts, monkeypatch):
-    """The forward's ping-pong on a hardware named barrier (`attention_hopper._NAMED_PINGPONG`:
-    `bar.sync` inlined through `plgpu.inline_mgpu`), persistent and not."""
+def test_hopper_named_pingpong_lowers(opts, overlap, monkeypatch):
+    """The forward's consumers taking turns on hardware named barriers
+    (`attention_hopper._NAMED_PINGPONG`: `bar.sync` / `bar.arrive` inlined through
+    `plgpu.inline_mgpu`), the ping-pong's rendezvous and the overlap's turn passing,
+    persistent and not."""
     from jaxfuse.pallas import attention_hopper as AH
     monkeypatch.setattr(AH, "_NAMED_PINGPONG", True)
     q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, 128), jnp.bfloat16)
     module = _lower(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(
-            hopper=AH.HopperAttnTiles(backward=False)), **opts), q, k, k).mlir_module()
+            hopper=AH.HopperAttnTiles(overlap=overlap, backward=False)), **opts),
+        q, k, k).mlir_module()
     assert "jaxfuse_flash_fwd_hopper" in module
-    assert f"bar.sync {AH._PINGPONG_BARRIER_ID}, 256" in module
+    ids = (AH._PINGPONG_BARRIER_ID,) + ((AH._PINGPONG_BARRIER_ID + 1,) if overlap else ())
+    for i in ids:
+        assert f"bar.sync {i}, 256" in module, i
+    assert ("bar.arrive" in module) == overlap
 
 
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])

@@ -307,7 +307,7 @@ class PingPong:
     def wait(self):
         if self.on:
             if self.named:
-                _named_barrier_sync(_PINGPONG_BARRIER_ID, 2 * 128)
+                _named_barrier(_PINGPONG_BARRIER_ID, 2 * 128)
             else:
                 plgpu.barrier_wait(self.barrier)
 
@@ -324,24 +324,26 @@ class PingPong:
         pl.when(self.wg == 0)(self.switch)
 
 
-# A hardware named barrier for the ping-pong (`PingPong(named=True)`): Mosaic GPU uses 0 (the
-# CTA) and 1 + warpgroup (its warpgroup barriers); 16 exist.
+# Hardware named barriers for the ping-pong (`PingPong(named=True)`: this one; `Turns`: this
+# one and the next): Mosaic GPU uses 0 (the CTA) and 1 + warpgroup (its warpgroup barriers);
+# 16 exist.
 _PINGPONG_BARRIER_ID = 8
-# Named barriers for the ping-pong on the GPU (False: mbarriers; a diagnostic for
-# benchmarks/attention.py named).
+# Named barriers for the consumers' turns on the GPU (`PingPong`, `Turns`; False: mbarriers;
+# a diagnostic for benchmarks/attention.py named).
 _NAMED_PINGPONG = False
 
 
-def _named_barrier_sync(barrier_id: int, threads: int):
-    """`bar.sync barrier_id, threads` (PTX): waits until `threads` threads have reached it."""
+def _named_barrier(barrier_id: int, threads: int, op: str = "sync"):
+    """PTX `bar.sync barrier_id, threads` (waits until `threads` threads have reached the
+    barrier, its own warps included) or `bar.arrive` (counts its warps without waiting)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm
 
     @plgpu.inline_mgpu()
-    def sync(_):
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], f"bar.sync {barrier_id}, {threads};",
+    def bar(_):
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], f"bar.{op} {barrier_id}, {threads};",
                         "", has_side_effects=True)
-    sync()
+    bar()
 
 
 class Turns:
@@ -353,25 +355,46 @@ class Turns:
     alternate: s15-4). The first consumer starts with the turn; the last pass comes back to
     it and is taken at the end, so every barrier completion is waited for."""
 
-    def __init__(self, barriers, wg, on: bool):
+    def __init__(self, barriers, wg, on: bool, named: bool = False):
         self.barriers, self.wg, self.on = barriers, wg, on
+        # named: each consumer's barrier is a hardware named one (`bar.sync` to take, the
+        # other's `bar.arrive` to give: 128 + 128 threads), as FlashAttention-3 passes turns.
+        self.named = named
+
+    def _named(self, i, op):
+        # A named barrier's id is an immediate here: one branch a consumer (i may be traced).
+        for c in (0, 1):
+            pl.when(i == c)(functools.partial(_named_barrier, _PINGPONG_BARRIER_ID + c,
+                                              2 * 128, op))
+
+    def _wait(self, i):
+        if self.named:
+            self._named(i, "sync")
+        else:
+            plgpu.barrier_wait(self.barriers.at[i])
+
+    def _arrive(self, i):
+        if self.named:
+            self._named(i, "arrive")
+        else:
+            plgpu.barrier_arrive(self.barriers.at[i])
 
     def take(self):
         if self.on:
             with jax.named_scope("turn"):
-                plgpu.barrier_wait(self.barriers.at[self.wg])
+                self._wait(self.wg)
 
     def give(self):
         if self.on:
-            plgpu.barrier_arrive(self.barriers.at[1 - self.wg])
+            self._arrive(1 - self.wg)
 
     def start(self):
         if self.on:
-            pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(self.barriers.at[0]))
+            pl.when(self.wg == 1)(lambda: self._arrive(0))
 
     def end(self):
         if self.on:
-            pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(self.barriers.at[0]))
+            pl.when(self.wg == 0)(lambda: self._wait(0))
 
 
 def _row_vec(x, n: int):
@@ -605,7 +628,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
             takes_turns = tiles.pingpong and nc == 2 and stages >= 2
             pp = PingPong(turn, wg, takes_turns and not tiles.overlap, stages,
                           named=_NAMED_PINGPONG and not spec.interpret)
-            turns = Turns(turn, wg, takes_turns and tiles.overlap)
+            turns = Turns(turn, wg, takes_turns and tiles.overlap,
+                          named=_NAMED_PINGPONG and not spec.interpret)
 
             def my_rows(item):
                 """(b, h, first row of this consumer, whether it has rows) of work tile item."""

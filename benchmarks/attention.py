@@ -370,6 +370,7 @@ def perf_named(rounds: int = 7):
 
 
 if __name__ == "__main__":
+    import os
     import sys
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
     if sys.argv[1:2] == ["check"]:
@@ -391,7 +392,7 @@ if __name__ == "__main__":
                 _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper named")
                 if c["d"] == 128:
                     _check_case(i, c, jnp.bfloat16, _overlapped(128), " hopper overlap named")
-        perf_named()
+        perf_named(int(os.environ.get("ROUNDS", 7)))
     if sys.argv[1:2] == ["persistent_overlap"]:
         perf_persistent_overlap()
     if sys.argv[1:2] == ["overlap"]:

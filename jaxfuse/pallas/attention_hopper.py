@@ -653,8 +653,9 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                 else:
                     pl.when(i == 0)(lambda: load_q(item))
                 pl.when(active)(lambda: plgpu.barrier_wait(q_full.at[wg]))
-                # A persistent consumer loads its next Q once its last S is formed.
-                load_next_q = lambda: load_q(item + ctas) if ctas is not None else None
+                # A persistent consumer loads its next Q once its last S is formed (has_next
+                # is False, not traced, without persistence: then nothing calls this).
+                load_next_q = lambda: load_q(item + ctas)
                 # This consumer's own key blocks within the CTA's [lo, hi): blocks wholly
                 # masked for its 64 rows (causal, window) are passed over, only its own edges
                 # masked.

@@ -451,7 +451,7 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
     base: ring steps taken before these (a persistent CTA's earlier work tiles: slots and
     barrier phases run on across them); drain: observe the ring's last releases at the end
     (`drain_ring`; a persistent CTA drains once, after its last tile). registers: None
-    leaves the count as it is (set once by a persistent CTA)."""
+    leaves the count as it is (the forward sets it once, before its walk of work tiles)."""
     if registers is not None:
         plgpu.set_max_registers(registers, action="decrease")
     kv = lambda ref, j: ref.at[b, pl.ds((lo + j) * bk, bk), h_kv]
@@ -632,21 +632,21 @@ def _forward_body(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, *, spec: AttnSpec,
                           named=_NAMED_PINGPONG and not spec.interpret)
 
             def my_rows(item):
-                """(b, h, first row of this consumer, whether it has rows) of work tile item."""
-                b, h, row0, _ = where(item)
+                """(b, h, first row of this consumer, whether it has rows, the CTA's key
+                blocks) of work tile item."""
+                b, h, row0, blocks = where(item)
                 r0 = row0 + wg * _ROWS
                 # A consumer past the last query row (the last CTA when Tq is not a multiple
                 # of its rows) only releases the ring's slots.
-                return b, h, r0, r0 < spec.n_q
+                return b, h, r0, r0 < spec.n_q, blocks
 
             def load_q(item):
-                b, h, r0, active = my_rows(item)
+                b, h, r0, active, _ = my_rows(item)
                 pl.when(active)(lambda: plgpu.copy_gmem_to_smem(
                     q_gmem.at[b, pl.ds(r0, _ROWS), h], q_smem.at[wg], q_full.at[wg]))
 
             def item_o(i, item, has_next, base):
-                b, h, r0, active = my_rows(item)
-                _, _, _, (lo, _, _, hi) = where(item)
+                b, h, r0, active, (lo, _, _, hi) = my_rows(item)
                 n = hi - lo
                 if ctas is None:
                     load_q(item)

@@ -137,11 +137,12 @@ def no_auto_barriers():
     return mock.patch.object(attention_hopper, "_AUTO_BARRIERS", False)
 
 
-def named_pingpong():
-    """A context in which the Hopper forward's two consumers take turns on a hardware named
-    barrier (`bar.sync`) instead of an mbarrier (`attention_hopper._NAMED_PINGPONG`)."""
+def mbarrier_pingpong():
+    """A context in which the Hopper forward's two consumers take turns on an mbarrier
+    rendezvous (arrive, then a polling wait) instead of a hardware named barrier (`bar.sync`,
+    the default since s17: `attention_hopper._NAMED_PINGPONG`)."""
     from jaxfuse.pallas import attention_hopper
-    return mock.patch.object(attention_hopper, "_NAMED_PINGPONG", True)
+    return mock.patch.object(attention_hopper, "_NAMED_PINGPONG", False)
 
 
 def guard_always_writes():

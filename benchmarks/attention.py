@@ -353,19 +353,20 @@ def perf_persistent_overlap(rounds: int = 7):
 
 
 def perf_named(rounds: int = 7):
-    """The consumers' ping-pong on a hardware named barrier (`bar.sync`;
-    `_timing.named_pingpong`) against the mbarrier rendezvous (the default), cuDNN and
-    tokamax: the D = 128 rows, which take turns (D = 64 runs three consumers free); without
-    GQA also the intra-warpgroup overlap passing turns on named barriers."""
+    """The consumers' ping-pong on a hardware named barrier (`bar.sync`, the default) against
+    the mbarrier rendezvous (`_timing.mbarrier_pingpong`), cuDNN and tokamax: the D = 128 rows,
+    which take turns (D = 64 runs three consumers free); without GQA also the intra-warpgroup
+    overlap passing turns on named barriers."""
     rows = [(label, shape, False) for label, shape in FULL_ROWS[:2]]
     rows += [(label, shape, True) for label, shape in (CAUSAL_ROWS[0], CAUSAL_ROWS[3])]
     for label, shape, causal in rows:
         fns = _peers(causal, ("jaxfuse", "cudnn", "tokamax_mosaic"))
-        fns["jaxfuse[named ping-pong]"] = _traced_under(fns["jaxfuse"], _timing.named_pingpong)
-        if shape[1] == shape[2]:        # not GQA: the overlap taking turns on named barriers
-            fns["jaxfuse[overlap + named turns]"] = _traced_under(functools.partial(
-                jaxfuse.flash_attention, causal=causal, block_sizes=_overlapped(128)),
-                _timing.named_pingpong)
+        fns["jaxfuse[mbarrier ping-pong]"] = _traced_under(fns["jaxfuse"],
+                                                           _timing.mbarrier_pingpong)
+        b, t, hq, hkv, d = shape
+        if hq == hkv:        # not GQA: the overlap taking turns on named barriers
+            fns["jaxfuse[overlap + named turns]"] = functools.partial(
+                jaxfuse.flash_attention, causal=causal, block_sizes=_overlapped(128))
         _interleaved(label, shape, causal, fns, rounds)
 
 
@@ -388,10 +389,9 @@ if __name__ == "__main__":
         perf_persistent()
     if sys.argv[1:2] == ["named"]:
         for i, c in enumerate(HOPPER_CASES):
-            with _timing.named_pingpong():
-                _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper named")
-                if c["d"] == 128:
-                    _check_case(i, c, jnp.bfloat16, _overlapped(128), " hopper overlap named")
+            _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper named")
+            if c["d"] == 128:
+                _check_case(i, c, jnp.bfloat16, _overlapped(128), " hopper overlap named")
         perf_named(int(os.environ.get("ROUNDS", 7)))
     if sys.argv[1:2] == ["persistent_overlap"]:
         perf_persistent_overlap()

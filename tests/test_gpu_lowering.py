@@ -210,15 +210,16 @@ def test_hopper_persistent_lowers(d, overlap, opts):
     assert "jaxfuse_flash_fwd_hopper" in module
 
 
+@pytest.mark.parametrize("named", [True, False])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("opts", [{}, dict(causal=True)])
-def test_hopper_named_pingpong_lowers(opts, overlap, monkeypatch):
-    """The forward's consumers taking turns on hardware named barriers
-    (`attention_hopper._NAMED_PINGPONG`: `bar.sync` / `bar.arrive` inlined through
+def test_hopper_named_pingpong_lowers(opts, overlap, named, monkeypatch):
+    """The forward's consumers taking turns on hardware named barriers (the default,
+    `attention_hopper._NAMED_PINGPONG`: `bar.sync` / `bar.arrive` inlined through
     `plgpu.inline_mgpu`), the ping-pong's rendezvous and the overlap's turn passing,
-    persistent and not."""
+    persistent and not; and on mbarriers (the diagnostic), with no named barrier."""
     from jaxfuse.pallas import attention_hopper as AH
-    monkeypatch.setattr(AH, "_NAMED_PINGPONG", True)
+    monkeypatch.setattr(AH, "_NAMED_PINGPONG", named)
     q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, 128), jnp.bfloat16)
     module = _lower(lambda q, k, v: jaxfuse.flash_attention(
@@ -228,8 +229,8 @@ def test_hopper_named_pingpong_lowers(opts, overlap, monkeypatch):
     assert "jaxfuse_flash_fwd_hopper" in module
     ids = (AH._PINGPONG_BARRIER_ID,) + ((AH._PINGPONG_BARRIER_ID + 1,) if overlap else ())
     for i in ids:
-        assert f"bar.sync {i}, 256" in module, i
-    assert ("bar.arrive" in module) == overlap
+        assert (f"bar.sync {i}, 256" in module) == named, i
+    assert ("bar.arrive" in module) == (overlap and named)
 
 
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])

@@ -340,6 +340,22 @@ def perf_persistent(rounds: int = 7):
         _interleaved(label, shape, causal, fns, rounds)
 
 
+def perf_scheduled(rounds: int = 5):
+    """Causal forward: persistent CTAs dealt their work tiles by `attention_hopper.
+    work_schedule` (greedy list scheduling, heaviest first within groups of heads) against one
+    CTA a work tile launched heaviest first (the default before s17), cuDNN and tokamax,
+    interleaved; the table's causal rows, the 1B model's attention and T = 32768."""
+    rows = [CAUSAL_ROWS[0], CAUSAL_ROWS[3], CAUSAL_ROWS[1],
+            ("1B B2 Hq32 Hkv8 T8192 D64 causal", (2, 8192, 32, 8, 64)),
+            ("B1 H16 T32768 D128 causal", (1, 32768, 16, 16, 128))]
+    for label, shape in rows:
+        fns = _peers(True, ("jaxfuse", "cudnn", "tokamax_mosaic"))
+        for name, on in (("persistent, scheduled", True), ("a CTA a tile", False)):
+            fns[f"jaxfuse[{name}]"] = functools.partial(
+                jaxfuse.flash_attention, causal=True, block_sizes=_tiles(persistent=on))
+        _interleaved(label, shape, True, fns, rounds)
+
+
 def perf_persistent_overlap(rounds: int = 7):
     """The intra-warpgroup overlap (with turns, and free) on persistent CTAs against the
     default (persistent, ping-pong without the overlap), cuDNN and tokamax: full D = 128."""
@@ -393,6 +409,9 @@ if __name__ == "__main__":
             if c["d"] == 128:
                 _check_case(i, c, jnp.bfloat16, _overlapped(128), " hopper overlap named")
         perf_named(int(os.environ.get("ROUNDS", 7)))
+    if sys.argv[1:2] == ["scheduled"]:
+        check_persistent()
+        perf_scheduled(int(os.environ.get("ROUNDS", 5)))
     if sys.argv[1:2] == ["persistent_overlap"]:
         perf_persistent_overlap()
     if sys.argv[1:2] == ["overlap"]:

@@ -115,3 +115,47 @@ def test_float32_rejected_when_forced_and_not_taken_by_default():
         jaxfuse.flash_attention(q, q, q, block_sizes=AttnBlocks(hopper=True))
     # Default (hopper=None) on a CPU: the portable path, no error.
     assert jaxfuse.flash_attention(q, q, q).shape == q.shape
+
+
+def _spec(n, d=128, groups=1, **kw):
+    from jaxfuse.pallas._attn import AttnSpec
+    return AttnSpec.make(n_q=n, n_k=n, head_dim=d, groups=groups, dtype=jnp.bfloat16,
+                         scale=None, interpret=False, folded=False, **kw)
+
+
+@pytest.mark.parametrize("n,rows,n_bh,kw", [
+    (4096, 128, 128, dict(causal=True)),           # B4 H32 T4096 D128, 132 CTAs
+    (2048, 192, 128, dict(causal=True)),           # three consumers: 11 tiles, the last short
+    (4096, 128, 128, dict(causal=True, window=1000)),
+    (1000, 128, 5, dict(causal=True)),             # fewer tiles than CTAs
+])
+def test_work_schedule_deals_every_tile_once_and_balances(n, rows, n_bh, kw):
+    """The persistent forward's schedule (`work_schedule`): every work tile exactly once; each
+    CTA's tiles heaviest first within a head group; loads (key blocks) balanced to the
+    greedy bound: no CTA's load exceeds the mean by more than the heaviest tile."""
+    import numpy as np
+    from jaxfuse.pallas import _attn as A
+    from jaxfuse.pallas.attention_hopper import work_schedule
+    spec, ctas, n_q_tiles = _spec(n, **kw), 132, -(-n // rows)
+    table = work_schedule(spec, n_bh, n_q_tiles, rows, 128, ctas, 2)
+    counts, items = table[:, 0], table[:, 1:]
+    dealt = np.concatenate([items[c, :counts[c]] for c in range(ctas)])
+    np.testing.assert_array_equal(np.sort(dealt), np.arange(n_bh * n_q_tiles))
+    lo, _, _, hi = A.key_blocks(spec, jnp.arange(n_q_tiles) * rows, rows, 128)
+    blocks = np.broadcast_to(np.asarray(hi - lo), (n_q_tiles,))
+    loads = np.array([blocks[items[c, :counts[c]] % n_q_tiles].sum() for c in range(ctas)])
+    assert loads.max() <= blocks.sum() * n_bh / ctas + blocks.max(), (loads.max(), loads.mean())
+    if kw.get("window") is None and n_bh == 128 and rows == 128:
+        # 32 tiles of 1..32 blocks a head, 8 heads a group (16 MiB of K and V): within 1%
+        # (round robin: ~10% over the mean).
+        assert loads.max() <= 1.01 * loads.mean(), (loads.max(), loads.mean())
+
+
+def test_list_schedule_deals_equal_items_round_robin():
+    """Equal costs: the greedy deals round robin (as `_hopper.cta_share` counts them)."""
+    import numpy as np
+    from jaxfuse.pallas import _hopper as H
+    table = H.list_schedule(np.ones(10), 4)
+    for c in range(4):
+        assert table[c, 0] == H.cta_share(10, 4, c)
+        np.testing.assert_array_equal(table[c, 1:1 + table[c, 0]], np.arange(c, 10, 4))

@@ -193,7 +193,7 @@ def test_hopper_overlap_lowers(opts, d, consumers, stages, pingpong):
 
 @pytest.mark.parametrize("d,overlap,opts", [
     (64, False, {}), (128, False, dict(logits_soft_cap=30.0)), (128, True, {}),
-    (128, False, dict(causal=True, sliding_window=100))])
+    (128, False, dict(causal=True, sliding_window=100)), (64, False, dict(causal=True))])
 def test_hopper_persistent_lowers(d, overlap, opts):
     """`HopperAttnTiles(persistent=True)`: one CTA a multiprocessor walking the work tiles,
     ring slots and barrier phases running on across them, each consumer's next Q loaded after

@@ -42,12 +42,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import heapq
 import math
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -236,6 +238,36 @@ def cta_share(n_tiles, ctas: int, cta):
     """Work tiles of CTA `cta` of a persistent grid of `ctas` walking `n_tiles` round robin
     (tiles cta, cta + ctas, ...)."""
     return (n_tiles - cta + ctas - 1) // ctas
+
+
+def list_schedule(costs, ctas: int) -> np.ndarray:
+    """A static schedule of a persistent grid for work items of unequal cost: items, taken in
+    the order given, each go to the CTA that is free first by `costs` (greedy list scheduling,
+    Graham 1966; equal costs deal them round robin, as `cta_share` does). Causal attention's
+    query tiles see 1 to n key blocks: round robin over them left some CTAs a tenth more work
+    than others. Computed at trace time (the shapes are static).
+
+    Returns int32 [ctas, max items + 2]: column 0 is the CTA's item count, columns 1.. its
+    positions in `costs` in the order given, padded with 0, one column to spare so that a
+    walk may read its item i + 1 while at its last."""
+    free = [(0.0, c) for c in range(ctas)]
+    mine = [[] for _ in range(ctas)]
+    for i, cost in enumerate(costs):
+        load, c = heapq.heappop(free)
+        mine[c].append(i)
+        heapq.heappush(free, (load + float(cost), c))
+    table = np.zeros((ctas, max(map(len, mine)) + 2), np.int32)
+    for c, items in enumerate(mine):
+        table[c, 0] = len(items)
+        table[c, 1:1 + len(items)] = items
+    return table
+
+
+def constant(a: np.ndarray) -> jax.Array:
+    """`a` as an operand of a kernel traced inside `jaxfuse.sharding`'s custom_partitioning,
+    which refuses constants closed over by the function it traces: made by a nested jit, the
+    constant belongs to that jit's own jaxpr."""
+    return jax.jit(lambda: jnp.asarray(a))()
 
 
 # Shared memory a CTA may use on an H100/H200 (227 KiB), less a little for the barriers.

@@ -145,6 +145,13 @@ def mbarrier_pingpong():
     return mock.patch.object(attention_hopper, "_NAMED_PINGPONG", False)
 
 
+def l2_share(n_bytes: int):
+    """A context in which the persistent Hopper forward groups heads by `n_bytes` of K and V
+    (`attention_hopper._L2_SHARE`, read when a call is traced)."""
+    from jaxfuse.pallas import attention_hopper
+    return mock.patch.object(attention_hopper, "_L2_SHARE", n_bytes)
+
+
 def guard_always_writes():
     """A context in which the Hopper forward's producer rewrites every edge tile instead of
     only those holding a non-finite value (`attention_hopper._COUNT_FIRST`): a diagnostic."""

@@ -356,6 +356,23 @@ def perf_scheduled(rounds: int = 5):
         _interleaved(label, shape, True, fns, rounds)
 
 
+def perf_l2_share(rounds: int = 5):
+    """Causal forward, persistent and scheduled, with the head groups' K and V share of L2
+    (`attention_hopper._L2_SHARE`) at 16, 4 and 1 MiB, against one CTA a tile and cuDNN: the
+    1B model's attention lost 4% scheduled with 16 MiB (s17-2) where the others gained."""
+    rows = [("1B B2 Hq32 Hkv8 T8192 D64 causal", (2, 8192, 32, 8, 64)), CAUSAL_ROWS[0],
+            CAUSAL_ROWS[1], CAUSAL_ROWS[3]]
+    for label, shape in rows:
+        fns = _peers(True, ("cudnn",))
+        fns["jaxfuse[a CTA a tile]"] = functools.partial(
+            jaxfuse.flash_attention, causal=True, block_sizes=_tiles(persistent=False))
+        for mib in (16, 4, 1):
+            fns[f"jaxfuse[scheduled, {mib} MiB]"] = _traced_under(functools.partial(
+                jaxfuse.flash_attention, causal=True, block_sizes=_tiles(persistent=True)),
+                lambda mib=mib: _timing.l2_share(mib << 20))
+        _interleaved(label, shape, True, fns, rounds)
+
+
 def perf_persistent_overlap(rounds: int = 7):
     """The intra-warpgroup overlap (with turns, and free) on persistent CTAs against the
     default (persistent, ping-pong without the overlap), cuDNN and tokamax: full D = 128."""
@@ -412,6 +429,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["scheduled"]:
         check_persistent()
         perf_scheduled(int(os.environ.get("ROUNDS", 5)))
+    if sys.argv[1:2] == ["l2_share"]:
+        perf_l2_share(int(os.environ.get("ROUNDS", 5)))
     if sys.argv[1:2] == ["persistent_overlap"]:
         perf_persistent_overlap()
     if sys.argv[1:2] == ["overlap"]:

@@ -886,7 +886,8 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
         ctas = min(b * hq * n_q_tiles, 2 if spec.interpret else C.num_multiprocessors())
         grid, grid_names = (ctas,), ("sm",)
         sched = (H.constant(work_schedule(spec, b * hq, n_q_tiles, nc * _ROWS,
-                                          tiles.block_k, ctas, q.dtype.itemsize)),)
+                                          tiles.block_k, ctas, q.dtype.itemsize,
+                                          _L2_SHARE)),)
     body = functools.partial(_forward_body, spec=spec, tiles=tiles, stages=stages,
                              n_q_tiles=n_q_tiles, ctas=ctas)
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -913,7 +914,7 @@ _L2_SHARE = 16 << 20
 
 @functools.lru_cache(maxsize=64)
 def work_schedule(spec: AttnSpec, n_bh: int, n_q_tiles: int, rows: int, bk: int, ctas: int,
-                  itemsize: int):
+                  itemsize: int, l2_share: int = _L2_SHARE):
     """The persistent forward's schedule (`_hopper.list_schedule`) of its work tiles
     bh * n_q_tiles + query tile of `rows` rows: heaviest first (most key blocks, as a grid
     launched causal-heaviest-first would run them) within groups of heads whose K and V fit in
@@ -927,7 +928,7 @@ def work_schedule(spec: AttnSpec, n_bh: int, n_q_tiles: int, rows: int, bk: int,
                                     rows, bk)
         blocks = np.broadcast_to(np.asarray(hi - lo), (n_q_tiles,))
     kv_bytes = 2 * spec.n_k * spec.head_dim * itemsize // spec.groups    # a query head's share
-    heads = max(1, _L2_SHARE // max(kv_bytes, 1))
+    heads = max(1, l2_share // max(kv_bytes, 1))
     item = np.arange(n_bh * n_q_tiles)
     bh, tile = item // n_q_tiles, item % n_q_tiles
     order = np.lexsort((tile, bh, -blocks[tile], bh // heads))

@@ -159,3 +159,13 @@ def test_list_schedule_deals_equal_items_round_robin():
     for c in range(4):
         assert table[c, 0] == H.cta_share(10, 4, c)
         np.testing.assert_array_equal(table[c, 1:1 + table[c, 0]], np.arange(c, 10, 4))
+
+
+@pytest.mark.parametrize("n,d,kw,want", [
+    (4096, 128, dict(causal=True), True), (2048, 64, dict(causal=True), True),
+    (4096, 128, {}, True), (8192, 64, dict(causal=True), False), (32768, 128, {}, False),
+    (4096, 256, dict(causal=True), False)])
+def test_persistent_by_default_where_measured_faster(n, d, kw, want):
+    """Persistent CTAs by default up to 4096 keys at head_dim <= 128, masks or not (H200:
+    faster there, slower at 8192 and 32768 keys; D = 256's O buffer does not fit)."""
+    assert HopperAttnTiles().persists(_spec(n, d, **kw)) == want

@@ -21,20 +21,30 @@ One CTA computes a [consumers * 64, D] tile of o for one (batch, query head):
   instead (`HopperAttnTiles.overlap`: S_{j+1} and P_j V_j issued together, FlashAttention-3
   sec. 3.2).
 
-Without masks that hide keys (no causal mask, no window) the CTAs are persistent
-(`HopperAttnTiles.persistent`): one a multiprocessor walks the (batch, head, query tile) work
-tiles round robin, so a tile's start (its first K and V, its Q) no longer waits behind the last
-one's end: the producer runs on into the next tile's keys, each consumer loads its next Q once
-its last S is formed, and O leaves through a buffer of its own. H200, s16-1, interleaved: B4
-H32 T4096 D128 1.895 ms against 2.008 with a CTA a tile (cuDNN 1.918), GQA 32/8 1.879 against
-1.945, D64 B8 H16 T2048 0.312 against 0.344 (cuDNN 0.346). Causal CTAs are not: a static walk
-lost 5% at D128 and 43% at D64 to the dynamic launch order below.
+Where keys are at most 4096 (and head_dim <= 128) the CTAs are persistent
+(`HopperAttnTiles.persistent`): one a multiprocessor walks its share of the (batch, head,
+query tile) work tiles, so a tile's start (its first K and V, its Q) no longer waits behind the
+last one's end: the producer runs on into the next tile's keys, each consumer loads its next Q
+once its last S is formed, and O leaves through a buffer of its own. The shares come from a
+static schedule built at trace time (`work_schedule`: greedy list scheduling of the tiles,
+heaviest first within groups of heads whose K and V fit in 16 MiB of L2), read by each CTA
+from a small table: causal tiles see 1 to n key blocks, and round robin over them left some
+CTAs 10% more work than others (s16-1: 5% slower at D128, 43% at D64 than a CTA a tile).
+H200, interleaved medians: without masks (s16-1, round robin, which the schedule deals equal
+tiles) B4 H32 T4096 D128 1.895 ms against 2.008 with a CTA a tile (cuDNN 1.918), GQA 32/8
+1.879 against 1.945, D64 B8 H16 T2048 0.312 against 0.344 (cuDNN 0.346); causal (s17-3)
+D128 1.016 against 1.079 (cuDNN 1.081), GQA 1.009 against 1.067 (1.060), D64 0.194 against
+0.213 (0.216). Longer rows lost (s17-2/3): the 1B model's B2 T8192 D64 GQA causal 1.257
+against 1.206 ms (whichever L2 share: 1, 4 or 16 MiB), T = 32768 D128 causal 7.351 against
+7.262 (there the O buffer leaves room for 2 ring slots, not 3); why the first loses is not
+known. Those run a CTA a tile, launched heaviest first.
 
 Causal and sliding-window masks come from `_attn.key_blocks`, shared with the Triton kernels:
 key tiles wholly masked for the CTA's rows are never loaded, tiles wholly visible take no mask
-arithmetic, and only the tiles on an edge are masked. With `causal`, CTAs are launched heaviest
-first (the last query tiles, which see the most keys, get the first multiprocessors) so the
-short tiles fill in at the end of the wave.
+arithmetic, and only the tiles on an edge are masked. With `causal`, a CTA a tile is launched
+heaviest first (the last query tiles, which see the most keys, get the first multiprocessors)
+so the short tiles fill in at the end of the wave; persistent CTAs take them in the same order
+(`work_schedule`).
 
 Masked keys may hold garbage: P V multiplies a hidden key's zero probability by its value row
 as it lies in shared memory, so with a causal mask or a window the producer cleans the CTA's
@@ -79,6 +89,10 @@ _ROWS = 64          # query rows per consumer warpgroup: one wgmma M
 _SMEM_BYTES = 227 * 1024 - 8192   # less the barriers and what Mosaic GPU reserves
 
 
+# Keys up to which the forward's CTAs are persistent by default (`HopperAttnTiles.persistent`).
+_PERSISTENT_KEYS = 4096
+
+
 @dataclasses.dataclass(frozen=True)
 class HopperAttnTiles:
     """block_k: keys per step; stages: K/V ring depth (None: as many as shared memory holds,
@@ -94,14 +108,12 @@ class HopperAttnTiles:
     j+1 while P_j V_j multiplies (FlashAttention-3 sec. 3.2, intra-warpgroup overlap); with
     `pingpong` two consumers also pass a turn to issue their products (`Turns`); the ring
     needs 2 slots or more, since each consumer holds a V tile one step longer;
-    persistent: one CTA a multiprocessor walks the (batch, head, query tile) work tiles in
-    turn (round robin), so the producer loads the next tile's K and V while the consumers
-    finish the last one, each consumer loads its next Q as soon as its last S is formed, and O
-    leaves through a buffer of its own; None: where no mask hides keys (no causal mask, no
-    window: there CTAs launched heaviest first balance the wave better than a static walk;
-    H200, s16-1, causal B4 H32 T4096 D128 1.159 ms persistent against 1.104, D64 B8 H16
-    T2048 0.298 against 0.209) and the O buffer fits beside two ring slots (head_dim <= 128;
-    without masks it gained 3-9%: module docstring)."""
+    persistent: one CTA a multiprocessor walks its share of the (batch, head, query tile)
+    work tiles (`work_schedule`: balanced by their key blocks), so the producer loads the next
+    tile's K and V while the consumers finish the last one, each consumer loads its next Q as
+    soon as its last S is formed, and O leaves through a buffer of its own; None: where keys
+    are at most `_PERSISTENT_KEYS` (measured faster there, slower beyond: module docstring)
+    and the O buffer fits beside two ring slots (head_dim <= 128)."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
@@ -147,7 +159,7 @@ class HopperAttnTiles:
         # persistent walks with 2-slot rings under pytest (all three waiting on barriers that
         # were never to complete; never in 52 standalone runs, nor on the GPU, where D = 128
         # runs 2 slots; benchmarks/NOTES.md s16). Its tests force it on 4-slot rings.
-        return not A.hides_keys(spec) and spec.head_dim <= 128 and not spec.interpret
+        return spec.n_k <= _PERSISTENT_KEYS and spec.head_dim <= 128 and not spec.interpret
 
     def stages_for(self, d: int, itemsize: int, persistent: bool = False) -> int:
         # Q tiles, reused for O on the way out; a persistent CTA's O has a buffer of its own

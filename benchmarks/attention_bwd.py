@@ -24,6 +24,7 @@ sweep; quick: check, the three workloads against cuDNN, probe's kernel times.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -337,6 +338,53 @@ def idle(label="D128 full"):
         _profile.gaps(step, sets[0], reps=3, top=8)
 
 
+def groups(rounds: int = 5):
+    """The backward's grids in head groups, heaviest tiles first (`_hopper.heavy_first`,
+    default since s17) against one head's tiles after another's (`_timing.
+    bwd_one_head_a_group`, before) and cuDNN: fwd+bwd, interleaved rounds, medians; the
+    forward is the same in both (the default). Checked first against cuDNN's gradients.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py groups [OUT.json]
+    """
+    import statistics
+    from benchmarks import _timing
+    rows = {"D64 B8 H16 T2048 causal": ((8, 2048, 16, 16, 64), True),
+            "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal": ((8, 2048, 16, 4, 64), True),
+            "B4 H32 T4096 D128 causal": ((4, 4096, 32, 32, 128), True),
+            "GQA B4 Hq32 Hkv8 T4096 D128 causal": ((4, 4096, 32, 8, 128), True),
+            "B4 H32 T4096 D128 full": ((4, 4096, 32, 32, 128), False),
+            "1B B2 Hq32 Hkv8 T8192 D64 causal": ((2, 8192, 32, 8, 64), True)}
+    for label, ((b, t, hq, hkv, d), causal) in rows.items():
+        sets = [_inputs(jax.random.key(100 + i), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]
+                for i in range(2)]
+        ours = functools.partial(jaxfuse.flash_attention, causal=causal)
+        fns = {"jaxfuse": (ours, contextlib.nullcontext),
+               "jaxfuse[one head a group]": (ours, _timing.bwd_one_head_a_group),
+               "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                           implementation="cudnn"), contextlib.nullcontext)}
+        steps = {}
+        for name, (f, context) in fns.items():
+            with context():                       # traced (compiled) under it
+                steps[name] = jax.jit(_fwd_bwd(f)).lower(*sets[0]).compile()
+
+        def run():
+            _, want = steps["cudnn"](*sets[0])
+            for name in ("jaxfuse", "jaxfuse[one head a group]"):
+                _, got = steps[name](*sets[0])
+                err = max(rel_err(g, w) for g, w in zip(got, want))
+                record(S, f"{label} grads vs cudnn", name, rel_err=err,
+                       status="ok" if err < 2e-2 else "FAIL")
+            times = {name: [] for name in steps}
+            for _ in range(rounds):
+                for name, step in steps.items():
+                    times[name].append(bench(step, sets, reps=5, repeats=3))
+            for name, ts in times.items():
+                tm = statistics.median(ts)
+                record(S, f"{label} fwd+bwd, interleaved x{rounds}", name, tm,
+                       spread=(max(ts) - min(ts)) / tm)
+        guarded(S, f"{label} fwd+bwd", "all", run)
+
+
 if __name__ == "__main__":
     import sys
     from benchmarks import _timing
@@ -358,6 +406,9 @@ if __name__ == "__main__":
         perf(0.0, sweep=False)
         # The consumers' ping-pong (the default, s9) against their running free.
         probe({w: [HopperBwdTiles(pingpong=False)] for w in WORKLOADS})
+    if sys.argv[1:2] == ["groups"]:
+        import os
+        groups(int(os.environ.get("ROUNDS", 5)))
     if sys.argv[1:2] == ["probe"]:
         probe({"D128 full": [HopperBwdTiles(fused_dq=True),
                              HopperBwdTiles(fused_dq=True, stages=2)],

@@ -240,6 +240,22 @@ def cta_share(n_tiles, ctas: int, cta):
     return (n_tiles - cta + ctas - 1) // ctas
 
 
+def heavy_first(cta, n_tiles: int, n_bh: int, heads: int):
+    """(rank, bh) of CTA `cta` of a one-dimensional grid of n_tiles * n_bh CTAs (the hardware
+    launches them in index order, each on the first free multiprocessor): heads in groups of
+    `heads`, and within a group the tiles' ranks outer (rank 0, the heaviest, of every head
+    of the group first), the heads inner. The dynamic launch then deals unequal tiles (causal
+    masks) heaviest first, which balances the multiprocessors (`list_schedule`'s greedy in
+    hardware), while the CTAs at work at a time read the K/V (or Q/dO) of one group of heads,
+    sized to stay in L2. Ranks one head's tiles first (a group of one head) repeat that
+    head's heavy-to-light sawtooth."""
+    per_group = heads * n_tiles
+    group = cta // per_group
+    r = cta - group * per_group
+    in_group = jnp.minimum(heads, n_bh - group * heads)      # the last group may be short
+    return r // in_group, group * heads + r % in_group
+
+
 def list_schedule(costs, ctas: int) -> np.ndarray:
     """A static schedule of a persistent grid for work items of unequal cost: items, taken in
     the order given, each go to the CTA that is free first by `costs` (greedy list scheduling,

@@ -419,13 +419,17 @@ def _row_vec(x, n: int):
 
 
 def query_tile(spec: AttnSpec, hq: int, n_q_tiles: int, bk: int, consumers: int = 2,
-               item=None):
+               item=None, groups=None):
     """(b, h, row0, key block bounds `A.key_blocks`) of consumers x 64 query rows: this CTA's,
-    grid ("bh", "q"), causal heaviest first (the last query tiles see the most keys); or work
-    tile `item` = bh * n_q_tiles + query tile of a persistent walk (`work_schedule` orders
-    them)."""
+    grid ("bh", "q") (the first axis varies fastest: every head's heaviest tile first),
+    or grid ("cta",) launched in `_hopper.heavy_first` order, groups = (n_bh, heads); causal
+    heaviest first (the last query tiles see the most keys); or work tile `item` = bh *
+    n_q_tiles + query tile of a persistent walk (`work_schedule` orders them)."""
     if item is None:
-        bh, tile = lax.axis_index("bh"), lax.axis_index("q")
+        if groups is None:
+            bh, tile = lax.axis_index("bh"), lax.axis_index("q")
+        else:
+            tile, bh = H.heavy_first(lax.axis_index("cta"), n_q_tiles, *groups)
         if spec.causal:
             tile = n_q_tiles - 1 - tile
     else:
@@ -924,6 +928,12 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
 _L2_SHARE = 16 << 20
 
 
+def l2_heads(head_bytes: int, l2_share: int | None = None) -> int:
+    """Heads whose shared operands (K and V of a query head; Q and dO of a KV head's group)
+    take `head_bytes` each that fit in the L2 share together."""
+    return max(1, (_L2_SHARE if l2_share is None else l2_share) // max(head_bytes, 1))
+
+
 @functools.lru_cache(maxsize=64)
 def work_schedule(spec: AttnSpec, n_bh: int, n_q_tiles: int, rows: int, bk: int, ctas: int,
                   itemsize: int, l2_share: int = _L2_SHARE):
@@ -939,8 +949,7 @@ def work_schedule(spec: AttnSpec, n_bh: int, n_q_tiles: int, rows: int, bk: int,
         lo, _, _, hi = A.key_blocks(spec, jnp.arange(n_q_tiles, dtype=jnp.int32) * rows,
                                     rows, bk)
         blocks = np.broadcast_to(np.asarray(hi - lo), (n_q_tiles,))
-    kv_bytes = 2 * spec.n_k * spec.head_dim * itemsize // spec.groups    # a query head's share
-    heads = max(1, l2_share // max(kv_bytes, 1))
+    heads = l2_heads(2 * spec.n_k * spec.head_dim * itemsize // spec.groups, l2_share)
     item = np.arange(n_bh * n_q_tiles)
     bh, tile = item // n_q_tiles, item % n_q_tiles
     order = np.lexsort((tile, bh, -blocks[tile], bh // heads))

@@ -6,7 +6,6 @@ counted. Inputs rotate between several sets so that nothing is served from L2 by
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -153,18 +152,12 @@ def l2_share(n_bytes: int):
     return mock.patch.object(attention_hopper, "_L2_SHARE", n_bytes)
 
 
-def bwd_one_head_a_group():
-    """A context in which the Hopper backward's grids run one head's tiles, then the next's
-    (head groups of one: the order before s17, `attention_hopper_bwd._dkv_heads`)."""
+def bwd_head_groups(n_bytes: int | None):
+    """A context in which the Hopper backward's grids launch heads in groups of `n_bytes` of
+    shared operands (`attention_hopper_bwd._BWD_GROUP_BYTES`; None, the default: every head
+    one group; 1: one head a group, each head's sawtooth in turn)."""
     from jaxfuse.pallas import attention_hopper_bwd as AHB
-    return _patched((AHB, "_dkv_heads", lambda *a: 1), (AHB, "_dq_heads", lambda *a: 1))
-
-
-def _patched(*targets):
-    stack = contextlib.ExitStack()
-    for obj, name, value in targets:
-        stack.enter_context(mock.patch.object(obj, name, value))
-    return stack
+    return mock.patch.object(AHB, "_BWD_GROUP_BYTES", n_bytes)
 
 
 def guard_always_writes():

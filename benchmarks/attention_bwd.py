@@ -339,10 +339,12 @@ def idle(label="D128 full"):
 
 
 def groups(rounds: int = 5):
-    """The backward's grids in head groups, heaviest tiles first (`_hopper.heavy_first`,
-    default since s17) against one head's tiles after another's (`_timing.
-    bwd_one_head_a_group`, before) and cuDNN: fwd+bwd, interleaved rounds, medians; the
-    forward is the same in both (the default). Checked first against cuDNN's gradients.
+    """The backward's launch order (`_hopper.heavy_first`): every head one group (the default,
+    every head's heaviest tile first), head groups sized to 16 MiB of L2, one head a group
+    (each head's sawtooth in turn; `_timing.bwd_head_groups`), and cuDNN: fwd+bwd,
+    interleaved rounds, medians; the forward is the same in all (the default). Checked first
+    against cuDNN's gradients. (s17-5 ran the 16 MiB groups as "jaxfuse" against one head a
+    group, believing the latter the order before s17; it was every head.)
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py groups [OUT.json]
     """
@@ -359,7 +361,9 @@ def groups(rounds: int = 5):
                 for i in range(2)]
         ours = functools.partial(jaxfuse.flash_attention, causal=causal)
         fns = {"jaxfuse": (ours, contextlib.nullcontext),
-               "jaxfuse[one head a group]": (ours, _timing.bwd_one_head_a_group),
+               "jaxfuse[16 MiB head groups]": (
+                   ours, functools.partial(_timing.bwd_head_groups, 16 << 20)),
+               "jaxfuse[one head a group]": (ours, functools.partial(_timing.bwd_head_groups, 1)),
                "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                            implementation="cudnn"), contextlib.nullcontext)}
         steps = {}
@@ -369,7 +373,7 @@ def groups(rounds: int = 5):
 
         def run():
             _, want = steps["cudnn"](*sets[0])
-            for name in ("jaxfuse", "jaxfuse[one head a group]"):
+            for name in (n for n in steps if n.startswith("jaxfuse")):
                 _, got = steps[name](*sets[0])
                 err = max(rel_err(g, w) for g, w in zip(got, want))
                 record(S, f"{label} grads vs cudnn", name, rel_err=err,

@@ -139,10 +139,17 @@ def test_work_schedule_deals_every_tile_once_and_balances(n, rows, n_bh, kw):
     spec, ctas, n_q_tiles = _spec(n, **kw), 132, -(-n // rows)
     table = work_schedule(spec, n_bh, n_q_tiles, rows, 128, ctas, 2)
     counts, items = table[:, 0], table[:, 1:]
+    assert table.shape[1] >= counts.max() + 2      # a walk reads item i + 1 at its last
     dealt = np.concatenate([items[c, :counts[c]] for c in range(ctas)])
     np.testing.assert_array_equal(np.sort(dealt), np.arange(n_bh * n_q_tiles))
     lo, _, _, hi = A.key_blocks(spec, jnp.arange(n_q_tiles) * rows, rows, 128)
     blocks = np.broadcast_to(np.asarray(hi - lo), (n_q_tiles,))
+    heads = (16 << 20) // (2 * n * 128 * 2)        # heads a group (16 MiB of K and V)
+    for c in range(ctas):                          # each CTA: heaviest first within a group
+        mine = items[c, :counts[c]]
+        group, cost = mine // n_q_tiles // max(heads, 1), blocks[mine % n_q_tiles]
+        assert (np.diff(group) >= 0).all()
+        assert all((np.diff(cost[group == g]) <= 0).all() for g in np.unique(group))
     loads = np.array([blocks[items[c, :counts[c]] % n_q_tiles].sum() for c in range(ctas)])
     assert loads.max() <= blocks.sum() * n_bh / ctas + blocks.max(), (loads.max(), loads.mean())
     if kw.get("window") is None and n_bh == 128 and rows == 128:
@@ -167,5 +174,6 @@ def test_list_schedule_deals_equal_items_round_robin():
     (4096, 256, dict(causal=True), False)])
 def test_persistent_by_default_where_measured_faster(n, d, kw, want):
     """Persistent CTAs by default up to 4096 keys at head_dim <= 128, masks or not (H200:
-    faster there, slower at 8192 and 32768 keys; D = 256's O buffer does not fit)."""
+    faster there; slower at 8192 and 32768 keys with causal masks, unmasked rows that long
+    untimed; D = 256's O buffer does not fit)."""
     assert HopperAttnTiles().persists(_spec(n, d, **kw)) == want

@@ -191,16 +191,21 @@ def test_heavy_first_launch_order_deals_every_tile_once():
 
 
 def test_hopper_backward_in_head_groups(monkeypatch):
-    """The backward's grids in head groups (`_hopper.heavy_first`) sized by a small L2 share:
-    dK/dV in groups of 2 KV heads of 3 (the last short), dQ one head a group; gradients as
-    the float32 reference's."""
-    from jaxfuse.pallas import attention_hopper as AH
-    monkeypatch.setattr(AH, "_L2_SHARE", 65536)
+    """The backward's grids in head groups (`_hopper.heavy_first`; `_BWD_GROUP_BYTES`, a
+    diagnostic) sized by a small byte budget: dK/dV in groups of 2 KV heads of 3 (the last
+    short), dQ one head a group; gradients as the float32 reference's."""
+    from jaxfuse.pallas import attention_hopper_bwd as AHB
+    from jaxfuse.pallas._attn import AttnSpec
     kq, kk, kv, kd = keys(11, 4)
     q = randn(kq, (1, 128, 3, 64), jnp.bfloat16)
     k = randn(kk, (1, 384, 3, 64), jnp.bfloat16)
     v = randn(kv, (1, 384, 3, 64), jnp.bfloat16)
     do = randn(kd, (1, 128, 3, 64), jnp.bfloat16)
+    spec = AttnSpec.make(n_q=128, n_k=384, head_dim=64, groups=1, dtype=q.dtype, scale=None,
+                         interpret=True)
+    assert (AHB._dkv_heads(q, k), AHB._dq_heads(k, spec)) == (3, 3)   # default: one group
+    monkeypatch.setattr(AHB, "_BWD_GROUP_BYTES", 65536)
+    assert (AHB._dkv_heads(q, k), AHB._dq_heads(k, spec)) == (2, 1)
     f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**TWO))
     _, vjp = jax.vjp(f, q, k, v)
     _, rvjp = jax.vjp(lambda q, k, v: ref.attention(q, k, v), F32(q), F32(k), F32(v))

@@ -210,6 +210,18 @@ def test_hopper_persistent_lowers(d, overlap, opts):
     assert "jaxfuse_flash_fwd_hopper" in module
 
 
+def test_hopper_persistent_lowers_under_vmap():
+    """The persistent forward's schedule operand (a table made under a nested jit,
+    `_hopper.constant`) under jax.vmap, which batches the kernel and leaves the table whole."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    q = jnp.zeros((3, 1, 256, 4, 64), jnp.bfloat16)
+    tiles = HopperAttnTiles(persistent=True, backward=False)
+    module = _lower(jax.vmap(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, causal=True, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles))),
+        q, q, q).mlir_module()
+    assert "jaxfuse_flash_fwd_hopper" in module
+
+
 @pytest.mark.parametrize("named", [True, False])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("opts", [{}, dict(causal=True)])

@@ -246,9 +246,8 @@ def heavy_first(cta, n_tiles: int, n_bh: int, heads: int):
     `heads`, and within a group the tiles' ranks outer (rank 0, the heaviest, of every head
     of the group first), the heads inner. The dynamic launch then deals unequal tiles (causal
     masks) heaviest first, which balances the multiprocessors (`list_schedule`'s greedy in
-    hardware), while the CTAs at work at a time read the K/V (or Q/dO) of one group of heads,
-    sized to stay in L2. Ranks one head's tiles first (a group of one head) repeat that
-    head's heavy-to-light sawtooth."""
+    hardware); a group sized to stay in L2 keeps the CTAs at work at a time on the K/V (or
+    Q/dO) of a few heads. Groups of one head repeat each head's heavy-to-light sawtooth."""
     per_group = heads * n_tiles
     group = cta // per_group
     r = cta - group * per_group
@@ -260,8 +259,8 @@ def list_schedule(costs, ctas: int) -> np.ndarray:
     """A static schedule of a persistent grid for work items of unequal cost: items, taken in
     the order given, each go to the CTA that is free first by `costs` (greedy list scheduling,
     Graham 1966; equal costs deal them round robin, as `cta_share` does). Causal attention's
-    query tiles see 1 to n key blocks: round robin over them left some CTAs a tenth more work
-    than others. Computed at trace time (the shapes are static).
+    query tiles see 1 to n key blocks: round robin over them left some CTAs 9% more work than
+    others. Computed at trace time (the shapes are static).
 
     Returns int32 [ctas, max items + 2]: column 0 is the CTA's item count, columns 1.. its
     positions in `costs` in the order given, padded with 0, one column to spare so that a

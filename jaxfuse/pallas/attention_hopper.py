@@ -29,7 +29,7 @@ once its last S is formed, and O leaves through a buffer of its own. The shares 
 static schedule built at trace time (`work_schedule`: greedy list scheduling of the tiles,
 heaviest first within groups of heads whose K and V fit in 16 MiB of L2), read by each CTA
 from a small table: causal tiles see 1 to n key blocks, and round robin over them left some
-CTAs 10% more work than others (s16-1: 5% slower at D128, 43% at D64 than a CTA a tile).
+CTAs 9% more work than others (s16-1: 5% slower at D128, 43% at D64 than a CTA a tile).
 H200, interleaved medians: without masks (s16-1, round robin, which the schedule deals equal
 tiles) B4 H32 T4096 D128 1.895 ms against 2.008 with a CTA a tile (cuDNN 1.918), GQA 32/8
 1.879 against 1.945, D64 B8 H16 T2048 0.312 against 0.344 (cuDNN 0.346); causal (s17-3)
@@ -37,14 +37,15 @@ D128 1.016 against 1.079 (cuDNN 1.081), GQA 1.009 against 1.067 (1.060), D64 0.1
 0.213 (0.216). Longer rows lost (s17-2/3): the 1B model's B2 T8192 D64 GQA causal 1.257
 against 1.206 ms (whichever L2 share: 1, 4 or 16 MiB), T = 32768 D128 causal 7.351 against
 7.262 (there the O buffer leaves room for 2 ring slots, not 3); why the first loses is not
-known. Those run a CTA a tile, launched heaviest first.
+known. Those run a CTA a tile, each head's tiles launched heaviest first. (Without masks,
+rows beyond 4096 keys were persistent before s17 and are not now: neither timed.)
 
 Causal and sliding-window masks come from `_attn.key_blocks`, shared with the Triton kernels:
 key tiles wholly masked for the CTA's rows are never loaded, tiles wholly visible take no mask
-arithmetic, and only the tiles on an edge are masked. With `causal`, a CTA a tile is launched
-heaviest first (the last query tiles, which see the most keys, get the first multiprocessors)
-so the short tiles fill in at the end of the wave; persistent CTAs take them in the same order
-(`work_schedule`).
+arithmetic, and only the tiles on an edge are masked. With `causal`, a head's CTAs (a CTA a
+tile) are launched heaviest first (the last query tiles, which see the most keys, get the first
+multiprocessors) so its short tiles fill in behind them; persistent CTAs take the tiles
+heaviest first within head groups (`work_schedule`).
 
 Masked keys may hold garbage: P V multiplies a hidden key's zero probability by its value row
 as it lies in shared memory, so with a causal mask or a window the producer cleans the CTA's
@@ -421,10 +422,11 @@ def _row_vec(x, n: int):
 def query_tile(spec: AttnSpec, hq: int, n_q_tiles: int, bk: int, consumers: int = 2,
                item=None, groups=None):
     """(b, h, row0, key block bounds `A.key_blocks`) of consumers x 64 query rows: this CTA's,
-    grid ("bh", "q") (the first axis varies fastest: every head's heaviest tile first),
-    or grid ("cta",) launched in `_hopper.heavy_first` order, groups = (n_bh, heads); causal
-    heaviest first (the last query tiles see the most keys); or work tile `item` = bh *
-    n_q_tiles + query tile of a persistent walk (`work_schedule` orders them)."""
+    grid ("bh", "q") (Pallas Mosaic GPU launches the last axis fastest: one head's tiles,
+    heaviest first, then the next head's), or grid ("cta",) launched in `_hopper.heavy_first`
+    order, groups = (n_bh, heads); causal heaviest first (the last query tiles see the most
+    keys); or work tile `item` = bh * n_q_tiles + query tile of a persistent walk
+    (`work_schedule` orders them)."""
     if item is None:
         if groups is None:
             bh, tile = lax.axis_index("bh"), lax.axis_index("q")
@@ -934,6 +936,11 @@ def l2_heads(head_bytes: int, l2_share: int | None = None) -> int:
     return max(1, (_L2_SHARE if l2_share is None else l2_share) // max(head_bytes, 1))
 
 
+def kv_head_bytes(spec: AttnSpec, itemsize: int) -> int:
+    """K and V bytes of one query head (its KV head's, shared by the group's query heads)."""
+    return 2 * spec.n_k * spec.head_dim * itemsize // spec.groups
+
+
 @functools.lru_cache(maxsize=64)
 def work_schedule(spec: AttnSpec, n_bh: int, n_q_tiles: int, rows: int, bk: int, ctas: int,
                   itemsize: int, l2_share: int = _L2_SHARE):
@@ -949,10 +956,11 @@ def work_schedule(spec: AttnSpec, n_bh: int, n_q_tiles: int, rows: int, bk: int,
         lo, _, _, hi = A.key_blocks(spec, jnp.arange(n_q_tiles, dtype=jnp.int32) * rows,
                                     rows, bk)
         blocks = np.broadcast_to(np.asarray(hi - lo), (n_q_tiles,))
-    heads = l2_heads(2 * spec.n_k * spec.head_dim * itemsize // spec.groups, l2_share)
+    heads = l2_heads(kv_head_bytes(spec, itemsize), l2_share)
     item = np.arange(n_bh * n_q_tiles)
     bh, tile = item // n_q_tiles, item % n_q_tiles
     order = np.lexsort((tile, bh, -blocks[tile], bh // heads))
     table = H.list_schedule(blocks[tile[order]] + 0.25, ctas)
-    counts = table[:, :1]
-    return np.concatenate([counts, order[table[:, 1:]].astype(np.int32)], axis=1)
+    table = np.concatenate([table[:, :1], order[table[:, 1:]].astype(np.int32)], axis=1)
+    table.setflags(write=False)              # cached: shared by every caller
+    return table

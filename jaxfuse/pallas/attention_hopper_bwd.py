@@ -77,14 +77,17 @@ Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
   for both kernels against 5 fused, the price of a fixed summation order.
 
 Launch order (both kernels, `_hopper.heavy_first`): a one-dimensional grid whose CTAs start
-in index order on the first free multiprocessor, in groups of heads whose shared operands fit
-in 16 MiB of L2 (dK/dV: the Q and dO of a KV head's query heads; dQ: a query head's K and V),
-within a group every head's heaviest tile first (causal: the first key tiles, the last query
-tiles). The hardware's dynamic launch then balances unequal causal tiles as a greedy list
-schedule would; one head's tiles after another's (FlashAttention-3's order, ours before s17)
-repeated a heavy-to-light sawtooth. H200, s17-5, fwd+bwd interleaved: the 157M model's GQA
-attention (B8 Hq16 Hkv4 T2048 D64 causal) 0.837 against 0.921 ms (cuDNN 0.921), the 1B
-model's 5.081 against 5.331 (4.830), B4 H32 T4096 D128 causal 4.459 against 4.506 (4.250).
+in index order on the first free multiprocessor, every head's heaviest tile first (causal:
+the first key tiles, the last query tiles), then every head's next: the hardware's dynamic
+launch then balances unequal causal tiles as a greedy list schedule would. This is the order
+the two-dimensional grids ran before s17 (Pallas Mosaic GPU gives the last grid axis, the
+head, to CUDA's x, which launches fastest). One head's tiles after another's, a heavy-to-light
+sawtooth, is slower (H200, fwd+bwd interleaved, s17-5 against L2-sized head groups: the 157M
+model's GQA attention B8 Hq16 Hkv4 T2048 D64 causal 0.921 against 0.837 ms, cuDNN 0.921; the
+1B model's 5.331 against 5.081; s8-3 against this order, dK/dV kernel: 0.410 against 0.332
+ms). Heads in groups whose shared operands fit in L2 (`_BWD_GROUP_BYTES`; dK/dV: the Q and dO
+of a KV head's query heads, dQ: a query head's K and V), every head's heaviest tile of a group
+first, was not yet timed against this order.
 
 Overlap: the dQ kernel issues each step's dQ += dS K behind the next step's S and dP and
 computes the next step's dS while the tensor cores finish it (FlashAttention-3 sec. 3.2's
@@ -627,7 +630,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
              pingpong: bool, heads: int):
     # As the forward (`attention_hopper`): a CTA per (batch * query head, 128 query rows),
     # consumer wg on rows wg * 64.., the producer streaming the K and V tiles its rows see;
-    # but the query tiles of one head run together (they read the same K and V).
+    # launched in `_hopper.heavy_first` order.
     d, g = spec.head_dim, spec.groups
     dtype = q_gmem.dtype
     mma = _Mma(spec.interpret)
@@ -794,20 +797,28 @@ def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
                    ("cta",), name, spec, batchable=not fused_dq, consumers=nc)
 
 
+# Bytes of shared operands a head group of the backward's grids holds (`_hopper.heavy_first`):
+# None, every head in one group (the order measured best so far: module docstring); an int,
+# groups sized to stay in L2 (a diagnostic until timed against None).
+_BWD_GROUP_BYTES = None
+
+
 def _dq_heads(k, spec: AttnSpec) -> int:
-    """Query heads a group of the dQ grid: they read the same K and V (a query head's share)."""
-    return AH.l2_heads(2 * k.shape[1] * k.shape[3] * k.dtype.itemsize // spec.groups)
+    """Query heads a group of the dQ grid: they read the same K and V."""
+    n_bh = k.shape[0] * k.shape[2] * spec.groups
+    if _BWD_GROUP_BYTES is None:
+        return n_bh
+    return min(n_bh, AH.l2_heads(AH.kv_head_bytes(spec, k.dtype.itemsize), _BWD_GROUP_BYTES))
 
 
 def _dkv_heads(q, k) -> int:
-    """KV heads a group of the dK/dV grid (`_hopper.heavy_first`): the CTAs at work at a time
-    read the same Q and dO tiles (their KV head's query heads'), from L2. Before s17 the key
-    tiles of one KV head ran together (FlashAttention-3's order), heaviest first within each
-    head: a sawtooth of causal tiles that balanced the multiprocessors worse (a simulation:
-    7% over the ideal at the 157M model's attention, 1% grouped)."""
-    _, tq, hq, d = q.shape
-    # Q and dO of the KV head's query heads
-    return AH.l2_heads(2 * tq * (hq // k.shape[2]) * d * q.dtype.itemsize)
+    """KV heads a group of the dK/dV grid: they read the Q and dO of their query heads."""
+    b, tq, hq, d = q.shape
+    n_bh = b * k.shape[2]
+    if _BWD_GROUP_BYTES is None:
+        return n_bh
+    return min(n_bh, AH.l2_heads(2 * tq * (hq // k.shape[2]) * d * q.dtype.itemsize,
+                                 _BWD_GROUP_BYTES))
 
 
 def _fused(q, k, v, do, lse_u, delta, *, spec: AttnSpec, tiles: HopperBwdTiles):
@@ -844,8 +855,7 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
                                  n_q_tiles=tq // (2 * _ROWS),
                                  overlap=tiles.overlap and stages >= 2,
                                  pingpong=tiles.dq_pingpong(d))
-        # Heaviest query tiles first within groups of heads that read the same K and V from
-        # L2 (`_hopper.heavy_first`; before s17 one head's tiles, then the next's).
+        # Every head's heaviest query tile first (`_hopper.heavy_first`, module docstring).
         dq = _kernel(functools.partial(body, heads=_dq_heads(k, spec)),
                      jax.ShapeDtypeStruct(q.shape, q.dtype), (tq // (2 * _ROWS) * b * hq,),
                      ("cta",), "jaxfuse_flash_bwd_dq_hopper", spec)(*args)

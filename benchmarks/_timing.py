@@ -160,6 +160,14 @@ def bwd_head_groups(n_bytes: int | None):
     return mock.patch.object(AHB, "_BWD_GROUP_BYTES", n_bytes)
 
 
+def fwd_head_groups(n_bytes: int | None):
+    """A context in which the Hopper forward's CTA-a-tile grid launches heads in groups of
+    `n_bytes` of K and V (`attention_hopper._FWD_GROUP_BYTES`; 0, the default: one head a
+    group; None: every head one group)."""
+    from jaxfuse.pallas import attention_hopper
+    return mock.patch.object(attention_hopper, "_FWD_GROUP_BYTES", n_bytes)
+
+
 def guard_always_writes():
     """A context in which the Hopper forward's producer rewrites every edge tile instead of
     only those holding a non-finite value (`attention_hopper._COUNT_FIRST`): a diagnostic."""

@@ -373,6 +373,27 @@ def perf_l2_share(rounds: int = 5):
         _interleaved(label, shape, True, fns, rounds)
 
 
+def perf_fwd_order(rounds: int = 5):
+    """The forward's CTA-a-tile launch order (`attention_hopper._FWD_GROUP_BYTES`): one head's
+    tiles heaviest first, then the next head's (the default), every head's heaviest tile first
+    (one group), heads in 16 MiB groups, against the scheduled persistent CTAs and cuDNN, on
+    the causal rows where a CTA a tile is the default (more than 4096 keys; D = 256) and the
+    D128 / D64 rows where persistence is."""
+    rows = [("1B B2 Hq32 Hkv8 T8192 D64 causal", (2, 8192, 32, 8, 64)),
+            ("B1 H16 T32768 D128 causal", (1, 32768, 16, 16, 128)), CAUSAL_ROWS[2],
+            CAUSAL_ROWS[0], CAUSAL_ROWS[1]]
+    for label, shape in rows:
+        fns = _peers(True, ("jaxfuse", "cudnn"))
+        tile = functools.partial(jaxfuse.flash_attention, causal=True,
+                                 block_sizes=_tiles(persistent=False) if shape[-1] <= 128
+                                 else AttnBlocks(hopper=True))
+        fns["jaxfuse[a CTA a tile, one head a group]"] = tile
+        for name, n in (("every head one group", None), ("16 MiB groups", 16 << 20)):
+            fns[f"jaxfuse[a CTA a tile, {name}]"] = _traced_under(
+                tile, functools.partial(_timing.fwd_head_groups, n))
+        _interleaved(label, shape, True, fns, rounds)
+
+
 def perf_persistent_overlap(rounds: int = 7):
     """The intra-warpgroup overlap (with turns, and free) on persistent CTAs against the
     default (persistent, ping-pong without the overlap), cuDNN and tokamax: full D = 128."""
@@ -431,6 +452,8 @@ if __name__ == "__main__":
         perf_scheduled(int(os.environ.get("ROUNDS", 5)))
     if sys.argv[1:2] == ["l2_share"]:
         perf_l2_share(int(os.environ.get("ROUNDS", 5)))
+    if sys.argv[1:2] == ["fwd_order"]:
+        perf_fwd_order(int(os.environ.get("ROUNDS", 5)))
     if sys.argv[1:2] == ["persistent_overlap"]:
         perf_persistent_overlap()
     if sys.argv[1:2] == ["overlap"]:

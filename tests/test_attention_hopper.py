@@ -177,3 +177,24 @@ def test_persistent_by_default_where_measured_faster(n, d, kw, want):
     faster there; slower at 8192 and 32768 keys with causal masks, unmasked rows that long
     untimed; D = 256's O buffer does not fit)."""
     assert HopperAttnTiles().persists(_spec(n, d, **kw)) == want
+
+
+@pytest.mark.parametrize("group_bytes,heads", [(0, 1), (None, 4), (3 * 256 * 64 * 2, 3)])
+def test_cta_a_tile_launch_orders_match_reference(group_bytes, heads, monkeypatch):
+    """The forward's CTA-a-tile grid in each launch order (`_FWD_GROUP_BYTES`: one head a
+    group, the default; every head one group; groups of 3 of 4 heads, the last short): 3 query
+    tiles of 4 heads, GQA 2 query heads a KV head (a query head's share of K and V: 256 keys
+    x 64 x 2 bytes)."""
+    from jaxfuse.pallas import attention_hopper as AH
+    assert AH.launch_groups(4, 256 * 64 * 2, group_bytes) == heads
+    monkeypatch.setattr(AH, "_FWD_GROUP_BYTES", group_bytes)
+    kq, kk, kv = keys(13, 3)
+    q = randn(kq, (1, 384, 4, 64), jnp.bfloat16)
+    k = randn(kk, (1, 256, 2, 64), jnp.bfloat16)
+    v = randn(kv, (1, 256, 2, 64), jnp.bfloat16)
+    tiles = HopperAttnTiles(consumers=2, persistent=False, backward=False)
+    o, lse = jaxfuse.flash_attention(q, k, v, return_lse=True,
+                                     block_sizes=AttnBlocks(hopper=tiles))
+    ro, rlse = ref.attention(F32(q), F32(k), F32(v), return_lse=True)
+    assert float(jnp.abs(F32(o) - ro).max()) < 2e-2
+    assert float(jnp.abs(lse - rlse).max()) < 1e-4

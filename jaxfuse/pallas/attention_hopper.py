@@ -14,8 +14,9 @@ One CTA computes a [consumers * 64, D] tile of o for one (batch, query head):
   softmax in the log2 domain (exp2, scale * log2(e) folded into one multiply), then
   O += P V by wgmma with P straight from registers (never through shared memory);
 * the two consumers take turns on the tensor cores (a rendezvous of both on a hardware named
-  barrier, `bar.sync`, the second warpgroup one phase behind): while one runs its softmax the other's
-  GEMMs run, so the exponentials hide under matrix work (FlashAttention-3 sec. 3.1, ping-pong).
+  barrier, `bar.sync`, the second warpgroup one phase behind): while one runs its softmax the
+  other's GEMMs run, so the exponentials hide under matrix work (FlashAttention-3 sec. 3.1,
+  ping-pong).
   At D = 256 they run free (`HopperAttnTiles.for_head_dim`): 64-key tiles make the softmax
   short beside the products, and each consumer overlaps its own softmax with its P V product
   instead (`HopperAttnTiles.overlap`: S_{j+1} and P_j V_j issued together, FlashAttention-3
@@ -422,16 +423,11 @@ def _row_vec(x, n: int):
 def query_tile(spec: AttnSpec, hq: int, n_q_tiles: int, bk: int, consumers: int = 2,
                item=None, groups=None):
     """(b, h, row0, key block bounds `A.key_blocks`) of consumers x 64 query rows: this CTA's,
-    grid ("bh", "q") (Pallas Mosaic GPU launches the last axis fastest: one head's tiles,
-    heaviest first, then the next head's), or grid ("cta",) launched in `_hopper.heavy_first`
-    order, groups = (n_bh, heads); causal heaviest first (the last query tiles see the most
-    keys); or work tile `item` = bh * n_q_tiles + query tile of a persistent walk
-    (`work_schedule` orders them)."""
+    grid ("cta",) launched in `_hopper.heavy_first` order, groups = (n_bh, heads), causal
+    heaviest first (the last query tiles see the most keys); or work tile `item` = bh *
+    n_q_tiles + query tile of a persistent walk (`work_schedule` orders them)."""
     if item is None:
-        if groups is None:
-            bh, tile = lax.axis_index("bh"), lax.axis_index("q")
-        else:
-            tile, bh = H.heavy_first(lax.axis_index("cta"), n_q_tiles, *groups)
+        tile, bh = H.heavy_first(lax.axis_index("cta"), n_q_tiles, *groups)
         if spec.causal:
             tile = n_q_tiles - 1 - tile
     else:
@@ -603,9 +599,9 @@ def _hide_masked_garbage(k_tile, v_tile, interpret: bool):
 
 def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAttnTiles,
                   stages: int, n_q_tiles: int, ctas: int | None):
-    """ctas: None, a CTA a work tile (grid ("bh", "q")); else a persistent grid ("sm",) of
-    `ctas` CTAs walking the work tiles that `refs[0]` (`work_schedule`) deals them
-    (`HopperAttnTiles.persistent`)."""
+    """ctas: None, a CTA a work tile (grid ("cta",), in `launch_groups` order); else a
+    persistent grid ("sm",) of `ctas` CTAs walking the work tiles that `refs[0]`
+    (`work_schedule`) deals them (`HopperAttnTiles.persistent`)."""
     sched_gmem, (o_gmem, lse_gmem) = (refs[0], refs[1:]) if ctas is not None else (None, refs)
     bk, d, g = tiles.block_k, spec.head_dim, spec.groups
     nc = tiles.n_consumers(d)
@@ -614,7 +610,10 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
     transforms = H._tma_transforms(dtype, d)
     producer_regs, consumer_regs = _REGISTERS[nc]
     hq = q_gmem.shape[2]
-    where = lambda item: query_tile(spec, hq, n_q_tiles, bk, nc, item)
+    groups = (q_gmem.shape[0] * hq, launch_groups(q_gmem.shape[0] * hq,
+                                                  kv_head_bytes(spec, q_gmem.dtype.itemsize),
+                                                  _FWD_GROUP_BYTES))
+    where = lambda item: query_tile(spec, hq, n_q_tiles, bk, nc, item, groups)
 
     def walk(body, carry):
         """body(i, item, next_item, has_next, carry) over this CTA's work tiles (i: its own
@@ -898,7 +897,7 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
     nc = tiles.n_consumers(d)
     n_q_tiles = C.cdiv(tq, nc * _ROWS)
     ctas, sched = None, ()
-    grid, grid_names = (b * hq, n_q_tiles), ("bh", "q")
+    grid, grid_names = (b * hq * n_q_tiles,), ("cta",)
     if persistent:
         # Two CTAs in the interpreter, so that each walks several tiles.
         ctas = min(b * hq * n_q_tiles, 2 if spec.interpret else C.num_multiprocessors())
@@ -930,10 +929,21 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
 _L2_SHARE = 16 << 20
 
 
-def l2_heads(head_bytes: int, l2_share: int | None = None) -> int:
-    """Heads whose shared operands (K and V of a query head; Q and dO of a KV head's group)
-    take `head_bytes` each that fit in the L2 share together."""
-    return max(1, (_L2_SHARE if l2_share is None else l2_share) // max(head_bytes, 1))
+def launch_groups(n_bh: int, head_bytes: int, group_bytes: int | None) -> int:
+    """Heads a group of a CTA-a-tile grid launched in `_hopper.heavy_first` order (or of
+    `work_schedule`'s order): as many as hold `group_bytes` of the operands they share (0: one head a group, each head's tiles
+    heaviest first, then the next head's; None: every head one group, every head's heaviest
+    tile first)."""
+    if group_bytes is None:
+        return n_bh
+    return min(n_bh, max(1, group_bytes // max(head_bytes, 1)))
+
+
+# The forward's CTA-a-tile launch order (`launch_groups`; `_hopper.heavy_first`): 0, one
+# head's tiles, heaviest first, then the next head's (the order since the Hopper forward's
+# first version: Pallas Mosaic GPU launches a grid's last axis fastest, which was the query
+# tile); other orders are diagnostics (benchmarks/attention.py fwd_order) until timed.
+_FWD_GROUP_BYTES = 0
 
 
 def kv_head_bytes(spec: AttnSpec, itemsize: int) -> int:
@@ -951,12 +961,12 @@ def work_schedule(spec: AttnSpec, n_bh: int, n_q_tiles: int, rows: int, bk: int,
     each tile costs its key blocks plus a quarter block for its start and end. Greedy list
     scheduling in that order balances a causal walk (B4 H32 T4096, 32 tiles a head of 1 to 32
     blocks, 132 CTAs: the busiest CTA 0.1% over the mean, against 3.5% with no head groups and
-    ~10% round robin)."""
+    up to 9% round robin)."""
     with jax.ensure_compile_time_eval():
         lo, _, _, hi = A.key_blocks(spec, jnp.arange(n_q_tiles, dtype=jnp.int32) * rows,
                                     rows, bk)
         blocks = np.broadcast_to(np.asarray(hi - lo), (n_q_tiles,))
-    heads = l2_heads(kv_head_bytes(spec, itemsize), l2_share)
+    heads = launch_groups(n_bh, kv_head_bytes(spec, itemsize), l2_share)
     item = np.arange(n_bh * n_q_tiles)
     bh, tile = item // n_q_tiles, item % n_q_tiles
     order = np.lexsort((tile, bh, -blocks[tile], bh // heads))

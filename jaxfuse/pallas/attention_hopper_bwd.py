@@ -797,28 +797,23 @@ def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
                    ("cta",), name, spec, batchable=not fused_dq, consumers=nc)
 
 
-# Bytes of shared operands a head group of the backward's grids holds (`_hopper.heavy_first`):
-# None, every head in one group (the order measured best so far: module docstring); an int,
-# groups sized to stay in L2 (a diagnostic until timed against None).
+# Bytes of shared operands a head group of the backward's grids holds (`attention_hopper.
+# launch_groups`): None, every head in one group (the order measured best so far: module
+# docstring); an int, groups sized to stay in L2 (a diagnostic until timed against None).
 _BWD_GROUP_BYTES = None
 
 
 def _dq_heads(k, spec: AttnSpec) -> int:
     """Query heads a group of the dQ grid: they read the same K and V."""
-    n_bh = k.shape[0] * k.shape[2] * spec.groups
-    if _BWD_GROUP_BYTES is None:
-        return n_bh
-    return min(n_bh, AH.l2_heads(AH.kv_head_bytes(spec, k.dtype.itemsize), _BWD_GROUP_BYTES))
+    return AH.launch_groups(k.shape[0] * k.shape[2] * spec.groups,
+                            AH.kv_head_bytes(spec, k.dtype.itemsize), _BWD_GROUP_BYTES)
 
 
 def _dkv_heads(q, k) -> int:
     """KV heads a group of the dK/dV grid: they read the Q and dO of their query heads."""
     b, tq, hq, d = q.shape
-    n_bh = b * k.shape[2]
-    if _BWD_GROUP_BYTES is None:
-        return n_bh
-    return min(n_bh, AH.l2_heads(2 * tq * (hq // k.shape[2]) * d * q.dtype.itemsize,
-                                 _BWD_GROUP_BYTES))
+    return AH.launch_groups(b * k.shape[2], 2 * tq * (hq // k.shape[2]) * d * q.dtype.itemsize,
+                            _BWD_GROUP_BYTES)
 
 
 def _fused(q, k, v, do, lse_u, delta, *, spec: AttnSpec, tiles: HopperBwdTiles):

@@ -179,14 +179,15 @@ def test_persistent_by_default_where_measured_faster(n, d, kw, want):
     assert HopperAttnTiles().persists(_spec(n, d, **kw)) == want
 
 
-@pytest.mark.parametrize("group_bytes,heads", [(0, 1), (None, 4), (3 * 256 * 64 * 2, 3)])
-def test_cta_a_tile_launch_orders_match_reference(group_bytes, heads, monkeypatch):
-    """The forward's CTA-a-tile grid in each launch order (`_FWD_GROUP_BYTES`: one head a
-    group, the default; every head one group; groups of 3 of 4 heads, the last short): 3 query
-    tiles of 4 heads, GQA 2 query heads a KV head (a query head's share of K and V: 256 keys
-    x 64 x 2 bytes)."""
+def test_cta_a_tile_launch_in_head_groups_matches_reference(monkeypatch):
+    """The forward's CTA-a-tile grid launched in head groups (`_FWD_GROUP_BYTES`, a diagnostic
+    here; the default's one head a group and the backward's every head one group are the
+    same `heavy_first` mapping, unit-tested in test_attention_hopper_bwd.py): groups of 3 of
+    4 heads, the last short, 3 query tiles each, GQA 2 query heads a KV head (a query head's
+    share of K and V: 256 keys x 64 x 2 bytes)."""
     from jaxfuse.pallas import attention_hopper as AH
-    assert AH.launch_groups(4, 256 * 64 * 2, group_bytes) == heads
+    group_bytes = 3 * 256 * 64 * 2
+    assert [AH.launch_groups(4, 256 * 64 * 2, n) for n in (0, None, group_bytes)] == [1, 4, 3]
     monkeypatch.setattr(AH, "_FWD_GROUP_BYTES", group_bytes)
     kq, kk, kv = keys(13, 3)
     q = randn(kq, (1, 384, 4, 64), jnp.bfloat16)

@@ -376,9 +376,10 @@ def perf_l2_share(rounds: int = 5):
 def perf_fwd_order(rounds: int = 5):
     """The forward's CTA-a-tile launch order (`attention_hopper._FWD_GROUP_BYTES`): one head's
     tiles heaviest first, then the next head's (the default), every head's heaviest tile first
-    (one group), heads in 16 MiB groups, against the scheduled persistent CTAs and cuDNN, on
-    the causal rows where a CTA a tile is the default (more than 4096 keys; D = 256) and the
-    D128 / D64 rows where persistence is."""
+    (one group), heads in 16 MiB groups, against the default ("jaxfuse": the scheduled
+    persistent CTAs up to 4096 keys at head_dim <= 128) and cuDNN, on the causal rows where a
+    CTA a tile is the default (more than 4096 keys; D = 256) and the D128 / D64 rows where
+    persistence is."""
     rows = [("1B B2 Hq32 Hkv8 T8192 D64 causal", (2, 8192, 32, 8, 64)),
             ("B1 H16 T32768 D128 causal", (1, 32768, 16, 16, 128)), CAUSAL_ROWS[2],
             CAUSAL_ROWS[0], CAUSAL_ROWS[1]]

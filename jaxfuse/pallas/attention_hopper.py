@@ -931,9 +931,9 @@ _L2_SHARE = 16 << 20
 
 def launch_groups(n_bh: int, head_bytes: int, group_bytes: int | None) -> int:
     """Heads a group of a CTA-a-tile grid launched in `_hopper.heavy_first` order (or of
-    `work_schedule`'s order): as many as hold `group_bytes` of the operands they share (0: one head a group, each head's tiles
-    heaviest first, then the next head's; None: every head one group, every head's heaviest
-    tile first)."""
+    `work_schedule`'s order): as many as hold `group_bytes` of the operands they share (0: one
+    head a group, each head's tiles heaviest first, then the next head's; None: every head
+    one group, every head's heaviest tile first)."""
     if group_bytes is None:
         return n_bh
     return min(n_bh, max(1, group_bytes // max(head_bytes, 1)))

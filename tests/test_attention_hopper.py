@@ -137,7 +137,7 @@ def test_work_schedule_deals_every_tile_once_and_balances(n, rows, n_bh, kw):
     from jaxfuse.pallas import _attn as A
     from jaxfuse.pallas.attention_hopper import work_schedule
     spec, ctas, n_q_tiles = _spec(n, **kw), 132, -(-n // rows)
-    table = work_schedule(spec, n_bh, n_q_tiles, rows, 128, ctas, 2)
+    table = work_schedule(spec, n_bh, n_q_tiles, rows, 128, ctas)
     counts, items = table[:, 0], table[:, 1:]
     assert table.shape[1] >= counts.max() + 2      # a walk reads item i + 1 at its last
     dealt = np.concatenate([items[c, :counts[c]] for c in range(ctas)])

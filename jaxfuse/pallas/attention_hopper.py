@@ -610,9 +610,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
     transforms = H._tma_transforms(dtype, d)
     producer_regs, consumer_regs = _REGISTERS[nc]
     hq = q_gmem.shape[2]
-    groups = (q_gmem.shape[0] * hq, launch_groups(q_gmem.shape[0] * hq,
-                                                  kv_head_bytes(spec, q_gmem.dtype.itemsize),
-                                                  _FWD_GROUP_BYTES))
+    n_bh = q_gmem.shape[0] * hq
+    groups = (n_bh, launch_groups(n_bh, kv_head_bytes(spec), _FWD_GROUP_BYTES))
     where = lambda item: query_tile(spec, hq, n_q_tiles, bk, nc, item, groups)
 
     def walk(body, carry):
@@ -651,10 +650,9 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
             takes_turns = tiles.pingpong and nc == 2 and stages >= 2
-            pp = PingPong(turn, wg, takes_turns and not tiles.overlap, stages,
-                          named=_NAMED_PINGPONG and not spec.interpret)
-            turns = Turns(turn, wg, takes_turns and tiles.overlap,
-                          named=_NAMED_PINGPONG and not spec.interpret)
+            named = _NAMED_PINGPONG and not spec.interpret   # the interpreter has none
+            pp = PingPong(turn, wg, takes_turns and not tiles.overlap, stages, named=named)
+            turns = Turns(turn, wg, takes_turns and tiles.overlap, named=named)
 
             def my_rows(item):
                 """(b, h, first row of this consumer, whether it has rows, the CTA's key
@@ -903,8 +901,7 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
         ctas = min(b * hq * n_q_tiles, 2 if spec.interpret else C.num_multiprocessors())
         grid, grid_names = (ctas,), ("sm",)
         sched = (H.constant(work_schedule(spec, b * hq, n_q_tiles, nc * _ROWS,
-                                          tiles.block_k, ctas, q.dtype.itemsize,
-                                          _L2_SHARE)),)
+                                          tiles.block_k, ctas, _L2_SHARE)),)
     body = functools.partial(_forward_body, spec=spec, tiles=tiles, stages=stages,
                              n_q_tiles=n_q_tiles, ctas=ctas)
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -946,14 +943,14 @@ def launch_groups(n_bh: int, head_bytes: int, group_bytes: int | None) -> int:
 _FWD_GROUP_BYTES = 0
 
 
-def kv_head_bytes(spec: AttnSpec, itemsize: int) -> int:
+def kv_head_bytes(spec: AttnSpec) -> int:
     """K and V bytes of one query head (its KV head's, shared by the group's query heads)."""
-    return 2 * spec.n_k * spec.head_dim * itemsize // spec.groups
+    return 2 * spec.n_k * spec.head_dim * spec.itemsize // spec.groups
 
 
 @functools.lru_cache(maxsize=64)
 def work_schedule(spec: AttnSpec, n_bh: int, n_q_tiles: int, rows: int, bk: int, ctas: int,
-                  itemsize: int, l2_share: int = _L2_SHARE):
+                  l2_share: int = _L2_SHARE):
     """The persistent forward's schedule (`_hopper.list_schedule`) of its work tiles
     bh * n_q_tiles + query tile of `rows` rows: heaviest first (most key blocks, as a grid
     launched causal-heaviest-first would run them) within groups of heads whose K and V fit in
@@ -966,7 +963,7 @@ def work_schedule(spec: AttnSpec, n_bh: int, n_q_tiles: int, rows: int, bk: int,
         lo, _, _, hi = A.key_blocks(spec, jnp.arange(n_q_tiles, dtype=jnp.int32) * rows,
                                     rows, bk)
         blocks = np.broadcast_to(np.asarray(hi - lo), (n_q_tiles,))
-    heads = launch_groups(n_bh, kv_head_bytes(spec, itemsize), l2_share)
+    heads = launch_groups(n_bh, kv_head_bytes(spec), l2_share)
     item = np.arange(n_bh * n_q_tiles)
     bh, tile = item // n_q_tiles, item % n_q_tiles
     order = np.lexsort((tile, bh, -blocks[tile], bh // heads))

@@ -806,7 +806,7 @@ _BWD_GROUP_BYTES = None
 def _dq_heads(k, spec: AttnSpec) -> int:
     """Query heads a group of the dQ grid: they read the same K and V."""
     return AH.launch_groups(k.shape[0] * k.shape[2] * spec.groups,
-                            AH.kv_head_bytes(spec, k.dtype.itemsize), _BWD_GROUP_BYTES)
+                            AH.kv_head_bytes(spec), _BWD_GROUP_BYTES)
 
 
 def _dkv_heads(q, k) -> int:

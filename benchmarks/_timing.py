@@ -154,16 +154,16 @@ def l2_share(n_bytes: int):
 
 def bwd_head_groups(n_bytes: int | None):
     """A context in which the Hopper backward's grids launch heads in groups of `n_bytes` of
-    shared operands (`attention_hopper_bwd._BWD_GROUP_BYTES`; None, the default: every head
-    one group; 1: one head a group, each head's sawtooth in turn)."""
+    shared operands (`attention_hopper_bwd._BWD_GROUP_BYTES`; 16 MiB the default; None: every
+    head one group; 1: one head a group, each head's sawtooth in turn)."""
     from jaxfuse.pallas import attention_hopper_bwd as AHB
     return mock.patch.object(AHB, "_BWD_GROUP_BYTES", n_bytes)
 
 
 def fwd_head_groups(n_bytes: int | None):
     """A context in which the Hopper forward's CTA-a-tile grid launches heads in groups of
-    `n_bytes` of K and V (`attention_hopper._FWD_GROUP_BYTES`; 0, the default: one head a
-    group; None: every head one group)."""
+    `n_bytes` of K and V (`attention_hopper._FWD_GROUP_BYTES`; 16 MiB the default; 0: one head
+    a group; None: every head one group)."""
     from jaxfuse.pallas import attention_hopper
     return mock.patch.object(attention_hopper, "_FWD_GROUP_BYTES", n_bytes)
 

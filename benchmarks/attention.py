@@ -375,8 +375,9 @@ def perf_l2_share(rounds: int = 5):
 
 def perf_fwd_order(rounds: int = 5):
     """The forward's CTA-a-tile launch order (`attention_hopper._FWD_GROUP_BYTES`): one head's
-    tiles heaviest first, then the next head's (the default), every head's heaviest tile first
-    (one group), heads in 16 MiB groups, against the default ("jaxfuse": the scheduled
+    tiles heaviest first, then the next head's (the order before s18), every head's heaviest
+    tile first (one group), heads in 16 MiB groups (the default since s18-1), against the
+    default ("jaxfuse": the scheduled
     persistent CTAs up to 4096 keys at head_dim <= 128) and cuDNN, on the causal rows where a
     CTA a tile is the default (more than 4096 keys; D = 256) and the D128 / D64 rows where
     persistence is."""
@@ -388,8 +389,8 @@ def perf_fwd_order(rounds: int = 5):
         tile = functools.partial(jaxfuse.flash_attention, causal=True,
                                  block_sizes=_tiles(persistent=False) if shape[-1] <= 128
                                  else AttnBlocks(hopper=True))
-        fns["jaxfuse[a CTA a tile, one head a group]"] = tile
-        for name, n in (("every head one group", None), ("16 MiB groups", 16 << 20)):
+        for name, n in (("one head a group", 0), ("every head one group", None),
+                        ("16 MiB groups", 16 << 20)):
             fns[f"jaxfuse[a CTA a tile, {name}]"] = _traced_under(
                 tile, functools.partial(_timing.fwd_head_groups, n))
         _interleaved(label, shape, True, fns, rounds)

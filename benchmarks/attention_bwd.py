@@ -339,12 +339,13 @@ def idle(label="D128 full"):
 
 
 def groups(rounds: int = 5):
-    """The backward's launch order (`_hopper.heavy_first`): every head one group (the default,
-    every head's heaviest tile first), head groups sized to 16 MiB of L2, one head a group
-    (each head's sawtooth in turn; `_timing.bwd_head_groups`), and cuDNN: fwd+bwd,
-    interleaved rounds, medians; the forward is the same in all (the default). Checked first
-    against cuDNN's gradients. (s17-5 ran the 16 MiB groups as "jaxfuse" against one head a
-    group, believing the latter the order before s17; it was every head.)
+    """The backward's launch order (`_hopper.heavy_first`): head groups sized to 16 MiB of L2
+    (the default since s18-1), every head one group (every head's heaviest tile first, the
+    order before), one head a group (each head's sawtooth in turn; `_timing.bwd_head_groups`),
+    and cuDNN: fwd+bwd, interleaved rounds, medians; the forward is the same in all (the
+    default). Checked first against cuDNN's gradients. (s17-5 ran the 16 MiB groups as
+    "jaxfuse" against one head a group, believing the latter the order before s17; s18-1's
+    "jaxfuse" was every head one group, its "[16 MiB head groups]" the default now.)
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py groups [OUT.json]
     """
@@ -361,8 +362,8 @@ def groups(rounds: int = 5):
                 for i in range(2)]
         ours = functools.partial(jaxfuse.flash_attention, causal=causal)
         fns = {"jaxfuse": (ours, contextlib.nullcontext),
-               "jaxfuse[16 MiB head groups]": (
-                   ours, functools.partial(_timing.bwd_head_groups, 16 << 20)),
+               "jaxfuse[every head one group]": (
+                   ours, functools.partial(_timing.bwd_head_groups, None)),
                "jaxfuse[one head a group]": (ours, functools.partial(_timing.bwd_head_groups, 1)),
                "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                            implementation="cudnn"), contextlib.nullcontext)}

@@ -180,10 +180,10 @@ def test_persistent_by_default_where_measured_faster(n, d, kw, want):
 
 
 def test_cta_a_tile_launch_in_head_groups_matches_reference(monkeypatch):
-    """The forward's CTA-a-tile grid launched in head groups (`_FWD_GROUP_BYTES`, a diagnostic
-    here; the default's one head a group and the backward's every head one group are the
-    same `heavy_first` mapping, unit-tested in test_attention_hopper_bwd.py): groups of 3 of
-    4 heads, the last short, 3 query tiles each, GQA 2 query heads a KV head (a query head's
+    """The forward's CTA-a-tile grid launched in head groups (`_FWD_GROUP_BYTES`; the default's
+    16 MiB holds all 4 heads here, so a small budget makes the groups; the same `heavy_first`
+    mapping as the backward's, unit-tested in test_attention_hopper_bwd.py): groups of 3 of 4
+    heads, the last short, 3 query tiles each, GQA 2 query heads a KV head (a query head's
     share of K and V: 256 keys x 64 x 2 bytes)."""
     from jaxfuse.pallas import attention_hopper as AH
     group_bytes = 3 * 256 * 64 * 2

@@ -191,9 +191,10 @@ def test_heavy_first_launch_order_deals_every_tile_once():
 
 
 def test_hopper_backward_in_head_groups(monkeypatch):
-    """The backward's grids in head groups (`_hopper.heavy_first`; `_BWD_GROUP_BYTES`, a
-    diagnostic) sized by a small byte budget: dK/dV in groups of 2 KV heads of 3 (the last
-    short), dQ one head a group; gradients as the float32 reference's."""
+    """The backward's grids in head groups (`_hopper.heavy_first`; `_BWD_GROUP_BYTES`: the
+    default's 16 MiB holds these 3 heads in one group) sized by a small byte budget: dK/dV in
+    groups of 2 KV heads of 3 (the last short), dQ one head a group; gradients as the float32
+    reference's."""
     from jaxfuse.pallas import attention_hopper_bwd as AHB
     from jaxfuse.pallas._attn import AttnSpec
     kq, kk, kv, kd = keys(11, 4)
@@ -203,7 +204,7 @@ def test_hopper_backward_in_head_groups(monkeypatch):
     do = randn(kd, (1, 128, 3, 64), jnp.bfloat16)
     spec = AttnSpec.make(n_q=128, n_k=256, head_dim=64, groups=1, dtype=q.dtype, scale=None,
                          interpret=True)
-    assert (AHB._dkv_heads(q, k), AHB._dq_heads(k, spec)) == (3, 3)   # default: one group
+    assert (AHB._dkv_heads(q, k), AHB._dq_heads(k, spec)) == (3, 3)   # default: 16 MiB, one group here
     monkeypatch.setattr(AHB, "_BWD_GROUP_BYTES", 65536)
     assert (AHB._dkv_heads(q, k), AHB._dq_heads(k, spec)) == (2, 1)
     f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**TWO))

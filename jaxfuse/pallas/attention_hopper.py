@@ -38,15 +38,17 @@ D128 1.016 against 1.079 (cuDNN 1.081), GQA 1.009 against 1.067 (1.060), D64 0.1
 0.213 (0.216). Longer rows lost (s17-2/3): the 1B model's B2 T8192 D64 GQA causal 1.257
 against 1.206 ms (whichever L2 share: 1, 4 or 16 MiB), T = 32768 D128 causal 7.351 against
 7.262 (there the O buffer leaves room for 2 ring slots, not 3); why the first loses is not
-known. Those run a CTA a tile, each head's tiles launched heaviest first. (Without masks,
-rows beyond 4096 keys were persistent before s17 and are not now: neither timed.)
+known. Those run a CTA a tile, in head groups whose K and V fill 16 MiB of L2, every head's
+heaviest tile of a group first (`_FWD_GROUP_BYTES`; s18-1: the 1B row 1.188 ms against 1.366
+one head's tiles after another's, cuDNN 1.293). (Without masks, rows beyond 4096 keys were
+persistent before s17 and are not now: neither timed.)
 
 Causal and sliding-window masks come from `_attn.key_blocks`, shared with the Triton kernels:
 key tiles wholly masked for the CTA's rows are never loaded, tiles wholly visible take no mask
-arithmetic, and only the tiles on an edge are masked. With `causal`, a head's CTAs (a CTA a
-tile) are launched heaviest first (the last query tiles, which see the most keys, get the first
-multiprocessors) so its short tiles fill in behind them; persistent CTAs take the tiles
-heaviest first within head groups (`work_schedule`).
+arithmetic, and only the tiles on an edge are masked. With `causal`, CTAs (a CTA a tile) are
+launched heaviest first within a head group (the last query tiles, which see the most keys, get
+the first multiprocessors) so the short tiles fill in behind them; persistent CTAs take the
+tiles in the same order (`work_schedule`).
 
 Masked keys may hold garbage: P V multiplies a hidden key's zero probability by its value row
 as it lies in shared memory, so with a causal mask or a window the producer cleans the CTA's
@@ -936,11 +938,15 @@ def launch_groups(n_bh: int, head_bytes: int, group_bytes: int | None) -> int:
     return min(n_bh, max(1, group_bytes // max(head_bytes, 1)))
 
 
-# The forward's CTA-a-tile launch order (`launch_groups`; `_hopper.heavy_first`): 0, one
-# head's tiles, heaviest first, then the next head's (the order since the Hopper forward's
-# first version: Pallas Mosaic GPU launches a grid's last axis fastest, which was the query
-# tile); other orders are diagnostics (benchmarks/attention.py fwd_order) until timed.
-_FWD_GROUP_BYTES = 0
+# The forward's CTA-a-tile launch order (`launch_groups`; `_hopper.heavy_first`): heads in
+# groups whose K and V fill `_L2_SHARE`, every head's heaviest tile of a group first. Measured
+# (H200, s18-1, `benchmarks/attention.py fwd_order`, causal, interleaved medians of 5, 16 MiB
+# groups / every head one group / one head a group (the order before s18) / cuDNN): the 1B
+# model's B2 Hq32 Hkv8 T8192 D64 1.188 / 1.154 / 1.366 / 1.293 ms, B1 H16 T32768 D128 7.160 /
+# 7.719 / 7.270 / 7.652, D256 B2 H16 T4096 0.464 / 0.470 / 0.507 / 0.551: every head at once
+# loses where their K and V outgrow L2 (T32768), one head at a time repeats each head's
+# heavy-to-light sawtooth.
+_FWD_GROUP_BYTES = _L2_SHARE
 
 
 def kv_head_bytes(spec: AttnSpec) -> int:

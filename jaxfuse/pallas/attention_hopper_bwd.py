@@ -77,17 +77,21 @@ Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
   for both kernels against 5 fused, the price of a fixed summation order.
 
 Launch order (both kernels, `_hopper.heavy_first`): a one-dimensional grid whose CTAs start
-in index order on the first free multiprocessor, every head's heaviest tile first (causal:
-the first key tiles, the last query tiles), then every head's next: the hardware's dynamic
-launch then balances unequal causal tiles as a greedy list schedule would. This is the order
-the two-dimensional grids ran before s17 (Pallas Mosaic GPU gives the last grid axis, the
-head, to CUDA's x, which launches fastest). One head's tiles after another's, a heavy-to-light
-sawtooth, is slower (H200, fwd+bwd interleaved, s17-5 against L2-sized head groups: the 157M
-model's GQA attention B8 Hq16 Hkv4 T2048 D64 causal 0.921 against 0.837 ms, cuDNN 0.921; the
-1B model's 5.331 against 5.081; s8-3 against this order, dK/dV kernel: 0.410 against 0.332
-ms). Heads in groups whose shared operands fit in L2 (`_BWD_GROUP_BYTES`; dK/dV: the Q and dO
-of a KV head's query heads, dQ: a query head's K and V), every head's heaviest tile of a group
-first, was not yet timed against this order.
+in index order on the first free multiprocessor, in groups of heads whose shared operands fill
+16 MiB of L2 (`_BWD_GROUP_BYTES`; dK/dV: the Q and dO of a KV head's query heads, dQ: a query
+head's K and V), every head's heaviest tile of a group first (causal: the first key tiles, the
+last query tiles), then every head's next: the hardware's dynamic launch then balances unequal
+causal tiles as a greedy list schedule would, among CTAs that read the same few heads from L2.
+Measured (H200, s18-1, `benchmarks/attention_bwd.py groups`, fwd+bwd interleaved medians of 5,
+16 MiB groups / every head one group (the order before s18) / one head a group / cuDNN): B4
+H32 T4096 D128 full 8.172 / 8.964 / 8.037 / 7.515 ms (every head at once reads 132 heads' Q
+and dO, 264 MB, through 50 MB of L2), causal 4.659 / 4.810 / 4.561 / 4.282, GQA 32/8 causal
+4.513 / 4.419 / 4.508 / 4.321, the 157M model's GQA B8 Hq16 Hkv4 T2048 D64 causal 0.864 /
+0.866 / 0.933 / 0.925, D64 MHA 0.908 / 0.923 / 0.926 / 0.890, the 1B model's B2 Hq32 Hkv8
+T8192 D64 causal 5.303 / 5.379 / 5.508 / 4.880: never the slowest, within the rounds' spread
+(2-8%) of the best where it is not the best. (Pallas Mosaic GPU gives a grid's last axis to
+CUDA's x, which launches fastest: the two-dimensional grids before s17 ran every head's
+heaviest tile first.)
 
 Overlap: the dQ kernel issues each step's dQ += dS K behind the next step's S and dP and
 computes the next step's dS while the tensor cores finish it (FlashAttention-3 sec. 3.2's
@@ -798,9 +802,8 @@ def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
 
 
 # Bytes of shared operands a head group of the backward's grids holds (`attention_hopper.
-# launch_groups`): None, every head in one group (the order measured best so far: module
-# docstring); an int, groups sized to stay in L2 (a diagnostic until timed against None).
-_BWD_GROUP_BYTES = None
+# launch_groups`): `_L2_SHARE`, groups that stay in L2 (module docstring, "Launch order").
+_BWD_GROUP_BYTES = AH._L2_SHARE
 
 
 def _dq_heads(k, spec: AttnSpec) -> int:

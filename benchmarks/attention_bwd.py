@@ -25,6 +25,7 @@ sweep; quick: check, the three workloads against cuDNN, probe's kernel times.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 
@@ -50,6 +51,12 @@ CASES = [   # (b, tq, tk, hq, hkv, d), options
     ((2, 512, 512, 4, 2, 128), dict()),
     ((1, 128, 384, 2, 2, 64), dict(causal=True)),
     ((1, 384, 128, 2, 1, 128), dict(causal=True)),      # Tq > Tk: the first rows see no key
+]
+CASES_256 = [   # D = 256: the dK/dV consumers split the columns (`HopperBwdTiles.split_d`)
+    ((1, 256, 384, 4, 2, 256), dict(causal=True)),
+    ((1, 384, 128, 2, 1, 256), dict(causal=True)),      # Tq > Tk: the first rows see no key
+    ((2, 256, 512, 4, 4, 256), dict(sliding_window=100, logits_soft_cap=20.0)),
+    ((1, 128, 640, 4, 1, 256), dict()),
 ]
 
 
@@ -116,10 +123,11 @@ GARBAGE = [   # shape, options, (key whose V row is NaN, key with one +inf entry
     # key 40 seen through tiles that every row of a CTA sees (raw K there): the +inf entry's
     # score is +-inf by q's sign, capped to +-20: finite rows unless the backward is loud
     ((1, 512, 512, 4, 2, 64), dict(causal=True, logits_soft_cap=20.0), (300, 40)),
+    ((1, 256, 384, 4, 2, 256), dict(causal=True), (300, 200)),
 ]
 
 
-def garbage():
+def garbage(cases=None):
     """Masked keys may hold garbage, compiled: one key's V NaN and one entry of another's K
     +inf. The rows that see neither (by the masks) must have o and dq equal to those of the
     clean inputs, and the keys that none of the rows seeing junk sees must have dk and dv equal
@@ -127,7 +135,7 @@ def garbage():
     is loud: a non-finite o or dq (never a finite, silently different gradient). The Hopper
     path (forward and backward) and the portable one (`hopper=False`)."""
     from jaxfuse.reference._masks import keep_mask
-    for i, (shape, opts, (bad_v, bad_k)) in enumerate(GARBAGE):
+    for i, (shape, opts, (bad_v, bad_k)) in enumerate(GARBAGE if cases is None else cases):
         b, tq, tk = shape[:3]
         keep = keep_mask(jnp.arange(tq)[:, None], jnp.arange(tk)[None], n_q=tq,
                                  n_k=tk, causal=opts.get("causal", False),
@@ -349,7 +357,6 @@ def groups(rounds: int = 5):
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py groups [OUT.json]
     """
-    import statistics
     from benchmarks import _timing
     rows = {"D64 B8 H16 T2048 causal": ((8, 2048, 16, 16, 64), True),
             "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal": ((8, 2048, 16, 4, 64), True),
@@ -367,27 +374,66 @@ def groups(rounds: int = 5):
                "jaxfuse[one head a group]": (ours, functools.partial(_timing.bwd_head_groups, 1)),
                "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                            implementation="cudnn"), contextlib.nullcontext)}
+        _interleaved(label, sets, fns, rounds)
+
+
+def _interleaved(label, sets, fns, rounds: int):
+    """fns: name -> (attention f, context it is traced under); each compiled for fwd+bwd,
+    checked against cuDNN's gradients ("cudnn" must be one), then timed in interleaved rounds
+    (medians, and the rounds' spread)."""
+    import statistics
+
+    def run():
         steps = {}
         for name, (f, context) in fns.items():
             with context():                       # traced (compiled) under it
                 steps[name] = jax.jit(_fwd_bwd(f)).lower(*sets[0]).compile()
+        _, want = steps["cudnn"](*sets[0])
+        for name in (n for n in steps if n.startswith("jaxfuse")):
+            _, got = steps[name](*sets[0])
+            err = max(rel_err(g, w) for g, w in zip(got, want))
+            record(S, f"{label} grads vs cudnn", name, rel_err=err,
+                   status="ok" if err < 2e-2 else "FAIL")
+        times = {name: [] for name in steps}
+        for _ in range(rounds):
+            for name, step in steps.items():
+                times[name].append(bench(step, sets, reps=5, repeats=3))
+        for name, ts in times.items():
+            tm = statistics.median(ts)
+            record(S, f"{label} fwd+bwd, interleaved x{rounds}", name, tm,
+                   spread=(max(ts) - min(ts)) / tm)
+    guarded(S, f"{label} fwd+bwd", "all", run)
 
-        def run():
-            _, want = steps["cudnn"](*sets[0])
-            for name in (n for n in steps if n.startswith("jaxfuse")):
-                _, got = steps[name](*sets[0])
-                err = max(rel_err(g, w) for g, w in zip(got, want))
-                record(S, f"{label} grads vs cudnn", name, rel_err=err,
-                       status="ok" if err < 2e-2 else "FAIL")
-            times = {name: [] for name in steps}
-            for _ in range(rounds):
-                for name, step in steps.items():
-                    times[name].append(bench(step, sets, reps=5, repeats=3))
-            for name, ts in times.items():
-                tm = statistics.median(ts)
-                record(S, f"{label} fwd+bwd, interleaved x{rounds}", name, tm,
-                       spread=(max(ts) - min(ts)) / tm)
-        guarded(S, f"{label} fwd+bwd", "all", run)
+
+def d256(rounds: int = 5):
+    """The Hopper backward at D = 256 (`HopperBwdTiles.split_d`): compiled checks against the
+    float32 reference (bf16 both `deterministic` settings, f16; bitwise repeat), masked keys'
+    garbage, then fwd+bwd interleaved against the Triton backward after the same Hopper
+    forward (the D = 256 path before s18), cuDNN and two tile variants (the dK/dV consumers
+    taking turns; 2-slot rings).
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d256 [OUT.json]
+    """
+    for i, (shape, opts) in enumerate(CASES_256):
+        for det in (True, False):
+            _check_case(100 + i, shape, opts, jnp.bfloat16, det)
+        _check_case(100 + i, shape, opts, jnp.float16, True)
+    garbage([c for c in GARBAGE if c[0][-1] == 256])
+    hop = lambda t: AttnBlocks(hopper=dataclasses.replace(HopperAttnTiles.for_head_dim(256),
+                                                          backward=t))
+    for label, causal in (("D256 B2 H16 T4096 causal", True), ("D256 B2 H16 T4096 full", False)):
+        sets = [_inputs(jax.random.key(200 + i), 2, 4096, 4096, 16, 16, 256, jnp.bfloat16)[:4]
+                for i in range(2)]
+        attn = lambda **kw: (functools.partial(jaxfuse.flash_attention, causal=causal, **kw),
+                             contextlib.nullcontext)
+        fns = {"jaxfuse": attn(),
+               "jaxfuse[Triton backward]": attn(block_sizes=hop(False)),
+               "jaxfuse[dK/dV consumers take turns]": attn(
+                   block_sizes=hop(HopperBwdTiles(pingpong=True))),
+               "jaxfuse[2-slot rings]": attn(block_sizes=hop(HopperBwdTiles(stages=2))),
+               "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                           implementation="cudnn"), contextlib.nullcontext)}
+        _interleaved(label, sets, fns, rounds)
 
 
 if __name__ == "__main__":
@@ -411,6 +457,9 @@ if __name__ == "__main__":
         perf(0.0, sweep=False)
         # The consumers' ping-pong (the default, s9) against their running free.
         probe({w: [HopperBwdTiles(pingpong=False)] for w in WORKLOADS})
+    if sys.argv[1:2] == ["d256"]:
+        import os
+        d256(int(os.environ.get("ROUNDS", 5)))
     if sys.argv[1:2] == ["groups"]:
         import os
         groups(int(os.environ.get("ROUNDS", 5)))

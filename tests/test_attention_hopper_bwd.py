@@ -59,6 +59,10 @@ def _blocks(fwd_consumers=2, **bwd):
     # the consumers take turns, at D = 128 each forms its half of the columns every step
     (jnp.float16, 2, 1, 256, False, dict(scale=0.3), True, {}),
     (jnp.bfloat16, 2, 1, 256, False, dict(head_dim=128), False, dict(fused_dq=True)),
+    # D = 256: the consumers of a 64-key CTA split dK's and dV's columns (4 CTAs here),
+    # 32-row query steps, 32-key dQ steps; GQA; deterministic=False runs the same pair
+    (jnp.bfloat16, 2, 1, 256, True, dict(head_dim=256, logits_soft_cap=5.0), False, {}),
+    (jnp.float16, 2, 2, 128, False, dict(head_dim=256), True, dict(fused_dq=True)),
     # three dK/dV consumers: one CTA of 192 keys whose third is past Tk = 128, GQA
     pytest.param(jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0), False,
                  dict(consumers=3), marks=needs_cores),
@@ -90,7 +94,7 @@ def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, op
     run, run_ref = jax.tree.map(lambda h: (jax.vmap(h) if vmapped else h),
                                 (functools.partial(grads, f), functools.partial(grads, r)))
     jaxpr = str(jax.make_jaxpr(run)(q, k, v, do, dlse))
-    for name in DET if deterministic else FUSED:
+    for name in DET if deterministic or d > 128 else FUSED:   # no fused dQ at D = 256
         assert name in jaxpr
     g = run(q, k, v, do, dlse)
     rg = run_ref(F32(q), F32(k), F32(v), F32(do), dlse)
@@ -102,10 +106,10 @@ def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, op
 
 
 def test_hopper_backward_falls_back_where_it_does_not_fit():
-    """head_dim 256 (dK and dV would not fit in a consumer's registers) and Tk not a multiple
-    of 128 run the portable backward after the Hopper forward; so does backward=False."""
+    """Tk not a multiple of 128 runs the portable backward after the Hopper forward; so does
+    backward=False."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
-    cases = [((1, 128, 2, 256), 128, True), ((1, 128, 2, 64), 192, True),
+    cases = [((1, 128, 2, 64), 192, True), ((1, 128, 2, 256), 192, True),
              ((1, 128, 2, 64), 128, HopperAttnTiles(backward=False))]
     for shape, tk, hopper in cases:
         q = jnp.zeros(shape, jnp.bfloat16)

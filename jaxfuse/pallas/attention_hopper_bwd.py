@@ -162,7 +162,7 @@ class HopperBwdTiles:
     each). Measured (H200, profiler, s10-3): three are slower, 2.171 -> 2.260 ms at the 1B
     model's attention (B2 T8192 H32/8 causal) and 0.308 -> 0.324 at the 157M's, unlike the
     forward's. The fused dQ pairs two consumers' dS^T every step, so it always runs 2."""
-    block_q: int = 64
+    block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
     fused_dq: bool | None = None
@@ -176,13 +176,31 @@ class HopperBwdTiles:
                              f"{tuple(AH._REGISTERS)} (consumer warpgroups of 64 keys a CTA)")
 
     def dkv_consumers(self, d: int, fused_dq: bool) -> int:
-        if fused_dq:
+        if fused_dq or self.split_d(d):
             return 2
         return self.consumers or 2
 
+    @staticmethod
+    def split_d(d: int) -> bool:
+        """Whether the dK/dV kernel's two consumers share the CTA's 64 keys and each forms
+        half of dK's and dV's columns (D = 256: a [64, 256] float32 dK and dV would take 256
+        registers a thread, over the 232 a consumer gets; halves take 128). Each consumer
+        then forms the whole S^T and dP^T of the step itself (module docstring)."""
+        return d > 128
+
+    def key_rows(self, d: int, fused_dq: bool) -> int:
+        """Keys a dK/dV CTA holds: 64 a consumer, or 64 shared (`split_d`)."""
+        return _ROWS if self.split_d(d) else self.dkv_consumers(d, fused_dq) * _ROWS
+
+    def bq(self, d: int) -> int:
+        """Query rows a dK/dV step (None: 64, 32 at D = 256, where S^T and dP^T [64, bq]
+        float32 sit beside 128 registers of dK and dV halves)."""
+        return self.block_q or (32 if self.split_d(d) else 64)
+
     def fuse(self, d: int, deterministic: bool) -> bool:
-        """Whether dQ comes from the dK/dV kernel (reducing stores, not deterministic)."""
-        if deterministic:
+        """Whether dQ comes from the dK/dV kernel (reducing stores, not deterministic; never
+        at D = 256, whose consumers split the columns, not the keys)."""
+        if deterministic or self.split_d(d):
             return False
         return d <= 64 if self.fused_dq is None else self.fused_dq
 
@@ -190,7 +208,8 @@ class HopperBwdTiles:
         return d <= 64 if self.pingpong is None else self.pingpong
 
     def k_dq(self, d: int) -> int:
-        return self.block_k_dq or (128 if d <= 64 else 64)
+        # D = 256: dQ [64, 256] float32 is 128 registers, so S and dP take 32-key tiles.
+        return self.block_k_dq or (128 if d <= 64 else 64 if d <= 128 else 32)
 
     @staticmethod
     def dq_split(d: int) -> bool:
@@ -206,13 +225,14 @@ class HopperBwdTiles:
         return d // 2 if self.dq_split(d) else d
 
     def dkv_stages(self, d: int, itemsize: int, fused_dq: bool) -> int:
-        fixed = 2 * self.dkv_consumers(d, fused_dq) * _ROWS * d * itemsize   # K, V
+        bq = self.bq(d)
+        fixed = 2 * self.key_rows(d, fused_dq) * d * itemsize   # K, V
         if fused_dq:
-            fixed += 4 * _ROWS * self.block_q * itemsize         # dS^T [2 steps x 2 consumers]
+            fixed += 4 * _ROWS * bq * itemsize         # dS^T [2 steps x 2 consumers]
             # A float32 dQ tile per consumer, [block_q, cols]: 32 KiB at block_q = 64 (at 128
             # with D = 64, 64 KiB: the ring then gets one stage and the ping-pong is off).
-            fixed += 2 * self.block_q * self.dq_cols(d) * 4
-        stage = 2 * self.block_q * d * itemsize + 2 * self.block_q * 4
+            fixed += 2 * bq * self.dq_cols(d) * 4
+        stage = 2 * bq * d * itemsize + 2 * bq * 4
         fit = self._fit(fixed, stage)
         if self.stages is None and d <= 64 and not fused_dq:
             # Measured (H200, profiler, benchmarks/attention_d64_tiles.py): 2 stages instead of
@@ -235,9 +255,9 @@ class HopperBwdTiles:
 def fits(dtype, spec: AttnSpec, tiles: HopperBwdTiles = HopperBwdTiles()) -> bool:
     """Whether the Hopper backward takes this problem (its forward ran on `attention_hopper`)."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and spec.head_dim in (64, 128) and not spec.segments and not spec.dropout
+            and spec.head_dim in (64, 128, 256) and not spec.segments and not spec.dropout
             and not spec.folded and spec.n_q > 0 and spec.n_k > 0
-            and spec.n_q % _KEYS == 0 and spec.n_q % tiles.block_q == 0
+            and spec.n_q % _KEYS == 0 and spec.n_q % tiles.bq(spec.head_dim) == 0
             and spec.n_k % _KEYS == 0 and spec.n_k % tiles.k_dq(spec.head_dim) == 0)
 
 
@@ -340,6 +360,15 @@ class _Mma:
             plgpu.wgmma_wait(0)
 
 
+def _transforms(dtype, d: int, rows: int) -> tuple:
+    """The shared-memory layout of a kernel's [*, d] tiles. The ring's [rows, d] tiles are
+    also the B operand [K = rows, N] of a product (dV += P^T dO, dK += dS^T Q; dQ += dS K),
+    and wgmma wants K a whole number of swizzle rows, and both operands of a product in one
+    swizzle: so with 32-row ring tiles (D = 256) every tile takes 64-byte swizzles (rows of
+    32 elements) instead of 128-byte ones (64)."""
+    return H._tma_transforms(dtype, min(d, rows))
+
+
 def _prev_slot(j, stages: int):
     """The ring slot of step j - 1, and of step 0 itself for j = 0 (whose loaded tiles the
     zero product behind step 0 multiplies: a slot not yet loaded may hold NaN bits)."""
@@ -384,22 +413,26 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
     # [B, Tq, Hq, D] added into; [2, ...] one per consumer in the interpreter) if fused_dq,
     # then the outputs dk, dv [B, Tk, Hkv, D].
     dq_gmem, (dk_gmem, dv_gmem) = (refs[0], refs[1:]) if fused_dq else (None, refs)
-    bq, d, g = tiles.block_q, spec.head_dim, spec.groups
-    nc = tiles.dkv_consumers(d, fused_dq)
+    d, g = spec.head_dim, spec.groups
+    bq, nc, key_rows = tiles.bq(d), tiles.dkv_consumers(d, fused_dq), tiles.key_rows(d, fused_dq)
+    # split_d (D = 256): both consumers on the CTA's 64 keys, consumer wg forming dK's and dV's
+    # columns [wg * half, (wg + 1) * half); else consumer wg on keys wg * 64.. , all columns.
+    split_d = tiles.split_d(d)
+    half = d // 2 if split_d else d
     producer_regs, consumer_regs = AH._REGISTERS[nc]
     hkv = k_gmem.shape[2]
     dtype = q_gmem.dtype
     mma = _Mma(spec.interpret)
-    transforms = H._tma_transforms(dtype, d)
+    transforms = _transforms(dtype, d, bq)
     split, cols = tiles.dq_split(d), tiles.dq_cols(d)
 
     def scoped(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-               kv_full, q_full, do_full, empty, ds_full, ds_free, turns):
+               kv_full, q_full, do_full, empty, ds_full, ds_free, turns, halves):
         k_tile, bh = H.heavy_first(lax.axis_index("cta"), n_k_tiles, k_gmem.shape[0] * hkv,
                                    heads)
         b, hk = bh // hkv, bh % hkv
-        k0 = k_tile * (nc * _ROWS)
-        lo, f_lo, f_hi, hi = A.query_blocks(spec, k0, nc * _ROWS, bq)
+        k0 = k_tile * key_rows
+        lo, f_lo, f_hi, hi = A.query_blocks(spec, k0, key_rows, bq)
         n = hi - lo
         total = g * n                          # steps: (query head of the group, query tile)
         wg = lax.axis_index("wg")
@@ -431,21 +464,31 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             def _drain(j):
                 plgpu.barrier_wait(empty.at[lax.rem(j, stages)])
 
-        @pl.when(wg < nc)
-        def _consumer():
+        def consumer(c0):
+            """Consumer wg's work; c0: the first of its dK/dV columns (static: a column
+            offset into a swizzled tile must be), 0 unless `split_d`."""
             plgpu.set_max_registers(consumer_regs, action="increase")
-            kr = k0 + wg * _ROWS
+            kv = 0 if split_d else wg              # this consumer's K/V tile
+            kr = k0 if split_d else k0 + wg * _ROWS
             # A consumer past the last key (the last CTA when Tk is not a multiple of its
             # keys) only releases the ring's slots.
             active = kr < spec.n_k
+            own = pl.ds(c0, half)         # this consumer's columns of dK and dV
+            do_cols = lambda slot: do_smem.at[slot, :, own] if split_d else do_smem.at[slot]
+            q_cols = lambda slot: q_smem.at[slot, :, own] if split_d else q_smem.at[slot]
 
             @pl.when(active)
             def _():
-                plgpu.copy_gmem_to_smem(k_gmem.at[b, pl.ds(kr, _ROWS), hk], k_smem.at[wg],
-                                        kv_full.at[wg])
-                plgpu.copy_gmem_to_smem(v_gmem.at[b, pl.ds(kr, _ROWS), hk], v_smem.at[wg],
-                                        kv_full.at[wg])
-                plgpu.barrier_wait(kv_full.at[wg])
+                keys = pl.ds(kr, _ROWS)
+                if split_d:       # the shared tiles: K by the first consumer, V by the second
+                    src, dst = (k_gmem, k_smem) if c0 == 0 else (v_gmem, v_smem)
+                    plgpu.copy_gmem_to_smem(src.at[b, keys, hk], dst.at[0], kv_full.at[0])
+                else:
+                    plgpu.copy_gmem_to_smem(k_gmem.at[b, keys, hk], k_smem.at[wg],
+                                            kv_full.at[wg])
+                    plgpu.copy_gmem_to_smem(v_gmem.at[b, keys, hk], v_smem.at[wg],
+                                            kv_full.at[wg])
+                plgpu.barrier_wait(kv_full.at[kv])
             if fused_dq:       # dQ = dS K reads the other consumer's K rows too
                 plgpu.barrier_wait(kv_full.at[1 - wg])
                 bounds = (lo, f_lo, f_hi, hi)   # both consumers form their dS^T every step
@@ -468,7 +511,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 with jax.named_scope("wait_q"):
                     plgpu.barrier_wait(q_full.at[slot])
                 with jax.named_scope("st"):
-                    (st,) = mma.run(nt(k_smem.at[wg], q_smem.at[slot]))        # S^T [64, bq]
+                    (st,) = mma.run(nt(k_smem.at[kv], q_smem.at[slot]))        # S^T [64, bq]
                 pp.switch()
                 with jax.named_scope("p"):
                     keep = None
@@ -486,8 +529,8 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 with jax.named_scope("wait_do"):
                     plgpu.barrier_wait(do_full.at[slot])
                 with jax.named_scope("dv_dpt"):
-                    dv, dpt = mma.run(rs(dv, pt, do_smem.at[slot]),                # += P^T dO
-                                      nt(v_smem.at[wg], do_smem.at[slot]))       # dP^T [64, bq]
+                    dv, dpt = mma.run(rs(dv, pt, do_cols(slot)),                   # += P^T dO
+                                      nt(v_smem.at[kv], do_smem.at[slot]))       # dP^T [64, bq]
                 pp.switch()
                 with jax.named_scope("ds"):
                     ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot], 0, _ROWS, spec.interpret),
@@ -509,7 +552,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                     plgpu.barrier_arrive(ds_full.at[turn])
                 pp.switch()
                 with jax.named_scope("dk"):
-                    (dk,) = mma.run(rs(dk, ds, q_smem.at[slot]))               # += dS^T Q
+                    (dk,) = mma.run(rs(dk, ds, q_cols(slot)))                  # += dS^T Q
                 plgpu.barrier_arrive(empty.at[slot])
                 if fused_dq:
                     def dq_product(c0):
@@ -560,10 +603,13 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 carry = run(c_fhi, c_hi, True, carry)
                 return skip(c_hi, hi, carry)
 
-            zero = AH._zeros((_ROWS, d), spec.interpret)
+            zero = AH._zeros((_ROWS, half), spec.interpret)
             pp.start()
             dk, dv = lax.fori_loop(0, g, head, (zero, zero))
             pp.end()
+            if split_d:     # both consumers are done reading K and V before they are written
+                plgpu.barrier_arrive(halves.at[0])
+                plgpu.barrier_wait(halves.at[0])
             if fused_dq:
                 # Observe the last two steps' releases of the dS^T slots (see the producer).
                 @pl.loop(jnp.maximum(total, 2) - 2, total)
@@ -576,12 +622,31 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             def _():
                 # K and V are done with: dK and dV leave through their tiles (the other
                 # consumer may still read this K for its last dQ: that waited for ds_free).
-                k_smem[wg] = (dk * spec.scale).astype(dtype)
-                v_smem[wg] = dv.astype(dtype)
+                keys = pl.ds(kr, _ROWS)
+                if not split_d:
+                    k_smem[wg] = (dk * spec.scale).astype(dtype)
+                    v_smem[wg] = dv.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_gmem.at[b, keys, hk])
+                    plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_gmem.at[b, keys, hk])
+                    plgpu.wait_smem_to_gmem(0)
+                    return
+                # Each consumer writes its columns of both tiles; once both halves are in,
+                # the first stores dK, the second dV.
+                k_smem.at[0, :, own][...] = (dk * spec.scale).astype(dtype)
+                v_smem.at[0, :, own][...] = dv.astype(dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_gmem.at[b, pl.ds(kr, _ROWS), hk])
-                plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_gmem.at[b, pl.ds(kr, _ROWS), hk])
+                plgpu.barrier_arrive(halves.at[1])
+                plgpu.barrier_wait(halves.at[1])
+                src, dst = (k_smem, dk_gmem) if c0 == 0 else (v_smem, dv_gmem)
+                plgpu.copy_smem_to_gmem(src.at[0], dst.at[b, keys, hk])
                 plgpu.wait_smem_to_gmem(0)
+
+        if split_d:         # static column offsets: one branch a consumer
+            for w in range(2):
+                pl.when(wg == w)(functools.partial(consumer, w * half))
+        else:
+            pl.when(wg < nc)(functools.partial(consumer, 0))
 
     # [2 steps x 2 consumers, 64 keys, bq] (flat: Mosaic GPU's interpreter in jax 0.10.2 stalled
     # on a [2, 2, 64, bq] buffer here).
@@ -591,8 +656,8 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                if fused_dq and not spec.interpret else plgpu.SMEM((1, 8), _F32))
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((nc, _ROWS, d), dtype, transforms=transforms),
-        plgpu.SMEM((nc, _ROWS, d), dtype, transforms=transforms),
+        plgpu.SMEM((key_rows // _ROWS, _ROWS, d), dtype, transforms=transforms),
+        plgpu.SMEM((key_rows // _ROWS, _ROWS, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bq, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bq, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bq), _F32),
@@ -606,6 +671,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
         plgpu.Barrier(num_arrivals=2, num_barriers=2),              # both dS^T halves written
         plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=2),  # dQ read the dS^T
         plgpu.Barrier(num_arrivals=2),                              # the consumers' turns
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),  # split_d: K/V read, dK/dV halves in
         collective_axes="wg")
 
 
@@ -638,7 +704,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
     d, g = spec.head_dim, spec.groups
     dtype = q_gmem.dtype
     mma = _Mma(spec.interpret)
-    transforms = H._tma_transforms(dtype, d)
+    transforms = _transforms(dtype, d, bk)
 
     def scoped(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, acc_scratch, q_full,
                k_full, v_full, k_empty, v_empty, turns):
@@ -795,7 +861,7 @@ def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
                              fused_dq=fused_dq)
     name = "jaxfuse_flash_bwd_dkv_dq_hopper" if fused_dq else "jaxfuse_flash_bwd_dkv_hopper"
     nc = tiles.dkv_consumers(d, fused_dq)
-    n_k_tiles = pl.cdiv(tk, nc * _ROWS)
+    n_k_tiles = pl.cdiv(tk, tiles.key_rows(d, fused_dq))
     return _kernel(functools.partial(body, n_k_tiles=n_k_tiles, heads=_dkv_heads(q, k)),
                    (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (n_k_tiles * b * hkv,),
                    ("cta",), name, spec, batchable=not fused_dq, consumers=nc)

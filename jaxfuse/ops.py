@@ -122,8 +122,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     On a Hopper GPU (sm90) with bf16/f16 inputs, head_dim 64/128/256, Tq a multiple of 128,
     Tk of 128 (64 for head_dim 256) and no segment ids, the forward runs a FlashAttention-3
     style Mosaic GPU kernel (TMA ring, wgmma, ping-ponging warpgroups), and the backward a
-    Mosaic GPU dK/dV kernel (plus a dQ kernel) where head_dim is 64 or 128 and Tk a multiple
-    of 128; everything else runs the portable Triton kernels. `block_sizes=AttnBlocks(
+    Mosaic GPU dK/dV kernel (plus a dQ kernel) where Tk is a multiple of 128; everything else
+    runs the portable Triton kernels. `block_sizes=AttnBlocks(
     hopper=False)` turns both off, `hopper=True` forces them (also in Mosaic GPU's interpreter
     on a CPU; the forward raises where it does not fit, the backward then falls back to the
     portable one where it does not). With a causal mask or a window the Hopper forward cleans
@@ -134,7 +134,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     into a float32 buffer with reducing (atomic) TMA stores, in whatever order the tiles
     finish: 5 matrix products per tile instead of 7, not bitwise reproducible (as cuDNN's
     attention backward by default). It does so at D = 64, where it is faster; at D = 128 its
-    reducing stores cost more than they save, so the deterministic kernels run there
+    reducing stores cost more than they save, and at D = 256 the dK/dV kernel's consumers
+    split the columns rather than the keys, so the deterministic kernels run there
     (BENCHMARKS.md). The portable kernels ignore it (always deterministic).
 
     Not a bug: dq and dk that are exactly zero in theory (one visible key, one-hot attention,

@@ -67,8 +67,8 @@ Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
 * registers (232 per consumer thread): dK and dV [64, D] float32 take D / 2 each per thread
   (128 at D = 128), S^T and dP^T [64, 64] 32 each; the fused dQ's product (32 at D = 128,
   its half of the columns; 32 at D = 64 on every other step) lives after S^T and dP^T are
-  dead. D = 256 would need 256 for dK and dV
-  alone: it falls back to the portable backward (`fits`).
+  dead. D = 256 would need 256 for dK and dV alone: there the consumers split the columns
+  (below).
 * dQ kernel (per consumer 64 query rows; key tiles of 64 at D = 128, 128 at D = 64): Q, dO of
   both consumers 4 * 64 * D * 2 (64 KiB at D = 128) + one K/V stage 2 * bk * D * 2 = 32 KiB:
   4 stages (193 KiB; 161 at D = 64); registers dQ [64, D] (64 at D = 128) + S, dP [64, bk]
@@ -103,9 +103,22 @@ D = 64. The same schedule in the dK/dV kernel (dV and dK behind the next S^T and
 slower, 3.46 -> 4.64 ms and 0.368 -> 0.401 ms, so that kernel waits for each product in turn.
 No ping-pong between the consumers yet (the forward has it).
 
+D = 256 (`HopperBwdTiles.split_d`): a dK/dV CTA holds 64 keys, and its two consumers split
+dK's and dV's columns (each [64, 128] float32: 64 registers a thread apiece) instead of the
+keys. Each consumer forms the step's whole S^T and dP^T itself ([64 keys, 32 queries], so
+those two products run twice a CTA: 6 products' work a tile pair in this kernel where 4 would
+do, 9 in both kernels against 7) and then dV, dK += P^T dO, dS^T Q for its columns (column
+slices of the ring's tiles as B operands); after the loop each writes its columns of the dK
+and dV tiles into K's and V's shared memory and one TMA store a tile leaves (two rendezvous
+of the consumers). Query steps of 32 rows (S^T and dP^T [64, 32]: 16 registers each) and dQ
+key steps of 32 (beside dQ's 128 registers) make the products' K 32, so these kernels' tiles
+take 64-byte swizzles (`_transforms`). The dQ is always the separate kernel (no fused dQ:
+its dS^T exchange assumes consumers on different keys). Shared memory: K, V 64 KiB + 4 ring
+stages of 33 (dK/dV); Q, dO of both consumers 128 KiB + 2 stages of 32 (dQ).
+
 What it takes (`fits`): what the Hopper forward takes (bf16/f16, no segment ids, Tq a multiple
-of 128) with D in {64, 128} and Tk a multiple of 128; anything else (and dropout, float32,
-D = 256) runs the portable kernels of `attention_bwd`. Garbage in masked keys: scores and dS
+of 128) with D in {64, 128, 256} and Tk a multiple of 128; anything else (and dropout,
+float32) runs the portable kernels of `attention_bwd`. Garbage in masked keys: scores and dS
 of masked pairs are selected away on edge tiles (and P of a NaN row, which saw garbage);
 the K rows that multiply a zero dS in dQ = dS K come cleaned by an XLA pass before the
 kernels (`_attn.clean_keys`, which also makes V NaN where K is not finite; the forward

@@ -440,7 +440,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
     split, cols = tiles.dq_split(d), tiles.dq_cols(d)
 
     def scoped(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-               kv_full, q_full, do_full, empty, ds_full, ds_free, turns, halves):
+               kv_full, q_full, do_full, empty, ds_full, ds_free, turns, kv_read, halves_in):
         k_tile, bh = H.heavy_first(lax.axis_index("cta"), n_k_tiles, k_gmem.shape[0] * hkv,
                                    heads)
         b, hk = bh // hkv, bh % hkv
@@ -481,7 +481,10 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             """Consumer wg's work; c0: the first of its dK/dV columns (static: a column
             offset into a swizzled tile must be), 0 unless `split_d`."""
             plgpu.set_max_registers(consumer_regs, action="increase")
-            kv = 0 if split_d else wg              # this consumer's K/V tile
+            # This consumer's K and V tiles and their barrier (split_d: the CTA's one each;
+            # refs without an index: a constant index into a ref failed to lower in jax 0.11).
+            k_tile, v_tile, kv_bar = ((k_smem, v_smem, kv_full) if split_d else
+                                      (k_smem.at[wg], v_smem.at[wg], kv_full.at[wg]))
             kr = k0 if split_d else k0 + wg * _ROWS
             # A consumer past the last key (the last CTA when Tk is not a multiple of its
             # keys) only releases the ring's slots.
@@ -494,14 +497,12 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             def _():
                 keys = pl.ds(kr, _ROWS)
                 if split_d:       # the shared tiles: K by the first consumer, V by the second
-                    src, dst = (k_gmem, k_smem) if c0 == 0 else (v_gmem, v_smem)
-                    plgpu.copy_gmem_to_smem(src.at[b, keys, hk], dst.at[0], kv_full.at[0])
+                    src, dst = (k_gmem, k_tile) if c0 == 0 else (v_gmem, v_tile)
+                    plgpu.copy_gmem_to_smem(src.at[b, keys, hk], dst, kv_bar)
                 else:
-                    plgpu.copy_gmem_to_smem(k_gmem.at[b, keys, hk], k_smem.at[wg],
-                                            kv_full.at[wg])
-                    plgpu.copy_gmem_to_smem(v_gmem.at[b, keys, hk], v_smem.at[wg],
-                                            kv_full.at[wg])
-                plgpu.barrier_wait(kv_full.at[kv])
+                    plgpu.copy_gmem_to_smem(k_gmem.at[b, keys, hk], k_tile, kv_bar)
+                    plgpu.copy_gmem_to_smem(v_gmem.at[b, keys, hk], v_tile, kv_bar)
+                plgpu.barrier_wait(kv_bar)
             if fused_dq:       # dQ = dS K reads the other consumer's K rows too
                 plgpu.barrier_wait(kv_full.at[1 - wg])
                 bounds = (lo, f_lo, f_hi, hi)   # both consumers form their dS^T every step
@@ -524,7 +525,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 with jax.named_scope("wait_q"):
                     plgpu.barrier_wait(q_full.at[slot])
                 with jax.named_scope("st"):
-                    (st,) = mma.run(nt(k_smem.at[kv], q_smem.at[slot]))        # S^T [64, bq]
+                    (st,) = mma.run(nt(k_tile, q_smem.at[slot]))               # S^T [64, bq]
                 pp.switch()
                 with jax.named_scope("p"):
                     keep = None
@@ -543,7 +544,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                     plgpu.barrier_wait(do_full.at[slot])
                 with jax.named_scope("dv_dpt"):
                     dv, dpt = mma.run(rs(dv, pt, do_cols(slot)),                   # += P^T dO
-                                      nt(v_smem.at[kv], do_smem.at[slot]))       # dP^T [64, bq]
+                                      nt(v_tile, do_smem.at[slot]))              # dP^T [64, bq]
                 pp.switch()
                 with jax.named_scope("ds"):
                     ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot], 0, _ROWS, spec.interpret),
@@ -621,8 +622,8 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             dk, dv = lax.fori_loop(0, g, head, (zero, zero))
             pp.end()
             if split_d:     # both consumers are done reading K and V before they are written
-                plgpu.barrier_arrive(halves.at[0])
-                plgpu.barrier_wait(halves.at[0])
+                plgpu.barrier_arrive(kv_read)
+                plgpu.barrier_wait(kv_read)
             if fused_dq:
                 # Observe the last two steps' releases of the dS^T slots (see the producer).
                 @pl.loop(jnp.maximum(total, 2) - 2, total)
@@ -637,22 +638,22 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 # consumer may still read this K for its last dQ: that waited for ds_free).
                 keys = pl.ds(kr, _ROWS)
                 if not split_d:
-                    k_smem[wg] = (dk * spec.scale).astype(dtype)
-                    v_smem[wg] = dv.astype(dtype)
+                    k_tile[...] = (dk * spec.scale).astype(dtype)
+                    v_tile[...] = dv.astype(dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_gmem.at[b, keys, hk])
-                    plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_gmem.at[b, keys, hk])
+                    plgpu.copy_smem_to_gmem(k_tile, dk_gmem.at[b, keys, hk])
+                    plgpu.copy_smem_to_gmem(v_tile, dv_gmem.at[b, keys, hk])
                     plgpu.wait_smem_to_gmem(0)
                     return
                 # Each consumer writes its columns of both tiles; once both halves are in,
                 # the first stores dK, the second dV.
-                k_smem.at[0, :, own][...] = (dk * spec.scale).astype(dtype)
-                v_smem.at[0, :, own][...] = dv.astype(dtype)
+                k_tile.at[:, own][...] = (dk * spec.scale).astype(dtype)
+                v_tile.at[:, own][...] = dv.astype(dtype)
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(halves.at[1])
-                plgpu.barrier_wait(halves.at[1])
-                src, dst = (k_smem, dk_gmem) if c0 == 0 else (v_smem, dv_gmem)
-                plgpu.copy_smem_to_gmem(src.at[0], dst.at[b, keys, hk])
+                plgpu.barrier_arrive(halves_in)
+                plgpu.barrier_wait(halves_in)
+                src, dst = (k_tile, dk_gmem) if c0 == 0 else (v_tile, dv_gmem)
+                plgpu.copy_smem_to_gmem(src, dst.at[b, keys, hk])
                 plgpu.wait_smem_to_gmem(0)
 
         if split_d:         # static column offsets: one branch a consumer
@@ -669,22 +670,23 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                if fused_dq and not spec.interpret else plgpu.SMEM((1, 8), _F32))
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((key_rows // _ROWS, _ROWS, d), dtype, transforms=transforms),
-        plgpu.SMEM((key_rows // _ROWS, _ROWS, d), dtype, transforms=transforms),
+        *[plgpu.SMEM(((nc,) if not split_d else ()) + (_ROWS, d), dtype, transforms=transforms)
+          for _ in "kv"],
         plgpu.SMEM((stages, bq, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bq, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bq), _F32),
         plgpu.SMEM((stages, bq), _F32),
         ds_type,
         dq_type,
-        plgpu.Barrier(num_arrivals=2, num_barriers=nc),             # K and V copies
+        plgpu.Barrier(num_arrivals=2, **({} if split_d else dict(num_barriers=nc))),  # K, V
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # Q and lse copies
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # dO and delta copies
         plgpu.Barrier(num_arrivals=nc, num_barriers=stages),        # every consumer done
         plgpu.Barrier(num_arrivals=2, num_barriers=2),              # both dS^T halves written
         plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=2),  # dQ read the dS^T
         plgpu.Barrier(num_arrivals=2),                              # the consumers' turns
-        plgpu.Barrier(num_arrivals=2, num_barriers=2),  # split_d: K/V read, dK/dV halves in
+        plgpu.Barrier(num_arrivals=2),             # split_d: both consumers done with K, V
+        plgpu.Barrier(num_arrivals=2),             # split_d: both halves of dK and dV in
         collective_axes="wg")
 
 

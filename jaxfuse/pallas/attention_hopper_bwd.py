@@ -113,8 +113,13 @@ and dV tiles into K's and V's shared memory and one TMA store a tile leaves (two
 of the consumers). Query steps of 32 rows (S^T and dP^T [64, 32]: 16 registers each) and dQ
 key steps of 32 (beside dQ's 128 registers) make the products' K 32, so these kernels' tiles
 take 64-byte swizzles (`_transforms`). The dQ is always the separate kernel (no fused dQ:
-its dS^T exchange assumes consumers on different keys). Shared memory: K, V 64 KiB + 4 ring
-stages of 33 (dK/dV); Q, dO of both consumers 128 KiB + 2 stages of 32 (dQ).
+its dS^T exchange assumes consumers on different keys). Shared memory: K, V 64 KiB + 2 ring
+stages of 33 (dK/dV; 4 fit, 2 measured faster); Q, dO of both consumers 128 KiB + 2 stages of
+32 (dQ). Measured (H200, s18-3, B2 H16 T4096 bf16, fwd+bwd interleaved medians of 5, with the
+Hopper forward): causal 3.424 ms against 5.534 with the Triton backward, cuDNN 2.582 (0.75x);
+without masks 6.428 against 9.658, cuDNN 4.917 (0.76x). The consumers taking turns (ping-pong)
+was slower (3.743 / 6.935 ms, with 4 stages). What is left against cuDNN: the two products a
+step run twice, and 32-row steps.
 
 What it takes (`fits`): what the Hopper forward takes (bf16/f16, no segment ids, Tq a multiple
 of 128) with D in {64, 128, 256} and Tk a multiple of 128; anything else (and dropout,
@@ -154,10 +159,11 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class HopperBwdTiles:
-    """block_q: query rows per dK/dV step (the N of S^T); block_k_dq: keys per dQ-kernel step
-    (None: 128 at D = 64, 64 above, for registers); stages: ring depth (None: as many as
-    shared memory holds, at most 4, but 2 in the dK/dV kernel at D = 64 without the fused dQ,
-    measured faster); fused_dq: with
+    """block_q: query rows per dK/dV step (the N of S^T; None: 64, 32 at D = 256);
+    block_k_dq: keys per dQ-kernel step (None: 128 at D = 64, 64 at 128, 32 at 256, for
+    registers); stages: ring depth (None: as many as
+    shared memory holds, at most 4, but 2 in the dK/dV kernel at D = 64 without the fused dQ
+    and at D = 256, measured faster); fused_dq: with
     deterministic=False, dQ from the dK/dV kernel (True) or the separate dQ kernel (False;
     None: fused at D <= 64, where it is faster: at D = 128 its reducing stores cost more than
     the two products the dQ kernel recomputes, BENCHMARKS.md); overlap: the dQ kernel issues
@@ -247,11 +253,13 @@ class HopperBwdTiles:
             fixed += 2 * bq * self.dq_cols(d) * 4
         stage = 2 * bq * d * itemsize + 2 * bq * 4
         fit = self._fit(fixed, stage)
-        if self.stages is None and d <= 64 and not fused_dq:
+        if self.stages is None and (d <= 64 or self.split_d(d)) and not fused_dq:
             # Measured (H200, profiler, benchmarks/attention_d64_tiles.py): 2 stages instead of
             # the 4 that fit take the kernel from 2.385 to 2.262 ms at the 1B model's attention
             # (B2 T8192 H32/8 causal) and 0.342 to 0.331 at the 157M's; the dQ kernel is
-            # slower with 2 (1.61 -> 1.90 ms), so only this one drops them.
+            # slower with 2 (1.61 -> 1.90 ms), so only this one drops them. D = 256 (s18-3,
+            # fwd+bwd interleaved, B2 H16 T4096): 3.424 ms against 3.662 with 4 causal, 6.428
+            # against 6.511 without masks.
             return min(2, fit)
         return fit
 

@@ -69,10 +69,11 @@ def _inputs(key, b, tq, tk, hq, hkv, d, dtype):
             jax.random.normal(k[4], (b, hq, tq), jnp.float32))
 
 
-def _check_case(i, shape, opts, dtype, det: bool):
-    name = f"check {shape} {opts} det={det}"
+def _check_case(i, shape, opts, dtype, det: bool, hopper=None):
+    name = f"check {shape} {opts} det={det}" + ("" if hopper is None else f" {hopper}")
     # deterministic=False: the fused dQ forced at every D (by default it runs at D = 64 only).
-    hopper = True if det else HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True))
+    if hopper is None:
+        hopper = True if det else HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True))
 
     def run():
         q, k, v, do, dlse = _inputs(jax.random.key(i), *shape, dtype)
@@ -377,6 +378,30 @@ def groups(rounds: int = 5):
         _interleaved(label, sets, fns, rounds)
 
 
+def d256_exchange(rounds: int = 3):
+    """D = 256 with the dK/dV consumers exchanging P^T and dS^T (`HopperBwdTiles(exchange=
+    True)`: 4 products' work a tile pair instead of 6) against the default and cuDNN:
+    compiled checks (bf16, f16; causal, window + soft cap), then fwd+bwd interleaved.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d256x [OUT.json]
+    """
+    tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(256),
+                                backward=HopperBwdTiles(exchange=True))
+    for i, (shape, opts) in enumerate(CASES_256[:3]):
+        _check_case(100 + i, shape, opts, jnp.bfloat16, True, tiles)
+    _check_case(100, *CASES_256[0], jnp.float16, True, tiles)
+    for label, causal in (("D256 B2 H16 T4096 causal", True), ("D256 B2 H16 T4096 full", False)):
+        sets = [_inputs(jax.random.key(200 + i), 2, 4096, 4096, 16, 16, 256, jnp.bfloat16)[:4]
+                for i in range(2)]
+        attn = lambda **kw: (functools.partial(jaxfuse.flash_attention, causal=causal, **kw),
+                             contextlib.nullcontext)
+        fns = {"jaxfuse": attn(),
+               "jaxfuse[exchange]": attn(block_sizes=AttnBlocks(hopper=tiles)),
+               "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                           implementation="cudnn"), contextlib.nullcontext)}
+        _interleaved(label, sets, fns, rounds)
+
+
 def _interleaved(label, sets, fns, rounds: int):
     """fns: name -> (attention f, context it is traced under); each compiled for fwd+bwd,
     checked against cuDNN's gradients ("cudnn" must be one), then timed in interleaved rounds
@@ -460,6 +485,9 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["d256"]:
         import os
         d256(int(os.environ.get("ROUNDS", 5)))
+    if sys.argv[1:2] == ["d256x"]:
+        import os
+        d256_exchange(int(os.environ.get("ROUNDS", 3)))
     if sys.argv[1:2] == ["groups"]:
         import os
         groups(int(os.environ.get("ROUNDS", 5)))

@@ -63,6 +63,9 @@ def _blocks(fwd_consumers=2, **bwd):
     # 32-row query steps, 32-key dQ steps; GQA; deterministic=False runs the same pair
     (jnp.bfloat16, 2, 1, 256, True, dict(head_dim=256, logits_soft_cap=5.0), False, {}),
     (jnp.float16, 2, 2, 128, False, dict(head_dim=256), True, dict(fused_dq=True)),
+    # D = 256 with the exchange: each consumer forms half a 64-row step's S^T and dP^T
+    (jnp.bfloat16, 2, 1, 256, True, dict(head_dim=256, logits_soft_cap=5.0), False,
+     dict(exchange=True)),
     # three dK/dV consumers: one CTA of 192 keys whose third is past Tk = 128, GQA
     pytest.param(jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0), False,
                  dict(consumers=3), marks=needs_cores),

@@ -382,3 +382,22 @@ def test_hopper_fused_dq_lowers(d, opts, block_q):
         block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts), q, k, k).mlir_module()
     assert "jaxfuse_flash_bwd_dkv_dq_hopper" in module
     assert "jaxfuse_flash_bwd_dq_hopper" not in module
+
+
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(sliding_window=200,
+                                                           logits_soft_cap=30.0)])
+def test_hopper_d256_exchange_lowers(opts):
+    """`HopperBwdTiles(exchange=True)` at D = 256: the dK/dV consumers each form half a
+    64-row step's S^T and dP^T and write P^T and dS^T into shared [64, 64] tiles (32-column
+    slices of a 64-byte swizzle), which both read as the A operands of their dV and dK
+    products (shared-memory A and B in one swizzle), with masks and soft caps."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    q = jnp.zeros((1, 256, 4, 256), jnp.bfloat16)
+    k = jnp.zeros((1, 384, 2, 256), jnp.bfloat16)
+    tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(256),
+                                backward=HopperBwdTiles(exchange=True))
+    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
+        q, k, k).mlir_module()
+    assert "jaxfuse_flash_bwd_dkv_hopper" in module and "jaxfuse_flash_bwd_dq_hopper" in module

@@ -188,6 +188,7 @@ class HopperBwdTiles:
     overlap: bool = True
     pingpong: bool | None = None
     consumers: int | None = None
+    exchange: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in AH._REGISTERS:
@@ -213,8 +214,16 @@ class HopperBwdTiles:
 
     def bq(self, d: int) -> int:
         """Query rows a dK/dV step (None: 64, 32 at D = 256, where S^T and dP^T [64, bq]
-        float32 sit beside 128 registers of dK and dV halves)."""
-        return self.block_q or (32 if self.split_d(d) else 64)
+        float32 sit beside 128 registers of dK and dV halves; 64 with `exchange`, each
+        consumer forming 32 rows' S^T and dP^T)."""
+        return self.block_q or (32 if self.split_d(d) and not self.exchanges(d) else 64)
+
+    def exchanges(self, d: int) -> bool:
+        """Whether the split_d consumers exchange P^T and dS^T (each forms half the step's
+        query rows' S^T and dP^T and writes P^T and dS^T into shared memory, where both read
+        the whole step's as the A operands of their dV and dK products: 4 products' work a
+        tile pair instead of 6)."""
+        return self.exchange and self.split_d(d)
 
     def fuse(self, d: int, deterministic: bool) -> bool:
         """Whether dQ comes from the dK/dV kernel (reducing stores, not deterministic; never
@@ -246,6 +255,8 @@ class HopperBwdTiles:
     def dkv_stages(self, d: int, itemsize: int, fused_dq: bool) -> int:
         bq = self.bq(d)
         fixed = 2 * self.key_rows(d, fused_dq) * d * itemsize   # K, V
+        if self.exchanges(d):
+            fixed += 2 * _ROWS * bq * itemsize         # P^T, dS^T [64 keys, bq]
         if fused_dq:
             fixed += 4 * _ROWS * bq * itemsize         # dS^T [2 steps x 2 consumers]
             # A float32 dQ tile per consumer, [block_q, cols]: 32 KiB at block_q = 64 (at 128
@@ -292,6 +303,11 @@ def rs(acc, a, b):
     return ("rs", acc, a, b)
 
 
+def ss(acc, a, b):
+    """acc + A B of shared-memory tiles a [m, k], b [k, n]."""
+    return ("ss", acc, a, b)
+
+
 def tn(a, b):
     """A^T B of shared-memory tiles a [..., k, m], b [..., k, n] -> [m, n], summed over the
     leading axis if any (one wgmma chain into one accumulator: a contraction over the
@@ -303,7 +319,7 @@ class _Mma:
     """The products of a step: wgmma on the GPU, plain dots of the same tiles in the
     interpreter (which reads no register or transposed wgmma operand)."""
 
-    _CONTRACT = {"nt": "md,nd->mn", "rs": "mk,kn->mn", "tn": "km,kn->mn"}
+    _CONTRACT = {"nt": "md,nd->mn", "rs": "mk,kn->mn", "ss": "mk,kn->mn", "tn": "km,kn->mn"}
 
     def __init__(self, interpret: bool):
         self.interpret = interpret
@@ -323,7 +339,8 @@ class _Mma:
 
         def shape(form, a, b):
             return ((a.shape[0], b.shape[0]) if form == "nt" else
-                    (a.shape[0], b.shape[1]) if form == "rs" else (a.shape[-1], b.shape[-1]))
+                    (a.shape[0], b.shape[1]) if form in ("rs", "ss") else
+                    (a.shape[-1], b.shape[-1]))
 
         def body(refs):
             for ref, (form, _, a, b) in zip(refs, products):
@@ -444,11 +461,16 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
     hkv = k_gmem.shape[2]
     dtype = q_gmem.dtype
     mma = _Mma(spec.interpret)
-    transforms = _transforms(dtype, d, bq)
+    exchange = tiles.exchanges(d)
+    xq = bq // 2                  # exchange: query rows of a step whose S^T a consumer forms
+    # Exchange: P^T and dS^T [64, bq] are A operands from shared memory, written in xq-column
+    # halves, so every tile takes xq-element swizzle rows (wgmma: both operands one swizzle).
+    transforms = _transforms(dtype, d, xq if exchange else bq)
     split, cols = tiles.dq_split(d), tiles.dq_cols(d)
 
     def scoped(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-               kv_full, q_full, do_full, empty, ds_full, ds_free, turns, kv_read, halves_in):
+               pt_x, ds_x, kv_full, q_full, do_full, empty, ds_full, ds_free, turns, kv_read,
+               halves_in, x_full, x_free):
         k_tile, bh = H.heavy_first(lax.axis_index("cta"), n_k_tiles, k_gmem.shape[0] * hkv,
                                    heads)
         b, hk = bh // hkv, bh % hkv
@@ -600,6 +622,45 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                         pl.when(turn == wg)(functools.partial(dq_product, 0))
                 return dk, dv
 
+            def xstep(gi, i, j, carry, masked):
+                """A step with the exchange: this consumer forms S^T and dP^T of the step's
+                query rows [c * xq, (c + 1) * xq) (c = its half), writes its P^T and dS^T
+                columns into the shared [64, bq] tiles, and once both halves are in, adds
+                P^T dO and dS^T Q over all bq rows into its columns of dV and dK."""
+                dk, dv = carry
+                slot = lax.rem(j, stages)
+                c = c0 // half
+                mine = pl.ds(c * xq, xq)
+                q0 = i * bq + c * xq
+                plgpu.barrier_wait(q_full.at[slot])
+                plgpu.barrier_wait(do_full.at[slot])
+                st, dpt = mma.run(nt(k_tile, q_smem.at[slot, mine]),          # S^T [64, xq]
+                                  nt(v_tile, do_smem.at[slot, mine]))         # dP^T [64, xq]
+                keep = None
+                if masked:
+                    q_pos = q0 + AH._iota((_ROWS, xq), 1, spec.interpret)
+                    k_pos = kr + AH._iota((_ROWS, xq), 0, spec.interpret)
+                    keep = A.visible(spec, q_pos, k_pos, None, None)
+                u, t = A.transform(spec, st, keep)
+                p = _probs(spec, u, _vec(lse_smem.at[slot, mine], 0, _ROWS, spec.interpret,
+                                         functools.partial(_lse_c2, spec)))
+                if masked:
+                    p = jnp.where(keep, p, 0.0)
+                ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot, mine], 0, _ROWS,
+                                            spec.interpret), t, keep)
+                # The other consumer's products of the last step have read the tiles.
+                pl.when(j > 0)(lambda: plgpu.barrier_wait(x_free))
+                pt_x.at[:, mine][...] = p.astype(dtype)
+                ds_x.at[:, mine][...] = ds.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(x_full)
+                plgpu.barrier_wait(x_full)
+                dv, dk = mma.run(ss(dv, pt_x, do_cols(slot)),                   # += P^T dO
+                                 ss(dk, ds_x, q_cols(slot)))                    # += dS^T Q
+                plgpu.barrier_arrive(x_free)
+                plgpu.barrier_arrive(empty.at[slot])
+                return dk, dv
+
             def pass_over(j, carry):
                 """A query tile wholly masked for this consumer's keys: release its slot,
                 after its loads landed (so this consumer never runs a lap ahead on the ring),
@@ -616,8 +677,9 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
 
             def head(gi, carry):
                 j0 = gi * n - lo             # the running step of query tile i is j0 + i
+                body = xstep if exchange else step
                 run = lambda a, z, masked, c: lax.fori_loop(
-                    a, z, lambda i, c: step(gi, i, j0 + i, c, masked), c)
+                    a, z, lambda i, c: body(gi, i, j0 + i, c, masked), c)
                 skip = lambda a, z, c: lax.fori_loop(a, z, lambda i, c: pass_over(j0 + i, c), c)
                 carry = skip(lo, c_lo, carry)
                 carry = run(c_lo, c_flo, True, carry)
@@ -629,6 +691,8 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             pp.start()
             dk, dv = lax.fori_loop(0, g, head, (zero, zero))
             pp.end()
+            if exchange:    # observe the last step's release of the exchange tiles
+                pl.when(total > 0)(lambda: plgpu.barrier_wait(x_free))
             if split_d:     # both consumers are done reading K and V before they are written
                 plgpu.barrier_arrive(kv_read)
                 plgpu.barrier_wait(kv_read)
@@ -686,6 +750,8 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
         plgpu.SMEM((stages, bq), _F32),
         ds_type,
         dq_type,
+        *[plgpu.SMEM((_ROWS, bq) if exchange else (1, 8), dtype if exchange else _F32,
+                     transforms=transforms if exchange else ()) for _ in "pd"],  # P^T, dS^T
         plgpu.Barrier(num_arrivals=2, **({} if split_d else dict(num_barriers=nc))),  # K, V
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # Q and lse copies
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # dO and delta copies
@@ -695,6 +761,8 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
         plgpu.Barrier(num_arrivals=2),                              # the consumers' turns
         plgpu.Barrier(num_arrivals=2),             # split_d: both consumers done with K, V
         plgpu.Barrier(num_arrivals=2),             # split_d: both halves of dK and dV in
+        plgpu.Barrier(num_arrivals=2),             # exchange: both halves of P^T, dS^T in
+        plgpu.Barrier(num_arrivals=2),             # exchange: both consumers' products read them
         collective_axes="wg")
 
 

@@ -385,20 +385,33 @@ def d256_exchange(rounds: int = 3):
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d256x [OUT.json]
     """
-    tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(256),
-                                backward=HopperBwdTiles(exchange=True))
+    tiles = HopperBwdTiles(exchange=True)
     for i, (shape, opts) in enumerate(CASES_256[:3]):
-        _check_case(100 + i, shape, opts, jnp.bfloat16, True, tiles)
-    _check_case(100, *CASES_256[0], jnp.float16, True, tiles)
+        _check_case(100 + i, shape, opts, jnp.bfloat16, True, _d256(tiles).hopper)
+    _check_case(100, *CASES_256[0], jnp.float16, True, _d256(tiles).hopper)
+    _d256_rows({"exchange": tiles}, rounds)
+
+
+def _d256(backward) -> AttnBlocks:
+    """The D = 256 Hopper forward's default tiles followed by `backward` (HopperBwdTiles or
+    False: the Triton backward)."""
+    return AttnBlocks(hopper=dataclasses.replace(HopperAttnTiles.for_head_dim(256),
+                                                 backward=backward))
+
+
+def _d256_rows(variants: dict, rounds: int):
+    """fwd+bwd of B2 H16 T4096 D256 bf16, causal and not, interleaved: the default, each
+    variant (name -> backward tiles) and cuDNN."""
     for label, causal in (("D256 B2 H16 T4096 causal", True), ("D256 B2 H16 T4096 full", False)):
         sets = [_inputs(jax.random.key(200 + i), 2, 4096, 4096, 16, 16, 256, jnp.bfloat16)[:4]
                 for i in range(2)]
         attn = lambda **kw: (functools.partial(jaxfuse.flash_attention, causal=causal, **kw),
                              contextlib.nullcontext)
-        fns = {"jaxfuse": attn(),
-               "jaxfuse[exchange]": attn(block_sizes=AttnBlocks(hopper=tiles)),
-               "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                                           implementation="cudnn"), contextlib.nullcontext)}
+        fns = {"jaxfuse": attn()}
+        fns.update({f"jaxfuse[{name}]": attn(block_sizes=_d256(t))
+                    for name, t in variants.items()})
+        fns["cudnn"] = (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                          implementation="cudnn"), contextlib.nullcontext)
         _interleaved(label, sets, fns, rounds)
 
 
@@ -444,21 +457,9 @@ def d256(rounds: int = 5):
             _check_case(100 + i, shape, opts, jnp.bfloat16, det)
         _check_case(100 + i, shape, opts, jnp.float16, True)
     garbage([c for c in GARBAGE if c[0][-1] == 256])
-    hop = lambda t: AttnBlocks(hopper=dataclasses.replace(HopperAttnTiles.for_head_dim(256),
-                                                          backward=t))
-    for label, causal in (("D256 B2 H16 T4096 causal", True), ("D256 B2 H16 T4096 full", False)):
-        sets = [_inputs(jax.random.key(200 + i), 2, 4096, 4096, 16, 16, 256, jnp.bfloat16)[:4]
-                for i in range(2)]
-        attn = lambda **kw: (functools.partial(jaxfuse.flash_attention, causal=causal, **kw),
-                             contextlib.nullcontext)
-        fns = {"jaxfuse": attn(),
-               "jaxfuse[Triton backward]": attn(block_sizes=hop(False)),
-               "jaxfuse[dK/dV consumers take turns]": attn(
-                   block_sizes=hop(HopperBwdTiles(pingpong=True))),
-               "jaxfuse[2-slot rings]": attn(block_sizes=hop(HopperBwdTiles(stages=2))),
-               "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                                           implementation="cudnn"), contextlib.nullcontext)}
-        _interleaved(label, sets, fns, rounds)
+    _d256_rows({"Triton backward": False,
+                "dK/dV consumers take turns": HopperBwdTiles(pingpong=True),
+                "2-slot rings": HopperBwdTiles(stages=2)}, rounds)
 
 
 if __name__ == "__main__":

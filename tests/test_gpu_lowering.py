@@ -386,17 +386,17 @@ def test_hopper_fused_dq_lowers(d, opts, block_q):
 
 @pytest.mark.parametrize("opts", [dict(causal=True), dict(sliding_window=200,
                                                            logits_soft_cap=30.0)])
-def test_hopper_d256_exchange_lowers(opts):
-    """`HopperBwdTiles(exchange=True)` at D = 256: the dK/dV consumers each form half a
-    64-row step's S^T and dP^T and write P^T and dS^T into shared [64, 64] tiles (32-column
-    slices of a 64-byte swizzle), which both read as the A operands of their dV and dK
-    products (shared-memory A and B in one swizzle), with masks and soft caps."""
+def test_hopper_d256_without_exchange_lowers(opts):
+    """`HopperBwdTiles(exchange=False)` at D = 256: the dK/dV consumers each form the whole
+    S^T and dP^T of 32-row steps and keep P^T and dS^T in registers (the default, with the
+    exchange through shared memory, is lowered by test_hopper_flash_attention_lowers), with
+    masks and soft caps."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, 256), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, 256), jnp.bfloat16)
     tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(256),
-                                backward=HopperBwdTiles(exchange=True))
+                                backward=HopperBwdTiles(exchange=False))
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()

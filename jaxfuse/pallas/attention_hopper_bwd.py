@@ -105,21 +105,27 @@ No ping-pong between the consumers yet (the forward has it).
 
 D = 256 (`HopperBwdTiles.split_d`): a dK/dV CTA holds 64 keys, and its two consumers split
 dK's and dV's columns (each [64, 128] float32: 64 registers a thread apiece) instead of the
-keys. Each consumer forms the step's whole S^T and dP^T itself ([64 keys, 32 queries], so
-those two products run twice a CTA: 6 products' work a tile pair in this kernel where 4 would
-do, 9 in both kernels against 7) and then dV, dK += P^T dO, dS^T Q for its columns (column
-slices of the ring's tiles as B operands); after the loop each writes its columns of the dK
-and dV tiles into K's and V's shared memory and one TMA store a tile leaves (two rendezvous
-of the consumers). Query steps of 32 rows (S^T and dP^T [64, 32]: 16 registers each) and dQ
-key steps of 32 (beside dQ's 128 registers) make the products' K 32, so these kernels' tiles
-take 64-byte swizzles (`_transforms`). The dQ is always the separate kernel (no fused dQ:
-its dS^T exchange assumes consumers on different keys). Shared memory: K, V 64 KiB + 2 ring
-stages of 33 (dK/dV; 4 fit, 2 measured faster); Q, dO of both consumers 128 KiB + 2 stages of
-32 (dQ). Measured (H200, s18-3, B2 H16 T4096 bf16, fwd+bwd interleaved medians of 5, with the
-Hopper forward): causal 3.424 ms against 5.534 with the Triton backward, cuDNN 2.582 (0.75x);
-without masks 6.428 against 9.658, cuDNN 4.917 (0.76x). The consumers taking turns (ping-pong)
-was slower (3.743 / 6.935 ms, with 4 stages). What is left against cuDNN: the two products a
-step run twice, and 32-row steps.
+keys. A step is 64 query rows; each consumer forms S^T and dP^T of its half of them ([64 keys,
+32 queries]: 16 registers each), writes P^T and dS^T as its 32 columns of two shared [64, 64]
+tiles, and once both halves are in (a rendezvous) adds P^T dO and dS^T Q over all 64 rows into
+its columns of dV and dK (both operands from shared memory; column slices of the ring's tiles
+as B); a second barrier tells a consumer that the other's products of the last step have read
+the tiles before it overwrites them (`HopperBwdTiles.exchange`, FlashAttention-3's exchange of
+P and dS through shared memory). wgmma wants both shared operands in one swizzle and the
+product's K a whole number of swizzle rows, so every tile of these kernels takes 64-byte
+swizzles (`_transforms`), as do the dQ kernel's 32-key steps (beside dQ's 128 registers).
+After the loop each consumer writes its columns of dK and dV into K's and V's shared tiles and
+one TMA store a tile leaves. The dQ is always the separate kernel (no fused dQ: its dS^T
+exchange assumes consumers on different keys). Shared memory: K, V 64 KiB, P^T and dS^T 16,
+2 ring stages of 64.5 (dK/dV); Q, dO of both consumers 128 KiB + 2 stages of 32 (dQ).
+Without the exchange (`exchange=False`) each consumer forms the whole S^T and dP^T of 32-row
+steps itself: those two products run twice a CTA, 6 products' work a tile pair where 4 do.
+Measured (H200, B2 H16 T4096 bf16, fwd+bwd with the Hopper forward, interleaved medians):
+s18-4, causal 3.229 ms with the exchange against 3.496 without (cuDNN 2.503: 0.78x), no mask
+5.387 against 6.408 (4.662: 0.87x); s18-3 (without it): causal 3.424 ms with 2 ring stages,
+3.662 with 4, 3.743 with the consumers taking turns, 5.534 with the Triton backward (cuDNN
+2.582); no mask 6.428 / 6.511 / 6.935 / 9.658 (4.917). What is left against cuDNN: the dQ
+kernel's recomputed S and dP (7 products a tile pair against cuDNN's 5) and 32-key dQ steps.
 
 What it takes (`fits`): what the Hopper forward takes (bf16/f16, no segment ids, Tq a multiple
 of 128) with D in {64, 128, 256} and Tk a multiple of 128; anything else (and dropout,
@@ -188,7 +194,7 @@ class HopperBwdTiles:
     overlap: bool = True
     pingpong: bool | None = None
     consumers: int | None = None
-    exchange: bool = False
+    exchange: bool = True
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in AH._REGISTERS:
@@ -222,7 +228,9 @@ class HopperBwdTiles:
         """Whether the split_d consumers exchange P^T and dS^T (each forms half the step's
         query rows' S^T and dP^T and writes P^T and dS^T into shared memory, where both read
         the whole step's as the A operands of their dV and dK products: 4 products' work a
-        tile pair instead of 6)."""
+        tile pair instead of 6). Default; measured (H200, s18-4, B2 H16 T4096 bf16 fwd+bwd,
+        interleaved medians of 3): causal 3.229 ms against 3.496 without (cuDNN 2.503), no
+        mask 5.387 against 6.408 (4.662)."""
         return self.exchange and self.split_d(d)
 
     def fuse(self, d: int, deterministic: bool) -> bool:

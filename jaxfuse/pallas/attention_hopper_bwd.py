@@ -165,7 +165,8 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class HopperBwdTiles:
-    """block_q: query rows per dK/dV step (the N of S^T; None: 64, 32 at D = 256);
+    """block_q: query rows per dK/dV step (the N of S^T; None: 64, 32 at D = 256 without the
+    exchange);
     block_k_dq: keys per dQ-kernel step (None: 128 at D = 64, 64 at 128, 32 at 256, for
     registers); stages: ring depth (None: as many as
     shared memory holds, at most 4, but 2 in the dK/dV kernel at D = 64 without the fused dQ
@@ -186,7 +187,9 @@ class HopperBwdTiles:
     consumers keys), 2 (None) or 3 (at D = 64: 160 registers a thread, dK and dV taking 32
     each). Measured (H200, profiler, s10-3): three are slower, 2.171 -> 2.260 ms at the 1B
     model's attention (B2 T8192 H32/8 causal) and 0.308 -> 0.324 at the 157M's, unlike the
-    forward's. The fused dQ pairs two consumers' dS^T every step, so it always runs 2."""
+    forward's. The fused dQ pairs two consumers' dS^T every step, so it always runs 2.
+    exchange: at D = 256, the dK/dV kernel's consumers exchange P^T and dS^T through shared
+    memory (`exchanges`; measured faster); False: each forms the whole S^T and dP^T itself."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -210,8 +213,8 @@ class HopperBwdTiles:
     def split_d(d: int) -> bool:
         """Whether the dK/dV kernel's two consumers share the CTA's 64 keys and each forms
         half of dK's and dV's columns (D = 256: a [64, 256] float32 dK and dV would take 256
-        registers a thread, over the 232 a consumer gets; halves take 128). Each consumer
-        then forms the whole S^T and dP^T of the step itself (module docstring)."""
+        registers a thread, over the 232 a consumer gets; halves take 128). They exchange P^T
+        and dS^T (`exchanges`) or each forms the whole S^T and dP^T (module docstring)."""
         return d > 128
 
     def key_rows(self, d: int, fused_dq: bool) -> int:
@@ -410,8 +413,9 @@ def _transforms(dtype, d: int, rows: int) -> tuple:
     """The shared-memory layout of a kernel's [*, d] tiles. The ring's [rows, d] tiles are
     also the B operand [K = rows, N] of a product (dV += P^T dO, dK += dS^T Q; dQ += dS K),
     and wgmma wants K a whole number of swizzle rows, and both operands of a product in one
-    swizzle: so with 32-row ring tiles (D = 256) every tile takes 64-byte swizzles (rows of
-    32 elements) instead of 128-byte ones (64)."""
+    swizzle: so with 32-row ring tiles (D = 256; or 32-column halves of P^T and dS^T as A
+    operands, `HopperBwdTiles.exchange`) every tile takes 64-byte swizzles (rows of 32
+    elements) instead of 128-byte ones (64)."""
     return H._tma_transforms(dtype, min(d, rows))
 
 

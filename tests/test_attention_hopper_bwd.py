@@ -63,8 +63,8 @@ def _blocks(fwd_consumers=2, **bwd):
     # exchanging P^T and dS^T, 32-key dQ steps; GQA; deterministic=False runs the same pair
     (jnp.bfloat16, 2, 1, 256, True, dict(head_dim=256, logits_soft_cap=5.0), False, {}),
     (jnp.float16, 2, 2, 128, False, dict(head_dim=256), True, dict(fused_dq=True)),
-    # D = 256 without the exchange (the default's): each consumer forms the whole S^T and
-    # dP^T of 32-row steps
+    # D = 256 without the exchange: each consumer forms the whole S^T and dP^T of 32-row
+    # steps itself
     (jnp.bfloat16, 2, 1, 256, True, dict(head_dim=256, logits_soft_cap=5.0), False,
      dict(exchange=False)),
     # three dK/dV consumers: one CTA of 192 keys whose third is past Tk = 128, GQA
@@ -212,7 +212,8 @@ def test_hopper_backward_in_head_groups(monkeypatch):
     do = randn(kd, (1, 128, 3, 64), jnp.bfloat16)
     spec = AttnSpec.make(n_q=128, n_k=256, head_dim=64, groups=1, dtype=q.dtype, scale=None,
                          interpret=True)
-    assert (AHB._dkv_heads(q, k), AHB._dq_heads(k, spec)) == (3, 3)   # default: 16 MiB, one group here
+    # The default's 16 MiB holds the three heads in one group.
+    assert (AHB._dkv_heads(q, k), AHB._dq_heads(k, spec)) == (3, 3)
     monkeypatch.setattr(AHB, "_BWD_GROUP_BYTES", 65536)
     assert (AHB._dkv_heads(q, k), AHB._dq_heads(k, spec)) == (2, 1)
     f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**TWO))

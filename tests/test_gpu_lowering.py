@@ -139,7 +139,9 @@ def test_hopper_flash_attention_lowers(d, opts, det):
     and GQA; the wgmma forms and reducing stores are not run by Mosaic GPU's interpreter, so
     this is where their layout rules are checked on a CPU. At D = 256 the dK/dV kernel's
     consumers split dK's and dV's columns (column slices of swizzled tiles as wgmma operands
-    and as stores) and there is no fused dQ."""
+    and as stores) and there is no fused dQ. A pass here is not a compile on the GPU: jax
+    0.10.2's lowering accepted constant indices into Mosaic GPU refs that 0.11.2 refused
+    there (benchmarks/NOTES.md, s18 item 2)."""
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(

@@ -559,6 +559,20 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             # the next S^T): a switch at each change hands the tensor cores to the other.
             pp = AH.PingPong(turns, wg, tiles.pingpong is True and nc == 2, stages)
 
+            def probs(st, q0, lse, masked):
+                """(P^T, t, keep) of S^T [64 keys, n queries from q0]; lse: the queries' [n]
+                lse_u in shared memory. A NaN row (it saw garbage) leaks nothing into hidden
+                keys."""
+                n, keep = st.shape[1], None
+                if masked:   # positions made here, not held across the loop (registers)
+                    q_pos = q0 + AH._iota((_ROWS, n), 1, spec.interpret)
+                    k_pos = kr + AH._iota((_ROWS, n), 0, spec.interpret)
+                    keep = A.visible(spec, q_pos, k_pos, None, None)
+                u, t = A.transform(spec, st, keep)
+                p = _probs(spec, u, _vec(lse, 0, _ROWS, spec.interpret,
+                                         functools.partial(_lse_c2, spec)))
+                return (p if keep is None else jnp.where(keep, p, 0.0)), t, keep
+
             def step(gi, i, j, carry, masked):
                 dk, dv = carry
                 slot = lax.rem(j, stages)
@@ -570,16 +584,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                     (st,) = mma.run(nt(k_tile, q_smem.at[slot]))               # S^T [64, bq]
                 pp.switch()
                 with jax.named_scope("p"):
-                    keep = None
-                    if masked:   # positions made here, not held across the loop (registers)
-                        q_pos = q0 + AH._iota((_ROWS, bq), 1, spec.interpret)
-                        k_pos = kr + AH._iota((_ROWS, bq), 0, spec.interpret)
-                        keep = A.visible(spec, q_pos, k_pos, None, None)
-                    u, t = A.transform(spec, st, keep)
-                    p = _probs(spec, u, _vec(lse_smem.at[slot], 0, _ROWS, spec.interpret,
-                                             functools.partial(_lse_c2, spec)))
-                    if masked:     # a NaN row (it saw garbage) leaks nothing into hidden keys
-                        p = jnp.where(keep, p, 0.0)
+                    p, t, keep = probs(st, q0, lse_smem.at[slot], masked)
                     pt = p.astype(dtype)
                 pp.switch()
                 with jax.named_scope("wait_do"):
@@ -648,16 +653,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 plgpu.barrier_wait(do_full.at[slot])
                 st, dpt = mma.run(nt(k_tile, q_smem.at[slot, mine]),          # S^T [64, xq]
                                   nt(v_tile, do_smem.at[slot, mine]))         # dP^T [64, xq]
-                keep = None
-                if masked:
-                    q_pos = q0 + AH._iota((_ROWS, xq), 1, spec.interpret)
-                    k_pos = kr + AH._iota((_ROWS, xq), 0, spec.interpret)
-                    keep = A.visible(spec, q_pos, k_pos, None, None)
-                u, t = A.transform(spec, st, keep)
-                p = _probs(spec, u, _vec(lse_smem.at[slot, mine], 0, _ROWS, spec.interpret,
-                                         functools.partial(_lse_c2, spec)))
-                if masked:
-                    p = jnp.where(keep, p, 0.0)
+                p, t, keep = probs(st, q0, lse_smem.at[slot, mine], masked)
                 ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot, mine], 0, _ROWS,
                                             spec.interpret), t, keep)
                 # The other consumer's products of the last step have read the tiles.

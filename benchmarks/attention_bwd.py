@@ -464,6 +464,52 @@ def d256(rounds: int = 5):
                 "2-slot rings": HopperBwdTiles(stages=2)}, rounds)
 
 
+def d256_ring(rounds: int = 3):
+    """D = 256, the dQ kernel's schedule and ring: the default since s19-4 (no overlap, two
+    slots) against the overlap on three slots (which it needs: it holds two K tiles, so with
+    two slots each step's copy waits for the step before to end) and on two (the default
+    before s19): compiled checks of the default (bf16 both settings, f16; bitwise repeat;
+    CHECKS=0 skips them), masked keys' garbage, fwd+bwd interleaved, kernel times. (s19-3/4
+    ran it with the three-slot overlap as the default, and timed three slots without it.)
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d256ring [OUT.json]
+    """
+    import os
+    from benchmarks import _profile
+    if os.environ.get("CHECKS", "1") == "1":
+        for i, (shape, opts) in enumerate(CASES_256):
+            for det in (True, False):
+                _check_case(100 + i, shape, opts, jnp.bfloat16, det, _d256(None).hopper)
+            _check_case(100 + i, shape, opts, jnp.float16, True, _d256(None).hopper)
+        garbage([c for c in GARBAGE if c[0][-1] == 256])
+    _d256_rows({"overlap, 3 slots": HopperBwdTiles(overlap=True),
+                "overlap, 2 slots": HopperBwdTiles(stages=2, overlap=True)}, rounds)
+    for causal in (True, False):
+        label = f"D256 B2 H16 T4096 {'causal' if causal else 'full'}"
+        args = _inputs(jax.random.key(7), 2, 4096, 4096, 16, 16, 256, jnp.bfloat16)[:4]
+        step = jax.jit(_fwd_bwd(functools.partial(jaxfuse.flash_attention, causal=causal)))
+        guarded(S, f"{label} profile", "jaxfuse",
+                lambda step=step, args=args, label=label: _profile.report(S, label, step, args,
+                                                                          top=4))
+
+
+def d256_profile():
+    """Where the D = 256 backward's time goes: per-kernel GPU time (profiler) of one fwd+bwd
+    call, B2 H16 T4096 bf16, causal and not (the dK/dV kernel against the dQ kernel's 3
+    products on 32-key steps).
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d256prof [OUT.json]
+    """
+    from benchmarks import _profile
+    for causal in (True, False):
+        label = f"D256 B2 H16 T4096 {'causal' if causal else 'full'}"
+        args = _inputs(jax.random.key(7), 2, 4096, 4096, 16, 16, 256, jnp.bfloat16)[:4]
+        step = jax.jit(_fwd_bwd(functools.partial(jaxfuse.flash_attention, causal=causal)))
+        guarded(S, f"{label} profile", "jaxfuse",
+                lambda step=step, args=args, label=label: _profile.report(S, label, step, args,
+                                                                          top=8))
+
+
 if __name__ == "__main__":
     import sys
     from benchmarks import _timing
@@ -491,6 +537,13 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["d256x"]:
         import os
         d256_exchange(int(os.environ.get("ROUNDS", 3)))
+    if sys.argv[1:2] == ["profile"]:        # probe's kernel times alone, no sweep
+        probe()
+    if sys.argv[1:2] == ["d256ring"]:
+        import os
+        d256_ring(int(os.environ.get("ROUNDS", 3)))
+    if sys.argv[1:2] == ["d256prof"]:
+        d256_profile()
     if sys.argv[1:2] == ["groups"]:
         import os
         groups(int(os.environ.get("ROUNDS", 5)))

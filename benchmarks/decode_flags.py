@@ -1,6 +1,7 @@
 """Does the decoding step pay for its launches? Greedy decoding of the 157M preset (B=32, prompt
 512, 256 new tokens, bf16) compiled with XLA GPU options that change how kernels are launched
-(CUDA graphs: `xla_gpu_enable_command_buffer`, its minimum graph size), each against the
+(CUDA graphs: `xla_gpu_enable_command_buffer`, its minimum graph size) or how its matmuls are
+emitted (cuBLAS instead of XLA's Triton GEMMs), each against the
 default in one run, with the reference's call as the issue's yardstick.
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py [OUT.json]
@@ -29,6 +30,11 @@ VARIANTS = {
     "graphs + while/conditional": {
         "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
                                          "CONDITIONAL"},
+    # The step's four projections are XLA Triton GEMMs on 32 rows with split-K (30-45% of
+    # the copy rate, s13-4), chosen by an autotuner that times them with the weights warm in
+    # L2; in the loop every weight arrives cold. cuBLAS's small-M kernels instead (s19-2:
+    # 107.5 ms against 88.8; jax 0.11.2's XLA has no option to turn split-K off alone).
+    "cuBLAS GEMMs": {"xla_gpu_enable_triton_gemm": False},
 }
 
 

@@ -388,17 +388,20 @@ def test_hopper_fused_dq_lowers(d, opts, block_q):
 
 @pytest.mark.parametrize("opts", [dict(causal=True), dict(sliding_window=200,
                                                            logits_soft_cap=30.0)])
-def test_hopper_d256_without_exchange_lowers(opts):
-    """`HopperBwdTiles(exchange=False)` at D = 256: the dK/dV consumers each form the whole
-    S^T and dP^T of 32-row steps and keep P^T and dS^T in registers (the default, with the
-    exchange through shared memory, is lowered by test_hopper_flash_attention_lowers), with
-    masks and soft caps."""
+@pytest.mark.parametrize("bwd", [dict(exchange=False), dict(overlap=True)])
+def test_hopper_d256_variants_lower(opts, bwd):
+    """At D = 256 (the defaults are lowered by test_hopper_flash_attention_lowers):
+    `HopperBwdTiles(exchange=False)`, the dK/dV consumers each forming the whole S^T and dP^T
+    of 32-row steps and keeping P^T and dS^T in registers; `overlap=True`, the dQ kernel's
+    overlapped schedule on a three-slot ring that fills shared memory to within 1 KiB of the
+    227 KiB (the lowering checks the size; the buffer the interpreter keeps dQ in must not be
+    allocated on the GPU); with masks and soft caps."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, 256), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, 256), jnp.bfloat16)
     tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(256),
-                                backward=HopperBwdTiles(exchange=False))
+                                backward=HopperBwdTiles(**bwd))
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()

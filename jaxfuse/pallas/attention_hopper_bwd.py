@@ -101,7 +101,14 @@ a ring of 2 slots or more; with one it runs the plain schedule. Kernel time (H20
 two runs): 2.57 -> 2.48 ms at B4 H32 T4096 D128, 0.269 -> 0.256 ms at the 157M model's
 D = 64. The same schedule in the dK/dV kernel (dV and dK behind the next S^T and dP^T) was
 slower, 3.46 -> 4.64 ms and 0.368 -> 0.401 ms, so that kernel waits for each product in turn.
-No ping-pong between the consumers yet (the forward has it).
+At D = 256 (32-key steps, S and dP [64, 32] against a [64, 256] dQ) the overlap loses: there a
+ring of two slots is all that fits beside Q and dO under `AH._SMEM_BYTES`, and with two K
+tiles held no copy runs ahead (each step's K waited for the step before to end); a third slot
+(`_SMEM_TIGHT`) takes the dQ kernel from 2.29 to 1.38 ms (B2 H16 T4096, no mask, profiler),
+and without the overlap two slots are faster still (fwd+bwd interleaved, s19-3/4, causal /
+no mask: 2.684 / 4.640 ms without, 2.846 / 4.712 with the overlap and three slots, 3.228 /
+5.510 with two, cuDNN 2.554 / 4.681). So the overlap is the default up to D = 128
+(`HopperBwdTiles.dq_overlap`).
 
 D = 256 (`HopperBwdTiles.split_d`): a dK/dV CTA holds 64 keys, and its two consumers split
 dK's and dV's columns (each [64, 128] float32: 64 registers a thread apiece) instead of the
@@ -159,6 +166,10 @@ from jaxfuse.pallas import attention_hopper as AH
 from jaxfuse.pallas._attn import AttnSpec
 
 _ROWS = AH._ROWS             # rows of one wgmma M: keys (dK/dV) or queries (dQ) per consumer
+# Shared memory for a ring that only fits closer to the hardware's 227 KiB than `AH._SMEM_BYTES`
+# (which leaves 8 KiB): 1 KiB for the barriers and the buffers' 1 KiB alignment (the sm90
+# lowering tests check the size).
+_SMEM_TIGHT = 227 * 1024 - 1024
 _KEYS = 2 * _ROWS            # Tq and Tk come in multiples of this (the dQ kernel's CTA rows)
 _F32 = jnp.float32
 
@@ -175,7 +186,8 @@ class HopperBwdTiles:
     None: fused at D <= 64, where it is faster: at D = 128 its reducing stores cost more than
     the two products the dQ kernel recomputes, BENCHMARKS.md); overlap: the dQ kernel issues
     each step's dQ product behind the next step's S and dP and computes the next step's dS
-    under it (needs 2 ring stages or more; False: each product waited for in turn); pingpong:
+    under it (needs 2 ring stages or more; False: each product waited for in turn; None: at
+    D <= 128, module docstring "Overlap"); pingpong:
     the two consumers take turns on the tensor cores (`AH.PingPong`: one's exponentials run
     under the other's products; needs 2 ring stages or more): None in the dQ kernel at D = 64
     only, True in both kernels, False in neither. Measured (H200, s9): the dQ kernel 1.542 ->
@@ -194,7 +206,7 @@ class HopperBwdTiles:
     block_k_dq: int | None = None
     stages: int | None = None
     fused_dq: bool | None = None
-    overlap: bool = True
+    overlap: bool | None = None
     pingpong: bool | None = None
     consumers: int | None = None
     exchange: bool = True
@@ -243,6 +255,10 @@ class HopperBwdTiles:
             return False
         return d <= 64 if self.fused_dq is None else self.fused_dq
 
+    def dq_overlap(self, d: int) -> bool:
+        """Whether the dQ kernel runs the overlapped schedule (module docstring, "Overlap")."""
+        return d <= 128 if self.overlap is None else self.overlap
+
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong
 
@@ -286,8 +302,20 @@ class HopperBwdTiles:
         return fit
 
     def dq_stages(self, d: int, itemsize: int) -> int:
+        """The dQ kernel's ring depth: as many K/V slots as fit, at most 4. The overlapped
+        schedule holds two K tiles (dQ += dS K of the step before runs behind this step's S
+        and dP), so with two slots the next tile's copy waits for the end of a step and its
+        landing for the start of the next: where a third slot fits closer to the 227 KiB
+        (D = 256 with the overlap forced: Q and dO take 128 KiB, a slot 32 KiB), it gets
+        one. Without the overlap two slots measured faster than three at D = 256 (module
+        docstring, "Overlap")."""
         fixed = 2 * 2 * _ROWS * d * itemsize + 2 * 2 * _ROWS * 4   # Q, dO, lse, delta
-        return self._fit(fixed, 2 * self.k_dq(d) * d * itemsize)
+        stage = 2 * self.k_dq(d) * d * itemsize
+        fit = self._fit(fixed, stage)
+        if (self.stages is None and self.dq_overlap(d) and fit == 2
+                and fixed + 3 * stage <= _SMEM_TIGHT):
+            return 3
+        return fit
 
     def _fit(self, fixed: int, stage: int) -> int:
         if self.stages is not None:
@@ -912,20 +940,26 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
                 finish(dq_ref[...])
 
             # Rows that see no key (causal with Tq > Tk) have no last step.
-            pl.when(n > 0)(lambda: mma.accumulate(overlapped, (_ROWS, d), acc_scratch.at[wg]))
+            pl.when(n > 0)(lambda: mma.accumulate(
+                overlapped, (_ROWS, d), None if acc_scratch is None else acc_scratch.at[wg]))
             pl.when(n == 0)(lambda: finish(zero))
             pp.end()
 
+    # dQ of the overlapped schedule: in shared memory in the interpreter, in registers on the
+    # GPU, where it takes no buffer (buffers are aligned to 1 KiB, and the overlapped D = 256
+    # ring of three slots leaves less than that beside the barriers).
+    scratch = overlap and spec.interpret
+    with_scratch = lambda *refs: scoped(*refs[:6], refs[6] if scratch else None,
+                                        *refs[6 + scratch:])
     pl.run_scoped(
-        scoped,
+        with_scratch,
         plgpu.SMEM((2, _ROWS, d), dtype, transforms=transforms),
         plgpu.SMEM((2, _ROWS, d), dtype, transforms=transforms),
         plgpu.SMEM((2, _ROWS), _F32),
         plgpu.SMEM((2, _ROWS), _F32),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
-        # dQ of the overlapped schedule in the interpreter; registers on the GPU.
-        plgpu.SMEM((2, _ROWS, d) if overlap and spec.interpret else (1, 8), _F32),
+        *([plgpu.SMEM((2, _ROWS, d), _F32)] if scratch else []),
         plgpu.Barrier(num_arrivals=4, num_barriers=2),         # Q, dO, lse, delta copies
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
@@ -1016,7 +1050,7 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
         # The overlap holds two K tiles at once: with a one-slot ring it would wait forever.
         body = functools.partial(_dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,
                                  n_q_tiles=tq // (2 * _ROWS),
-                                 overlap=tiles.overlap and stages >= 2,
+                                 overlap=tiles.dq_overlap(d) and stages >= 2,
                                  pingpong=tiles.dq_pingpong(d))
         # Every head's heaviest query tile first (`_hopper.heavy_first`, module docstring).
         dq = _kernel(functools.partial(body, heads=_dq_heads(k, spec)),

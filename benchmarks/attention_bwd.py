@@ -347,6 +347,42 @@ def idle(label="D128 full"):
         _profile.gaps(step, sets[0], reps=3, top=8)
 
 
+# The workloads of `groups` and `dq_overlap`: label -> ((B, T, Hq, Hkv, D), causal).
+ROWS = {"D64 B8 H16 T2048 causal": ((8, 2048, 16, 16, 64), True),
+        "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal": ((8, 2048, 16, 4, 64), True),
+        "B4 H32 T4096 D128 causal": ((4, 4096, 32, 32, 128), True),
+        "GQA B4 Hq32 Hkv8 T4096 D128 causal": ((4, 4096, 32, 8, 128), True),
+        "B4 H32 T4096 D128 full": ((4, 4096, 32, 32, 128), False),
+        "1B B2 Hq32 Hkv8 T8192 D64 causal": ((2, 8192, 32, 8, 64), True)}
+
+
+def _rows(rounds: int, variants, rows=None, seed: int = 100):
+    """Each of `rows` (None: ROWS), fwd+bwd interleaved: the default, each variant (name ->
+    (attention f's keyword arguments, context it is traced under)) and cuDNN."""
+    for label, ((b, t, hq, hkv, d), causal) in (rows or ROWS).items():
+        sets = [_inputs(jax.random.key(seed + i), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]
+                for i in range(2)]
+        attn = lambda **kw: functools.partial(jaxfuse.flash_attention, causal=causal, **kw)
+        fns = {"jaxfuse": (attn(), contextlib.nullcontext)}
+        fns.update({f"jaxfuse[{name}]": (attn(**kw), context)
+                    for name, (kw, context) in variants.items()})
+        fns["cudnn"] = (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                          implementation="cudnn"), contextlib.nullcontext)
+        _interleaved(label, sets, fns, rounds)
+
+
+def dq_overlap(rounds: int = 5):
+    """The dQ kernel's overlapped schedule (the default at D <= 128, measured in s7 before
+    the launch orders changed) against the plain one (the default at D = 256 since s19-4,
+    where the overlap starved a two-slot ring; here the rings have four slots), and cuDNN.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py dq_overlap [OUT.json]
+    """
+    plain = AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(overlap=False)))
+    _rows(rounds, {"dQ without the overlap": (dict(block_sizes=plain),
+                                              contextlib.nullcontext)})
+
+
 def groups(rounds: int = 5):
     """The backward's launch order (`_hopper.heavy_first`): head groups sized to 16 MiB of L2
     (the default since s18-1), every head one group (every head's heaviest tile first, the
@@ -359,23 +395,9 @@ def groups(rounds: int = 5):
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py groups [OUT.json]
     """
     from benchmarks import _timing
-    rows = {"D64 B8 H16 T2048 causal": ((8, 2048, 16, 16, 64), True),
-            "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal": ((8, 2048, 16, 4, 64), True),
-            "B4 H32 T4096 D128 causal": ((4, 4096, 32, 32, 128), True),
-            "GQA B4 Hq32 Hkv8 T4096 D128 causal": ((4, 4096, 32, 8, 128), True),
-            "B4 H32 T4096 D128 full": ((4, 4096, 32, 32, 128), False),
-            "1B B2 Hq32 Hkv8 T8192 D64 causal": ((2, 8192, 32, 8, 64), True)}
-    for label, ((b, t, hq, hkv, d), causal) in rows.items():
-        sets = [_inputs(jax.random.key(100 + i), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]
-                for i in range(2)]
-        ours = functools.partial(jaxfuse.flash_attention, causal=causal)
-        fns = {"jaxfuse": (ours, contextlib.nullcontext),
-               "jaxfuse[every head one group]": (
-                   ours, functools.partial(_timing.bwd_head_groups, None)),
-               "jaxfuse[one head a group]": (ours, functools.partial(_timing.bwd_head_groups, 1)),
-               "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                                           implementation="cudnn"), contextlib.nullcontext)}
-        _interleaved(label, sets, fns, rounds)
+    _rows(rounds, {"every head one group": ({}, functools.partial(_timing.bwd_head_groups,
+                                                                   None)),
+                   "one head a group": ({}, functools.partial(_timing.bwd_head_groups, 1))})
 
 
 def d256_exchange(rounds: int = 3):
@@ -404,17 +426,10 @@ def _d256(backward) -> AttnBlocks:
 def _d256_rows(variants: dict, rounds: int):
     """fwd+bwd of B2 H16 T4096 D256 bf16, causal and not, interleaved: the default, each
     variant (name -> backward tiles) and cuDNN."""
-    for label, causal in (("D256 B2 H16 T4096 causal", True), ("D256 B2 H16 T4096 full", False)):
-        sets = [_inputs(jax.random.key(200 + i), 2, 4096, 4096, 16, 16, 256, jnp.bfloat16)[:4]
-                for i in range(2)]
-        attn = lambda **kw: (functools.partial(jaxfuse.flash_attention, causal=causal, **kw),
-                             contextlib.nullcontext)
-        fns = {"jaxfuse": attn()}
-        fns.update({f"jaxfuse[{name}]": attn(block_sizes=_d256(t))
-                    for name, t in variants.items()})
-        fns["cudnn"] = (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                                          implementation="cudnn"), contextlib.nullcontext)
-        _interleaved(label, sets, fns, rounds)
+    _rows(rounds, {name: (dict(block_sizes=_d256(t)), contextlib.nullcontext)
+                   for name, t in variants.items()},
+          {"D256 B2 H16 T4096 causal": ((2, 4096, 16, 16, 256), True),
+           "D256 B2 H16 T4096 full": ((2, 4096, 16, 16, 256), False)}, seed=200)
 
 
 def _interleaved(label, sets, fns, rounds: int):
@@ -539,6 +554,9 @@ if __name__ == "__main__":
         d256_exchange(int(os.environ.get("ROUNDS", 3)))
     if sys.argv[1:2] == ["profile"]:        # probe's kernel times alone, no sweep
         probe()
+    if sys.argv[1:2] == ["dq_overlap"]:
+        import os
+        dq_overlap(int(os.environ.get("ROUNDS", 5)))
     if sys.argv[1:2] == ["d256ring"]:
         import os
         d256_ring(int(os.environ.get("ROUNDS", 3)))

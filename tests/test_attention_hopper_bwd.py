@@ -112,6 +112,20 @@ def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, op
         assert err < tol, (name, err)
 
 
+def test_d256_refuses_dq_steps_that_failed_on_the_gpu():
+    """64-key dQ steps at D = 256 gave a wrong dq compiled on the H200 (benchmarks/NOTES.md,
+    s19-2): a forced tile of that kind raises, naming the value and the fix; 32 and None run."""
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    q = jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
+    f = lambda q, tiles: jaxfuse.flash_attention(q, q, q, causal=True,
+                                                 block_sizes=_blocks(**tiles))
+    with pytest.raises(ValueError, match="block_k_dq=64 at head_dim=256.*32"):
+        jax.eval_shape(jax.grad(lambda q: f(q, dict(block_k_dq=64)).sum().astype(float)), q)
+    for ok in (None, 32):
+        assert HopperBwdTiles(block_k_dq=ok).k_dq(256) == 32
+    assert HopperBwdTiles(block_k_dq=128).k_dq(128) == 128     # other head dims: as asked
+
+
 def test_hopper_backward_falls_back_where_it_does_not_fit():
     """Tk not a multiple of 128 runs the portable backward after the Hopper forward; so does
     backward=False."""

@@ -264,6 +264,13 @@ class HopperBwdTiles:
 
     def k_dq(self, d: int) -> int:
         # D = 256: dQ [64, 256] float32 is 128 registers, so S and dP take 32-key tiles.
+        if d > 128 and self.block_k_dq not in (None, 32):
+            # Compiled on the H200 (s19-2), 64-key steps at D = 256 gave wrong dq in one of
+            # six checks and a gradient that was not bitwise repeatable in another; until that
+            # is understood they are refused rather than left to run.
+            raise ValueError(f"HopperBwdTiles.block_k_dq={self.block_k_dq} at head_dim={d}: "
+                             "the dQ kernel takes 32-key steps at head_dim 256 (leave "
+                             "block_k_dq=None or set 32)")
         return self.block_k_dq or (128 if d <= 64 else 64 if d <= 128 else 32)
 
     @staticmethod

@@ -128,13 +128,14 @@ GARBAGE = [   # shape, options, (key whose V row is NaN, key with one +inf entry
 ]
 
 
-def garbage(cases=None):
+def garbage(cases=None, bwd=None):
     """Masked keys may hold garbage, compiled: one key's V NaN and one entry of another's K
     +inf. The rows that see neither (by the masks) must have o and dq equal to those of the
     clean inputs, and the keys that none of the rows seeing junk sees must have dk and dv equal
     to theirs (bitwise with deterministic=True, to 1e-2 with False); every row that sees junk
     is loud: a non-finite o or dq (never a finite, silently different gradient). The Hopper
-    path (forward and backward) and the portable one (`hopper=False`)."""
+    path (forward and backward) and the portable one (`hopper=False`); with `bwd`
+    (HopperBwdTiles) the Hopper path alone, with those backward tiles."""
     from jaxfuse.reference._masks import keep_mask
     for i, (shape, opts, (bad_v, bad_k)) in enumerate(GARBAGE if cases is None else cases):
         b, tq, tk = shape[:3]
@@ -143,15 +144,19 @@ def garbage(cases=None):
                                  window=opts.get("sliding_window"))
         sees = keep[:, bad_v] | keep[:, bad_k]                          # rows that see junk
         tainted = (keep & sees[:, None]).any(0)                         # keys such rows see
-        for path, det in (("hopper", True), ("hopper", False), ("portable", True)):
-            name = f"garbage {shape} {opts} {path} det={det}"
+        paths = ((("hopper", True), ("hopper", False), ("portable", True)) if bwd is None
+                 else (("hopper", True), ("hopper", False)))
+        hopper = True if bwd is None else _tiles(shape[-1], bwd)
+        for path, det in paths:
+            name = f"garbage {shape} {opts} {path} det={det}" + ("" if bwd is None else
+                                                                f" {bwd}")
 
             def run(opts=opts, bad_v=bad_v, bad_k=bad_k, path=path, det=det, sees=sees,
                     tainted=tainted):
                 q, k, v, do, dlse = _inputs(jax.random.key(50 + i), *shape, jnp.bfloat16)
                 jk, jv = k.at[:, bad_k, :, 0].set(jnp.inf), v.at[:, bad_v].set(jnp.nan)
                 kw = dict(opts, return_lse=True, deterministic=det,
-                          block_sizes=AttnBlocks(hopper=path == "hopper"))
+                          block_sizes=AttnBlocks(hopper=hopper if path == "hopper" else False))
 
                 @jax.jit
                 def fb(q, k, v):
@@ -416,11 +421,35 @@ def d256_exchange(rounds: int = 3):
     _d256_rows({"without the exchange": tiles}, rounds)
 
 
+def _tiles(d: int, backward) -> HopperAttnTiles:
+    """The Hopper forward's default tiles at head dim d followed by `backward` (HopperBwdTiles
+    or False: the Triton backward)."""
+    return dataclasses.replace(HopperAttnTiles.for_head_dim(d), backward=backward)
+
+
 def _d256(backward) -> AttnBlocks:
-    """The D = 256 Hopper forward's default tiles followed by `backward` (HopperBwdTiles or
-    False: the Triton backward)."""
-    return AttnBlocks(hopper=dataclasses.replace(HopperAttnTiles.for_head_dim(256),
-                                                 backward=backward))
+    return AttnBlocks(hopper=_tiles(256, backward))
+
+
+def clean(rounds: int = 5):
+    """`HopperBwdTiles(clean=True)`: the dQ kernel's producer cleans masked keys' garbage on
+    its edge tiles instead of an XLA pass over K and V (0.125 ms of B4 H32 T4096 D128 causal,
+    s19-1). Compiled checks (every CASES and CASES_256 entry, bf16), the garbage cases on the
+    Hopper path (both settings; the dK/dV kernel then reads raw K and V), then fwd+bwd
+    interleaved on the causal rows against the default and cuDNN.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py clean [OUT.json]
+    """
+    tiles = HopperBwdTiles(clean=True)
+    for i, (shape, opts) in enumerate(CASES + CASES_256):
+        _check_case(i, shape, opts, jnp.bfloat16, True, _tiles(shape[-1], tiles))
+    garbage(bwd=tiles)
+    rows = {k: v for k, v in ROWS.items() if v[1]}                    # the causal ones
+    rows["D256 B2 H16 T4096 causal"] = ((2, 4096, 16, 16, 256), True)
+    for label, row in rows.items():                  # the forward's tiles depend on D
+        blocks = AttnBlocks(hopper=_tiles(row[0][-1], tiles))
+        _rows(rounds, {"dQ kernel cleans": (dict(block_sizes=blocks), contextlib.nullcontext)},
+              {label: row})
 
 
 def _d256_rows(variants: dict, rounds: int):
@@ -554,6 +583,9 @@ if __name__ == "__main__":
         d256_exchange(int(os.environ.get("ROUNDS", 3)))
     if sys.argv[1:2] == ["profile"]:        # probe's kernel times alone, no sweep
         probe()
+    if sys.argv[1:2] == ["clean"]:
+        import os
+        clean(int(os.environ.get("ROUNDS", 5)))
     if sys.argv[1:2] == ["dq_overlap"]:
         import os
         dq_overlap(int(os.environ.get("ROUNDS", 5)))

@@ -406,3 +406,21 @@ def test_hopper_d256_variants_lower(opts, bwd):
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()
     assert "jaxfuse_flash_bwd_dkv_hopper" in module and "jaxfuse_flash_bwd_dq_hopper" in module
+
+
+@pytest.mark.parametrize("d,opts", [(64, dict(causal=True)), (128, dict(sliding_window=100)),
+                                    (256, dict(causal=True))])
+def test_hopper_dq_kernel_cleaning_lowers(d, opts):
+    """`HopperBwdTiles(clean=True)`: the dQ kernel's producer lands edge tiles on a barrier
+    of its own and cleans them (K and V in each other's roles) with 40 registers, its count a
+    warpgroup reduction whose scratch must fit beside the ring at every head dim."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
+    k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
+    tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(d),
+                                backward=HopperBwdTiles(clean=True))
+    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
+        q, k, k).mlir_module()
+    assert "jaxfuse_flash_bwd_dq_hopper" in module

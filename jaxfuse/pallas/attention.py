@@ -152,7 +152,9 @@ def _backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnB
         bt = t.backward if isinstance(t.backward, attention_hopper_bwd.HopperBwdTiles) \
             else attention_hopper_bwd.HopperBwdTiles()
         if attention_hopper_bwd.fits(q.dtype, spec, bt):
-            if A.hides_keys(spec):       # masked keys may hold garbage (`_attn.clean_keys`)
+            # Masked keys may hold garbage: an XLA pass (`_attn.clean_keys`) unless the dQ
+            # kernel cleans its edge tiles itself (`HopperBwdTiles.cleans`).
+            if A.hides_keys(spec) and not bt.cleans(spec.head_dim, spec.deterministic):
                 k, v = A.clean_keys(k, v)
             return attention_hopper_bwd.backward(q, k, v, o, lse_u, do, dlse, spec, bt)
     return attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks, key)

@@ -449,7 +449,7 @@ _REGISTERS = {2: (40, 232), 3: (32, 160)}
 
 def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full, empty,
                registers: int | None = 40, edges=None, interpret: bool = False, held: int = 0,
-               base=0, drain: bool = True):
+               base=0, drain: bool = True, swap: bool = False, minor: int | None = None):
     """The producer warpgroup of a kernel that walks n key blocks from block lo: K and V of
     (b, h_kv) through a ring of `stages` shared-memory slots, (k, v) pairs of smem refs,
     'full' barriers it arrives on and 'empty' barriers the consumers release.
@@ -472,7 +472,11 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
     base: ring steps taken before these (a persistent CTA's earlier work tiles: slots and
     barrier phases run on across them); drain: observe the ring's last releases at the end
     (`drain_ring`; a persistent CTA drains once, after its last tile). registers: None
-    leaves the count as it is (the forward sets it once, before its walk of work tiles)."""
+    leaves the count as it is (the forward sets it once, before its walk of work tiles).
+    swap: clean edge tiles with K and V in each other's roles (`_hide_masked_garbage(v, k)`:
+    K's non-finite entries 0, V NaN wherever K or V is not), for the backward's dQ kernel,
+    whose dQ += dS K multiplies a hidden key's zero dS by its K row. minor: the row width
+    the tiles' swizzle was chosen for (`_hopper._tma_transforms`; None: D)."""
     if registers is not None:
         plgpu.set_max_registers(registers, action="decrease")
     kv = lambda ref, j: ref.at[b, pl.ds((lo + j) * bk, bk), h_kv]
@@ -494,7 +498,8 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
         with jax.named_scope("land"):            # scopes for benchmarks/attention_trace.py
             plgpu.barrier_wait(landed.at[slot])
         with jax.named_scope("clean"):
-            _hide_masked_garbage(smem[0].at[slot], smem[1].at[slot], interpret)
+            tiles = (smem[0].at[slot], smem[1].at[slot])
+            _hide_masked_garbage(*(tiles[::-1] if swap else tiles), interpret, minor)
         for f in full:
             plgpu.barrier_arrive(f.at[slot])
 
@@ -548,7 +553,7 @@ _COUNT_FIRST = True
 _AUTO_BARRIERS = True
 
 
-def _hide_masked_garbage(k_tile, v_tile, interpret: bool):
+def _hide_masked_garbage(k_tile, v_tile, interpret: bool, minor: int | None = None):
     """Masked keys' garbage out of one [bk, D] K/V tile in shared memory: V's non-finite
     entries 0 (P V then adds 0 * 0 for a key the masks hide), K NaN wherever K or V is not
     finite (a row that sees such a key gets a NaN score; the mask's select drops it for a row
@@ -558,12 +563,13 @@ def _hide_masked_garbage(k_tile, v_tile, interpret: bool):
     Garbage is rare, so a first pass only reads: (k - k) + (v - v) is 0 for finite entries
     and NaN otherwise, summed over the tile's chunks per thread and then across the
     warpgroup; the tile is rewritten (a second read, the writes and the proxy fence before the
-    consumers' wgmma) only when that sum is not 0."""
+    consumers' wgmma) only when that sum is not 0. minor: the row width the tiles' swizzle
+    was chosen for (None: D; the backward's D = 256 dQ tiles swizzle 32-element rows)."""
     bk, d = v_tile.shape
     dt = v_tile.dtype
     chunk = _CLEAN_ELEMS // d                   # rows: 32 at D = 64, 16 at 128, 8 at 256
     layout = plgpu.Layout.SMEM_GMEM_COPY(
-        (chunk, d), dt, H._swizzle_elems(dt, d) * jnp.dtype(dt).itemsize)
+        (chunk, d), dt, H._swizzle_elems(dt, minor or d) * jnp.dtype(dt).itemsize)
 
     def load(ref):
         if interpret:

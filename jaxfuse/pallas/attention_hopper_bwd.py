@@ -140,7 +140,9 @@ float32) runs the portable kernels of `attention_bwd`. Garbage in masked keys: s
 of masked pairs are selected away on edge tiles (and P of a NaN row, which saw garbage);
 the K rows that multiply a zero dS in dQ = dS K come cleaned by an XLA pass before the
 kernels (`_attn.clean_keys`, which also makes V NaN where K is not finite; the forward
-cleans its tiles in its producer).
+cleans its tiles in its producer). With `HopperBwdTiles(clean=True)` (off until measured on
+the GPU) the dQ kernel's producer cleans its own edge tiles the same way instead and the pass
+goes: the dK/dV kernel needs none (`HopperBwdTiles.cleans`).
 
 Regimes: compiled by Mosaic GPU on an sm90 GPU. In Mosaic GPU's interpreter (jax 0.10.2) the
 products are plain dots of the same tiles (it reads no register or transposed wgmma operand),
@@ -201,7 +203,11 @@ class HopperBwdTiles:
     model's attention (B2 T8192 H32/8 causal) and 0.308 -> 0.324 at the 157M's, unlike the
     forward's. The fused dQ pairs two consumers' dS^T every step, so it always runs 2.
     exchange: at D = 256, the dK/dV kernel's consumers exchange P^T and dS^T through shared
-    memory (`exchanges`; measured faster); False: each forms the whole S^T and dP^T itself."""
+    memory (`exchanges`; measured faster); False: each forms the whole S^T and dP^T itself.
+    clean: where masks hide keys, the dQ kernel's producer cleans its edge tiles of masked
+    keys' garbage in shared memory (`cleans`), instead of an XLA pass over K and V before
+    the backward (`_attn.clean_keys`; 0.125 ms of a 4.1 ms B4 H32 T4096 D128 causal fwd+bwd,
+    s19-1). Off until it is checked and timed on the GPU."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -210,6 +216,7 @@ class HopperBwdTiles:
     pingpong: bool | None = None
     consumers: int | None = None
     exchange: bool = True
+    clean: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in AH._REGISTERS:
@@ -254,6 +261,14 @@ class HopperBwdTiles:
         if deterministic or self.split_d(d):
             return False
         return d <= 64 if self.fused_dq is None else self.fused_dq
+
+    def cleans(self, d: int, deterministic: bool) -> bool:
+        """Whether the dQ kernel cleans masked keys' garbage itself (`clean`). Only dS K, a
+        contraction over keys, multiplies a hidden key's zero by its row; the dK/dV kernel's
+        products contract over queries, so a key's garbage reaches only its own dK and dV
+        rows (and the masks' selects drop it from the rows that do not see it). The fused
+        dQ contracts over keys inside the dK/dV kernel: it keeps the XLA pass."""
+        return self.clean and not self.fuse(d, deterministic)
 
     def dq_overlap(self, d: int) -> bool:
         """Whether the dQ kernel runs the overlapped schedule (module docstring, "Overlap")."""
@@ -308,7 +323,7 @@ class HopperBwdTiles:
             return min(2, fit)
         return fit
 
-    def dq_stages(self, d: int, itemsize: int) -> int:
+    def dq_stages(self, d: int, itemsize: int, clean: bool = False) -> int:
         """The dQ kernel's ring depth: as many K/V slots as fit, at most 4. The overlapped
         schedule holds two K tiles (dQ += dS K of the step before runs behind this step's S
         and dP), so with two slots the next tile's copy waits for the end of a step and its
@@ -319,8 +334,10 @@ class HopperBwdTiles:
         fixed = 2 * 2 * _ROWS * d * itemsize + 2 * 2 * _ROWS * 4   # Q, dO, lse, delta
         stage = 2 * self.k_dq(d) * d * itemsize
         fit = self._fit(fixed, stage)
+        # The cleaning's count is a warpgroup reduction: Mosaic GPU keeps 2 KiB for it.
+        tight = _SMEM_TIGHT - (2048 if clean else 0)
         if (self.stages is None and self.dq_overlap(d) and fit == 2
-                and fixed + 3 * stage <= _SMEM_TIGHT):
+                and fixed + 3 * stage <= tight):
             return 3
         return fit
 
@@ -831,7 +848,7 @@ def _add_dq(dq, smem, dq_gmem, wg, b, q0, h, c0, interpret: bool):
 
 def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
              spec: AttnSpec, bk: int, stages: int, n_q_tiles: int, overlap: bool,
-             pingpong: bool, heads: int):
+             pingpong: bool, heads: int, clean: bool = False):
     # As the forward (`attention_hopper`): a CTA per (batch * query head, 128 query rows),
     # consumer wg on rows wg * 64.., the producer streaming the K and V tiles its rows see;
     # launched in `_hopper.heavy_first` order.
@@ -841,7 +858,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
     transforms = _transforms(dtype, d, bk)
 
     def scoped(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, acc_scratch, q_full,
-               k_full, v_full, k_empty, v_empty, turns):
+               k_full, v_full, k_empty, v_empty, turns, *landed):
         b, h, row0, (lo, f_lo, f_hi, hi) = AH.query_tile(
             spec, q_gmem.shape[2], n_q_tiles, bk, groups=(q_gmem.shape[0] * q_gmem.shape[2],
                                                           heads))
@@ -850,8 +867,13 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
 
         @pl.when(wg == 2)
         def _producer():
+            # clean: edge tiles land on `landed` and are cleaned with K and V swapped
+            # (`HopperBwdTiles.cleans`); the overlap holds a K tile one step longer.
+            edges = (f_lo - lo, f_hi - lo, landed[0]) if clean else None
             AH.produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
-                          (k_full, v_full), (k_empty, v_empty))
+                          (k_full, v_full), (k_empty, v_empty), edges=edges,
+                          interpret=spec.interpret, held=int(overlap), swap=True,
+                          minor=min(d, bk))
 
         @pl.when(wg < 2)
         def _consumer():
@@ -973,6 +995,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),                         # the consumers' turns
+        *([plgpu.Barrier(num_arrivals=2, num_barriers=stages)] if clean else []),   # landed
         collective_axes="wg")
 
 
@@ -1053,12 +1076,13 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
     if not tiles.fuse(spec.head_dim, spec.deterministic):
         dk, dv = _dkv(q, k, spec, tiles, False)(*args)
         b, tq, hq, d = q.shape
-        stages = tiles.dq_stages(d, q.dtype.itemsize)
+        clean = tiles.cleans(d, spec.deterministic) and A.hides_keys(spec)
+        stages = tiles.dq_stages(d, q.dtype.itemsize, clean)
         # The overlap holds two K tiles at once: with a one-slot ring it would wait forever.
         body = functools.partial(_dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,
                                  n_q_tiles=tq // (2 * _ROWS),
                                  overlap=tiles.dq_overlap(d) and stages >= 2,
-                                 pingpong=tiles.dq_pingpong(d))
+                                 pingpong=tiles.dq_pingpong(d), clean=clean)
         # Every head's heaviest query tile first (`_hopper.heavy_first`, module docstring).
         dq = _kernel(functools.partial(body, heads=_dq_heads(k, spec)),
                      jax.ShapeDtypeStruct(q.shape, q.dtype), (tq // (2 * _ROWS) * b * hq,),

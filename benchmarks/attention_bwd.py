@@ -519,7 +519,6 @@ def d256_ring(rounds: int = 3):
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d256ring [OUT.json]
     """
     import os
-    from benchmarks import _profile
     if os.environ.get("CHECKS", "1") == "1":
         for i, (shape, opts) in enumerate(CASES_256):
             for det in (True, False):
@@ -528,16 +527,10 @@ def d256_ring(rounds: int = 3):
         garbage([c for c in GARBAGE if c[0][-1] == 256])
     _d256_rows({"overlap, 3 slots": HopperBwdTiles(overlap=True),
                 "overlap, 2 slots": HopperBwdTiles(stages=2, overlap=True)}, rounds)
-    for causal in (True, False):
-        label = f"D256 B2 H16 T4096 {'causal' if causal else 'full'}"
-        args = _inputs(jax.random.key(7), 2, 4096, 4096, 16, 16, 256, jnp.bfloat16)[:4]
-        step = jax.jit(_fwd_bwd(functools.partial(jaxfuse.flash_attention, causal=causal)))
-        guarded(S, f"{label} profile", "jaxfuse",
-                lambda step=step, args=args, label=label: _profile.report(S, label, step, args,
-                                                                          top=4))
+    d256_profile(top=4)
 
 
-def d256_profile():
+def d256_profile(top: int = 8):
     """Where the D = 256 backward's time goes: per-kernel GPU time (profiler) of one fwd+bwd
     call, B2 H16 T4096 bf16, causal and not (the dK/dV kernel against the dQ kernel's 3
     products on 32-key steps).
@@ -551,7 +544,7 @@ def d256_profile():
         step = jax.jit(_fwd_bwd(functools.partial(jaxfuse.flash_attention, causal=causal)))
         guarded(S, f"{label} profile", "jaxfuse",
                 lambda step=step, args=args, label=label: _profile.report(S, label, step, args,
-                                                                          top=8))
+                                                                          top=top))
 
 
 if __name__ == "__main__":

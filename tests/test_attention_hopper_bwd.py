@@ -67,9 +67,6 @@ def _blocks(fwd_consumers=2, **bwd):
     # steps itself
     (jnp.bfloat16, 2, 1, 256, True, dict(head_dim=256, logits_soft_cap=5.0), False,
      dict(exchange=False)),
-    # D = 256 with the dQ kernel's overlap forced (off by default there): a three-slot ring
-    (jnp.bfloat16, 2, 1, 256, True, dict(head_dim=256, causal=True), False,
-     dict(overlap=True)),
     # three dK/dV consumers: one CTA of 192 keys whose third is past Tk = 128, GQA
     pytest.param(jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0), False,
                  dict(consumers=3), marks=needs_cores),

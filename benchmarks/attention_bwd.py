@@ -489,34 +489,14 @@ def _interleaved(label, sets, fns, rounds: int):
     guarded(S, f"{label} fwd+bwd", "all", run)
 
 
-def d256(rounds: int = 5):
-    """The Hopper backward at D = 256 (`HopperBwdTiles.split_d`): compiled checks against the
-    float32 reference (bf16 both `deterministic` settings, f16; bitwise repeat), masked keys'
-    garbage, then fwd+bwd interleaved against the Triton backward after the same Hopper
-    forward (the D = 256 path before s18), cuDNN and two tile variants (the dK/dV consumers
-    taking turns; 2-slot rings).
+def d256(rounds: int = 5, variants: dict | None = None):
+    """The Hopper backward at D = 256 (`HopperBwdTiles.split_d`): compiled checks of the
+    default against the float32 reference (bf16 both `deterministic` settings, f16; bitwise
+    repeat; CHECKS=0 skips them), masked keys' garbage, then fwd+bwd interleaved against cuDNN
+    and `variants` (name -> backward tiles; None: the Triton backward after the same Hopper
+    forward, the D = 256 path before s18, and the dK/dV consumers taking turns).
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d256 [OUT.json]
-    """
-    for i, (shape, opts) in enumerate(CASES_256):
-        for det in (True, False):
-            _check_case(100 + i, shape, opts, jnp.bfloat16, det)
-        _check_case(100 + i, shape, opts, jnp.float16, True)
-    garbage([c for c in GARBAGE if c[0][-1] == 256])
-    _d256_rows({"Triton backward": False,
-                "dK/dV consumers take turns": HopperBwdTiles(pingpong=True),
-                "2-slot rings": HopperBwdTiles(stages=2)}, rounds)
-
-
-def d256_ring(rounds: int = 3):
-    """D = 256, the dQ kernel's schedule and ring: the default since s19-4 (no overlap, two
-    slots) against the overlap on three slots (which it needs: it holds two K tiles, so with
-    two slots each step's copy waits for the step before to end) and on two (the default
-    before s19): compiled checks of the default (bf16 both settings, f16; bitwise repeat;
-    CHECKS=0 skips them), masked keys' garbage, fwd+bwd interleaved, kernel times. (s19-3/4
-    ran it with the three-slot overlap as the default, and timed three slots without it.)
-
-        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d256ring [OUT.json]
     """
     import os
     if os.environ.get("CHECKS", "1") == "1":
@@ -525,8 +505,21 @@ def d256_ring(rounds: int = 3):
                 _check_case(100 + i, shape, opts, jnp.bfloat16, det, _d256(None).hopper)
             _check_case(100 + i, shape, opts, jnp.float16, True, _d256(None).hopper)
         garbage([c for c in GARBAGE if c[0][-1] == 256])
-    _d256_rows({"overlap, 3 slots": HopperBwdTiles(overlap=True),
-                "overlap, 2 slots": HopperBwdTiles(stages=2, overlap=True)}, rounds)
+    _d256_rows(variants or {"Triton backward": False,
+                            "dK/dV consumers take turns": HopperBwdTiles(pingpong=True)}, rounds)
+
+
+def d256_ring(rounds: int = 3):
+    """D = 256, the dQ kernel's schedule and ring: `d256` with the default since s19-4 (no
+    overlap, two slots) against the overlap on three slots (which it needs: it holds two K
+    tiles, so with two slots each step's copy waits for the step before to end) and on two
+    (the default before s19), then the kernels' times. (s19-3/4 ran it with the three-slot
+    overlap as the default, and timed three slots without it.)
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d256ring [OUT.json]
+    """
+    d256(rounds, {"overlap, 3 slots": HopperBwdTiles(overlap=True),
+                  "overlap, 2 slots": HopperBwdTiles(stages=2, overlap=True)})
     d256_profile(top=4)
 
 

@@ -154,7 +154,7 @@ def _backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnB
         if attention_hopper_bwd.fits(q.dtype, spec, bt):
             # Masked keys may hold garbage: an XLA pass (`_attn.clean_keys`) unless the dQ
             # kernel cleans its edge tiles itself (`HopperBwdTiles.cleans`).
-            if A.hides_keys(spec) and not bt.cleans(spec.head_dim, spec.deterministic):
+            if A.hides_keys(spec) and not bt.cleans(spec):
                 k, v = A.clean_keys(k, v)
             return attention_hopper_bwd.backward(q, k, v, o, lse_u, do, dlse, spec, bt)
     return attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks, key)

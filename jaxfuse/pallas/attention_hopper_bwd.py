@@ -262,13 +262,15 @@ class HopperBwdTiles:
             return False
         return d <= 64 if self.fused_dq is None else self.fused_dq
 
-    def cleans(self, d: int, deterministic: bool) -> bool:
-        """Whether the dQ kernel cleans masked keys' garbage itself (`clean`). Only dS K, a
+    def cleans(self, spec: AttnSpec) -> bool:
+        """Whether the dQ kernel cleans masked keys' garbage itself (`clean`, where masks
+        hide keys); else an XLA pass does, before the kernels. Only dS K, a
         contraction over keys, multiplies a hidden key's zero by its row; the dK/dV kernel's
         products contract over queries, so a key's garbage reaches only its own dK and dV
         rows (and the masks' selects drop it from the rows that do not see it). The fused
         dQ contracts over keys inside the dK/dV kernel: it keeps the XLA pass."""
-        return self.clean and not self.fuse(d, deterministic)
+        return (self.clean and A.hides_keys(spec)
+                and not self.fuse(spec.head_dim, spec.deterministic))
 
     def dq_overlap(self, d: int) -> bool:
         """Whether the dQ kernel runs the overlapped schedule (module docstring, "Overlap")."""
@@ -334,8 +336,8 @@ class HopperBwdTiles:
         fixed = 2 * 2 * _ROWS * d * itemsize + 2 * 2 * _ROWS * 4   # Q, dO, lse, delta
         stage = 2 * self.k_dq(d) * d * itemsize
         fit = self._fit(fixed, stage)
-        # The cleaning's count is a warpgroup reduction: Mosaic GPU keeps 2 KiB for it.
-        tight = _SMEM_TIGHT - (2048 if clean else 0)
+        # The cleaning's count is a warpgroup reduction: Mosaic GPU keeps scratch for it.
+        tight = _SMEM_TIGHT - (plgpu.CompilerParams().reduction_scratch_bytes if clean else 0)
         if (self.stages is None and self.dq_overlap(d) and fit == 2
                 and fixed + 3 * stage <= tight):
             return 3
@@ -1076,7 +1078,7 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
     if not tiles.fuse(spec.head_dim, spec.deterministic):
         dk, dv = _dkv(q, k, spec, tiles, False)(*args)
         b, tq, hq, d = q.shape
-        clean = tiles.cleans(d, spec.deterministic) and A.hides_keys(spec)
+        clean = tiles.cleans(spec)
         stages = tiles.dq_stages(d, q.dtype.itemsize, clean)
         # The overlap holds two K tiles at once: with a one-slot ring it would wait forever.
         body = functools.partial(_dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,

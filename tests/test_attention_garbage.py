@@ -116,14 +116,17 @@ def test_hopper_forward_hides_masked_garbage(stages, overlap):
         assert bool(jnp.isnan(o[:, sees]).all()) and bool(jnp.isnan(lse[..., sees]).all())
 
 
-def test_hopper_dq_kernel_cleans_masked_garbage():
-    """`HopperBwdTiles(clean=True)`: no XLA pass over K and V before the Hopper backward; the
-    dQ kernel's producer cleans its edge tiles instead (K's non-finite entries 0 for dS K,
-    V NaN beside them so that a row that sees the key gets NaN), and the dK/dV kernel reads
-    the raw tiles (its products contract over queries). Window 40, Tq 128 < Tk 256 as in the
-    forward's test: key 60 (K and V NaN) is seen by no query, key 150 (one +inf entry of K) by
-    rows 0..61, both on the dQ kernel's edge tiles. Rows 62.. keep o and dq bitwise, rows 0..61
-    get NaN dq, and the keys no query sees (< 89, key 60 among them) keep dk and dv."""
+@pytest.mark.parametrize("clean", [True, False])
+def test_hopper_backward_hides_masked_garbage(clean):
+    """The Hopper backward's two ways of keeping masked keys' garbage out: the dQ kernel's
+    producer cleans its edge tiles (`clean=True`, the default: no XLA pass over K and V; K's
+    non-finite entries 0 for dS K, V NaN beside them so that a row that sees the key gets NaN;
+    the dK/dV kernel reads the raw tiles, its products contracting over queries), or an XLA
+    pass over K and V before the kernels (`clean=False`, `_attn.clean_keys`). Window 40, Tq
+    128 < Tk 256 as in the forward's test: key 60 (K and V NaN) is seen by no query, key 150
+    (one +inf entry of K) by rows 0..61, both on the dQ kernel's edge tiles. Rows 62.. keep o
+    and dq bitwise, rows 0..61 get NaN dq, and the keys no query sees (< 89, key 60 among
+    them) keep dk and dv."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     kq, kk, kv, kd = keys(12, 4)
@@ -131,10 +134,11 @@ def test_hopper_dq_kernel_cleans_masked_garbage():
     k = randn(kk, (1, 256, 1, 64), jnp.bfloat16)
     v = randn(kv, (1, 256, 1, 64), jnp.bfloat16)
     blocks = AttnBlocks(hopper=HopperAttnTiles(
-        consumers=2, backward=HopperBwdTiles(clean=True, consumers=2)))
+        consumers=2, backward=HopperBwdTiles(clean=clean, consumers=2)))
     run = lambda k, v: _run("pallas", blocks, q, k, v, do, sliding_window=40)
     jaxpr = str(jax.make_jaxpr(lambda k, v: run(k, v))(k, v))
-    assert "jaxfuse_flash_bwd_dq_hopper" in jaxpr and "is_finite" not in jaxpr   # no XLA pass
+    assert "jaxfuse_flash_bwd_dq_hopper" in jaxpr
+    assert ("is_finite" in jaxpr) != clean                                  # the XLA pass
     o0, (dq0, dk0, dv0) = run(k, v)
     o, (dq, dk, dv) = run(k.at[:, 60].set(jnp.nan).at[:, 150, :, 0].set(jnp.inf),
                           v.at[:, 60].set(jnp.nan))

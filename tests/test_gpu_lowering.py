@@ -135,8 +135,9 @@ def test_hopper_flash_attention_lowers(d, opts, det):
     """The Hopper forward (TMA ring, wgmma with P from registers, ping-pong barriers) and
     backward (dK/dV kernel with GQA inside the CTA, S^T and dP^T from shared memory, P^T and
     dS^T as register operands, dS^T read transposed for the fused dQ; the dQ kernel, or the
-    fused dQ's reducing TMA stores) lower through Mosaic GPU for sm90 with every mask variant
-    and GQA; the wgmma forms and reducing stores are not run by Mosaic GPU's interpreter, so
+    fused dQ's reducing TMA stores; the dQ kernel's producer cleaning masked keys' garbage
+    on its edge tiles, a warpgroup reduction's scratch beside the ring) lower through Mosaic
+    GPU for sm90 with every mask variant and GQA; the wgmma forms and reducing stores are not run by Mosaic GPU's interpreter, so
     this is where their layout rules are checked on a CPU. At D = 256 the dK/dV kernel's
     consumers split dK's and dV's columns (column slices of swizzled tiles as wgmma operands
     and as stores) and there is no fused dQ. A pass here is not a compile on the GPU: jax
@@ -406,21 +407,3 @@ def test_hopper_d256_variants_lower(opts, bwd):
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()
     assert "jaxfuse_flash_bwd_dkv_hopper" in module and "jaxfuse_flash_bwd_dq_hopper" in module
-
-
-@pytest.mark.parametrize("d,opts", [(64, dict(causal=True)), (128, dict(sliding_window=100)),
-                                    (256, dict(causal=True))])
-def test_hopper_dq_kernel_cleaning_lowers(d, opts):
-    """`HopperBwdTiles(clean=True)`: the dQ kernel's producer lands edge tiles on a barrier
-    of its own and cleans them (K and V in each other's roles) with 40 registers, its count a
-    warpgroup reduction whose scratch must fit beside the ring at every head dim."""
-    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
-    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-    q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
-    k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
-    tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(d),
-                                backward=HopperBwdTiles(clean=True))
-    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
-        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
-        q, k, k).mlir_module()
-    assert "jaxfuse_flash_bwd_dq_hopper" in module

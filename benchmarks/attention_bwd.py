@@ -531,14 +531,45 @@ def d256_profile(top: int = 8):
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d256prof [OUT.json]
     """
-    from benchmarks import _profile
     for causal in (True, False):
-        label = f"D256 B2 H16 T4096 {'causal' if causal else 'full'}"
-        args = _inputs(jax.random.key(7), 2, 4096, 4096, 16, 16, 256, jnp.bfloat16)[:4]
-        step = jax.jit(_fwd_bwd(functools.partial(jaxfuse.flash_attention, causal=causal)))
-        guarded(S, f"{label} profile", "jaxfuse",
-                lambda step=step, args=args, label=label: _profile.report(S, label, step, args,
-                                                                          top=top))
+        _profiles(f"D256 B2 H16 T4096 {'causal' if causal else 'full'}",
+                  (2, 4096, 16, 16, 256), causal, top=top)
+
+
+def _profiles(label, shape, causal: bool, top: int = 8, cudnn: bool = False):
+    """Per-kernel GPU time (profiler) of one fwd+bwd call of jaxfuse's default (and cuDNN's)
+    at shape (B, T, Hq, Hkv, D), bf16."""
+    from benchmarks import _profile
+    b, t, hq, hkv, d = shape
+    args = _inputs(jax.random.key(7), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]
+    fns = {"jaxfuse": functools.partial(jaxfuse.flash_attention, causal=causal)}
+    if cudnn:
+        fns["cudnn"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                         implementation="cudnn")
+    for name, f in fns.items():
+        step = jax.jit(_fwd_bwd(f))
+        guarded(S, f"{label} profile", name,
+                lambda step=step, name=name: _profile.report(S, f"{label} {name}", step, args,
+                                                             top=top))
+
+
+def long_rows(rounds: int = 3):
+    """B1 H16 T32768 D128 causal, the row furthest behind cuDNN (fwd+bwd 0.90x in s18-2 with
+    the forward 1.17x ahead: the backward ~20% behind, against ~10% at 4096 keys): the kernels
+    of one fwd+bwd call, ours and cuDNN's (profiler), then fwd+bwd interleaved with the
+    backward's heads in 16 MiB groups (default: one head of Q and dO a group at this length),
+    48 MiB (three heads) and every head one group.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py long [OUT.json]
+    """
+    from benchmarks import _timing
+    row = ((1, 32768, 16, 16, 128), True)
+    _profiles("B1 H16 T32768 D128 causal", *row, cudnn=True)
+    _rows(rounds, {"48 MiB head groups": ({}, functools.partial(_timing.bwd_head_groups,
+                                                                 48 << 20)),
+                   "every head one group": ({}, functools.partial(_timing.bwd_head_groups,
+                                                                   None))},
+          {"B1 H16 T32768 D128 causal": row})
 
 
 if __name__ == "__main__":
@@ -581,6 +612,9 @@ if __name__ == "__main__":
         d256_ring(int(os.environ.get("ROUNDS", 3)))
     if sys.argv[1:2] == ["d256prof"]:
         d256_profile()
+    if sys.argv[1:2] == ["long"]:
+        import os
+        long_rows(int(os.environ.get("ROUNDS", 3)))
     if sys.argv[1:2] == ["groups"]:
         import os
         groups(int(os.environ.get("ROUNDS", 5)))

@@ -117,6 +117,16 @@ def check():
         _check_case(i, shape, opts, jnp.float16, True)
 
 
+def check_f16():
+    """Every CASES and CASES_256 entry in float16 on the default tiles, deterministic (bitwise
+    repeat): the dtype the other checks run on three shapes only.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py f16 [OUT.json]
+    """
+    for i, (shape, opts) in enumerate(CASES + CASES_256):
+        _check_case(i, shape, opts, jnp.float16, True)
+
+
 GARBAGE = [   # shape, options, (key whose V row is NaN, key with one +inf entry of K)
     ((1, 256, 256, 4, 2, 64), dict(causal=True), (100, 180)),
     ((1, 384, 512, 8, 2, 128), dict(causal=True, sliding_window=100), (300, 450)),
@@ -612,6 +622,8 @@ if __name__ == "__main__":
         d256_ring(int(os.environ.get("ROUNDS", 3)))
     if sys.argv[1:2] == ["d256prof"]:
         d256_profile()
+    if sys.argv[1:2] == ["f16"]:
+        check_f16()
     if sys.argv[1:2] == ["long"]:
         import os
         long_rows(int(os.environ.get("ROUNDS", 3)))

@@ -137,8 +137,9 @@ def test_hopper_flash_attention_lowers(d, opts, det):
     dS^T as register operands, dS^T read transposed for the fused dQ; the dQ kernel, or the
     fused dQ's reducing TMA stores; the dQ kernel's producer cleaning masked keys' garbage
     on its edge tiles, a warpgroup reduction's scratch beside the ring) lower through Mosaic
-    GPU for sm90 with every mask variant and GQA; the wgmma forms and reducing stores are not run by Mosaic GPU's interpreter, so
-    this is where their layout rules are checked on a CPU. At D = 256 the dK/dV kernel's
+    GPU for sm90 with every mask variant and GQA; the wgmma forms and reducing stores are
+    not run by Mosaic GPU's interpreter, so this is where their layout rules are checked on
+    a CPU. At D = 256 the dK/dV kernel's
     consumers split dK's and dV's columns (column slices of swizzled tiles as wgmma operands
     and as stores) and there is no fused dQ. A pass here is not a compile on the GPU: jax
     0.10.2's lowering accepted constant indices into Mosaic GPU refs that 0.11.2 refused

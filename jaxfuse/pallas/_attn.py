@@ -267,7 +267,9 @@ def hides_keys(spec: AttnSpec) -> bool:
 
 
 def clean_keys(k, v):
-    """(k, v) for the Hopper backward (one elementwise XLA pass, only where masks hide keys):
+    """(k, v) for the Hopper backward's fused dQ, or `HopperBwdTiles(clean=False)` (one
+    elementwise XLA pass, only where masks hide keys; the dQ kernel's producer does the same
+    to its edge tiles, `attention_hopper.produce_kv(swap=True)`):
     k's non-finite entries 0, since dQ = dS K multiplies a hidden key's zero dS by the key's
     row as it lies in shared memory (a Triton tile is cleaned in registers: `finite_rows`);
     v NaN wherever k is not finite, so that dP = dO V^T is NaN on such a key's column. Hidden

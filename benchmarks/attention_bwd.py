@@ -582,6 +582,46 @@ def long_rows(rounds: int = 3):
           {"B1 H16 T32768 D128 causal": row})
 
 
+def repeatability(rounds: int = 3):
+    """Whose gradients repeat bit for bit, and at what cost: at the D128 and D64 rows, the
+    gradients of five fwd+bwd calls of jaxfuse (default, deterministic), jaxfuse with
+    deterministic=False and cuDNN compared with the first call's, then the three timed
+    interleaved. Run it twice, in two processes: as it is, and with
+    XLA_FLAGS=--xla_gpu_deterministic_ops=true, under which XLA asks cuDNN for a deterministic
+    backward (if cuDNN's gradients then repeat, that row is cuDNN on the default's terms).
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py repeat [OUT.json]
+        XLA_FLAGS=--xla_gpu_deterministic_ops=true PYTHONPATH=. PYTHONUNBUFFERED=1 \
+            python benchmarks/attention_bwd.py repeat [OUT2.json]
+    """
+    import os
+    flags = "deterministic_ops" if "deterministic_ops=true" in os.environ.get("XLA_FLAGS", "") \
+        else "default flags"
+    for label in ("B4 H32 T4096 D128 full", "B4 H32 T4096 D128 causal",
+                  "D64 B8 H16 T2048 causal"):
+        (b, t, hq, hkv, d), causal = ROWS[label]
+        args = _inputs(jax.random.key(3), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]
+        fns = {"jaxfuse": functools.partial(jaxfuse.flash_attention, causal=causal),
+               "jaxfuse nondet": functools.partial(jaxfuse.flash_attention, causal=causal,
+                                                   deterministic=False),
+               "cudnn": functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                          implementation="cudnn")}
+        for name, f in fns.items():
+            def run(f=f, name=name):
+                step = jax.jit(_fwd_bwd(f))
+                _, first = step(*args)
+                differ = 0
+                for _ in range(4):
+                    _, again = step(*args)
+                    differ += not all(bool(jnp.array_equal(a, b))
+                                      for a, b in zip(first, again))
+                record(S, f"{label} bitwise repeat, {flags}", name, calls_differing=differ,
+                       of=4)
+            guarded(S, f"{label} bitwise repeat, {flags}", name, run)
+        _rows(rounds, {"nondet": (dict(deterministic=False), contextlib.nullcontext)},
+              {f"{label} ({flags})": ROWS[label]})
+
+
 if __name__ == "__main__":
     import sys
     from benchmarks import _timing
@@ -622,6 +662,9 @@ if __name__ == "__main__":
         d256_ring(int(os.environ.get("ROUNDS", 3)))
     if sys.argv[1:2] == ["d256prof"]:
         d256_profile()
+    if sys.argv[1:2] == ["repeat"]:
+        import os
+        repeatability(int(os.environ.get("ROUNDS", 3)))
     if sys.argv[1:2] == ["f16"]:
         check_f16()
     if sys.argv[1:2] == ["long"]:

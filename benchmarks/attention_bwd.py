@@ -117,13 +117,14 @@ def check():
         _check_case(i, shape, opts, jnp.float16, True)
 
 
-def check_f16():
-    """Every CASES and CASES_256 entry in float16 on the default tiles, deterministic (bitwise
-    repeat): the dtype the other checks run on three shapes only.
+def check_f16(cases=None):
+    """Every CASES and CASES_256 entry (or `cases`) in float16 on the default tiles,
+    deterministic (bitwise repeat): the dtype the other checks run on three shapes only.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py f16 [OUT.json]
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py f16_256 [OUT.json]
     """
-    for i, (shape, opts) in enumerate(CASES + CASES_256):
+    for i, (shape, opts) in enumerate(cases or CASES + CASES_256):
         _check_case(i, shape, opts, jnp.float16, True)
 
 
@@ -667,6 +668,8 @@ if __name__ == "__main__":
         repeatability(int(os.environ.get("ROUNDS", 3)))
     if sys.argv[1:2] == ["f16"]:
         check_f16()
+    if sys.argv[1:2] == ["f16_256"]:       # the D = 256 cases alone
+        check_f16(CASES_256)
     if sys.argv[1:2] == ["long"]:
         import os
         long_rows(int(os.environ.get("ROUNDS", 3)))

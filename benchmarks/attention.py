@@ -426,6 +426,25 @@ def perf_named(rounds: int = 7):
         _interleaved(label, shape, causal, fns, rounds)
 
 
+def perf_fence(rounds: int = 7):
+    """The softmax's results fenced before the ping-pong's rendezvous
+    (`_timing.fenced_softmax`, s20's reading of tokamax's forward) against the default, cuDNN
+    and tokamax, interleaved: the D = 128 rows without masks (where tokamax led in s18-2,
+    1.671 against 1.837 ms) and causal. Checked first: the Hopper cases under the fence.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention.py fence [OUT.json]
+    """
+    with _timing.fenced_softmax():
+        for i, c in enumerate(HOPPER_CASES):
+            _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper fenced")
+    rows = [(label, shape, False) for label, shape in FULL_ROWS[:2]]
+    rows += [(label, shape, True) for label, shape in (CAUSAL_ROWS[0], CAUSAL_ROWS[3])]
+    for label, shape, causal in rows:
+        fns = _peers(causal, ("jaxfuse", "cudnn", "tokamax_mosaic"))
+        fns["jaxfuse[softmax fenced]"] = _traced_under(fns["jaxfuse"], _timing.fenced_softmax)
+        _interleaved(label, shape, causal, fns, rounds)
+
+
 if __name__ == "__main__":
     import os
     import sys
@@ -449,6 +468,8 @@ if __name__ == "__main__":
             if c["d"] == 128:
                 _check_case(i, c, jnp.bfloat16, _overlapped(128), " hopper overlap named")
         perf_named(int(os.environ.get("ROUNDS", 7)))
+    if sys.argv[1:2] == ["fence"]:
+        perf_fence(int(os.environ.get("ROUNDS", 7)))
     if sys.argv[1:2] == ["scheduled"]:
         check_persistent()
         perf_scheduled(int(os.environ.get("ROUNDS", 5)))

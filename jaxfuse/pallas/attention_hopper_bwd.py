@@ -140,8 +140,9 @@ float32) runs the portable kernels of `attention_bwd`. Garbage in masked keys: s
 of masked pairs are selected away on edge tiles (and P of a NaN row, which saw garbage);
 the K rows that multiply a zero dS in dQ = dS K come cleaned by the dQ kernel's producer,
 on its edge tiles, as the forward's producer cleans its own (`HopperBwdTiles.cleans`); the
-dK/dV kernel reads raw K and V (its products contract over queries). The fused dQ, and `HopperBwdTiles(clean=False)`, take an XLA pass
-over K and V instead (`_attn.clean_keys`, which also makes V NaN where K is not finite).
+dK/dV kernel reads raw K and V (its products contract over queries). The fused dQ, and
+`HopperBwdTiles(clean=False)`, take an XLA pass over K and V instead (`_attn.clean_keys`,
+which also makes V NaN where K is not finite).
 
 Regimes: compiled by Mosaic GPU on an sm90 GPU. In Mosaic GPU's interpreter (jax 0.10.2) the
 products are plain dots of the same tiles (it reads no register or transposed wgmma operand),

@@ -120,6 +120,25 @@ def script(main) -> None:
     save(sys.argv[1] if len(sys.argv) > 1 else None)
 
 
+def commands(table: dict) -> None:
+    """A script's `__main__` with subcommands, `python SCRIPT NAME [OUT.json]`: print the
+    device, run table[NAME] (given the ROUNDS environment variable as its `rounds` where it
+    takes one and ROUNDS is set; else its own default), save the rows to OUT.json if given."""
+    import inspect
+    import os
+    import sys
+    name = sys.argv[1] if len(sys.argv) > 1 else None
+    if name not in table:
+        raise SystemExit(f"usage: {sys.argv[0]} {{{'|'.join(table)}}} [OUT.json]")
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
+    fn = table[name]
+    kw = {}
+    if "ROUNDS" in os.environ and "rounds" in inspect.signature(fn).parameters:
+        kw["rounds"] = int(os.environ["ROUNDS"])
+    fn(**kw)
+    save(sys.argv[2] if len(sys.argv) > 2 else None)
+
+
 def unguarded_attention():
     """A context in which the Hopper attention kernels take no guard against masked keys'
     garbage (`_attn.hides_keys` False: the forward's producer cleans no edge tiles, the backward

@@ -445,41 +445,31 @@ def perf_fence(rounds: int = 7):
         _interleaved(label, shape, causal, fns, rounds)
 
 
-if __name__ == "__main__":
-    import os
-    import sys
-    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
-    if sys.argv[1:2] == ["check"]:
-        check()
-    if sys.argv[1:2] == ["check_hopper"]:     # the Hopper path's cases alone
-        for dtype in (jnp.bfloat16, jnp.float16):
-            for i, c in enumerate(HOPPER_CASES):
-                _check_case(i, c, dtype, AttnBlocks(hopper=True), " hopper")
-    if sys.argv[1:2] == ["d256"]:
-        perf_d256()
-    if sys.argv[1:2] == ["guard"]:
-        perf_guard()
-    if sys.argv[1:2] == ["persistent"]:
-        check_persistent()
-        perf_persistent()
-    if sys.argv[1:2] == ["named"]:
+def _check_hopper():
+    """The Hopper path's cases alone, bf16 and f16."""
+    for dtype in (jnp.bfloat16, jnp.float16):
         for i, c in enumerate(HOPPER_CASES):
-            _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper named")
-            if c["d"] == 128:
-                _check_case(i, c, jnp.bfloat16, _overlapped(128), " hopper overlap named")
-        perf_named(int(os.environ.get("ROUNDS", 7)))
-    if sys.argv[1:2] == ["fence"]:
-        perf_fence(int(os.environ.get("ROUNDS", 7)))
-    if sys.argv[1:2] == ["scheduled"]:
-        check_persistent()
-        perf_scheduled(int(os.environ.get("ROUNDS", 5)))
-    if sys.argv[1:2] == ["l2_share"]:
-        perf_l2_share(int(os.environ.get("ROUNDS", 5)))
-    if sys.argv[1:2] == ["fwd_order"]:
-        perf_fwd_order(int(os.environ.get("ROUNDS", 5)))
-    if sys.argv[1:2] == ["persistent_overlap"]:
-        perf_persistent_overlap()
-    if sys.argv[1:2] == ["overlap"]:
-        check_overlap()
-        perf_overlap()
-    _timing.save(sys.argv[2] if len(sys.argv) > 2 else None)
+            _check_case(i, c, dtype, AttnBlocks(hopper=True), " hopper")
+
+
+def _named(rounds: int = 7):
+    for i, c in enumerate(HOPPER_CASES):
+        _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper named")
+        if c["d"] == 128:
+            _check_case(i, c, jnp.bfloat16, _overlapped(128), " hopper overlap named")
+    perf_named(rounds)
+
+
+def _scheduled(rounds: int = 5):
+    check_persistent()
+    perf_scheduled(rounds)
+
+
+if __name__ == "__main__":
+    _timing.commands({
+        "check": check, "check_hopper": _check_hopper, "d256": perf_d256, "guard": perf_guard,
+        "persistent": lambda: (check_persistent(), perf_persistent()),
+        "named": _named, "fence": perf_fence, "scheduled": _scheduled,
+        "l2_share": perf_l2_share, "fwd_order": perf_fwd_order,
+        "persistent_overlap": perf_persistent_overlap,
+        "overlap": lambda: (check_overlap(), perf_overlap())})

@@ -623,61 +623,33 @@ def repeatability(rounds: int = 3):
               {f"{label} ({flags})": ROWS[label]})
 
 
+def _checks():
+    """The compiled checks alone."""
+    check()
+    garbage()
+
+
+def _quick():
+    """Checks, the three workloads against cuDNN, kernel times with the consumers' ping-pong
+    (the default, s9) against their running free."""
+    _checks()
+    perf(0.0, sweep=False)
+    probe({w: [HopperBwdTiles(pingpong=False)] for w in WORKLOADS})
+
+
+def _probe_sweep():
+    probe({"D128 full": [HopperBwdTiles(fused_dq=True), HopperBwdTiles(fused_dq=True, stages=2)],
+           "D64 causal": [HopperBwdTiles(block_q=128), HopperBwdTiles(stages=2)]})
+
+
 if __name__ == "__main__":
-    import sys
     from benchmarks import _timing
-    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
-    if sys.argv[1:2] == ["garbage"]:
-        garbage()
-    if sys.argv[1:2] == ["idle"]:
-        idle()
-    if sys.argv[1:2] == ["fused"]:
-        fused()
-    if sys.argv[1:2] == ["checks"]:         # the compiled checks alone
-        check()
-        garbage()
-    if sys.argv[1:2] == ["perf"]:           # the three workloads against cuDNN, no sweep
-        perf(0.0, sweep=False)
-    if sys.argv[1:2] == ["quick"]:          # checks, the three workloads, kernel times
-        check()
-        garbage()
-        perf(0.0, sweep=False)
-        # The consumers' ping-pong (the default, s9) against their running free.
-        probe({w: [HopperBwdTiles(pingpong=False)] for w in WORKLOADS})
-    if sys.argv[1:2] == ["d256"]:
-        import os
-        d256(int(os.environ.get("ROUNDS", 5)))
-    if sys.argv[1:2] == ["d256x"]:
-        import os
-        d256_exchange(int(os.environ.get("ROUNDS", 3)))
-    if sys.argv[1:2] == ["profile"]:        # probe's kernel times alone, no sweep
-        probe()
-    if sys.argv[1:2] == ["clean"]:
-        import os
-        clean(int(os.environ.get("ROUNDS", 5)))
-    if sys.argv[1:2] == ["dq_overlap"]:
-        import os
-        dq_overlap(int(os.environ.get("ROUNDS", 5)))
-    if sys.argv[1:2] == ["d256ring"]:
-        import os
-        d256_ring(int(os.environ.get("ROUNDS", 3)))
-    if sys.argv[1:2] == ["d256prof"]:
-        d256_profile()
-    if sys.argv[1:2] == ["repeat"]:
-        import os
-        repeatability(int(os.environ.get("ROUNDS", 3)))
-    if sys.argv[1:2] == ["f16"]:
-        check_f16()
-    if sys.argv[1:2] == ["f16_256"]:       # the D = 256 cases alone
-        check_f16(CASES_256)
-    if sys.argv[1:2] == ["long"]:
-        import os
-        long_rows(int(os.environ.get("ROUNDS", 3)))
-    if sys.argv[1:2] == ["groups"]:
-        import os
-        groups(int(os.environ.get("ROUNDS", 5)))
-    if sys.argv[1:2] == ["probe"]:
-        probe({"D128 full": [HopperBwdTiles(fused_dq=True),
-                             HopperBwdTiles(fused_dq=True, stages=2)],
-               "D64 causal": [HopperBwdTiles(block_q=128), HopperBwdTiles(stages=2)]})
-    _timing.save(sys.argv[2] if len(sys.argv) > 2 else None)
+    _timing.commands({
+        "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks,
+        "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
+        "quick": _quick, "profile": probe,           # profile: probe's kernel times alone
+        "probe": _probe_sweep, "d256": d256, "d256x": d256_exchange, "clean": clean,
+        "dq_overlap": dq_overlap, "d256ring": d256_ring, "d256prof": d256_profile,
+        "repeat": repeatability, "f16": check_f16,
+        "f16_256": lambda: check_f16(CASES_256),     # the D = 256 cases alone
+        "long": long_rows, "groups": groups})

@@ -862,8 +862,15 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
     mma = _Mma(spec.interpret)
     transforms = _transforms(dtype, d, bk)
 
-    def scoped(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, acc_scratch, q_full,
-               k_full, v_full, k_empty, v_empty, turns, *landed):
+    # dQ of the overlapped schedule: in shared memory in the interpreter, in registers on the
+    # GPU, where it takes no buffer (buffers are aligned to 1 KiB, and the overlapped D = 256
+    # ring of three slots leaves less than that beside the barriers).
+    scratch = overlap and spec.interpret
+
+    def scoped(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_full, k_full, v_full,
+               k_empty, v_empty, turns, *optional):
+        acc_scratch = optional[0] if scratch else None
+        landed = optional[scratch:]
         b, h, row0, (lo, f_lo, f_hi, hi) = AH.query_tile(
             spec, q_gmem.shape[2], n_q_tiles, bk, groups=(q_gmem.shape[0] * q_gmem.shape[2],
                                                           heads))
@@ -979,27 +986,21 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             pl.when(n == 0)(lambda: finish(zero))
             pp.end()
 
-    # dQ of the overlapped schedule: in shared memory in the interpreter, in registers on the
-    # GPU, where it takes no buffer (buffers are aligned to 1 KiB, and the overlapped D = 256
-    # ring of three slots leaves less than that beside the barriers).
-    scratch = overlap and spec.interpret
-    with_scratch = lambda *refs: scoped(*refs[:6], refs[6] if scratch else None,
-                                        *refs[6 + scratch:])
     pl.run_scoped(
-        with_scratch,
+        scoped,
         plgpu.SMEM((2, _ROWS, d), dtype, transforms=transforms),
         plgpu.SMEM((2, _ROWS, d), dtype, transforms=transforms),
         plgpu.SMEM((2, _ROWS), _F32),
         plgpu.SMEM((2, _ROWS), _F32),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
-        *([plgpu.SMEM((2, _ROWS, d), _F32)] if scratch else []),
         plgpu.Barrier(num_arrivals=4, num_barriers=2),         # Q, dO, lse, delta copies
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),                         # the consumers' turns
+        *([plgpu.SMEM((2, _ROWS, d), _F32)] if scratch else []),
         *([plgpu.Barrier(num_arrivals=2, num_barriers=stages)] if clean else []),   # landed
         collective_axes="wg")
 

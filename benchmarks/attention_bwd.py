@@ -583,13 +583,23 @@ def long_rows(rounds: int = 3):
           {"B1 H16 T32768 D128 causal": row})
 
 
-def repeatability(rounds: int = 3):
+# The issue's other rows (`repeat_rest`): beside ROWS' GQA ones, the longest and the widest.
+OTHER_ROWS = {"B1 H16 T32768 D128 causal": ((1, 32768, 16, 16, 128), True),
+              "D256 B2 H16 T4096 causal": ((2, 4096, 16, 16, 256), True)}
+
+
+def repeatability(rounds: int = 3, labels=("B4 H32 T4096 D128 full",
+                                           "B4 H32 T4096 D128 causal",
+                                           "D64 B8 H16 T2048 causal")):
     """Whose gradients repeat bit for bit, and at what cost: at the D128 and D64 rows, the
     gradients of five fwd+bwd calls of jaxfuse (default, deterministic), jaxfuse with
     deterministic=False and cuDNN compared with the first call's, then the three timed
     interleaved. Run it twice, in two processes: as it is, and with
     XLA_FLAGS=--xla_gpu_deterministic_ops=true, under which XLA asks cuDNN for a deterministic
     backward (if cuDNN's gradients then repeat, that row is cuDNN on the default's terms).
+    `repeat_rest` does the same for the issue's other rows (GQA, the models', T32768, D256).
+    s21-1: cuDNN's gradients differ between calls under the default flags and repeat under
+    deterministic_ops, where its backward is 1.18-1.42x slower.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py repeat [OUT.json]
         XLA_FLAGS=--xla_gpu_deterministic_ops=true PYTHONPATH=. PYTHONUNBUFFERED=1 \
@@ -598,9 +608,8 @@ def repeatability(rounds: int = 3):
     import os
     flags = "deterministic_ops" if "deterministic_ops=true" in os.environ.get("XLA_FLAGS", "") \
         else "default flags"
-    for label in ("B4 H32 T4096 D128 full", "B4 H32 T4096 D128 causal",
-                  "D64 B8 H16 T2048 causal"):
-        (b, t, hq, hkv, d), causal = ROWS[label]
+    for label in labels:
+        (b, t, hq, hkv, d), causal = {**ROWS, **OTHER_ROWS}[label]
         args = _inputs(jax.random.key(3), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]
         fns = {"jaxfuse": functools.partial(jaxfuse.flash_attention, causal=causal),
                "jaxfuse nondet": functools.partial(jaxfuse.flash_attention, causal=causal,
@@ -620,7 +629,7 @@ def repeatability(rounds: int = 3):
                        of=4)
             guarded(S, f"{label} bitwise repeat, {flags}", name, run)
         _rows(rounds, {"nondet": (dict(deterministic=False), contextlib.nullcontext)},
-              {f"{label} ({flags})": ROWS[label]})
+              {f"{label} ({flags})": ((b, t, hq, hkv, d), causal)})
 
 
 def _checks():
@@ -651,5 +660,8 @@ if __name__ == "__main__":
         "probe": _probe_sweep, "d256": d256, "d256x": d256_exchange, "clean": clean,
         "dq_overlap": dq_overlap, "d256ring": d256_ring, "d256prof": d256_profile,
         "repeat": repeatability, "f16": check_f16,
+        "repeat_rest": lambda rounds=3: repeatability(rounds, (
+            "GQA B4 Hq32 Hkv8 T4096 D128 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal",
+            "1B B2 Hq32 Hkv8 T8192 D64 causal", *OTHER_ROWS)),
         "f16_256": lambda: check_f16(CASES_256),     # the D = 256 cases alone
         "long": long_rows, "groups": groups})

@@ -442,7 +442,8 @@ def main(argv=None) -> None:
                     help="print each train row's largest GPU kernels (jax.profiler trace)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__} "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     t0 = time.time()
     copy_bw = _timing.copy_ceiling() if not args.tiny else 1e10
     record("ceiling", "copy 1 GiB f32 (read+write)", "xla", None, TBps=copy_bw / 1e12)

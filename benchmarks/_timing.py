@@ -164,13 +164,6 @@ def mbarrier_pingpong():
     return mock.patch.object(attention_hopper, "_NAMED_PINGPONG", False)
 
 
-def fenced_softmax():
-    """A context in which the Hopper forward fences its softmax's results before the
-    consumers' rendezvous (`attention_hopper._FENCE_SOFTMAX`, off by default)."""
-    from jaxfuse.pallas import attention_hopper
-    return mock.patch.object(attention_hopper, "_FENCE_SOFTMAX", True)
-
-
 def l2_share(n_bytes: int):
     """A context in which the persistent Hopper forward groups heads by `n_bytes` of K and V
     (`attention_hopper._L2_SHARE`, read when a call is traced)."""

@@ -426,25 +426,6 @@ def perf_named(rounds: int = 7):
         _interleaved(label, shape, causal, fns, rounds)
 
 
-def perf_fence(rounds: int = 7):
-    """The softmax's results fenced before the ping-pong's rendezvous
-    (`_timing.fenced_softmax`, s20's reading of tokamax's forward) against the default, cuDNN
-    and tokamax, interleaved: the D = 128 rows without masks (where tokamax led in s18-2,
-    1.671 against 1.837 ms) and causal. Checked first: the Hopper cases under the fence.
-
-        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention.py fence [OUT.json]
-    """
-    with _timing.fenced_softmax():
-        for i, c in enumerate(HOPPER_CASES):
-            _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper fenced")
-    rows = [(label, shape, False) for label, shape in FULL_ROWS[:2]]
-    rows += [(label, shape, True) for label, shape in (CAUSAL_ROWS[0], CAUSAL_ROWS[3])]
-    for label, shape, causal in rows:
-        fns = _peers(causal, ("jaxfuse", "cudnn", "tokamax_mosaic"))
-        fns["jaxfuse[softmax fenced]"] = _traced_under(fns["jaxfuse"], _timing.fenced_softmax)
-        _interleaved(label, shape, causal, fns, rounds)
-
-
 def _check_hopper():
     """The Hopper path's cases alone, bf16 and f16."""
     for dtype in (jnp.bfloat16, jnp.float16):
@@ -469,7 +450,7 @@ if __name__ == "__main__":
     _timing.commands({
         "check": check, "check_hopper": _check_hopper, "d256": perf_d256, "guard": perf_guard,
         "persistent": lambda: (check_persistent(), perf_persistent()),
-        "named": _named, "fence": perf_fence, "scheduled": _scheduled,
+        "named": _named, "scheduled": _scheduled,
         "l2_share": perf_l2_share, "fwd_order": perf_fwd_order,
         "persistent_overlap": perf_persistent_overlap,
         "overlap": lambda: (check_overlap(), perf_overlap())})

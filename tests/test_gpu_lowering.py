@@ -228,24 +228,6 @@ def test_hopper_persistent_lowers_under_vmap():
     assert "jaxfuse_flash_fwd_hopper" in module
 
 
-def test_hopper_fenced_softmax_lowers(monkeypatch):
-    """`attention_hopper._FENCE_SOFTMAX` (an experiment, off): the softmax's results (P in
-    bf16, the rescaled O as a wgmma accumulator, m, l) through `lax.optimization_barrier`
-    before the consumers' rendezvous lower through Mosaic GPU as one barrier op."""
-    from jaxfuse.pallas import attention_hopper as AH
-    q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
-    k = jnp.zeros((1, 384, 2, 128), jnp.bfloat16)
-    def lowered():      # a new function each time: the flag is read when it is traced
-        return _lower(lambda q, k, v: jaxfuse.flash_attention(
-            q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(
-                hopper=AH.HopperAttnTiles(backward=False))), q, k, k).mlir_module()
-    plain = lowered()
-    monkeypatch.setattr(AH, "_FENCE_SOFTMAX", True)
-    fenced = lowered()
-    assert "jaxfuse_flash_fwd_hopper" in fenced
-    assert fenced.count("optimization_barrier") > plain.count("optimization_barrier")
-
-
 @pytest.mark.parametrize("named", [True, False])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("opts", [{}, dict(causal=True)])

@@ -351,13 +351,9 @@ _PINGPONG_BARRIER_ID = 8
 # 1.101 / 1.119, GQA causal 1.078 / 1.097 (cuDNN 1.896, 1.877, 1.107, 1.086); the named
 # rows also spread less (2.6-3.6% against 19-26% without masks).
 _NAMED_PINGPONG = True
-# Fence the softmax's results (p in the input dtype, the rescaled O, m, l) before a consumer
-# gives the tensor cores to the other (`step`, `lax.optimization_barrier`): without it the
-# compiler may sink the rescale of O (64 multiplies a thread at D = 128) and the cast of P
-# past the rendezvous, into the time the tensor cores wait for this warpgroup's P V. JAX's
-# attention_mgpu and tokamax's forward fence there. Off until timed on the GPU
-# (`benchmarks/attention.py fence`); the results are the same either way (an identity).
-_FENCE_SOFTMAX = False
+# Tried and dropped (s21-1): fencing the softmax's results (`lax.optimization_barrier` on p,
+# the rescaled O, m, l) before the rendezvous, as JAX's attention_mgpu and tokamax do: D128
+# forward 1.919 against 1.917 ms without masks, 1.056 against 1.055 causal (interleaved x5).
 
 
 def _named_barrier(barrier_id: int, threads: int, op: str = "sync"):
@@ -736,8 +732,6 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     with jax.named_scope("softmax"):
                         p, alpha, m, l = softmax(j, s, m, l, masked)
                         acc = acc * _row_vec(alpha, d)
-                        if _FENCE_SOFTMAX:
-                            p, acc, m, l = lax.optimization_barrier((p, acc, m, l))
                     with jax.named_scope("wait_v"):
                         pp.arrive()                           # my softmax is done
                         plgpu.barrier_wait(v_full.at[slot])

@@ -189,6 +189,6 @@ def fwd_head_groups(n_bytes: int | None):
 
 def guard_always_writes():
     """A context in which the Hopper forward's producer rewrites every edge tile instead of
-    only those holding a non-finite value (`attention_hopper._COUNT_FIRST`): a diagnostic."""
-    from jaxfuse.pallas import attention_hopper
-    return mock.patch.object(attention_hopper, "_COUNT_FIRST", False)
+    only those holding a non-finite value (`_hopper_ring._COUNT_FIRST`): a diagnostic."""
+    from jaxfuse.pallas import _hopper_ring
+    return mock.patch.object(_hopper_ring, "_COUNT_FIRST", False)

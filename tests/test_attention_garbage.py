@@ -79,7 +79,7 @@ def test_visible_nan_key_gives_nan_row_only(impl, blocks):
 def test_hopper_forward_hides_masked_garbage(stages, overlap):
     """The Hopper forward (Mosaic GPU's interpreter) reads K and V tiles from shared memory, so
     P V would multiply a hidden key's zero probability by its NaN value: the producer's cleaning
-    of the CTA's edge tiles (`attention_hopper._hide_masked_garbage`) must keep every row that
+    of the CTA's edge tiles (`_hopper_ring.hide_masked_garbage`) must keep every row that
     does not see the junk bitwise equal to the clean run's, and make every row that sees it NaN
     (o and lse). Window 40, Tk 256 >
     Tq 128 (bottom-right; no causal mask, so no upper bound): query i sees keys i + 89 and
@@ -88,7 +88,7 @@ def test_hopper_forward_hides_masked_garbage(stages, overlap):
     is seen by rows 0..61. Only windows run here: causal tiles stall the
     interpreter's threads on 2 cores (test_attention_hopper.py); the GPU check
     (`benchmarks/attention_bwd.py garbage`) runs causal cases and the Hopper backward.
-    Both producer schedules (`attention_hopper.produce_kv`): with a ring of two slots or more
+    Both producer schedules (`_hopper_ring.produce_kv`): with a ring of two slots or more
     an edge tile is cleaned after the next tile's copy is issued, with one as soon as it lands;
     with the overlap (V held a step longer) deferral needs 3 slots, so 2 clean as they land."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles

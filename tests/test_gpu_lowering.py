@@ -236,6 +236,7 @@ def test_hopper_named_pingpong_lowers(opts, overlap, named, monkeypatch):
     `attention_hopper._NAMED_PINGPONG`: `bar.sync` / `bar.arrive` inlined through
     `plgpu.inline_mgpu`), the ping-pong's rendezvous and the overlap's turn passing,
     persistent and not; and on mbarriers (the diagnostic), with no named barrier."""
+    from jaxfuse.pallas import _hopper_ring as R
     from jaxfuse.pallas import attention_hopper as AH
     monkeypatch.setattr(AH, "_NAMED_PINGPONG", named)
     q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
@@ -245,7 +246,7 @@ def test_hopper_named_pingpong_lowers(opts, overlap, named, monkeypatch):
             hopper=AH.HopperAttnTiles(overlap=overlap, backward=False)), **opts),
         q, k, k).mlir_module()
     assert "jaxfuse_flash_fwd_hopper" in module
-    ids = (AH._PINGPONG_BARRIER_ID,) + ((AH._PINGPONG_BARRIER_ID + 1,) if overlap else ())
+    ids = (R._PINGPONG_BARRIER_ID,) + ((R._PINGPONG_BARRIER_ID + 1,) if overlap else ())
     for i in ids:
         assert (f"bar.sync {i}, 256" in module) == named, i
     assert ("bar.arrive" in module) == (overlap and named)

@@ -269,7 +269,7 @@ def hides_keys(spec: AttnSpec) -> bool:
 def clean_keys(k, v):
     """(k, v) for the Hopper backward's fused dQ, or `HopperBwdTiles(clean=False)` (one
     elementwise XLA pass, only where masks hide keys; the dQ kernel's producer does the same
-    to its edge tiles, `attention_hopper.produce_kv(swap=True)`):
+    to its edge tiles, `_hopper_ring.produce_kv(swap=True)`):
     k's non-finite entries 0, since dQ = dS K multiplies a hidden key's zero dS by the key's
     row as it lies in shared memory (a Triton tile is cleaned in registers: `finite_rows`);
     v NaN wherever k is not finite, so that dP = dO V^T is NaN on such a key's column. Hidden
@@ -278,7 +278,7 @@ def clean_keys(k, v):
     in the forward) with a -inf score, so a finite row, would recompute a finite score from
     the cleaned k and get finite, wrong gradients. Rows that saw junk on an edge tile already
     have lse = NaN (the forward's producer made the key NaN there:
-    `attention_hopper._hide_masked_garbage`)."""
+    `_hopper_ring.hide_masked_garbage`)."""
     ok = jnp.isfinite(k)
     return (jnp.where(ok, k, jnp.zeros((), k.dtype)),
             jnp.where(ok, v, jnp.array(jnp.nan, v.dtype)))

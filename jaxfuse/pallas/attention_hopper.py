@@ -53,8 +53,8 @@ tiles in the same order (`work_schedule`).
 Masked keys may hold garbage: P V multiplies a hidden key's zero probability by its value row
 as it lies in shared memory, so with a causal mask or a window the producer cleans the CTA's
 edge tiles (those outside its wholly visible key blocks) in shared memory before the consumers
-see them (`_hide_masked_garbage`: V's non-finite entries 0, K NaN where K or V is not finite,
-so a row that sees such a key still gets a NaN row). A first read-only pass counts the tile's
+see them (`_hopper_ring.hide_masked_garbage`: V's non-finite entries 0, K NaN where K or V
+is not finite, so a row that sees such a key still gets a NaN row). A first read-only pass counts the tile's
 non-finite entries; only a dirty tile is rewritten. H200, causal, timed interleaved with the
 kernel without the guard (s15-1): D = 64 B8 H16 T2048 0.215 ms against 0.218 (rewriting every
 edge tile, as before s15: 0.229; s14-5 measured it at +16%), B4 H32 T4096 D128 1.064 against
@@ -87,6 +87,7 @@ from jax.experimental import pallas as pl
 from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _hopper as H
+from jaxfuse.pallas import _hopper_ring as R
 from jaxfuse.pallas._attn import AttnSpec
 
 _ROWS = 64          # query rows per consumer warpgroup: one wgmma M
@@ -127,9 +128,9 @@ class HopperAttnTiles:
     persistent: bool | None = None
 
     def __post_init__(self):
-        if self.consumers is not None and self.consumers not in _REGISTERS:
+        if self.consumers is not None and self.consumers not in R.REGISTERS:
             raise ValueError(f"HopperAttnTiles.consumers={self.consumers} must be one of "
-                             f"{tuple(_REGISTERS)} (consumer warpgroups of 64 rows a CTA)")
+                             f"{tuple(R.REGISTERS)} (consumer warpgroups of 64 rows a CTA)")
 
     @classmethod
     def for_head_dim(cls, d: int) -> "HopperAttnTiles":
@@ -280,71 +281,6 @@ class _Mma:
             plgpu.wgmma(o_ref, p, v_smem)
 
 
-# Row reductions: Mosaic GPU reduces a row of a thread's registers as one chain of dependent
-# operations (32 of them for a [64, 128] tile), so a row max or sum costs the chain's latency,
-# not its instructions. `fold_columns` halves the columns elementwise instead (a tree: 4
-# dependent steps from 128 columns to 8, 2 of a thread's columns per 8), and the row sum l
-# stays a [64, 8] tile of per-thread partial sums until the end (FlashAttention-3 reduces it
-# across threads once, after the loop); the max needs the whole row every step.
-_LANES = 8
-
-
-def fold_columns(x, op):
-    """x [64, n] -> [64, 8]: column halves combined by `op` until 8 columns are left."""
-    while x.shape[1] > _LANES:
-        h = x.shape[1] // 2
-        x = op(x[:, :h], x[:, h:])
-    return x
-
-
-class PingPong:
-    """Two consumer warpgroups taking turns on the tensor cores (FlashAttention-3 sec. 3.1).
-
-    Each consumer calls `switch` wherever it passes from issuing products to vector work
-    (exponentials, masks) or back; the second starts one switch behind (`start`) and the first
-    ends with one more (`end`), so while one runs vector work the other's products run, and
-    their exponentials never queue on the same units. The switch is a rendezvous on a barrier
-    of two arrivals; `arrive` and `wait` split it (work that needs neither side goes between).
-    Off (`on=False`), every call is a no-op and the consumers run free. It stays off with a
-    ring of fewer than 2 slots (`stages`): with one, the consumer ahead would wait for the slot
-    that the one behind releases only after their next switch."""
-
-    def __init__(self, barrier, wg, on: bool, stages: int, named: bool = False):
-        self.barrier, self.wg, self.on = barrier, wg, on and stages >= 2
-        # named: the rendezvous is a hardware named barrier of both warpgroups (`bar.sync`,
-        # one instruction that parks the warps) instead of an mbarrier's arrive and polling
-        # wait; an arrival then cannot be split from its wait, so `arrive` does nothing and
-        # `wait` is the whole rendezvous. GPU only (the interpreter has no named barriers).
-        self.named = named
-
-    def arrive(self):
-        if self.on and not self.named:
-            plgpu.barrier_arrive(self.barrier)
-
-    def wait(self):
-        if self.on:
-            if self.named:
-                _named_barrier(_PINGPONG_BARRIER_ID, 2 * 128)
-            else:
-                plgpu.barrier_wait(self.barrier)
-
-    def switch(self):
-        if self.on:
-            with jax.named_scope("turn"):
-                self.arrive()
-                self.wait()
-
-    def start(self):
-        pl.when(self.wg == 1)(self.switch)
-
-    def end(self):
-        pl.when(self.wg == 0)(self.switch)
-
-
-# Hardware named barriers for the ping-pong (`PingPong(named=True)`: this one; `Turns`: this
-# one and the next): Mosaic GPU uses 0 (the CTA) and 1 + warpgroup (its warpgroup barriers);
-# 16 exist.
-_PINGPONG_BARRIER_ID = 8
 # Named barriers for the consumers' turns on the GPU (`PingPong`, `Turns`; False: mbarriers,
 # a diagnostic for benchmarks/attention.py named). H200, s17-1, interleaved medians of 7,
 # forward: D128 full 1.855 ms against 1.920 with mbarriers, GQA full 1.814 / 1.912, causal
@@ -354,75 +290,6 @@ _NAMED_PINGPONG = True
 # Tried and dropped (s21-1): fencing the softmax's results (`lax.optimization_barrier` on p,
 # the rescaled O, m, l) before the rendezvous, as JAX's attention_mgpu and tokamax do: D128
 # forward 1.919 against 1.917 ms without masks, 1.056 against 1.055 causal (interleaved x5).
-
-
-def _named_barrier(barrier_id: int, threads: int, op: str = "sync"):
-    """PTX `bar.sync barrier_id, threads` (waits until `threads` threads have reached the
-    barrier, its own warps included) or `bar.arrive` (counts its warps without waiting)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-
-    @plgpu.inline_mgpu()
-    def bar(_):
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], f"bar.{op} {barrier_id}, {threads};",
-                        "", has_side_effects=True)
-    bar()
-
-
-class Turns:
-    """Two consumer warpgroups passing a turn to issue their products (FlashAttention-3's
-    scheduler barrier), for the overlapped step: each waits for its turn on its own barrier
-    (`take`), issues S and P V, and passes the turn on the other's (`give`); the softmaxes are
-    not inside the turn, so one consumer's softmax runs under the other's products without the
-    two waiting for each other's whole step (the rendezvous of `PingPong` made them
-    alternate: s15-4). The first consumer starts with the turn; the last pass comes back to
-    it and is taken at the end, so every barrier completion is waited for."""
-
-    def __init__(self, barriers, wg, on: bool, named: bool = False):
-        self.barriers, self.wg, self.on = barriers, wg, on
-        # named: each consumer's barrier is a hardware named one (`bar.sync` to take, the
-        # other's `bar.arrive` to give: 128 + 128 threads), as FlashAttention-3 passes turns.
-        self.named = named
-
-    def _named(self, i, op):
-        # A named barrier's id is an immediate here: one branch a consumer (i may be traced).
-        for c in (0, 1):
-            pl.when(i == c)(functools.partial(_named_barrier, _PINGPONG_BARRIER_ID + c,
-                                              2 * 128, op))
-
-    def _wait(self, i):
-        if self.named:
-            self._named(i, "sync")
-        else:
-            plgpu.barrier_wait(self.barriers.at[i])
-
-    def _arrive(self, i):
-        if self.named:
-            self._named(i, "arrive")
-        else:
-            plgpu.barrier_arrive(self.barriers.at[i])
-
-    def take(self):
-        if self.on:
-            with jax.named_scope("turn"):
-                self._wait(self.wg)
-
-    def give(self):
-        if self.on:
-            self._arrive(1 - self.wg)
-
-    def start(self):
-        if self.on:
-            pl.when(self.wg == 1)(lambda: self._arrive(0))
-
-    def end(self):
-        if self.on:
-            pl.when(self.wg == 0)(lambda: self._wait(0))
-
-
-def _row_vec(x, n: int):
-    """A per-row vector [64] broadcast to a [64, n] tile (Mosaic GPU has no [64, 1] layout)."""
-    return lax.broadcast_in_dim(x, (x.shape[0], n), (0,))
 
 
 def query_tile(spec: AttnSpec, hq: int, n_q_tiles: int, bk: int, consumers: int = 2,
@@ -441,171 +308,10 @@ def query_tile(spec: AttnSpec, hq: int, n_q_tiles: int, bk: int, consumers: int 
     return bh // hq, bh % hq, row0, A.key_blocks(spec, row0, consumers * _ROWS, bk)
 
 
-# Registers a thread (of 65536 a multiprocessor, 128 threads a warpgroup): the producer gives
-# back what the consumers take. Two consumers: 232 each (the most a thread can have), three:
-# 160 and the producer 32 (FlashAttention-3's split for its three consumer warpgroups:
-# 32 x 128 + 160 x 384 = 65536). The producer cleans edge tiles (`_hide_masked_garbage`):
-# with 24 registers the D = 64 causal forward (B8 H16 T2048) took 0.239 ms, with 32 0.232
-# (H200, s14-1, same run; 0.216 with no cleaning).
-_REGISTERS = {2: (40, 232), 3: (32, 160)}
-
-
-def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full, empty,
-               registers: int | None = 40, edges=None, interpret: bool = False, held: int = 0,
-               base=0, drain: bool = True, swap: bool = False, minor: int | None = None):
-    """The producer warpgroup of a kernel that walks n key blocks from block lo: K and V of
-    (b, h_kv) through a ring of `stages` shared-memory slots, (k, v) pairs of smem refs,
-    'full' barriers it arrives on and 'empty' barriers the consumers release.
-
-    edges=(e_lo, e_hi, landed): blocks j < e_lo or j >= e_hi (relative to lo: the CTA's edge
-    tiles, where masks hide some keys from some rows) land on the `landed` barrier instead;
-    the producer cleans them in shared memory (`_hide_masked_garbage`) and then completes
-    their 'full' barriers itself, so the consumers wait as for any tile. With two slots or
-    more it cleans block j - 1 after issuing block j's copy, so that a second edge tile's
-    copy is in flight while the first is cleaned (causal CTAs end on two or three edge tiles);
-    with one slot block j reuses block j - 1's slot, so each is cleaned as soon as it lands.
-    H200, B4 H32 T4096 D128 causal: the guard cost 4% cleaning each tile as it landed (s12-5),
-    nothing this way (s13-6: 1.014 ms, 1.027 without the guard, same run).
-
-    held: steps for which a consumer keeps a V tile after the next tile's K (the overlapped
-    forward holds 1). Deferring the cleaning then needs stages >= 2 + held: with 2 slots and a
-    held V, tile j's copy waits for tile j - 2's V, which the consumers release only after
-    tile j - 1, which would wait for the cleaning that comes after tile j's copy.
-
-    base: ring steps taken before these (a persistent CTA's earlier work tiles: slots and
-    barrier phases run on across them); drain: observe the ring's last releases at the end
-    (`drain_ring`; a persistent CTA drains once, after its last tile). registers: None
-    leaves the count as it is (the forward sets it once, before its walk of work tiles).
-    swap: clean edge tiles with K and V in each other's roles (`_hide_masked_garbage(v, k)`:
-    K's non-finite entries 0, V NaN wherever K or V is not), for the backward's dQ kernel,
-    whose dQ += dS K multiplies a hidden key's zero dS by its K row. minor: the row width
-    the tiles' swizzle was chosen for (`_hopper._tma_transforms`; None: D)."""
-    if registers is not None:
-        plgpu.set_max_registers(registers, action="decrease")
-    kv = lambda ref, j: ref.at[b, pl.ds((lo + j) * bk, bk), h_kv]
-
-    def load(j, slot, barriers):
-        for src, dst, f, e in zip((k_gmem, v_gmem), smem, barriers, empty):
-            @pl.when(base + j >= stages)
-            def _():
-                plgpu.barrier_wait(e.at[slot])
-            plgpu.copy_gmem_to_smem(kv(src, j), dst.at[slot], f.at[slot])
-
-    if edges is not None:
-        e_lo, e_hi, landed = edges
-        is_edge = lambda j: (j < e_lo) | (j >= e_hi)
-    defer = stages >= 2 + held
-
-    def clean(j):
-        slot = lax.rem(base + j, stages)
-        with jax.named_scope("land"):            # scopes for benchmarks/attention_trace.py
-            plgpu.barrier_wait(landed.at[slot])
-        with jax.named_scope("clean"):
-            tiles = (smem[0].at[slot], smem[1].at[slot])
-            _hide_masked_garbage(*(tiles[::-1] if swap else tiles), interpret, minor)
-        for f in full:
-            plgpu.barrier_arrive(f.at[slot])
-
-    @pl.loop(0, n)
-    def _step(j):
-        slot = lax.rem(base + j, stages)
-        if edges is None:
-            load(j, slot, full)
-            return
-        edge = is_edge(j)
-
-        @pl.when(jnp.logical_not(edge))
-        def _():
-            load(j, slot, full)
-
-        @pl.when(edge)
-        def _():
-            load(j, slot, (landed, landed))
-            if not defer:
-                clean(j)
-
-        if defer:
-            pl.when((j >= 1) & is_edge(j - 1))(lambda: clean(j - 1))
-
-    if edges is not None and defer:
-        pl.when((n >= 1) & is_edge(n - 1))(lambda: clean(n - 1))
-    if drain:
-        drain_ring(empty, stages, base + n)
-
-
-def drain_ring(empty, stages: int, steps):
-    """Observes the releases ('empty' barriers) of a ring's last `stages` steps of `steps`, so
-    every barrier completion is waited for before the kernel ends (the interpreter checks it;
-    on the GPU it costs nothing)."""
-    @pl.loop(jnp.maximum(steps, stages), steps + stages)
-    def _drain(j):
-        slot = lax.rem(j, stages)
-        for e in empty:
-            plgpu.barrier_wait(e.at[slot])
-
-
-# Elements of a K/V tile the producer cleans at a time: four of the TMA layout's [8, 64] tiles
-# (one a warp, the copy layout's unit), 16 a thread of K and of V, within its 32-40 registers.
-_CLEAN_ELEMS = 4 * 8 * 64
-# Count before writing (below); False rewrites every edge tile (the code before s15, kept as a
-# diagnostic for benchmarks/attention.py guard).
-_COUNT_FIRST = True
 # Mosaic GPU's barriers around shared-memory loads, stores and TMA issues (False: its
 # `unsafe_no_auto_barriers`, as tokamax compiles; a diagnostic for benchmarks/attention.py
 # persistent, not a default: the producer's cleaning rewrites what it reads).
 _AUTO_BARRIERS = True
-
-
-def _hide_masked_garbage(k_tile, v_tile, interpret: bool, minor: int | None = None):
-    """Masked keys' garbage out of one [bk, D] K/V tile in shared memory: V's non-finite
-    entries 0 (P V then adds 0 * 0 for a key the masks hide), K NaN wherever K or V is not
-    finite (a row that sees such a key gets a NaN score; the mask's select drops it for a row
-    that does not). Only edge tiles need it: on a tile every row sees, a non-finite value
-    reaches exactly the rows that see it, as it should.
-
-    Garbage is rare, so a first pass only reads: (k - k) + (v - v) is 0 for finite entries
-    and NaN otherwise, summed over the tile's chunks per thread and then across the
-    warpgroup; the tile is rewritten (a second read, the writes and the proxy fence before the
-    consumers' wgmma) only when that sum is not 0. minor: the row width the tiles' swizzle
-    was chosen for (None: D; the backward's D = 256 dQ tiles swizzle 32-element rows)."""
-    bk, d = v_tile.shape
-    dt = v_tile.dtype
-    chunk = _CLEAN_ELEMS // d                   # rows: 32 at D = 64, 16 at 128, 8 at 256
-    layout = plgpu.Layout.SMEM_GMEM_COPY(
-        (chunk, d), dt, H._swizzle_elems(dt, minor or d) * jnp.dtype(dt).itemsize)
-
-    def load(ref):
-        if interpret:
-            return ref[...]
-        # The layout TMA's swizzled tiles are copied with (vectorized, one tile a warp).
-        return plgpu.load(ref, (), layout=layout)
-
-    def rows(c):
-        return pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-
-    def count(c, junk):
-        r = rows(c)
-        v, k = load(v_tile.at[r]), load(k_tile.at[r])
-        return junk + (k - k) + (v - v)         # NaN stays NaN: one NaN marks the tile
-
-    junk = jnp.zeros((chunk, d), dt)
-    if not interpret:
-        junk = plgpu.layout_cast(junk, layout)
-    junk = lax.fori_loop(0, bk // chunk, count, junk)
-    total = jnp.sum(jnp.sum(junk.astype(jnp.float32), axis=1), axis=0)
-    dirty = (total != 0) | (not _COUNT_FIRST)   # NaN != 0
-
-    @pl.when(dirty)
-    def _():
-        @pl.loop(0, bk // chunk)
-        def _chunk(c):
-            r = rows(c)
-            v, k = load(v_tile.at[r]), load(k_tile.at[r])
-            v_ok = (v - v) == 0                 # False for NaN and +-inf
-            ok = jnp.logical_and(v_ok, (k - k) == 0)
-            v_tile[r, :] = jnp.where(v_ok, v, jnp.zeros_like(v))
-            k_tile[r, :] = jnp.where(ok, k, jnp.full_like(k, jnp.nan))
-        plgpu.commit_smem()                 # the consumers' wgmma reads through the async proxy
 
 
 def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAttnTiles,
@@ -619,7 +325,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
     mma = _Mma(spec.interpret)
     dtype = q_gmem.dtype
     transforms = H._tma_transforms(dtype, d)
-    producer_regs, consumer_regs = _REGISTERS[nc]
+    producer_regs, consumer_regs = R.REGISTERS[nc]
     hq = q_gmem.shape[2]
     n_bh = q_gmem.shape[0] * hq
     groups = (n_bh, launch_groups(n_bh, kv_head_bytes(spec), _FWD_GROUP_BYTES))
@@ -651,19 +357,19 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                 b, h, row0, (lo, flo, fhi, hi) = where(item)
                 n = hi - lo
                 edges = (flo - lo, fhi - lo, landed[0]) if landed else None
-                produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
+                R.produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
                            (k_full, v_full), (k_empty, v_empty), None, edges, spec.interpret,
                            held=int(tiles.overlap), base=base, drain=False)
                 return base + n
-            drain_ring((k_empty, v_empty), stages, walk(item_kv, jnp.int32(0)))
+            R.drain_ring((k_empty, v_empty), stages, walk(item_kv, jnp.int32(0)))
 
         @pl.when(wg < nc)
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
             takes_turns = tiles.pingpong and nc == 2 and stages >= 2
             named = _NAMED_PINGPONG and not spec.interpret   # the interpreter has none
-            pp = PingPong(turn, wg, takes_turns and not tiles.overlap, stages, named=named)
-            turns = Turns(turn, wg, takes_turns and tiles.overlap, named=named)
+            pp = R.PingPong(turn, wg, takes_turns and not tiles.overlap, stages, named=named)
+            turns = R.Turns(turn, wg, takes_turns and tiles.overlap, named=named)
 
             def my_rows(item):
                 """(b, h, first row of this consumer, whether it has rows, the CTA's key
@@ -706,16 +412,16 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     """(p in the input dtype, alpha, m, l) of raw scores s of key block j."""
                     keep = None
                     if masked:   # positions made here, not held across the loop (registers)
-                        q_pos = r0 + _iota((_ROWS, bk), 0, spec.interpret)
-                        k_pos = (lo + j) * bk + _iota((_ROWS, bk), 1, spec.interpret)
+                        q_pos = r0 + R.iota((_ROWS, bk), 0, spec.interpret)
+                        k_pos = (lo + j) * bk + R.iota((_ROWS, bk), 1, spec.interpret)
                         keep = A.visible(spec, q_pos, k_pos, None, None)
                     u, _ = A.transform(spec, s, keep)
-                    m_new = jnp.maximum(m, jnp.max(fold_columns(u, jnp.maximum), axis=1))
+                    m_new = jnp.maximum(m, jnp.max(R.fold_columns(u, jnp.maximum), axis=1))
                     shift = C.safe_max(m_new) * spec.c2
                     alpha = jnp.exp2(m * spec.c2 - shift)
                     # One FMA and one exp2 an element: u c2 - m c2 (FlashAttention-3's form).
-                    p = jnp.exp2(u * spec.c2 - _row_vec(shift, bk))
-                    l = l * _row_vec(alpha, _LANES) + fold_columns(p, jnp.add)
+                    p = jnp.exp2(u * spec.c2 - R.row_vec(shift, bk))
+                    l = l * R.row_vec(alpha, R.LANES) + R.fold_columns(p, jnp.add)
                     return p.astype(dtype), alpha, m_new, l
 
                 # The named scopes are what `_hopper.traced` stamps
@@ -731,7 +437,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     s_done(j)
                     with jax.named_scope("softmax"):
                         p, alpha, m, l = softmax(j, s, m, l, masked)
-                        acc = acc * _row_vec(alpha, d)
+                        acc = acc * R.row_vec(alpha, d)
                     with jax.named_scope("wait_v"):
                         pp.arrive()                           # my softmax is done
                         plgpu.barrier_wait(v_full.at[slot])
@@ -769,7 +475,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     with jax.named_scope("softmax"):
                         p, alpha, m, l = softmax(j, s, m, l, masked)
                     with jax.named_scope("pv"):            # waits for P_{j-1} V_{j-1}
-                        o_ref[...] = o_ref[...] * _row_vec(alpha, d)
+                        o_ref[...] = o_ref[...] * R.row_vec(alpha, d)
                     pl.when(j > c_lo)(lambda: plgpu.barrier_arrive(v_empty.at[prev]))
                     return p, m, l
 
@@ -806,13 +512,13 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     carry = lax.fori_loop(c_flo, c_fhi, lambda j, c: step(j, c, False), carry)
                     return lax.fori_loop(c_fhi, c_hi, lambda j, c: step(j, c, True), carry)
 
-                l = _zeros((_ROWS, _LANES), spec.interpret)     # per-thread partial row sums
+                l = R.zeros((_ROWS, R.LANES), spec.interpret)     # per-thread partial row sums
                 m = jnp.full((_ROWS,), C.NEG_INF, jnp.float32)
                 if not spec.interpret:
                     m = plgpu.layout_cast(m, plgpu.Layout.WGMMA.reduce(1))
                 if tiles.overlap:
                     def overlapped(o_ref):
-                        p0 = _zeros((_ROWS, bk), spec.interpret).astype(dtype)
+                        p0 = R.zeros((_ROWS, bk), spec.interpret).astype(dtype)
                         carry = blocks(lambda j, c, masked: step_behind(o_ref, j, c, masked),
                                        (p0, m, l))
                         # A loop of 0 or 1 steps rather than a branch: the accumulator stays
@@ -824,7 +530,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     acc, m, l = mma.accumulate(overlapped, (_ROWS, d),
                                                o_scratch[0].at[wg] if o_scratch else None)
                 else:
-                    carry = blocks(step, (_zeros((_ROWS, d), spec.interpret), m, l))
+                    carry = blocks(step, (R.zeros((_ROWS, d), spec.interpret), m, l))
                     acc, m, l = lax.fori_loop(c_hi, n, pass_over, carry)
                 if has_next is not False:       # no S formed here: load the next Q now
                     pl.when((c_hi <= c_lo) & has_next)(load_next_q)
@@ -840,7 +546,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                                     m + jnp.log2(jnp.where(empty, 1.0, lsum)) * (1.0 / spec.c2))
                     if ctas is not None:    # the last tile's O and lse have left the buffers
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    o_smem[wg] = (acc * _row_vec(inv, d)).astype(dtype)
+                    o_smem[wg] = (acc * R.row_vec(inv, d)).astype(dtype)
                     lse_smem[wg] = lse
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[b, pl.ds(r0, _ROWS), h])
@@ -883,17 +589,6 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         *([plgpu.SMEM((nc, _ROWS, d), jnp.float32)] if tiles.overlap and spec.interpret
           else []),
         collective_axes="wg")
-
-
-def _iota(shape, dim, interpret):
-    if interpret:
-        return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-
-def _zeros(shape, interpret):
-    z = jnp.zeros(shape, jnp.float32)
-    return z if interpret else plgpu.layout_cast(z, plgpu.Layout.WGMMA)
 
 
 def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):

@@ -163,6 +163,7 @@ from jax.experimental import pallas as pl
 
 from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _hopper as H
+from jaxfuse.pallas import _hopper_ring as R
 from jaxfuse.pallas import attention_bwd
 from jaxfuse.pallas import attention_hopper as AH
 from jaxfuse.pallas._attn import AttnSpec
@@ -190,7 +191,7 @@ class HopperBwdTiles:
     each step's dQ product behind the next step's S and dP and computes the next step's dS
     under it (needs 2 ring stages or more; False: each product waited for in turn; None: at
     D <= 128, module docstring "Overlap"); pingpong:
-    the two consumers take turns on the tensor cores (`AH.PingPong`: one's exponentials run
+    the two consumers take turns on the tensor cores (`R.PingPong`: one's exponentials run
     under the other's products; needs 2 ring stages or more): None in the dQ kernel at D = 64
     only, True in both kernels, False in neither. Measured (H200, s9): the dQ kernel 1.542 ->
     1.473 ms with it at the 1B model's attention (B2 T8192 H32/8 D64 causal, profiler); the
@@ -222,9 +223,9 @@ class HopperBwdTiles:
     clean: bool = True
 
     def __post_init__(self):
-        if self.consumers is not None and self.consumers not in AH._REGISTERS:
+        if self.consumers is not None and self.consumers not in R.REGISTERS:
             raise ValueError(f"HopperBwdTiles.consumers={self.consumers} must be one of "
-                             f"{tuple(AH._REGISTERS)} (consumer warpgroups of 64 keys a CTA)")
+                             f"{tuple(R.REGISTERS)} (consumer warpgroups of 64 keys a CTA)")
 
     def dkv_consumers(self, d: int, fused_dq: bool) -> int:
         if fused_dq or self.split_d(d):
@@ -421,7 +422,7 @@ class _Mma:
                     plgpu.wgmma(ref, plgpu.transpose_ref(a, (1, 0)), b)
                 else:
                     plgpu.wgmma(ref, a, b)
-        inits = tuple(plgpu.ACC.init(AH._zeros(shape(f, a, b), False) if acc is None else acc)
+        inits = tuple(plgpu.ACC.init(R.zeros(shape(f, a, b), False) if acc is None else acc)
                       for f, acc, a, b in products)
         return pl.run_state(body)(inits)
 
@@ -433,7 +434,7 @@ class _Mma:
             scratch[...] = jnp.zeros(shape, _F32)
             body(scratch)
             return
-        pl.run_state(body)(plgpu.ACC.init(AH._zeros(shape, False)))
+        pl.run_state(body)(plgpu.ACC.init(R.zeros(shape, False)))
 
     def run_behind(self, products, behind):
         """The float32 results of `products` (`nt` forms), with the accumulations `behind`
@@ -526,7 +527,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
     # columns [wg * half, (wg + 1) * half); else consumer wg on keys wg * 64.. , all columns.
     split_d = tiles.split_d(d)
     half = d // 2 if split_d else d
-    producer_regs, consumer_regs = AH._REGISTERS[nc]
+    producer_regs, consumer_regs = R.REGISTERS[nc]
     hkv = k_gmem.shape[2]
     dtype = q_gmem.dtype
     mma = _Mma(spec.interpret)
@@ -614,7 +615,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
             c_lo, c_flo, c_fhi, c_hi = bounds
             # A step's products and vector work alternate (S^T | P | dV, dP^T | dS | dK and
             # the next S^T): a switch at each change hands the tensor cores to the other.
-            pp = AH.PingPong(turns, wg, tiles.pingpong is True and nc == 2, stages)
+            pp = R.PingPong(turns, wg, tiles.pingpong is True and nc == 2, stages)
 
             def probs(st, q0, lse, masked):
                 """(P^T, t, keep) of S^T [64 keys, n queries from q0]; lse: the queries' [n]
@@ -622,8 +623,8 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 keys."""
                 n, keep = st.shape[1], None
                 if masked:   # positions made here, not held across the loop (registers)
-                    q_pos = q0 + AH._iota((_ROWS, n), 1, spec.interpret)
-                    k_pos = kr + AH._iota((_ROWS, n), 0, spec.interpret)
+                    q_pos = q0 + R.iota((_ROWS, n), 1, spec.interpret)
+                    k_pos = kr + R.iota((_ROWS, n), 0, spec.interpret)
                     keep = A.visible(spec, q_pos, k_pos, None, None)
                 u, t = A.transform(spec, st, keep)
                 p = _probs(spec, u, _vec(lse, 0, _ROWS, spec.interpret,
@@ -752,7 +753,7 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec
                 carry = run(c_fhi, c_hi, True, carry)
                 return skip(c_hi, hi, carry)
 
-            zero = AH._zeros((_ROWS, half), spec.interpret)
+            zero = R.zeros((_ROWS, half), spec.interpret)
             pp.start()
             dk, dv = lax.fori_loop(0, g, head, (zero, zero))
             pp.end()
@@ -882,7 +883,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             # clean: edge tiles land on `landed` and are cleaned with K and V swapped
             # (`HopperBwdTiles.cleans`); the overlap holds a K tile one step longer.
             edges = (f_lo - lo, f_hi - lo, landed[0]) if clean else None
-            AH.produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
+            R.produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
                           (k_full, v_full), (k_empty, v_empty), edges=edges,
                           interpret=spec.interpret, held=int(overlap), swap=True,
                           minor=min(d, bk))
@@ -900,13 +901,13 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             plgpu.barrier_wait(q_full.at[wg])
             lse = _vec(lse_smem.at[wg], 1, bk, spec.interpret, functools.partial(_lse_c2, spec))
             delta = _vec(delta_smem.at[wg], 1, bk, spec.interpret)
-            q_pos = r0 + AH._iota((_ROWS, bk), 0, spec.interpret)
+            q_pos = r0 + R.iota((_ROWS, bk), 0, spec.interpret)
 
             def grads(s, dp, j, masked):
                 """dS [64, bk] of key step j in the input dtype from its S and dP."""
                 keep = None
                 if masked:
-                    k_pos = (lo + j) * bk + AH._iota((_ROWS, bk), 1, spec.interpret)
+                    k_pos = (lo + j) * bk + R.iota((_ROWS, bk), 1, spec.interpret)
                     keep = A.visible(spec, q_pos, k_pos, None, None)
                 u, t = A.transform(spec, s, keep)
                 return _ds(spec, _probs(spec, u, lse), dp, delta, t, keep).astype(dtype)
@@ -919,7 +920,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
 
             # Products and vector work alternate (S, dP | dS | dQ += dS K and the next S, dP):
             # a switch at each change hands the tensor cores to the other consumer.
-            pp = AH.PingPong(turns, wg, pingpong, stages)
+            pp = R.PingPong(turns, wg, pingpong, stages)
 
             def step(j, dq, masked):
                 slot = lax.rem(j, stages)
@@ -946,7 +947,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
                 plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_gmem.at[b, rows, h])
                 plgpu.wait_smem_to_gmem(0)
 
-            zero = AH._zeros((_ROWS, d), spec.interpret)
+            zero = R.zeros((_ROWS, d), spec.interpret)
             pp.start()
             if not overlap:
                 finish(loop(step, zero))
@@ -973,7 +974,7 @@ def _dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
                     pp.switch()
                     return ds
 
-                ds = loop(ostep, AH._zeros((_ROWS, bk), spec.interpret).astype(dtype))
+                ds = loop(ostep, R.zeros((_ROWS, bk), spec.interpret).astype(dtype))
                 last = lax.rem(n - 1, stages)
                 mma.run_behind((), ((dq_ref, ds, k_smem.at[last]),))
                 mma.drain()

@@ -312,7 +312,7 @@ def fused():
     import contextlib
     from unittest import mock
     import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jaxfuse.pallas import attention_hopper_bwd as AHB
+    from jaxfuse.pallas import attention_hopper_dkv as DKV
 
     def smem_only(dq, smem, *args):
         smem[...] = dq
@@ -328,7 +328,7 @@ def fused():
                                contextlib.nullcontext),
                "jaxfuse nondet fused": (fused_f, contextlib.nullcontext),
                "jaxfuse nondet fused [dq never stored]": (
-                   fused_f, lambda: mock.patch.object(AHB, "_add_dq", smem_only)),
+                   fused_f, lambda: mock.patch.object(DKV, "add_dq", smem_only)),
                "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                            implementation="cudnn"), contextlib.nullcontext)}
         for name, (f, context) in fns.items():

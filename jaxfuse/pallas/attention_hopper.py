@@ -54,8 +54,8 @@ Masked keys may hold garbage: P V multiplies a hidden key's zero probability by 
 as it lies in shared memory, so with a causal mask or a window the producer cleans the CTA's
 edge tiles (those outside its wholly visible key blocks) in shared memory before the consumers
 see them (`_hopper_ring.hide_masked_garbage`: V's non-finite entries 0, K NaN where K or V
-is not finite, so a row that sees such a key still gets a NaN row). A first read-only pass counts the tile's
-non-finite entries; only a dirty tile is rewritten. H200, causal, timed interleaved with the
+is not finite, so a row that sees such a key still gets a NaN row). A first read-only pass
+counts the tile's non-finite entries; only a dirty tile is rewritten. H200, causal, timed interleaved with the
 kernel without the guard (s15-1): D = 64 B8 H16 T2048 0.215 ms against 0.218 (rewriting every
 edge tile, as before s15: 0.229; s14-5 measured it at +16%), B4 H32 T4096 D128 1.064 against
 1.086 (1.123), D = 256 0.545 against 0.529 (0.544); an XLA pass over K and V before the kernel

@@ -34,7 +34,9 @@ def draw(path: str, groups: list[tuple[str, dict]], peers: list[str], title: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     n, w = len(groups), 0.8 / max(len(peers), 1)
-    fig, ax = plt.subplots(figsize=(8, 0.45 * n * max(len(peers), 1) + 1.5))
+    # Wide enough for the longest workload label beside the bars (7-point text).
+    width = max(8.0, 4.5 + 0.062 * max((len(wl) for wl, _ in groups), default=0))
+    fig, ax = plt.subplots(figsize=(width, 0.45 * n * max(len(peers), 1) + 1.5))
     for i, peer in enumerate(peers):
         ys = [g - 0.4 + (i + 0.5) * w for g in range(n)]
         vals = [r.get(peer, 0.0) for _, r in groups]

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec: AttnSpec,
-              tiles: HopperBwdTiles, stages: int, fused_dq: bool, n_k_tiles: int, heads: int):
+             tiles: HopperBwdTiles, stages: int, fused_dq: bool, n_k_tiles: int, heads: int):
     # q/do [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], lse/delta [B, Hq, Tq]; refs: (dq float32
     # [B, Tq, Hq, D] added into; [2, ...] one per consumer in the interpreter) if fused_dq,
     # then the outputs dk, dv [B, Tk, Hkv, D].

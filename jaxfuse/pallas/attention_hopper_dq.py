@@ -21,8 +21,8 @@ from jaxfuse.pallas._hopper_bwd import (_F32, _ROWS, _ds, _lse_c2, _Mma, _prev_s
 
 
 def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
-             spec: AttnSpec, bk: int, stages: int, n_q_tiles: int, overlap: bool,
-             pingpong: bool, heads: int, clean: bool = False):
+            spec: AttnSpec, bk: int, stages: int, n_q_tiles: int, overlap: bool,
+            pingpong: bool, heads: int, clean: bool = False):
     # As the forward (`attention_hopper`): a CTA per (batch * query head, 128 query rows),
     # consumer wg on rows wg * 64.., the producer streaming the K and V tiles its rows see;
     # launched in `_hopper.heavy_first` order.

@@ -201,7 +201,8 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False, variants=None)
 
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    from jaxfuse.pallas import _hopper as H
+    from jaxfuse.pallas import _hopper
+    from jaxfuse.pallas import _hopper_gemm as H
     x, w, y = _inputs(jax.random.key(0), n, d, v)
     base = H.Tiles()
     variants = variants or {"cooperative": base,
@@ -249,7 +250,7 @@ def kernels(n=8192, d=4096, v=128256, slab=4096, interpret=False, variants=None)
                 return r[...]
             return jax.jit(f)
         if kind == "dW":
-            return in_place(lambda: H.uninitialized((d, off + slab), x.dtype, interpret),
+            return in_place(lambda: _hopper.uninitialized((d, off + slab), x.dtype, interpret),
                             lambda r, x, dz: H.matmul_epilogue(
                 x, dz, off, a_t=True, refs=(r,), scratch_types=H.tile_smem(x.dtype, t),
                 epilogue=functools.partial(store, col0=lambda c: c.off), **kw)), (x, dz)
@@ -286,7 +287,7 @@ def schedules(n=8192, d=4096, v=128256, variants=None, rounds=4):
     then the forward alone."""
     import statistics
 
-    from jaxfuse.pallas import _hopper as H
+    from jaxfuse.pallas import _hopper_gemm as H
     from jaxfuse.pallas.linear_cross_entropy import HopperTiles
     pp4 = H.Tiles(schedule="pingpong", stages=4)
     args = _inputs(jax.random.key(0), n, d, v)

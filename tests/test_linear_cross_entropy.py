@@ -8,8 +8,8 @@ from absl.testing import parameterized
 
 import jaxfuse
 from jaxfuse import LCEBlocks, RowBlocks
-from jaxfuse.pallas import _hopper
-from jaxfuse.pallas._hopper import Tiles
+from jaxfuse.pallas import _hopper_gemm
+from jaxfuse.pallas._hopper_gemm import Tiles
 from jaxfuse.pallas.linear_cross_entropy import HopperTiles, whole_waves
 from tests._util import assert_close, kernel_names, keys, randn, vjp_both
 
@@ -320,7 +320,7 @@ class HopperTest(chex.TestCase):
             Tiles(piece=48)
         # store_tile itself (for direct callers) refuses a tile that is not whole pieces.
         with self.assertRaisesRegex(ValueError, "a \\[64, 48\\] tile is not whole \\[64, 32\\]"):
-            _hopper.store_tile(jnp.zeros((64, 48)),
+            _hopper_gemm.store_tile(jnp.zeros((64, 48)),
                                jax.ShapeDtypeStruct((2, 64, 32), jnp.bfloat16), None, 0, 0)
         with self.assertRaisesRegex(ValueError, "Tiles\\(schedule='serial'\\) must be"):
             jaxfuse.linear_cross_entropy(x, w, labels,
@@ -358,7 +358,7 @@ class HopperTest(chex.TestCase):
         else:
             per_stage, fixed = (t.m + 2 * t.n) * t.k * 2 + rows, 0
         fixed += int(np.prod(scratch[0])) * jnp.dtype(scratch[1]).itemsize
-        s = _hopper._stages(t, 2, plgpu.SMEM(*scratch), n_rows)
+        s = _hopper_gemm._stages(t, 2, plgpu.SMEM(*scratch), n_rows)
         self.assertLessEqual(fixed + s * per_stage, 227 * 1024 - 1024)
         self.assertGreater(fixed + (s + 1) * per_stage, 227 * 1024 - 1024)
         self.assertGreaterEqual(s, 3)
@@ -371,11 +371,12 @@ class HopperTest(chex.TestCase):
         t = HopperTiles()
         for tiles, dtype, n_rows in ((t.dz, jnp.bfloat16, 3), (t.dx, jnp.float32, 0),
                                      (t.dw, jnp.bfloat16, 0)):
-            slots = _hopper.tile_smem(dtype, tiles)
-            self.assertEqual(_hopper._stages(tiles, 2, slots, n_rows), 4)
+            slots = _hopper_gemm.tile_smem(dtype, tiles)
+            self.assertEqual(_hopper_gemm._stages(tiles, 2, slots, n_rows), 4)
         wide = Tiles(piece=64)
         for dtype, n_rows in ((jnp.bfloat16, 3), (jnp.float32, 0)):
-            self.assertEqual(_hopper._stages(wide, 2, _hopper.tile_smem(dtype, wide), n_rows), 3)
+            self.assertEqual(
+                _hopper_gemm._stages(wide, 2, _hopper_gemm.tile_smem(dtype, wide), n_rows), 3)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ the forward (`attention_hopper`) and the backward (`attention_hopper_bwd`) share
 * `fold_columns`, `row_vec`, `iota`, `zeros`: row reductions and per-row vectors in the wgmma
   register layout (plain arrays in the interpreter).
 
-The GEMM machinery (tiles, rings of A/B tiles, epilogues) is `_hopper`'s.
+The GEMM (tiles, rings of A/B tiles, epilogues) is `_hopper_gemm`'s; Mosaic GPU helpers and
+launch orders are `_hopper`'s.
 """
 from __future__ import annotations
 

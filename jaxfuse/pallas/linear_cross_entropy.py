@@ -10,7 +10,7 @@ Forward, per slab: z = x @ W[:, slab] (one large matmul, cuBLAS on the GPU, logi
 exactly as `x @ weight` rounds them), then one Pallas row pass folds the slab into each token's
 running state (m, l, sum of logits, label's logit) with the online (m, l) merge, applying the
 soft cap in float32 on the way. After the last slab, lse = m + log l gives the per-token loss.
-On a Hopper GPU the forward instead runs one fused GEMM (`_hopper`, Pallas Mosaic GPU) over
+On a Hopper GPU the forward instead runs one fused GEMM (`_hopper_gemm`, Pallas Mosaic GPU) over
 all whole 256-column tiles of W, read in place: each [128, 128] logits tile is reduced to its
 per-token partial state in registers and never written; the partials are merged here. Its two
 compute warpgroups ping-pong (`HopperTiles`): one reduces its tile while the other multiplies.
@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxfuse.pallas import _common as C
-from jaxfuse.pallas import _hopper, _rows
+from jaxfuse.pallas import _hopper, _hopper_gemm, _rows
 from jaxfuse.pallas import linear_cross_entropy_slabs as _slabs
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.pallas.cross_entropy import empty_state, fold_logits
@@ -82,22 +82,22 @@ class HopperTiles:
     stored). All four need the same m and n (their tiles partition the same columns).
 
     Defaults, from an H200 (benchmarks/NOTES.md, runs 24-25 and 33-36): the GEMMs with a heavy
-    epilogue ping-pong (see `_hopper.Tiles.schedule`), each warpgroup's epilogue hidden under
-    the other's MMAs: the forward's (an exp and four row sums per logit; forward 12.8 against
+    epilogue ping-pong (see `_hopper_gemm.Tiles.schedule`), each warpgroup's epilogue hidden
+    under the other's MMAs: the forward's (an exp and four row sums per logit; forward 12.8 against
     13.5 ms) and dz's (an exp per logit and a bf16 tile stored; step 0.33-0.61 ms faster over
     12-16 interleaved rounds, runs 34-36), with at most 4 stages (with 6 the main loop lost 10%;
     likely a fuller shared memory leaving less L1). dx and dW, whose epilogues only store,
     cooperate on wider [m, 2n] tiles (a third fewer operand bytes per FLOP): ping-ponged, dx
     cost 1.3 ms more per step and dW lost 7% in isolation."""
-    fwd: _hopper.Tiles = _hopper.Tiles(schedule="pingpong", stages=4)
-    dz: _hopper.Tiles = _hopper.Tiles(schedule="pingpong", stages=4)
-    dx: _hopper.Tiles = _hopper.Tiles()
-    dw: _hopper.Tiles = _hopper.Tiles()
+    fwd: _hopper_gemm.Tiles = _hopper_gemm.Tiles(schedule="pingpong", stages=4)
+    dz: _hopper_gemm.Tiles = _hopper_gemm.Tiles(schedule="pingpong", stages=4)
+    dx: _hopper_gemm.Tiles = _hopper_gemm.Tiles()
+    dw: _hopper_gemm.Tiles = _hopper_gemm.Tiles()
 
     @classmethod
-    def of(cls, hopper: _hopper.Tiles | HopperTiles | bool | None) -> HopperTiles:
+    def of(cls, hopper: _hopper_gemm.Tiles | HopperTiles | bool | None) -> HopperTiles:
         """A `Tiles` means those tiles for every GEMM; True or None the defaults."""
-        if isinstance(hopper, _hopper.Tiles):
+        if isinstance(hopper, _hopper_gemm.Tiles):
             return cls(hopper, hopper, hopper, hopper)
         return hopper if isinstance(hopper, HopperTiles) else cls()
 
@@ -116,10 +116,10 @@ class LCEBlocks:
     the largest power of two whose slab fits the memory budget (for the Hopper backward then
     nudged to whole waves of the GPU, `whole_waves`). `rows`: tiles of the two row
     passes over a slab (None: `RowBlocks.for_shape`). `hopper`: run the matmuls as Hopper GEMMs
-    (`_hopper`, Mosaic GPU) where the shapes allow -- the forward's with N % 128 = 0, D % 64 =
-    0, V % 64 = 0 and 16-bit inputs, the backward's when also D % 256 = 0; None means on a
+    (`_hopper_gemm`, Mosaic GPU) where the shapes allow -- the forward's with N % 128 = 0,
+    D % 64 = 0, V % 64 = 0 and 16-bit inputs, the backward's when also D % 256 = 0; None means on a
     Hopper GPU, True also in interpret mode (Mosaic GPU's interpreter), False never; a
-    `jaxfuse.pallas._hopper.Tiles` means True with those tiles for every GEMM, a `HopperTiles`
+    `jaxfuse.pallas._hopper_gemm.Tiles` means True with those tiles for every GEMM, a `HopperTiles`
     True with tiles per GEMM (True and None take `HopperTiles()`). `token_slab`: None, or a
     number of tokens: a differentiated loss reduced to one number then forms its gradient in
     the forward, that many tokens at a time (three products instead of four, one
@@ -127,7 +127,7 @@ class LCEBlocks:
     only, the bare `jaxfuse.pallas` kernel ignores it)."""
     slab: int | None = None
     rows: RowBlocks | None = None
-    hopper: bool | _hopper.Tiles | HopperTiles | None = None
+    hopper: bool | _hopper_gemm.Tiles | HopperTiles | None = None
     token_slab: int | None = None
 
     def __post_init__(self):
@@ -252,7 +252,7 @@ def _fold_hopper(x2, w, labels, state, st: _Static):
         # holding every chunk's partials at once (1 GB at N=32768, V=262144): the barrier makes
         # each chunk's kernel wait for the previous merge.
         x_dep, state = lax.optimization_barrier((x2, state))
-        parts = _hopper.matmul_epilogue(
+        parts = _hopper_gemm.matmul_epilogue(
             x_dep, w, lo, labels_row, b_window=width,
             epilogue=functools.partial(_stats_epilogue, st=st, dtype=x2.dtype),
             out_types=jax.ShapeDtypeStruct((tiles * 4, n), jnp.float32),
@@ -311,19 +311,19 @@ def _dz_epilogue(z, rows, ctx, st: _Static, dtype):
     k = 0
     for j, zj, th, cols, row_wise in _epilogue_chunks(z, st, ctx, dtype, st.hopper.dz.epi):
         dz = _logits_grad(zj, th, cols, row_wise(label), row_wise(lse), row_wise(g), st)
-        k = _hopper.store_tile(dz.astype(dtype), ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row,
+        k = _hopper_gemm.store_tile(dz.astype(dtype), ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row,
                                ctx.col + j, k=k)
 
 
 def _dx_epilogue(z, rows, ctx, interpret: bool):
     """dx[tile] += the tile of dz @ W_slab^T (float32, in place)."""
-    _hopper.add_tile(z, ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row, ctx.col, interpret)
+    _hopper_gemm.add_tile(z, ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row, ctx.col, interpret)
 
 
 def _dw_epilogue(z, rows, ctx, dtype):
     """dW[:, off + tile] = the tile of x^T dz, accumulated over all tokens in float32 and
     rounded once, stored in place."""
-    _hopper.store_tile(z.astype(dtype), ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row,
+    _hopper_gemm.store_tile(z.astype(dtype), ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row,
                        ctx.off + ctx.col)
 
 
@@ -366,7 +366,7 @@ def whole_waves(slab: int, n: int, d: int, tiles: HopperTiles, sms: int) -> int:
     1056, whole waves, for 3% more memory. dx's tiles ([N, D]) do not depend on the slab."""
     cols = tiles.cols
 
-    def period(rows: int, t: _hopper.Tiles) -> int:
+    def period(rows: int, t: _hopper_gemm.Tiles) -> int:
         # Tiles per slab column tile: (rows / m) of them, twice as many when ping-ponged.
         per_col = rows // t.m * (2 if t.schedule == "pingpong" else 1)
         return sms // math.gcd(sms, per_col)
@@ -437,21 +437,21 @@ def _backward_fused(x2, w, labels, lse, g, st: _Static):
     dw = jax.new_ref(_hopper.uninitialized(w.shape, w.dtype, st.interpret), **space)
 
     def columns(off, width, carry):          # dx and dW are refs: nothing to carry
-        dz = _hopper.matmul_epilogue(
+        dz = _hopper_gemm.matmul_epilogue(
             x2, w, off, per_row, b_window=width,
             epilogue=functools.partial(_dz_epilogue, st=st, dtype=x2.dtype),
             out_types=jax.ShapeDtypeStruct((n, width), x2.dtype),
-            scratch_types=_hopper.tile_smem(x2.dtype, t.dz), name="jaxfuse_lce_bwd_dz",
+            scratch_types=_hopper_gemm.tile_smem(x2.dtype, t.dz), name="jaxfuse_lce_bwd_dz",
             batchable=False, tiles=t.dz, **kw)
-        _hopper.matmul_epilogue(
+        _hopper_gemm.matmul_epilogue(
             dz, w, off, b_t=True, b_window=width, refs=(dx,),
             epilogue=functools.partial(_dx_epilogue, interpret=st.interpret),
-            scratch_types=_hopper.tile_smem(jnp.float32, t.dx), name="jaxfuse_lce_bwd_dx",
+            scratch_types=_hopper_gemm.tile_smem(jnp.float32, t.dx), name="jaxfuse_lce_bwd_dx",
             tiles=t.dx, **kw)
-        _hopper.matmul_epilogue(
+        _hopper_gemm.matmul_epilogue(
             x2, dz, off, a_t=True, refs=(dw,),
             epilogue=functools.partial(_dw_epilogue, dtype=w.dtype),
-            scratch_types=_hopper.tile_smem(w.dtype, t.dw), name="jaxfuse_lce_bwd_dw",
+            scratch_types=_hopper_gemm.tile_smem(w.dtype, t.dw), name="jaxfuse_lce_bwd_dw",
             tiles=t.dw, **kw)
 
     _over_columns(columns, None, 0, v_h, slab)
@@ -463,7 +463,7 @@ def _backward_fused(x2, w, labels, lse, g, st: _Static):
     return dx[...].astype(x2.dtype), dw[...]
 
 
-def _hopper_tiles(hopper: bool | _hopper.Tiles | HopperTiles | None, x2, w,
+def _hopper_tiles(hopper: bool | _hopper_gemm.Tiles | HopperTiles | None, x2, w,
                   interpret: bool) -> HopperTiles | None:
     """The fused Hopper GEMMs' tiles if they are to be used, else None (see
     `LCEBlocks.hopper`). They need whole token tiles and 16-bit operands; other shapes take the
@@ -473,7 +473,7 @@ def _hopper_tiles(hopper: bool | _hopper.Tiles | HopperTiles | None, x2, w,
     tiles = HopperTiles.of(hopper)
     t = tiles.fwd
     # Labels travel to the kernel as float32 (per-row values): exact below 2^24.
-    if not (all(_hopper.fits(x2, w, u) for u in (t, tiles.dz, tiles.dx, tiles.dw))
+    if not (all(_hopper_gemm.fits(x2, w, u) for u in (t, tiles.dz, tiles.dx, tiles.dw))
             and w.shape[1] < 1 << 24):
         if hopper:
             raise ValueError(

@@ -126,9 +126,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: 
         # whole [S, D] block is written under a mask.
         r0, nr = (0, spec.n_k) if spec.folded else (len_ref[...], 1)
         row = r0 + jax.lax.broadcasted_iota(jnp.int32, (nr, 1), 0)            # [nr, 1]
-        for ref, new in ((ko_ref, k_new), (vo_ref, v_new)):
+        for cache_ref, new in ((ko_ref, k_new), (vo_ref, v_new)):
             tile = jnp.broadcast_to(new, (*new.shape[:-2], nr, new.shape[-1]))
-            C.store_tile(ref, tile, r0, 0, spec.n_k, spec.head_dim,
+            C.store_tile(cache_ref, tile, r0, 0, spec.n_k, spec.head_dim,
                          mask=jnp.broadcast_to(mine & (row == pos), tile.shape))
     o, lse_u = A.online_finish(carry, spec.c2)
     A.store_rows(o_ref, o, 0, g, spec)

@@ -370,6 +370,11 @@ ROWS = {"D64 B8 H16 T2048 causal": ((8, 2048, 16, 16, 64), True),
         "GQA B4 Hq32 Hkv8 T4096 D128 causal": ((4, 4096, 32, 8, 128), True),
         "B4 H32 T4096 D128 full": ((4, 4096, 32, 32, 128), False),
         "1B B2 Hq32 Hkv8 T8192 D64 causal": ((2, 8192, 32, 8, 64), True)}
+# The issue's other rows (`repeat_rest`, `long`, the D = 256 probes): the longest and the widest.
+T32768 = (1, 32768, 16, 16, 128)
+D256 = (2, 4096, 16, 16, 256)
+OTHER_ROWS = {"B1 H16 T32768 D128 causal": (T32768, True),
+              "D256 B2 H16 T4096 causal": (D256, True)}
 
 
 def _rows(rounds: int, variants, rows=None, seed: int = 100):
@@ -457,7 +462,7 @@ def clean(rounds: int = 5):
         _check_case(i, shape, opts, jnp.bfloat16, True, _tiles(shape[-1], tiles))
     garbage(bwd=tiles)
     rows = {k: v for k, v in ROWS.items() if v[1]}                    # the causal ones
-    rows["D256 B2 H16 T4096 causal"] = ((2, 4096, 16, 16, 256), True)
+    rows["D256 B2 H16 T4096 causal"] = OTHER_ROWS["D256 B2 H16 T4096 causal"]
     for label, row in rows.items():                  # the forward's tiles depend on D
         blocks = AttnBlocks(hopper=_tiles(row[0][-1], tiles))
         _rows(rounds, {"XLA pass over K, V": (dict(block_sizes=blocks),
@@ -469,8 +474,8 @@ def _d256_rows(variants: dict, rounds: int):
     variant (name -> backward tiles) and cuDNN."""
     _rows(rounds, {name: (dict(block_sizes=_d256(t)), contextlib.nullcontext)
                    for name, t in variants.items()},
-          {"D256 B2 H16 T4096 causal": ((2, 4096, 16, 16, 256), True),
-           "D256 B2 H16 T4096 full": ((2, 4096, 16, 16, 256), False)}, seed=200)
+          {"D256 B2 H16 T4096 causal": (D256, True),
+           "D256 B2 H16 T4096 full": (D256, False)}, seed=200)
 
 
 def _interleaved(label, sets, fns, rounds: int):
@@ -544,7 +549,7 @@ def d256_profile(top: int = 8):
     """
     for causal in (True, False):
         _profiles(f"D256 B2 H16 T4096 {'causal' if causal else 'full'}",
-                  (2, 4096, 16, 16, 256), causal, top=top)
+                  D256, causal, top=top)
 
 
 def _profiles(label, shape, causal: bool, top: int = 8, cudnn: bool = False):
@@ -574,18 +579,13 @@ def long_rows(rounds: int = 3):
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py long [OUT.json]
     """
     from benchmarks import _timing
-    row = ((1, 32768, 16, 16, 128), True)
+    row = OTHER_ROWS["B1 H16 T32768 D128 causal"]
     _profiles("B1 H16 T32768 D128 causal", *row, cudnn=True)
     _rows(rounds, {"48 MiB head groups": ({}, functools.partial(_timing.bwd_head_groups,
                                                                  48 << 20)),
                    "every head one group": ({}, functools.partial(_timing.bwd_head_groups,
                                                                    None))},
           {"B1 H16 T32768 D128 causal": row})
-
-
-# The issue's other rows (`repeat_rest`): beside ROWS' GQA ones, the longest and the widest.
-OTHER_ROWS = {"B1 H16 T32768 D128 causal": ((1, 32768, 16, 16, 128), True),
-              "D256 B2 H16 T4096 causal": ((2, 4096, 16, 16, 256), True)}
 
 
 def repeatability(rounds: int = 3, labels=("B4 H32 T4096 D128 full",

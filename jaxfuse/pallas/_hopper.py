@@ -23,6 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+# Shared memory a CTA may use on an H100/H200 (227 KiB), less 1 KiB for the barriers and the
+# buffers' 1 KiB alignment (Mosaic GPU aligns every buffer; the sm90 lowering tests check the
+# tightest rings against it).
+SMEM_BYTES = 227 * 1024 - 1024
+# Rows of one wgmma M (a warpgroup's accumulator): the attention kernels' rows per consumer.
+ROWS = 64
+
 
 def available() -> bool:
     """The Hopper kernels can run here: a Hopper (sm90) GPU. wgmma is sm90-only (Blackwell has

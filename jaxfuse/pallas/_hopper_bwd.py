@@ -14,14 +14,12 @@ from jax.experimental import pallas as pl
 from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _hopper as H
 from jaxfuse.pallas import _hopper_ring as R
-from jaxfuse.pallas import attention_hopper as AH
 from jaxfuse.pallas._attn import AttnSpec
 
-_ROWS = AH._ROWS             # rows of one wgmma M: keys (dK/dV) or queries (dQ) per consumer
-# Shared memory for a ring that only fits closer to the hardware's 227 KiB than `AH._SMEM_BYTES`
-# (which leaves 8 KiB): 1 KiB for the barriers and the buffers' 1 KiB alignment (the sm90
-# lowering tests check the size).
-_SMEM_TIGHT = 227 * 1024 - 1024
+_ROWS = H.ROWS               # rows of one wgmma M: keys (dK/dV) or queries (dQ) per consumer
+# Shared memory for a ring that only fits closer to the hardware's 227 KiB than
+# `attention_hopper._SMEM_BYTES` (which leaves 8 KiB): all of `_hopper.SMEM_BYTES`.
+_SMEM_TIGHT = H.SMEM_BYTES
 _KEYS = 2 * _ROWS            # Tq and Tk come in multiples of this (the dQ kernel's CTA rows)
 _F32 = jnp.float32
 

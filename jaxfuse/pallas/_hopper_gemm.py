@@ -178,10 +178,6 @@ def matmul_epilogue(a: jax.Array, b: jax.Array, off=0, per_row: jax.Array | None
     return f(jnp.asarray(off, jnp.int32).reshape(1), a, b, *per_row, *refs)
 
 
-# Shared memory a CTA may use on an H100/H200 (227 KiB), less a little for the barriers.
-_SMEM_BYTES = 227 * 1024 - 1024
-
-
 def _stages(t: Tiles, itemsize: int, scratch_types, n_rows: int) -> int:
     """The pipeline depth: t.stages, or as many stages as shared memory holds beside the
     epilogue's scratch and the per-row values (a dx epilogue's float32 slots leave room for
@@ -193,7 +189,7 @@ def _stages(t: Tiles, itemsize: int, scratch_types, n_rows: int) -> int:
         stage, rows = (t.m + t.n) * t.k * itemsize, 2 * max(rows, t.m * 4)
     else:                                    # [m, 2n] tiles; rows ride every stage
         stage, rows = (t.m + t.cols) * t.k * itemsize + rows, 0
-    return max(1, min(t.stages, (_SMEM_BYTES - scratch - rows) // stage))
+    return max(1, min(t.stages, (H.SMEM_BYTES - scratch - rows) // stage))
 
 
 @dataclasses.dataclass(frozen=True)

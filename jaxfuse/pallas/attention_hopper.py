@@ -90,8 +90,10 @@ from jaxfuse.pallas import _hopper as H
 from jaxfuse.pallas import _hopper_ring as R
 from jaxfuse.pallas._attn import AttnSpec
 
-_ROWS = 64          # query rows per consumer warpgroup: one wgmma M
-_SMEM_BYTES = 227 * 1024 - 8192   # less the barriers and what Mosaic GPU reserves
+_ROWS = H.ROWS      # query rows per consumer warpgroup: one wgmma M
+# Shared memory the forward's tiles plan with: 7 KiB under `_hopper.SMEM_BYTES` for its
+# barriers and what Mosaic GPU reserves.
+_SMEM_BYTES = H.SMEM_BYTES - 7 * 1024
 
 
 # Keys up to which the forward's CTAs are persistent by default (`HopperAttnTiles.persistent`).

@@ -23,6 +23,12 @@ def _params(cfg=CFG, seed=0):
     return M.init(jax.random.key(seed), cfg)
 
 
+# Jitted (Config and impl static): one compile per program, where eager dispatch compiled each
+# op and each scan apart (about twice the CPU).
+_apply = jax.jit(M.apply, static_argnums=2, static_argnames="impl")
+_grad = jax.jit(jax.grad(M.loss), static_argnums=3, static_argnames="impl")
+
+
 class ModelTest(chex.TestCase):
 
     @parameterized.parameters("rms", "layer")
@@ -33,10 +39,10 @@ class ModelTest(chex.TestCase):
         k = keys(1, 2)
         tokens = jax.random.randint(k[0], (3, 13), 0, 11)
         targets = jax.random.randint(k[1], (3, 13), 0, 11).at[:, :4].set(-100)
-        assert_close(M.apply(params, tokens, cfg), M.apply(params, tokens, cfg, impl="reference"),
+        assert_close(_apply(params, tokens, cfg), _apply(params, tokens, cfg, impl="reference"),
                      jnp.float32, scale=5.0)
-        g = jax.grad(M.loss)(params, tokens, targets, cfg)
-        g_r = jax.grad(M.loss)(params, tokens, targets, cfg, impl="reference")
+        g = _grad(params, tokens, targets, cfg)
+        g_r = _grad(params, tokens, targets, cfg, impl="reference")
         assert_close(g, g_r, jnp.float32, scale=10.0)
 
     def test_cached_decoding_equals_recomputing(self):
@@ -44,7 +50,7 @@ class ModelTest(chex.TestCase):
         prompts = jax.random.randint(keys(2, 1)[0], (3, 7), 0, 11)
         lengths = jnp.array([2, 5, 7], jnp.int32)
         cache = M.init_cache(CFG, 3)
-        logits, cache = M.prefill(params, cache, prompts, lengths, CFG)
+        logits, cache = jax.jit(M.prefill, static_argnums=4)(params, cache, prompts, lengths, CFG)
         seqs = [list(np.asarray(prompts[i, :lengths[i]])) for i in range(3)]
         # Recomputed from scratch on the right-padded sequences (causal: the padding after a
         # sequence never reaches its last position), one compiled shape for every step.
@@ -83,9 +89,11 @@ class ModelTest(chex.TestCase):
         params = _params(seed=6)
         prompts = jax.random.randint(keys(6, 1)[0], (3, 5), 0, 11)
         lengths = jnp.array([5, 2, 4], jnp.int32)
-        kw = dict(max_new_tokens=7, eos_id=int(jnp.argmax(  # an eos that some row emits early
-            M.prefill(params, M.init_cache(CFG, 3), prompts, lengths, CFG)[0][1])))
-        kw["impl"] = "reference"   # the loop is under test, not the kernels (faster on a CPU)
+        # The loop is under test, not the kernels: the references (faster on a CPU), also for
+        # the prefill that picks an eos some row emits early (row 1's first greedy token).
+        kw = dict(max_new_tokens=7, impl="reference")
+        kw["eos_id"] = int(jnp.argmax(M.prefill(params, M.init_cache(CFG, 3), prompts, lengths,
+                                                CFG, impl="reference")[0][1]))
         g = [M.greedy(params, CFG, prompts, lengths, steps_per_sync=n, **kw) for n in (1, 3, 16)]
         self.assertTrue(bool(jnp.any(g[0] == kw["eos_id"])))
         b = [M.beam_search(params, CFG, prompts, lengths, beam_size=3, steps_per_sync=n, **kw)
@@ -106,22 +114,30 @@ class ModelTest(chex.TestCase):
         prompts = jnp.array([[1, 3, 0], [2, 0, 0]], jnp.int32)
         lengths = jnp.array([2, 1], jnp.int32)
         seqs = np.array(list(itertools.product(range(5), repeat=3)), np.int32)   # 125
+        # Every prompt + continuation of both rows as one batch [2 x 125, 5] of one jitted apply
+        # (row 1's shorter prompt is right-padded, which no scored position sees: causal).
+        full = np.zeros((2, 125, 5), np.int32)
         for b in range(2):
-            prompt = np.asarray(prompts[b, :lengths[b]])
-            full = np.concatenate([np.repeat(prompt[None], 125, 0), seqs], axis=1)
-            logp = jax.nn.log_softmax(M.apply(params, jnp.asarray(full), cfg, impl="reference"))
-            steps = np.arange(len(prompt) - 1, len(prompt) + 2)
-            scores = np.asarray(logp)[np.arange(125)[:, None], steps, seqs].sum(1)
+            n = int(lengths[b])
+            full[b, :, :n] = np.asarray(prompts[b, :n])
+            full[b, :, n:n + 3] = seqs
+        logp = np.asarray(jax.nn.log_softmax(
+            _apply(params, jnp.asarray(full.reshape(250, 5)), cfg, impl="reference"))).reshape(
+                2, 125, 5, 5)
+        # eos_id=5 is outside the vocabulary: no sequence ends early, all 125 are distinct. Each
+        # search covers both rows: run once, checked per row below.
+        tokens, beam_scores = M.beam_search(params, cfg, prompts, lengths, beam_size=125,
+                                            max_new_tokens=3, eos_id=5)
+        best = {k: M.beam_search(params, cfg, prompts, lengths, beam_size=k, max_new_tokens=3,
+                                 eos_id=5)[1] for k in (1, 3, 7)}
+        for b in range(2):
+            steps = np.arange(int(lengths[b]) - 1, int(lengths[b]) + 2)
+            scores = logp[b][np.arange(125)[:, None], steps, seqs].sum(1)
             order = np.argsort(-scores, kind="stable")
-            # eos_id=5 is outside the vocabulary: no sequence ends early, all 125 are distinct.
-            tokens, beam_scores = M.beam_search(params, cfg, prompts, lengths, beam_size=125,
-                                                max_new_tokens=3, eos_id=5)
             np.testing.assert_array_equal(np.asarray(tokens[b]), seqs[order])
             np.testing.assert_allclose(beam_scores[b], scores[order], atol=2e-5)
-            for k in (1, 3, 7):
-                _, s = M.beam_search(params, cfg, prompts, lengths, beam_size=k,
-                                     max_new_tokens=3, eos_id=5)
-                self.assertLessEqual(float(s[b, 0]), scores[order[0]] + 1e-5)
+            for k, s in best.items():
+                self.assertLessEqual(float(s[b, 0]), scores[order[0]] + 1e-5, k)
 
     def test_beam_search_length_penalty_and_eos(self):
         params = _params(seed=5)
@@ -138,8 +154,16 @@ class ModelTest(chex.TestCase):
 
 class BeamTopKTest(chex.TestCase):
 
-    @parameterized.product(shape=[(2, 4, 37), (3, 5, 16), (1, 3, 2), (2, 8, 1001)],
-                           k=[1, 3, 8], ties=[False, True])
+    # Every (shape, k) pair once (each compiles its own kernel), with ties on or off such that
+    # every shape and every k also meets both: all pairs of the three parameters, in 12 cases
+    # where their product took 24 (the other tie setting of a pair reran the same kernel).
+    # Ties meet the widest rows (several blocks of 1001) at k = 3 and 8, and the 6 candidates
+    # of (1, 3, 2) at k = 8 (all of them).
+    @parameterized.parameters(
+        ((2, 4, 37), 1, False), ((2, 4, 37), 3, True), ((2, 4, 37), 8, False),
+        ((3, 5, 16), 1, True), ((3, 5, 16), 3, False), ((3, 5, 16), 8, True),
+        ((1, 3, 2), 1, False), ((1, 3, 2), 3, True), ((1, 3, 2), 8, True),
+        ((2, 8, 1001), 1, False), ((2, 8, 1001), 3, True), ((2, 8, 1001), 8, True))
     def test_equals_reference(self, shape, k, ties):
         kk = keys(sum(shape) + k, 2)
         log_probs = jax.nn.log_softmax(jax.random.normal(kk[0], shape) * 2)

@@ -15,6 +15,9 @@ from tests._util import assert_close, kernel_names, keys
 
 CFG = M.Config(vocab_size=13, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=40,
                max_len=20)
+# The loss and layer tests' base: label smoothing on, so every loss and gradient they compare
+# covers it too, and one config whose memoized gradients (`_grads`) they all share.
+BASE = dataclasses.replace(CFG, label_smoothing=0.1)
 
 
 def _batch(seed, b=2, t=9, vocab=13):
@@ -26,6 +29,22 @@ def _batch(seed, b=2, t=9, vocab=13):
 
 def _count(tree) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+# Jitted (Config and impl static): one compile per program, reused by equal configs, where
+# eager dispatch compiled each op and each scan apart (about twice the CPU).
+_apply = jax.jit(M.apply, static_argnums=2, static_argnames="impl")
+_value_and_grad = jax.jit(jax.value_and_grad(M.loss), static_argnums=3, static_argnames="impl")
+
+
+@functools.cache
+def _grads(cfg, impl, seed=5):
+    """(loss, grads) of M.loss at seed's parameters and batch. Memoized: the baselines that
+    several tests compare against (the plain scanned and unrolled models, per impl) compile and
+    run once per process instead of once per test. jax arrays are immutable: sharing is safe."""
+    params = M.init(jax.random.key(seed), cfg)
+    tokens, targets = _batch(seed)
+    return _value_and_grad(params, tokens, targets, cfg, impl=impl)
 
 
 class PrecisionTest(chex.TestCase):
@@ -51,30 +70,36 @@ class PrecisionTest(chex.TestCase):
         cfg = dataclasses.replace(CFG, dtype="bfloat16")
         params = M.init(jax.random.key(2), cfg)
         tokens, _ = _batch(2)
-        logits = M.apply(params, tokens, cfg)
+        logits = _apply(params, tokens, cfg)
         self.assertEqual(logits.dtype, jnp.bfloat16)
-        ref = M.apply(params, tokens, dataclasses.replace(cfg, dtype="float32"))
-        # bf16 rounding through 3 blocks of width 32: a few bf16 ulps of the logit scale.
+        # Against the float32 reference (a fraction of the kernels' compile time; the float32
+        # kernels equal it within 1e-4, test_model.py): bf16 rounding through 3 blocks of
+        # width 32, a few bf16 ulps of the logit scale.
+        ref = _apply(params, tokens, dataclasses.replace(cfg, dtype="float32"), impl="reference")
         assert_close(logits, ref, jnp.bfloat16, scale=6.0)
         cache = M.init_cache(cfg, 2)
         self.assertEqual({c.dtype for c in cache["k"] + cache["v"]}, {jnp.dtype(jnp.bfloat16)})
 
-    @parameterized.parameters(("bfloat16", "float32"), ("bfloat16", "bfloat16"))
-    def test_decoding(self, dtype, param_dtype):
+    # Beam search runs in bf16 once, with the float32 master weights: the parameters reach it
+    # only through the cast and prefill it shares with greedy (`decode_params`, `prefill`),
+    # which both parameter dtypes check; what is beam search's own (top-k over the bf16 logits,
+    # the bf16 caches' reorder) sees the compute dtype, bf16 in both.
+    @parameterized.parameters(("bfloat16", "float32", True), ("bfloat16", "bfloat16", False))
+    def test_decoding(self, dtype, param_dtype, beam):
         cfg = dataclasses.replace(CFG, dtype=dtype, param_dtype=param_dtype)
         params = M.init(jax.random.key(3), cfg)
         prompts = jax.random.randint(keys(3, 1)[0], (3, 6), 0, 13)
         lengths = jnp.array([6, 2, 4], jnp.int32)
         g = M.greedy(params, cfg, prompts, lengths, max_new_tokens=4, eos_id=12)
-        b, _ = M.beam_search(params, cfg, prompts, lengths, beam_size=2, max_new_tokens=4,
-                             eos_id=12)
-        self.assertEqual(b.shape, (3, 2, 4))
+        if beam:
+            b, _ = M.beam_search(params, cfg, prompts, lengths, beam_size=2, max_new_tokens=4,
+                                 eos_id=12)
+            self.assertEqual(b.shape, (3, 2, 4))
         # The cached steps equal recomputing the whole sequence, in the compute dtype, and
         # greedy picks their argmax.
         cache = M.init_cache(cfg, 3)
         logits, cache = jax.jit(M.prefill, static_argnums=4)(params, cache, prompts, lengths, cfg)
         step = jax.jit(M.decode_step, static_argnums=3)
-        apply = jax.jit(M.apply, static_argnums=2, static_argnames="impl")
         seqs = [list(np.asarray(prompts[i, :lengths[i]])) for i in range(3)]
         for t in range(2):
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
@@ -83,43 +108,46 @@ class PrecisionTest(chex.TestCase):
                 seqs[i].append(int(tok[i]))
             logits, cache = step(params, cache, tok, cfg)
             self.assertEqual(logits.dtype, jnp.dtype(dtype))
+            # Recomputed from scratch on the right-padded sequences (causal: the padding after a
+            # sequence never reaches its last position): one compiled shape [3, 6 + 2] for every
+            # sequence and step, where each sequence's own length took six compiles.
+            padded = np.zeros((3, 8), np.int32)
             for i in range(3):
-                full = apply(params, jnp.asarray([seqs[i]]), cfg, impl="reference")[0, -1]
-                assert_close(logits[i], full, jnp.dtype(dtype), scale=10.0)
+                padded[i, :len(seqs[i])] = seqs[i]
+            full = _apply(params, jnp.asarray(padded), cfg, impl="reference")
+            for i in range(3):
+                assert_close(logits[i], full[i, len(seqs[i]) - 1], jnp.dtype(dtype), scale=10.0)
 
 
 class LossTest(chex.TestCase):
 
     @parameterized.parameters(("pallas", False), ("reference", False), ("pallas", True))
     def test_fused_loss_equals_logits_loss(self, impl, tie):
-        cfg = dataclasses.replace(CFG, label_smoothing=0.1, tie_embeddings=tie)
-        params = M.init(jax.random.key(4), cfg)
+        cfg = dataclasses.replace(BASE, tie_embeddings=tie)
+        params = M.init(jax.random.key(5), cfg)        # the parameters and batch of `_grads`
         self.assertEqual("unembed" in params, not tie)
-        tokens, targets = _batch(4)
+        tokens, targets = _batch(5)
 
-        def logits_loss(params):
+        @jax.jit                                       # see `_apply`
+        @jax.value_and_grad
+        def logits_loss(params, tokens, targets):
             return jaxfuse.cross_entropy(M.apply(params, tokens, cfg, impl=impl), targets,
-                                         label_smoothing=0.1, impl=impl)
+                                         label_smoothing=cfg.label_smoothing, impl=impl)
 
-        fused = jax.value_and_grad(M.loss)(params, tokens, targets, cfg, impl=impl)
-        assert_close(fused, jax.value_and_grad(logits_loss)(params), jnp.float32, scale=5.0)
+        assert_close(_grads(cfg, impl), logits_loss(params, tokens, targets), jnp.float32,
+                     scale=5.0)
 
 
 class LayersTest(chex.TestCase):
 
     # The kernels' own path under scan and remat is tested with impl="pallas" once each; the
-    # other variants use the references (same model code, a fraction of the compile time).
-    def _grads(self, cfg, impl, seed=5):
-        params = M.init(jax.random.key(seed), cfg)
-        tokens, targets = _batch(seed)
-        return jax.jit(jax.value_and_grad(M.loss), static_argnums=3, static_argnames="impl")(
-            params, tokens, targets, cfg, impl=impl)
-
+    # other variants use the references (same model code, a fraction of the compile time). The
+    # plain models they compare against (BASE, scanned and unrolled, per impl) are memoized by
+    # `_grads`: computed once, not once per test.
     @parameterized.parameters(("rms", "pallas"), ("layer", "reference"))
     def test_scan_equals_unrolled(self, norm, impl):
-        cfg = dataclasses.replace(CFG, norm=norm)
-        assert_close(self._grads(cfg, impl),
-                     self._grads(dataclasses.replace(cfg, scan_layers=False), impl),
+        cfg = dataclasses.replace(BASE, norm=norm)
+        assert_close(_grads(cfg, impl), _grads(dataclasses.replace(cfg, scan_layers=False), impl),
                      jnp.float32, scale=5.0)
 
     @parameterized.parameters(("block", True, "pallas"),
@@ -129,9 +157,9 @@ class LayersTest(chex.TestCase):
                                "pallas"),
                               ("block", False, "reference"))
     def test_remat_same_grads(self, remat, scan, impl):
-        cfg = dataclasses.replace(CFG, scan_layers=scan)
-        assert_close(self._grads(dataclasses.replace(cfg, remat=remat), impl),
-                     self._grads(cfg, impl), jnp.float32, scale=5.0)
+        cfg = dataclasses.replace(BASE, scan_layers=scan)
+        assert_close(_grads(dataclasses.replace(cfg, remat=remat), impl), _grads(cfg, impl),
+                     jnp.float32, scale=5.0)
 
     @parameterized.parameters(("none", 1), ("block", 2), ("block+attention", 1),
                               ("dots_with_no_batch_dims_saveable", 2),
@@ -165,9 +193,8 @@ class LayersTest(chex.TestCase):
     def test_loss_token_slab_same_loss_and_grads(self):
         # The loss's gradient formed in the forward, 5 tokens at a time (18 targets: a padded
         # last slab), against the fused loss.
-        cfg = dataclasses.replace(CFG, loss_token_slab=5)
-        assert_close(self._grads(cfg, "pallas"), self._grads(CFG, "pallas"), jnp.float32,
-                     scale=5.0)
+        cfg = dataclasses.replace(BASE, loss_token_slab=5)
+        assert_close(_grads(cfg, "pallas"), _grads(BASE, "pallas"), jnp.float32, scale=5.0)
         params = M.init(jax.random.key(0), cfg)
         tokens, targets = _batch(0)
         names = kernel_names(jax.make_jaxpr(jax.grad(
@@ -203,8 +230,8 @@ class DropoutTest(chex.TestCase):
         # Evaluation (no key) is deterministic and equals the model without dropout.
         self.assertEqual(float(no_key), float(loss(params, tokens, targets, cfg)))
         assert_close(no_key, loss(params, tokens, targets, plain), jnp.float32)
-        assert_close(M.apply(params, tokens, cfg, impl="reference"),
-                     M.apply(params, tokens, plain, impl="reference"), jnp.float32)
+        assert_close(_apply(params, tokens, cfg, impl="reference"),
+                     _apply(params, tokens, plain, impl="reference"), jnp.float32)
 
     def test_train_step_with_key(self):
         cfg = dataclasses.replace(CFG, dropout=0.1)

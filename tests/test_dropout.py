@@ -163,13 +163,27 @@ def _ops(op, blocks, rate, key, activation="gelu"):
         x, bias, activation=activation, impl=impl, **kw, **b)], 2
 
 
+# (op, dtype); each dtype meets one shape (CASES by dtype). dropout and bias_dropout_add (their
+# own inputs: none, or a bias and a residual) with every dtype, so on every shape. The four
+# activations of bias_act_dropout run on float32 tiles whatever the dtype (`_rows` loads every
+# input as float32 and the activation and its derivative are float32 code), so
+# bias_act_dropout meets every dtype and shape, each activation at least one (gelu, the
+# default, three with the eager case).
+_OPS = [(jnp.float32, "dropout"), (jnp.float32, "bias_dropout_add"), (jnp.float32, "gelu_tanh"),
+        (jnp.bfloat16, "dropout"), (jnp.bfloat16, "bias_dropout_add"), (jnp.bfloat16, "gelu"),
+        (jnp.bfloat16, "silu"),
+        (jnp.float16, "dropout"), (jnp.float16, "bias_dropout_add"), (jnp.float16, "gelu"),
+        (jnp.float16, "relu")]
+# Eager dispatch runs the same kernels (the activation is a static choice inside them): each of
+# the three ops once, each dtype (and shape) once.
+_OPS_EAGER = [(jnp.float16, "dropout"), (jnp.bfloat16, "bias_dropout_add"),
+              (jnp.float32, "gelu")]
+
+
 class DropoutOpsTest(chex.TestCase):
 
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.product(dtype=DTYPES, op=["dropout", "bias_dropout_add", "gelu", "gelu_tanh",
-                                             "relu", "silu"])
-    def test_matches_reference_with_grads(self, dtype, op):
-        # Each (op, dtype) pair meets one shape; over the dtypes every op meets every shape.
+    def _check_matches_reference_with_grads(self, op, dtype):
+        # Each (op, dtype) pair meets one shape: CASES by dtype (see _OPS).
         shape, blocks = CASES[DTYPES.index(dtype)]
         k = keys(shape[-1] * 7 + len(op), 5)
         rate = 0.3
@@ -180,7 +194,8 @@ class DropoutOpsTest(chex.TestCase):
         ct = randn(k[3], shape, dtype)
         y, vjp = jax.vjp(self.variant(lambda *a: f(*a, impl="pallas", block_sizes=blocks)),
                          *args)
-        yr, vjpr = jax.vjp(lambda *a: f(*a, impl="reference"), *args)
+        # The reference, only the oracle, jitted: one program, not an executable per op.
+        yr, vjpr = jax.vjp(jax.jit(lambda *a: f(*a, impl="reference")), *args)
         self.assertEqual(y.dtype, dtype)
         # Dropped elements are exactly where the reference dropped them (a mask bit off would
         # be an O(1) error); both are exactly zero there for dropout.
@@ -189,17 +204,27 @@ class DropoutOpsTest(chex.TestCase):
         assert_close(y, yr, dtype)
         assert_close(vjp(ct), vjpr(ct), dtype, scale=4.0)
 
+    @chex.variants(with_jit=True)
+    @parameterized.parameters(*_OPS)
+    def test_matches_reference_with_grads(self, dtype, op):
+        self._check_matches_reference_with_grads(op, dtype)
+
+    @chex.variants(without_jit=True)
+    @parameterized.parameters(*_OPS_EAGER)
+    def test_matches_reference_with_grads_eager(self, dtype, op):
+        self._check_matches_reference_with_grads(op, dtype)
+
     def test_kernel_mask_is_the_reference_mask_bitwise(self):
         key = jax.random.key(2)
         # 131 columns whole (interpret mode): Philox per element; 160: one call per 8; tiles
         # of 32 columns: per 8, the last tile hanging over; 16 and 4: per element.
         for n_cols in (131, 160):
             x = jnp.ones((37, n_cols), jnp.float32)
+            want = np.asarray(keep_mask(key, x.shape, 0.25))     # once for the four tilings
             for blocks in (None, RowBlocks(4, 32), RowBlocks(1, 16, rows_per_program=2),
                            RowBlocks(3, 4)):
                 y = jaxfuse.dropout(x, 0.25, key, block_sizes=blocks)
-                np.testing.assert_array_equal(np.asarray(y) != 0,
-                                              np.asarray(keep_mask(key, x.shape, 0.25)))
+                np.testing.assert_array_equal(np.asarray(y) != 0, want)
 
     def test_same_key_same_output_also_under_vmap(self):
         k = keys(3, 2)
@@ -212,9 +237,10 @@ class DropoutOpsTest(chex.TestCase):
         # A batch of keys under vmap: each example with its own key, as called one by one.
         ks = jax.random.split(k[1], 3)
         g = lambda x, key: jaxfuse.dropout(x, 0.5, key)
-        np.testing.assert_array_equal(jax.vmap(g)(x, ks), jnp.stack([g(*a) for a in zip(x, ks)]))
+        yg = jax.vmap(g)(x, ks)                  # once, for both comparisons
+        np.testing.assert_array_equal(yg, jnp.stack([g(*a) for a in zip(x, ks)]))
         gr = lambda x, key: jaxfuse.dropout(x, 0.5, key, impl="reference")
-        np.testing.assert_array_equal(jax.vmap(g)(x, ks), jax.vmap(gr)(x, ks))
+        np.testing.assert_array_equal(yg, jax.vmap(gr)(x, ks))
 
     def test_rate_zero_or_no_key_is_the_identity(self):
         x = randn(keys(4, 1)[0], (3, 10), jnp.bfloat16)

@@ -1,3 +1,5 @@
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,21 +17,35 @@ from tests._util import assert_close, keys, randn
 CASES = [(4, 37, 4, 4, 16), (3, 53, 8, 2, 8), (2, 41, 8, 1, 16), (3, 1, 4, 1, 8), (2, 100, 16, 2, 8)]
 LAYOUTS = {"folded": DecodeBlocks(block_k=16),
            "gpu_layout": DecodeBlocks(block_k=16, folded=False)}
+# The reference with its lse (and caches), only the oracle: jitted, one program instead of an
+# executable per jnp op and shape.
+_reference = jax.jit(lambda *a, **kw: jaxfuse.decode_attention(*a, return_lse=True,
+                                                               impl="reference", **kw))
+
+
+@functools.lru_cache(maxsize=None)
+def _inputs_and_reference(case, dtype):
+    """test_matches_reference's inputs and the reference's (o, lse), computed once for both
+    layouts. The cache beyond each length holds NaN for some cases and 1e30 for the others."""
+    poison = float("nan") if CASES.index(case) % 2 == 0 else 1e30
+    args = _make(case, dtype, sum(case), poison)
+    return args, _reference(*args)
 
 
 def _make(case, dtype, seed, poison):
+    # Drawn by NumPy on the host: jax.random's eager draws (and eager where and set) compiled
+    # an XLA program per new shape.
     b, s, hq, hkv, d = case
-    k = keys(seed, 4)
-    q = randn(k[0], (b, hq, d), dtype)
-    kc, vc = randn(k[1], (b, s, hkv, d), dtype), randn(k[2], (b, s, hkv, d), dtype)
-    lengths = jax.random.randint(k[3], (b,), 0, s + 1)
-    lengths = lengths.at[0].set(0).at[-1].set(s)
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, hq, d), np.float32)
+    kc, vc = (rng.standard_normal((b, s, hkv, d), np.float32) for _ in range(2))
+    lengths = rng.integers(0, s + 1, b, dtype=np.int32)
+    lengths[0], lengths[-1] = 0, s
     if b > 2:
-        lengths = lengths.at[1].set(1)
-    beyond = jnp.arange(s)[None, :, None, None] >= lengths[:, None, None, None]
-    kc = jnp.where(beyond, jnp.asarray(poison, dtype), kc)
-    vc = jnp.where(beyond, jnp.asarray(poison, dtype), vc)
-    return q, kc, vc, lengths
+        lengths[1] = 1
+    beyond = np.arange(s)[None, :, None, None] >= lengths[:, None, None, None]
+    kc, vc = (np.where(beyond, np.float32(poison), c) for c in (kc, vc))
+    return (*(jnp.asarray(a.astype(dtype)) for a in (q, kc, vc)), jnp.asarray(lengths))
 
 
 class DecodeAttentionTest(chex.TestCase):
@@ -37,24 +53,27 @@ class DecodeAttentionTest(chex.TestCase):
     @chex.variants(with_jit=True)
     @parameterized.product(case=CASES, dtype=[jnp.float32, jnp.bfloat16], layout=list(LAYOUTS))
     def test_matches_reference(self, case, dtype, layout):
-        # The cache beyond each length holds NaN for some cases and 1e30 for the others.
-        poison = float("nan") if CASES.index(case) % 2 == 0 else 1e30
-        q, kc, vc, lengths = _make(case, dtype, sum(case), poison)
-        o_r, lse_r = jaxfuse.decode_attention(q, kc, vc, lengths, return_lse=True,
-                                              impl="reference")
+        (q, kc, vc, lengths), (o_r, lse_r) = _inputs_and_reference(case, dtype)
         self.assertFalse(bool(jnp.isnan(o_r.astype(jnp.float32)).any()))
-        s = case[1]
-        for n in sorted({1, 2, 3, 7, s} & set(range(1, s + 1))):
-            f = self.variant(lambda q, kc, vc, lengths: jaxfuse.decode_attention(
-                q, kc, vc, lengths, num_splits=n, return_lse=True, block_sizes=LAYOUTS[layout]))
-            o, lse = f(q, kc, vc, lengths)
+        # Split counts by the slices of the cache they cut (whole 16-key tiles; each slice is
+        # a program of its own): 1, one slice written straight to o; 2, slices of several tiles,
+        # the last one short; S, one-tile slices up to S, then empty ones (lse -inf) to merge.
+        # 3 and 7, swept here before, cut no other kind of slice: 7 those of S less some empty
+        # ones, 3 those of S (S = 37, 41), of 2 and an empty one (S = 53), or several-tile
+        # slices and one short tile (S = 100).
+        splits = sorted({1, 2, case[1]} & set(range(1, case[1] + 1)))
+        # Every split count in one jitted program: one compile, not one per count.
+        f = self.variant(lambda q, kc, vc, lengths: [jaxfuse.decode_attention(
+            q, kc, vc, lengths, num_splits=n, return_lse=True, block_sizes=LAYOUTS[layout])
+            for n in splits])
+        for o, lse in f(q, kc, vc, lengths):
             self.assertEqual(o.dtype, dtype)
             assert_close(o, o_r, dtype)
             np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_r))
             fin = np.isfinite(np.asarray(lse_r))
             assert_close(np.asarray(lse)[fin], np.asarray(lse_r)[fin], dtype)
-        # Length 0 gives zeros.
-        np.testing.assert_array_equal(np.asarray(o[0], np.float32), 0.0)
+            # Length 0 gives zeros.
+            np.testing.assert_array_equal(np.asarray(o[0], np.float32), 0.0)
 
     def test_default_split_rule_and_soft_cap(self):
         q, kc, vc, lengths = _make((2, 300, 8, 2, 16), jnp.float32, 7, 0.0)
@@ -120,8 +139,7 @@ class AppendTest(chex.TestCase):
         # nothing is written for it and it attends over its S positions.
         k = keys(sum(case) + 2, 2)
         k_new, v_new = randn(k[0], (b, hkv, d), dtype), randn(k[1], (b, hkv, d), dtype)
-        want = jaxfuse.decode_attention(q, kc, vc, lengths, k_new=k_new, v_new=v_new,
-                                        return_lse=True, impl="reference")
+        want = _reference(q, kc, vc, lengths, k_new=k_new, v_new=v_new)
         self.assertFalse(bool(jnp.isnan(want[0].astype(jnp.float32)).any()))
         # The reference is the two-step composition: write, then attend one position more.
         rows = jnp.arange(b)
@@ -130,15 +148,15 @@ class AppendTest(chex.TestCase):
         f32 = lambda x: np.asarray(x, np.float32)
         np.testing.assert_array_equal(f32(want[2]), f32(k_set))
         np.testing.assert_array_equal(f32(want[3]), f32(v_set))
-        two_step = jaxfuse.decode_attention(q, k_set, v_set, jnp.minimum(lengths + 1, s),
-                                            return_lse=True, impl="reference")
+        two_step = _reference(q, k_set, v_set, jnp.minimum(lengths + 1, s))
         assert_close(want[:2], two_step, jnp.float32)
-        # One split (o written directly) and three (the appended row may sit in any split).
-        for n in sorted({1, 3} & set(range(1, s + 1))):
-            f = self.variant(lambda *a: jaxfuse.decode_attention(
-                *a[:4], k_new=a[4], v_new=a[5], num_splits=n, return_lse=True,
-                block_sizes=LAYOUTS[layout]))
-            o, lse, k_out, v_out = f(q, kc, vc, lengths, k_new, v_new)
+        # One split (o written directly) and three (the appended row may sit in any split),
+        # both in one jitted program.
+        splits = sorted({1, 3} & set(range(1, s + 1)))
+        f = self.variant(lambda *a: [jaxfuse.decode_attention(
+            *a[:4], k_new=a[4], v_new=a[5], num_splits=n, return_lse=True,
+            block_sizes=LAYOUTS[layout]) for n in splits])
+        for o, lse, k_out, v_out in f(q, kc, vc, lengths, k_new, v_new):
             assert_close(o, want[0], dtype)
             np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want[1]))
             # The caches come back bitwise: the new rows written, every other entry untouched
@@ -146,7 +164,9 @@ class AppendTest(chex.TestCase):
             np.testing.assert_array_equal(f32(k_out), f32(want[2]))
             np.testing.assert_array_equal(f32(v_out), f32(want[3]))
 
-    @parameterized.product(layout=list(LAYOUTS), impl=["pallas", "reference"])
+    # The reference takes no layout (`route` drops block_sizes): it runs once.
+    @parameterized.parameters(("folded", "pallas"), ("gpu_layout", "pallas"),
+                              ("folded", "reference"))
     def test_packed_qkv(self, layout, impl):
         # q, k_new and v_new as one [B, Hq + 2 Hkv, D] array: the same result and caches.
         case = (3, 53, 8, 2, 8)
@@ -155,13 +175,12 @@ class AppendTest(chex.TestCase):
         k = keys(22, 2)
         k_new = randn(k[0], (b, hkv, d), jnp.bfloat16)
         v_new = randn(k[1], (b, hkv, d), jnp.bfloat16)
-        want = jaxfuse.decode_attention(q, kc, vc, lengths, k_new=k_new, v_new=v_new,
-                                        return_lse=True, impl="reference")
+        want = _reference(q, kc, vc, lengths, k_new=k_new, v_new=v_new)
         qkv = jnp.concatenate([q, k_new, v_new], axis=1)
-        for n in (1, 3):
-            got = jax.jit(lambda *a: jaxfuse.decode_attention(
-                *a, packed_qkv=True, num_splits=n, return_lse=True, impl=impl,
-                block_sizes=LAYOUTS[layout]))(qkv, kc, vc, lengths)
+        both = jax.jit(lambda *a: [jaxfuse.decode_attention(      # one split and three
+            *a, packed_qkv=True, num_splits=n, return_lse=True, impl=impl,
+            block_sizes=LAYOUTS[layout]) for n in (1, 3)])(qkv, kc, vc, lengths)
+        for got in both:
             assert_close(got[0], want[0], jnp.bfloat16)
             np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
             for a, w in zip(got[2:], want[2:]):
@@ -180,7 +199,8 @@ class AppendTest(chex.TestCase):
         k = keys(11, 3)
         q = randn(k[0], (b, t, hq, d))
         kk, vv = randn(k[1], (b, t, hkv, d)), randn(k[2], (b, t, hkv, d))
-        full = jaxfuse.flash_attention(q, kk, vv, causal=True, impl="reference")
+        full = jax.jit(lambda q, k, v: jaxfuse.flash_attention(    # the oracle, jitted
+            q, k, v, causal=True, impl="reference"))(q, kk, vv)
         step = jax.jit(lambda q, kc, vc, n, kn, vn: jaxfuse.decode_attention(
             q, kc, vc, n, k_new=kn, v_new=vn), donate_argnums=(1, 2))
         kc, vc = jnp.full((b, s, hkv, d), jnp.nan), jnp.full((b, s, hkv, d), jnp.nan)
@@ -196,7 +216,8 @@ class AppendTest(chex.TestCase):
         lengths = jnp.array([[0, 4, 10], [1, 9, 3]], jnp.int32)
         f = lambda impl: jax.vmap(lambda q, kc, n, kn: jaxfuse.decode_attention(
             q, kc, kc, n, k_new=kn, v_new=-kn, num_splits=2, impl=impl))
-        got, want = jax.jit(f("pallas"))(q, kc, lengths, new), f("reference")(q, kc, lengths, new)
+        got = jax.jit(f("pallas"))(q, kc, lengths, new)
+        want = jax.jit(f("reference"))(q, kc, lengths, new)          # the oracle, jitted too
         assert_close(got[0], want[0], jnp.float32)
         for a, w in zip(got[1:], want[1:]):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(w))

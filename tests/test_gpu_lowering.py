@@ -68,13 +68,17 @@ def test_decode_attention_lowers(hq, hkv, splits):
     lens = jnp.array([0, 10, 1000], jnp.int32)
     _lower(lambda q, kc, lens: jaxfuse.decode_attention(q, kc, kc, lens, interpret=False,
                                                         num_splits=splits), q, kc, lens)
-    new = jnp.zeros((3, hkv, 128), jnp.bfloat16)     # and with the new token appended in place
-    _lower(lambda q, kc, lens, new: jaxfuse.decode_attention(
-        q, kc, kc, lens, k_new=new, v_new=new, interpret=False, num_splits=splits),
-        q, kc, lens, new)
-    qkv = jnp.zeros((3, hq + 2 * hkv, 128), jnp.bfloat16)   # and read from one packed array
-    _lower(lambda qkv, kc, lens: jaxfuse.decode_attention(
-        qkv, kc, kc, lens, packed_qkv=True, interpret=False, num_splits=splits), qkv, kc, lens)
+    # The appended token and the packed array add the same ops to the kernel with 1 split as
+    # with 3 (checked; what they add depends on the grouping of heads: with each): with 3.
+    if splits == 3:
+        new = jnp.zeros((3, hkv, 128), jnp.bfloat16)   # the new token appended in place
+        _lower(lambda q, kc, lens, new: jaxfuse.decode_attention(
+            q, kc, kc, lens, k_new=new, v_new=new, interpret=False, num_splits=splits),
+            q, kc, lens, new)
+        qkv = jnp.zeros((3, hq + 2 * hkv, 128), jnp.bfloat16)   # read from one packed array
+        _lower(lambda qkv, kc, lens: jaxfuse.decode_attention(
+            qkv, kc, kc, lens, packed_qkv=True, interpret=False, num_splits=splits),
+            qkv, kc, lens)
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, logits_soft_cap=30.0)])
@@ -112,9 +116,12 @@ def test_hopper_linear_cross_entropy_lowers(vmapped):
         f = jax.vmap(f, in_axes=(0, None, 0))
     else:
         x, labels = x[0], labels[0]
-    module = _fwd_bwd(lambda x, w: f(x, w, labels), x, w).mlir_module()
-    for name in ("jaxfuse_linear_cross_entropy_fwd_hopper", "jaxfuse_lce_bwd_dz",
-                 "jaxfuse_lce_bwd_dx", "jaxfuse_lce_bwd_dw"):
+    # The backward under vmap lowers the very kernels of the plain backward (the same modules,
+    # checked; the forward's differ), so the plain case lowers the forward alone.
+    names = ("jaxfuse_linear_cross_entropy_fwd_hopper", "jaxfuse_lce_bwd_dz",
+             "jaxfuse_lce_bwd_dx", "jaxfuse_lce_bwd_dw")
+    module = (_fwd_bwd if vmapped else _lower)(lambda x, w: f(x, w, labels), x, w).mlir_module()
+    for name in names if vmapped else names[:1]:
         assert name in module
 
 
@@ -122,14 +129,19 @@ _HOPPER_BWD = {True: ("jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopp
                False: ("jaxfuse_flash_bwd_dkv_dq_hopper",)}
 
 
+# `deterministic` picks the kernels only at D = 64 (False fuses dQ into the dK/dV kernel); at
+# D = 128 and 256 both values lower the same module, kernel for kernel (checked), so there each
+# mask set takes one of them (the assertions below still see no fused dQ with False at D = 128
+# and 256; True at 256: test_hopper_d256_variants_lower). D = 256 takes causal alone: the
+# window with the cap is lowered by test_hopper_d256_variants_lower, whose forward is this one
+# and whose dK/dV and dQ kernels differ from these by the same ops, of the same types, with
+# either mask set (checked), so those ops are lowered there.
 @pytest.mark.parametrize("d,opts,det", [
     (64, dict(causal=True), True), (64, dict(causal=True), False),
     (128, dict(causal=True, sliding_window=200), True),
-    (128, dict(causal=True, sliding_window=200), False),
     (64, dict(sliding_window=100, logits_soft_cap=20.0), False),
-    (128, dict(logits_soft_cap=30.0), True), (128, dict(logits_soft_cap=30.0), False),
-    (256, dict(causal=True), True), (256, dict(causal=True), False),
-    (256, dict(sliding_window=200, logits_soft_cap=30.0), True),
+    (128, dict(logits_soft_cap=30.0), False),
+    (256, dict(causal=True), False),
 ])
 def test_hopper_flash_attention_lowers(d, opts, det):
     """The Hopper forward (TMA ring, wgmma with P from registers, ping-pong barriers) and
@@ -156,9 +168,13 @@ def test_hopper_flash_attention_lowers(d, opts, det):
     assert '"jaxfuse_flash_bwd_dkv"' not in module
 
 
-@pytest.mark.parametrize("consumers", [2, 3])
+# Both kernels take the count that is not their default (the forward's and the dK/dV kernel's
+# consumers are set apart), with each mask; the defaults with causal are lowered by
+# test_hopper_flash_attention_lowers (the same kernels but for T). The window adds the same ops,
+# of the same types, to each kernel with 2 consumers as with 3 (checked), so the defaults are not
+# lowered with it again.
 @pytest.mark.parametrize("opts", [dict(causal=True), dict(sliding_window=100)])
-def test_hopper_consumers_lower(opts, consumers):
+def test_hopper_consumers_lower(opts):
     """`HopperAttnTiles(consumers=)` and `HopperBwdTiles(consumers=)` at D = 64 (the forward
     runs 3 by default there, the dK/dV kernel 2): 192-row (forward) and 192-key (dK/dV) CTAs,
     the last one partly past T = 256, or 128-row CTAs; each consumer's own masked and
@@ -167,7 +183,7 @@ def test_hopper_consumers_lower(opts, consumers):
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
     k = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-    tiles = HopperAttnTiles(consumers=consumers, backward=HopperBwdTiles(consumers=consumers))
+    tiles = HopperAttnTiles(consumers=2, backward=HopperBwdTiles(consumers=3))
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()
@@ -175,16 +191,28 @@ def test_hopper_consumers_lower(opts, consumers):
         assert name in module, name
 
 
-@pytest.mark.parametrize("d,consumers,stages,pingpong", [
-    (128, 2, None, True), (128, 2, None, False), (64, 3, None, False), (64, 2, 2, True),
-    (64, 2, 2, False), (256, 2, None, False)])
-@pytest.mark.parametrize("opts", [dict(causal=True), dict(sliding_window=100,
-                                                          logits_soft_cap=20.0)])
-def test_hopper_overlap_lowers(opts, d, consumers, stages, pingpong):
+_CAUSAL = dict(causal=True)
+_WINDOW_CAP = dict(sliding_window=100, logits_soft_cap=20.0)
+
+
+# Each variant of the schedule once, and each D with both mask sets: the masks act in the
+# softmax and the producer's cleaning of edge tiles, code every variant shares (each mask set
+# adds the same ops, of the same types, to every variant at a D: checked); the variants differ
+# in the ring, the turns and the consumers. Lowered elsewhere: D = 128 taking turns, with the
+# window and the cap (test_hopper_named_pingpong_lowers, the same kernel); D = 64 on a 2-slot
+# ring taking turns, with causal (the forward of test_hopper_fused_dq_lowers' D = 64 case);
+# D = 256, whose default forward is this schedule (2 consumers running free, 64-key tiles),
+# with causal (test_hopper_flash_attention_lowers, the same kernel) and with the window and the
+# cap (test_hopper_d256_variants_lower, the same kernel but for their values).
+@pytest.mark.parametrize("d,consumers,stages,pingpong,opts", [
+    (128, 2, None, False, _CAUSAL), (64, 3, None, False, _WINDOW_CAP),
+    (64, 2, 2, False, _WINDOW_CAP)])
+def test_hopper_overlap_lowers(d, consumers, stages, pingpong, opts):
     """`HopperAttnTiles(overlap=True)`: O in one wgmma accumulator across the key loop, S
     read after `wgmma_wait(1)` while P V runs, O rescaled by assignment, the held tile's last
     product in a loop of 0 or 1 steps; 2 and 3 consumers (three never take turns), taking
-    turns or not, a 2-slot ring (cleaning without deferral) and D = 256 (64-key tiles)."""
+    turns or not, a 2-slot ring (cleaning without deferral) and D = 256 (64-key tiles: its
+    default, lowered elsewhere, see above)."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
@@ -197,9 +225,14 @@ def test_hopper_overlap_lowers(opts, d, consumers, stages, pingpong):
     assert "jaxfuse_flash_fwd_hopper" in module
 
 
+# The default forward at D <= 128 is persistent too: at B = 1 the same kernel as here but for
+# the batch's index arithmetic (checked). test_hopper_flash_attention_lowers lowers it with the
+# soft cap at D = 128, which adds the same ops, of the same types, to both, and with causal at
+# D = 64, which adds the same ops to both but for that arithmetic in the cleaning of edge tiles,
+# lowered here by the masked walk at D = 128 (checked); a causal walk at D = 64 is also
+# test_hopper_persistent_lowers_under_vmap's.
 @pytest.mark.parametrize("d,overlap,opts", [
-    (64, False, {}), (128, False, dict(logits_soft_cap=30.0)), (128, True, {}),
-    (128, False, dict(causal=True, sliding_window=100)), (64, False, dict(causal=True))])
+    (64, False, {}), (128, True, {}), (128, False, dict(causal=True, sliding_window=100))])
 def test_hopper_persistent_lowers(d, overlap, opts):
     """`HopperAttnTiles(persistent=True)`: one CTA a multiprocessor walking the work tiles,
     ring slots and barrier phases running on across them, each consumer's next Q loaded after
@@ -228,9 +261,13 @@ def test_hopper_persistent_lowers_under_vmap():
     assert "jaxfuse_flash_fwd_hopper" in module
 
 
-@pytest.mark.parametrize("named", [True, False])
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("opts", [{}, dict(causal=True)])
+# Every pair of the three settings once (4 of the 8 combinations; the mask causal, or the window
+# with the cap, the latter being test_hopper_overlap_lowers' D = 128 case of turns): a mask adds
+# the same ops, of the same types, to the kernel with either kind of barrier (checked; not so
+# with and without the overlap, so each of those with and without a mask), and named barriers
+# without the overlap with causal is the default forward, lowered by test_hopper_fused_dq_lowers.
+@pytest.mark.parametrize("opts,overlap,named", [
+    ({}, False, True), (_WINDOW_CAP, True, True), (_CAUSAL, False, False), ({}, True, False)])
 def test_hopper_named_pingpong_lowers(opts, overlap, named, monkeypatch):
     """The forward's consumers taking turns on hardware named barriers (the default,
     `attention_hopper._NAMED_PINGPONG`: `bar.sync` / `bar.arrive` inlined through
@@ -260,7 +297,9 @@ def test_dropout_kernels_lower(shape):
     kw = dict(interpret=False, rate=0.1, key=key)
     _fwd_bwd(lambda x: jaxfuse.dropout(x, 0.1, key, interpret=False), x)
     _fwd_bwd(lambda x, b, r: jaxfuse.bias_dropout_add(x, b, r, **kw), x, b, x)
-    for act in ("gelu", "gelu_tanh", "relu", "silu"):
+    # Each activation adds the same ops (on tiles of their shape) to the kernels of one tile as
+    # to those of column tiles (checked): all four on one tile, the default on the long rows.
+    for act in ("gelu", "gelu_tanh", "relu", "silu") if shape == (33, 1000) else ("gelu",):
         _fwd_bwd(lambda x, b: jaxfuse.bias_act_dropout(x, b, activation=act, **kw), x, b)
 
 
@@ -286,7 +325,8 @@ def test_cross_entropy_inner_tiles_lower():
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_swiglu_and_rope_lower(interleaved):
     x = jnp.zeros((33, 1000), jnp.bfloat16)
-    _fwd_bwd(lambda g, u: jaxfuse.swiglu(g, u, interpret=False), x, x)
+    if interleaved:   # swiglu has no such option: its kernels once
+        _fwd_bwd(lambda g, u: jaxfuse.swiglu(g, u, interpret=False), x, x)
     # Tiles that fit exactly (no masks), a token tail, and 3 heads of D = 6 (masked pair tiles);
     # 16-bit interleaved pairs are loaded as 32-bit words, float32 ones at a stride.
     for shape, dtype in (((2, 64, 4, 128), jnp.bfloat16), ((2, 100, 4, 128), jnp.bfloat16),
@@ -352,7 +392,9 @@ def test_model_lowers(monkeypatch):
     monkeypatch.setenv("JAXFUSE_INTERPRET", "0")
     cfg = M.Config(vocab_size=300, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
                    max_len=48, dtype="bfloat16", remat="block")
-    params = M.init(jax.random.key(0), cfg)
+    # The lowering needs the parameters' shapes and dtypes only (the same kernels, checked):
+    # M.init run eagerly compiled op by op, a third of this test's time.
+    params = jax.eval_shape(lambda key: M.init(key, cfg), jax.random.key(0))
     tokens = jnp.zeros((2, 40), jnp.int32)
     _lower(jax.value_and_grad(lambda p, t: M.loss(p, t, t, cfg)), params, tokens)
     lengths = jnp.full((2,), 40, jnp.int32)
@@ -369,42 +411,51 @@ def test_reorder_beams_lowers():
            caches, parent, n, n)
 
 
-@pytest.mark.parametrize("d,opts,block_q", [
-    (128, dict(causal=True), 64), (128, dict(sliding_window=200, logits_soft_cap=30.0), 64),
-    (64, dict(causal=True), 128)])
-def test_hopper_fused_dq_lowers(d, opts, block_q):
+# The window with the cap adds the same ops, of the same types, to the fused kernel (and to the
+# forward) at D = 128 as at D = 64 (checked), where test_hopper_flash_attention_lowers lowers
+# them with both mask sets (deterministic=False): here causal alone. The default forward at
+# D = 64 with causal is lowered there too, so the D = 64 case runs a variant of
+# test_hopper_overlap_lowers instead (the overlap with 2 consumers taking turns on a 2-slot
+# ring): a kernel of its own in the same lowering, the backward's kernel unchanged (checked).
+@pytest.mark.parametrize("d,opts,block_q,fwd", [
+    (128, dict(causal=True), 64, {}),
+    (64, dict(causal=True), 128, dict(overlap=True, consumers=2, stages=2, pingpong=True))])
+def test_hopper_fused_dq_lowers(d, opts, block_q, fwd):
     """`HopperBwdTiles(fused_dq=True)` forces the fused dQ at D = 128 (by default the separate
-    dQ kernel runs there, deterministic=False or not), with masks and soft caps; at D = 64 with
+    dQ kernel runs there, deterministic=False or not), with a mask (see above); at D = 64 with
     128-row query steps its shared memory (the [4, 64, 128] dS^T buffer) still fits: the
     lowering checks the kernel's shared-memory total."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
-    tiles = HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True, block_q=block_q))
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True, block_q=block_q), **fwd)
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, deterministic=False,
         block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts), q, k, k).mlir_module()
+    assert "jaxfuse_flash_fwd_hopper" in module
     assert "jaxfuse_flash_bwd_dkv_dq_hopper" in module
     assert "jaxfuse_flash_bwd_dq_hopper" not in module
 
 
-@pytest.mark.parametrize("opts", [dict(causal=True), dict(sliding_window=200,
-                                                           logits_soft_cap=30.0)])
-@pytest.mark.parametrize("bwd", [dict(exchange=False), dict(overlap=True)])
-def test_hopper_d256_variants_lower(opts, bwd):
+def test_hopper_d256_variants_lower():
     """At D = 256 (the defaults are lowered by test_hopper_flash_attention_lowers):
     `HopperBwdTiles(exchange=False)`, the dK/dV consumers each forming the whole S^T and dP^T
     of 32-row steps and keeping P^T and dS^T in registers; `overlap=True`, the dQ kernel's
     overlapped schedule on a three-slot ring that fills shared memory to within 1 KiB of the
     227 KiB (the lowering checks the size; the buffer the interpreter keeps dQ in must not be
-    allocated on the GPU); with masks and soft caps."""
+    allocated on the GPU); with masks and soft caps. `exchange` is the dK/dV kernel's setting
+    and `overlap` the dQ kernel's, so one lowering takes both: each kernel is the one its
+    setting gives alone, but for constants (checked). The window with the cap and causal
+    differ by the same ops, of the same types, in these kernels as in the defaults (checked),
+    which test_hopper_flash_attention_lowers lowers with causal: so one mask set here."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    opts = dict(sliding_window=200, logits_soft_cap=30.0)
     q = jnp.zeros((1, 256, 4, 256), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, 256), jnp.bfloat16)
     tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(256),
-                                backward=HopperBwdTiles(**bwd))
+                                backward=HopperBwdTiles(exchange=False, overlap=True))
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()

@@ -3,6 +3,8 @@
 Each input here once broke an op (NaN, a crash, a wrong count, a silent disagreement between
 the two implementations); each test pins the documented behaviour in both implementations.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,9 +23,9 @@ class TestMaskedLogits:
     def test_minus_inf_logits_without_smoothing(self, impl):
         x = jnp.array([[0.3, -jnp.inf, -jnp.inf, -jnp.inf], [1.0, 2.0, -jnp.inf, 0.5]])
         labels = jnp.array([0, 1])
-        loss, g = jax.value_and_grad(lambda x: jaxfuse.cross_entropy(
-            x, labels, reduction="sum", impl=impl))(x)
-        per = jaxfuse.cross_entropy(x, labels, reduction="none", impl=impl)
+        loss, g = jax.jit(jax.value_and_grad(lambda x: jaxfuse.cross_entropy(
+            x, labels, reduction="sum", impl=impl)))(x)
+        per = jax.jit(lambda x: jaxfuse.cross_entropy(x, labels, reduction="none", impl=impl))(x)
         expected = float(jax.nn.logsumexp(jnp.array([1.0, 2.0, 0.5])) - 2.0)
         np.testing.assert_allclose(per, [0.0, expected], rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(loss, expected, rtol=1e-6)
@@ -51,7 +53,7 @@ class TestMaskedLogits:
         k = keys(11, 2)
         x, w = randn(k[0], (5, 8)), randn(k[1], (8, 7))
         labels = jnp.array([0, 3, -100, 6, 2])
-        loss = jaxfuse.linear_cross_entropy(x, w, labels, impl=impl)
+        loss = jax.jit(functools.partial(jaxfuse.linear_cross_entropy, impl=impl))(x, w, labels)
         ref = jaxfuse.cross_entropy(x @ w, labels, impl="reference")
         np.testing.assert_allclose(loss, ref, rtol=1e-5)
 
@@ -59,6 +61,12 @@ class TestMaskedLogits:
 class TestLabelDtypes:
     """Class 6: one rule for labels of any integer dtype: compare as (wide) signed integers,
     so a uint8 label never equals ignore_index=-100; ignore_index must be an int."""
+
+    # The three reductions as one compiled program for each implementation and labels dtype,
+    # shared by the cases (an eager call traced the kernel afresh and compiled it again).
+    _losses = staticmethod(jax.jit(lambda x, labels, impl: [
+        jaxfuse.cross_entropy(x, labels, reduction=r, impl=impl)
+        for r in ("mean", "sum", "none")], static_argnames="impl"))
 
     @pytest.mark.parametrize("impl", IMPLS)
     @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.uint32])
@@ -71,16 +79,15 @@ class TestLabelDtypes:
             big = {jnp.uint8: 156, jnp.uint16: 65436, jnp.uint32: 4294967196}[dtype]
             # -100 wraps to `big` in this dtype: it is a label out of range (NaN), not ignored.
             lab = jnp.array([big, 3, 7, 119, 0, 50], dtype)
-            per = jaxfuse.cross_entropy(x, lab, reduction="none", impl=impl)
+            per = self._losses(x, lab, impl=impl)[2]          # reduction="none"
             assert np.isnan(per[0]) and np.all(np.isfinite(per[1:]))
             lab = lab.at[0].set(5)
             labels = labels.at[0].set(5)
         else:
             lab = labels.astype(dtype).at[2].set(-100)
             labels = labels.at[2].set(-100)
-        for reduction in ("mean", "sum", "none"):
-            got = jaxfuse.cross_entropy(x, lab, reduction=reduction, impl=impl)
-            want = jaxfuse.cross_entropy(x, labels, reduction=reduction, impl="reference")
+        for got, want in zip(self._losses(x, lab, impl=impl),
+                             self._losses(x, labels, impl="reference")):
             np.testing.assert_allclose(got, want, rtol=1e-6)
         w = randn(k[1], (8, v))
         got = jaxfuse.linear_cross_entropy(x[:, :8], w, lab, impl=impl)
@@ -182,19 +189,29 @@ class TestNonFinite:
         k = keys(16, 3)
         q, kk, v = randn(k[0], (1, 4, 2, 8)), randn(k[1], (1, 6, 1, 8)), randn(k[2], (1, 6, 1, 8))
         q = q.at[0, 1, 0, 3].set(jnp.nan)
-        o, lse = jaxfuse.flash_attention(q, kk, v, return_lse=True, impl=impl)
+        o, lse = jax.jit(functools.partial(jaxfuse.flash_attention, return_lse=True,
+                                           impl=impl))(q, kk, v)
         nan_o = np.isnan(np.asarray(o)).any(-1)[0]            # [Tq, Hq]
         expected = np.zeros((4, 2), bool)
         expected[1, 0] = True
         np.testing.assert_array_equal(nan_o, expected)
         np.testing.assert_array_equal(np.isnan(np.asarray(lse))[0].T, expected)
-        od, lsed = jaxfuse.decode_attention(q[:, 1], kk, v, jnp.array([6]), return_lse=True,
-                                            impl=impl)
+        od, lsed = jax.jit(functools.partial(jaxfuse.decode_attention, return_lse=True,
+                                             impl=impl))(q[:, 1], kk, v, jnp.array([6]))
         np.testing.assert_array_equal(np.isnan(np.asarray(od)).any(-1)[0], [True, False])
         np.testing.assert_array_equal(np.isnan(np.asarray(lsed))[0], [True, False])
 
 
 LAYOUTS = {"folded": None, "gpu_layout": jaxfuse.AttnBlocks(16, 8, 8, 16, 8, 16, folded=False)}
+
+
+def _vjp_jit(f, args, ct):
+    """(f(*args), its input cotangents for ct) as one compiled program, each pass run once
+    (eagerly each op around the kernels compiled on its own)."""
+    def fwd_bwd(args, ct):
+        y, vjp = jax.vjp(f, *args)
+        return y, vjp(ct)
+    return jax.jit(fwd_bwd)(args, ct)
 
 
 class TestLargeLogits:
@@ -234,9 +251,12 @@ class TestLargeLogits:
         # Each query sees one key (Tk = 1) whose logit is about `logit`: P = 1 exactly.
         k = keys(18, 4)
         d = 16
-        f = jax.jit(lambda q, k, v, do: jax.vjp(
-            lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=LAYOUTS[layout]),
-            q, k, v)[1](do) + (jaxfuse.flash_attention(q, k, v, block_sizes=LAYOUTS[layout]),))
+        @jax.jit
+        def f(q, k, v, do):   # (dq, dk, dv, o): o from the same forward the gradients take
+            o, vjp = jax.vjp(lambda q, k, v: jaxfuse.flash_attention(
+                q, k, v, block_sizes=LAYOUTS[layout]), q, k, v)
+            return vjp(do) + (o,)
+
         for logit in (1e5, 1e7, 3e8, 3e9):
             q = randn(k[0], (2, 3, 4, d), dtype, scale=float(np.sqrt(logit)))
             kk = randn(k[1], (2, 1, 2, d), dtype, scale=float(np.sqrt(logit)))
@@ -253,14 +273,24 @@ class TestLargeLogits:
 
     def test_one_visible_key_dv_equals_do_exactly(self):
         k = keys(19, 4)
+        # One compiled (o, dv) a layout, run for every logit (traced afresh for each call it
+        # compiled the kernels six times).
+        def o_and_dv(layout):
+            def f(q, kk, v, do):
+                o, vjp = jax.vjp(lambda v: jaxfuse.flash_attention(q, kk, v, block_sizes=layout),
+                                 v)
+                return o, vjp(do)[0]
+            return jax.jit(f)
+
+        fs = [o_and_dv(layout) for layout in LAYOUTS.values()]
         for logit in (1e5, 1e7, 3e8):
             q = randn(k[0], (1, 1, 1, 16), scale=float(np.sqrt(logit)))
             kk = randn(k[1], (1, 1, 1, 16), scale=float(np.sqrt(logit)))
             v, do = randn(k[2], (1, 1, 1, 16)), randn(k[3], (1, 1, 1, 16))
-            for layout in LAYOUTS.values():
-                o, vjp = jax.vjp(lambda v: jaxfuse.flash_attention(q, kk, v, block_sizes=layout), v)
+            for f in fs:
+                o, dv = f(q, kk, v, do)
                 np.testing.assert_array_equal(o, v)
-                np.testing.assert_array_equal(vjp(do)[0], do)
+                np.testing.assert_array_equal(dv, do)
 
     @pytest.mark.parametrize("layout", list(LAYOUTS))
     def test_gradients_bounded_with_large_inputs(self, layout):
@@ -272,21 +302,25 @@ class TestLargeLogits:
         f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True,
                                                     block_sizes=LAYOUTS[layout])
         fr = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, impl="reference")
-        o, vjp = jax.vjp(f, q, kk, v)
-        o_r, vjp_r = jax.vjp(fr, q, kk, v)
+        o, grads = _vjp_jit(f, (q, kk, v), do)
+        o_r, grads_r = _vjp_jit(fr, (q, kk, v), do)
         np.testing.assert_allclose(o, o_r, atol=1e-5)
-        for g, g_r in zip(vjp(do), vjp_r(do)):
+        for g, g_r in zip(grads, grads_r):
             assert np.all(np.isfinite(g))
             # |P| <= 1: each gradient is bounded by the reference's scale of the problem.
             bound = 10 * (float(jnp.max(jnp.abs(g_r))) + 1.0)
             assert float(jnp.max(jnp.abs(g))) <= bound
-        np.testing.assert_allclose(vjp(do)[2], vjp_r(do)[2], atol=1e-4)
+        np.testing.assert_allclose(grads[2], grads_r[2], atol=1e-4)
 
 
 class TestBeamTopKNaN:
     """Class 5: NaN candidates follow `lax.top_k`'s order in both implementations (+NaN above
     +inf, -NaN below -inf): HARS retrieves by a key in that order, so a NaN neither poisons its
     row nor hides a candidate that ranks below it."""
+
+    # Compiled once for each k and implementation and shared by the six cases (an eager call
+    # traced the kernel afresh and compiled it again in each).
+    _top_k = staticmethod(jax.jit(jaxfuse.beam_top_k, static_argnums=2, static_argnames="impl"))
 
     @pytest.mark.parametrize("where", [[(0, 1, 3)], [(0, 0, 0), (1, 2, 9)], [(1, 1, 5), (1, 1, 6)]])
     @pytest.mark.parametrize("neg", [False, True])
@@ -297,8 +331,8 @@ class TestBeamTopKNaN:
             lp = lp.at[b, i, j].set(-jnp.nan if neg else jnp.nan)
         scores = randn(k[1], (2, 3))
         for kk in (1, 3, 5):
-            got = jaxfuse.beam_top_k(lp, scores, kk)
-            want = jaxfuse.beam_top_k(lp, scores, kk, impl="reference")
+            got = self._top_k(lp, scores, kk)
+            want = self._top_k(lp, scores, kk, impl="reference")
             for a, b in zip(got, want):
                 np.testing.assert_array_equal(a, b)
 
@@ -320,13 +354,16 @@ def _grad_shapes(f, *args):
         for i, a in zip(idx, fa):
             full[i] = a
         return sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(f(*full)))
-    return jax.grad(total, argnums=tuple(range(len(idx))))(*[args[i] for i in idx])
+    return jax.jit(jax.grad(total, argnums=tuple(range(len(idx)))))(*[args[i] for i in idx])
 
 
 class TestZeroSize:
     """Class 2: an empty batch returns an empty result, as jnp does, with empty gradients; a
     query over zero keys sees nothing (zeros, lse = -inf); what cannot be empty raises a
-    ValueError that names the input. Both implementations, handled once in the public op."""
+    ValueError that names the input. Both implementations, handled once in the public op.
+    The calls run compiled (jax.jit, also in `_grad_shapes`): eagerly each jnp op on each empty
+    shape compiled a program of its own, most of these tests' time; the public op routes the
+    empty input while tracing as it did while dispatching."""
 
     @pytest.mark.parametrize("impl", IMPLS)
     @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (2, 0, 4), (0,)])
@@ -337,7 +374,7 @@ class TestZeroSize:
                   lambda x: jaxfuse.softmax(x, causal=x.ndim > 1, mask=x > 0, impl=impl),
                   lambda x: jaxfuse.layer_norm(x, w, w, impl=impl),
                   lambda x: jaxfuse.rms_norm(x, w, impl=impl)):
-            y = f(x)
+            y = jax.jit(f)(x)
             assert y.shape == x.shape and y.dtype == x.dtype
             (g,) = _grad_shapes(f, x)
             assert g.shape == x.shape
@@ -345,13 +382,14 @@ class TestZeroSize:
     @pytest.mark.parametrize("impl", IMPLS)
     def test_losses(self, impl):
         x, lab = jnp.zeros((0, 5)), jnp.zeros((0,), jnp.int32)
+        ce, lce = (jax.jit(functools.partial(op, impl=impl), static_argnames="reduction")
+                   for op in (jaxfuse.cross_entropy, jaxfuse.linear_cross_entropy))
         for red, shape in (("mean", ()), ("sum", ()), ("none", (0,))):
-            loss = jaxfuse.cross_entropy(x, lab, reduction=red, impl=impl)
+            loss = ce(x, lab, reduction=red)
             assert loss.shape == shape and loss.dtype == jnp.float32
             assert shape or float(loss) == 0.0
-            loss = jaxfuse.linear_cross_entropy(jnp.zeros((2, 0, 8)), jnp.ones((8, 5)),
-                                                jnp.zeros((2, 0), jnp.int32), reduction=red,
-                                                impl=impl)
+            loss = lce(jnp.zeros((2, 0, 8)), jnp.ones((8, 5)), jnp.zeros((2, 0), jnp.int32),
+                       reduction=red)
             assert loss.shape == ((2, 0) if red == "none" else ())
         (g,) = _grad_shapes(lambda x: jaxfuse.cross_entropy(x, lab, impl=impl), x)
         assert g.shape == (0, 5)
@@ -374,7 +412,7 @@ class TestZeroSize:
                     randn(k[2], (b, tk, hkv, 8)))
         f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True, return_lse=True,
                                                     impl=impl)
-        o, lse = f(q, kk, v)
+        o, lse = jax.jit(f)(q, kk, v)
         assert o.shape == q.shape and lse.shape == (b, hq, tq) and lse.dtype == jnp.float32
         np.testing.assert_array_equal(o, 0.0)
         assert np.all(np.isneginf(lse))
@@ -386,12 +424,13 @@ class TestZeroSize:
     @pytest.mark.parametrize("impl", IMPLS)
     def test_decode_attention(self, impl):
         q = randn(keys(23, 1)[0], (2, 4, 8))
-        o, lse = jaxfuse.decode_attention(q, jnp.zeros((2, 0, 2, 8)), jnp.zeros((2, 0, 2, 8)),
-                                          jnp.array([3, 0]), return_lse=True, impl=impl)
+        f = jax.jit(functools.partial(jaxfuse.decode_attention, impl=impl),
+                    static_argnames="return_lse")
+        o, lse = f(q, jnp.zeros((2, 0, 2, 8)), jnp.zeros((2, 0, 2, 8)), jnp.array([3, 0]),
+                   return_lse=True)
         np.testing.assert_array_equal(o, 0.0)
         assert o.shape == q.shape and np.all(np.isneginf(lse))
-        o = jaxfuse.decode_attention(q[:0], jnp.ones((0, 5, 2, 8)), jnp.ones((0, 5, 2, 8)),
-                                     jnp.zeros((0,), jnp.int32), impl=impl)
+        o = f(q[:0], jnp.ones((0, 5, 2, 8)), jnp.ones((0, 5, 2, 8)), jnp.zeros((0,), jnp.int32))
         assert o.shape == (0, 4, 8)
 
     @pytest.mark.parametrize("impl", IMPLS)

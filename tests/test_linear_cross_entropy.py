@@ -1,3 +1,5 @@
+import functools
+
 import chex
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -21,45 +23,71 @@ OPTIONS = [dict(), dict(label_smoothing=0.1), dict(z_loss=1e-2),
            dict(logits_soft_cap=2.0, label_smoothing=0.2, z_loss=1e-3)]
 
 
-def _inputs(n, d, v, dtype=jnp.float32, seed=0):
-    k = keys(seed, 3)
-    x = randn(k[0], (n, d), dtype)
-    w = randn(k[1], (d, v), dtype, scale=0.3)
-    labels = jax.random.randint(k[2], (n,), 0, v)
+def _inputs(n, d, v, dtype=jnp.float32, seed=0, labels_at=None):
+    """x, w, labels; `labels_at` {token: label} sets some labels. Drawn by NumPy on the host
+    (normal x, normal w scaled by 0.3, uniform labels, one of them ignored): jax.random's eager
+    draws, and eager `.at[].set`, compiled an XLA program per new shape (~0.3 s a call)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d), np.float32).astype(dtype)
+    w = (0.3 * rng.standard_normal((d, v), np.float32)).astype(dtype)
+    labels = rng.integers(0, v, n, dtype=np.int32)
     if n > 2:
-        labels = labels.at[1].set(-100)
-    return x, w, labels
+        labels[1] = -100
+    for i, label in (labels_at or {}).items():
+        labels[i] = label
+    return jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels)
+
+
+# The reference is only the oracle: the tests jit it (one compiled program, where eager
+# dispatch compiled an executable per jnp op and shape); the kernels under test run as before.
+@functools.lru_cache(maxsize=None)
+def _bf16_case():
+    """The inputs of `_check_bf16_against_float32` and the float32 reference's loss and
+    gradients, computed once for both of its callers."""
+    x, w, labels = _inputs(64, 32, 1000, jnp.bfloat16, seed=2)
+    fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,  # noqa: E731
+                                                   impl="reference")
+    ref = jax.jit(jax.value_and_grad(fr, argnums=(0, 1)))(x.astype(jnp.float32),
+                                                          w.astype(jnp.float32))
+    return (x, w, labels), ref
 
 
 def _check_bf16_against_float32(test, blocks):
     """bf16 inputs: gradients in bf16, within 1e-2 of the float32 reference's."""
-    x, w, labels = _inputs(64, 32, 1000, jnp.bfloat16, seed=2)
+    (x, w, labels), (loss_r, (dx_r, dw_r)) = _bf16_case()
     f = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
                                                   block_sizes=blocks)
-    fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, label_smoothing=0.1,
-                                                   impl="reference")
     loss, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(x, w)
     test.assertEqual((dx.dtype, dw.dtype), (jnp.bfloat16, jnp.bfloat16))
-    loss_r, (dx_r, dw_r) = jax.value_and_grad(fr, argnums=(0, 1))(
-        x.astype(jnp.float32), w.astype(jnp.float32))
     rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
     test.assertLess(abs(float(loss) - float(loss_r)) / abs(float(loss_r)), 1e-3)
     test.assertLess(rel(dx, dx_r), 1e-2)
     test.assertLess(rel(dw, dw_r), 1e-2)
 
 
+# (case, options) pairs: every case with no option and with all three together (the soft cap
+# on every tiling: its fill-0 padding, slabs, one column, one token); label smoothing alone
+# (without the cap) where row tiles split a slab's columns (a padded column in its sum of
+# logits shows there), z-loss alone where slabs leave a narrower tail (its lse merged over
+# slabs). The reduction rotates over the list: every case meets at least two of the three,
+# every option the three or, alone, one.
+_CASE_OPTIONS = [(c, o) for c in range(len(CASES)) for o in (0, 3)] + [(1, 1), (4, 2)]
+
+
 class LinearCrossEntropyTest(chex.TestCase):
 
     @chex.variants(with_jit=True)
-    @parameterized.product(case=CASES, options=OPTIONS)
-    def test_matches_reference(self, case, options):
-        reduction = ("mean", "sum", "none")[(CASES.index(case) + OPTIONS.index(options)) % 3]
+    @parameterized.parameters(*[dict(case=CASES[c], options=OPTIONS[o],
+                                     reduction=("mean", "sum", "none")[i % 3])
+                                for i, (c, o) in enumerate(_CASE_OPTIONS)])
+    def test_matches_reference(self, case, options, reduction):
         n, d, v, blocks = case
         x, w, labels = _inputs(n, d, v, seed=n + v)
         kw = dict(options, reduction=reduction)
         f = self.variant(lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels,
                                                                    block_sizes=blocks, **kw))
-        fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, impl="reference", **kw)
+        fr = jax.jit(lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, impl="reference",
+                                                               **kw))
         y, vjp = jax.vjp(f, x, w)
         y_r, vjp_r = jax.vjp(fr, x, w)
         assert_close(y, y_r, jnp.float32, scale=10.0)
@@ -132,7 +160,8 @@ class TokenSlabTest(chex.TestCase):
         kw = dict(options, reduction=reduction)
         f = self.variant(lambda x, w: jaxfuse.linear_cross_entropy(
             x, w, labels, block_sizes=LCEBlocks(token_slab=token_slab), **kw))
-        fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, impl="reference", **kw)
+        fr = jax.jit(lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, impl="reference",
+                                                               **kw))
         (y, grads), (y_r, grads_r) = vjp_both(f, fr, (x, w), randn(keys(3, 1)[0], ()))
         assert_close(y, y_r, jnp.float32, scale=10.0)
         assert_close(grads, grads_r, jnp.float32, scale=10.0)
@@ -145,10 +174,11 @@ class TokenSlabTest(chex.TestCase):
         # the weight goes on in float32, so a scaled loss keeps the fused op's accuracy.
         x, w, labels = _inputs(8192, 16, 2048, seed=5)
         def grads(blocks, dtype):
-            return jax.grad(lambda x, w: 1024 * jaxfuse.linear_cross_entropy(
+            g = jax.grad(lambda x, w: 1024 * jaxfuse.linear_cross_entropy(
                 x, w, labels, block_sizes=blocks,
-                impl="reference" if dtype == jnp.float32 else "pallas"),
-                argnums=(0, 1))(x.astype(dtype), w.astype(dtype))
+                impl="reference" if dtype == jnp.float32 else "pallas"), argnums=(0, 1))
+            # The float32 reference jitted (see `_bf16_case`); the float16 op as before.
+            return (jax.jit(g) if dtype == jnp.float32 else g)(x.astype(dtype), w.astype(dtype))
         ref = grads(None, jnp.float32)
         for got in grads(LCEBlocks(token_slab=2048), jnp.float16):
             self.assertLess(_rel_err(got.astype(jnp.float32), ref[0] if got.shape == x.shape
@@ -212,71 +242,83 @@ class HopperTest(chex.TestCase):
     """The Hopper GEMMs (Pallas Mosaic GPU) of the forward and the backward, run by Mosaic GPU's
     interpreter."""
 
-    # N = 256 (two token tiles), D = 128 (two k steps), V = 1088: 1024 columns (two bands of
-    # 256-column CTA tiles) through the fused kernel, the last 64 through a cuBLAS-path slab.
-    # The forward's default schedule is ping-pong; one case runs it cooperative.
+    # N = 256 (two token tiles), D = 128 (two k steps: the backward is not Hopper's, D is not a
+    # multiple of 256), V = 576: 512 columns (two 256-column CTA tiles, so each of the 2 CTAs of
+    # the interpreter, or each warpgroup ping-ponged, takes two tiles) through the fused kernel,
+    # the last 64 through a cuBLAS-path slab. The forward's default schedule is ping-pong; one
+    # case runs it cooperative. The bf16 case without options that ran here too is in
+    # test_backward_matches_the_slab_path_and_the_reference: bf16 ping-ponged without a soft
+    # cap (its third case) and with reduction="sum" (its first), each forward checked there
+    # against the cuBLAS path and the reference.
     @parameterized.parameters(
-        (jnp.bfloat16, dict(reduction="sum"), True),
         (jnp.float16, dict(reduction="sum"), True),
         (jnp.bfloat16, dict(label_smoothing=0.1, z_loss=1e-3, logits_soft_cap=3.0), True),
         (jnp.float16, dict(label_smoothing=0.1, z_loss=1e-3, logits_soft_cap=3.0),
          Tiles(schedule="cooperative")))
     def test_matches_the_slab_path_and_the_reference(self, dtype, options, hopper):
-        n, d, v = 256, 128, 1088
-        x, w, labels = _inputs(n, d, v, dtype, seed=7)
-        labels = labels.at[5].set(v - 3).at[6].set(1023).at[7].set(1024)   # around the seam
+        n, d, v = 256, 128, 576
+        x, w, labels = _inputs(n, d, v, dtype, seed=7,
+                               labels_at={5: v - 3, 6: 511, 7: 512})   # around the seam
         f = lambda hopper: lambda x, w: jaxfuse.linear_cross_entropy(  # noqa: E731
             x, w, labels, block_sizes=LCEBlocks(slab=128, hopper=hopper), **options)
         f_hopper = f(hopper)
         self.assertTrue(_uses_hopper_kernel(f_hopper, x, w))
         self.assertFalse(_uses_hopper_kernel(f(False), x, w))
         y, vjp = jax.vjp(f_hopper, x, w)
-        y_s, vjp_s = jax.vjp(f(False), x, w)
+        y_s, vjp_s = jax.vjp(jax.jit(f(False)), x, w)     # the cuBLAS path, one program
         # The same logits rounded the same way; only the float32 summation order differs.
         np.testing.assert_allclose(float(y), float(y_s), rtol=1e-5)
         ct = jnp.asarray(1.7, jnp.float32)
         assert_close(vjp(ct), vjp_s(ct), dtype)
         fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, impl="reference",  # noqa: E731
                                                        **options)
-        y_r = fr(x.astype(jnp.float32), w.astype(jnp.float32))
+        y_r = jax.jit(fr)(x.astype(jnp.float32), w.astype(jnp.float32))
         self.assertLess(abs(float(y) - float(y_r)) / abs(float(y_r)), 1e-3)
 
     # D = 256 (whole [128, 256] dx tiles): the backward runs its dz, dx and dW GEMMs as well.
-    # Slabs of 256 columns (four trips of the loop, the offset read by the kernel) or of 768
-    # (one trip, then 256 columns in a call of their own); the last 64 of V = 1088 take the
-    # cuBLAS path in both directions. The backward's default ping-pongs dz and runs dx and dW
+    # Slabs of 256 columns (two trips of the loop, the offset read by the kernel), of 512 (one
+    # trip, then the 256 columns left in a call of their own) or of 512 with nothing left; the
+    # last 64 of V = 576 or 832 take the cuBLAS path in both directions. Every call keeps at
+    # least two tiles per CTA (the interpreter runs 2), and a ping-ponged GEMM of a 512-column
+    # slab deals each warpgroup two. The backward's default ping-pongs dz and runs dx and dW
     # cooperative; one case runs every GEMM cooperative, one every GEMM ping-pong.
     @parameterized.parameters(
-        (256, jnp.bfloat16, dict(reduction="sum"), Tiles(schedule="cooperative")),
-        (768, jnp.float16, dict(label_smoothing=0.1, z_loss=1e-3, logits_soft_cap=3.0), True),
-        (512, jnp.bfloat16, dict(label_smoothing=0.1, z_loss=1e-3),
+        (256, 576, jnp.bfloat16, dict(reduction="sum"), Tiles(schedule="cooperative")),
+        (512, 832, jnp.float16, dict(label_smoothing=0.1, z_loss=1e-3, logits_soft_cap=3.0),
+         True),
+        (512, 576, jnp.bfloat16, dict(label_smoothing=0.1, z_loss=1e-3),
          Tiles(schedule="pingpong")))
-    def test_backward_matches_the_slab_path_and_the_reference(self, slab, dtype, options,
+    def test_backward_matches_the_slab_path_and_the_reference(self, slab, v, dtype, options,
                                                              hopper):
-        n, d, v = 256, 256, 1088
-        x, w, labels = _inputs(n, d, v, dtype, seed=slab)
-        labels = labels.at[5].set(v - 3).at[6].set(1023).at[7].set(1024).at[8].set(slab)
+        n, d = 256, 256
+        v_h = v // 256 * 256                     # the columns the Hopper GEMMs take
+        x, w, labels = _inputs(n, d, v, dtype, seed=slab + v,
+                               labels_at={5: v - 3, 6: v_h - 1, 7: v_h, 8: slab})
         f = lambda hopper: lambda x, w: jaxfuse.linear_cross_entropy(  # noqa: E731
             x, w, labels, block_sizes=LCEBlocks(slab=slab, hopper=hopper), **options)
         program = str(jax.make_jaxpr(jax.grad(f(hopper), argnums=(0, 1)))(x, w))
-        for name in _BACKWARD_KERNELS:
+        for name in ("jaxfuse_linear_cross_entropy_fwd_hopper", *_BACKWARD_KERNELS):
             self.assertIn(name, program)
         ct = jax.random.uniform(keys(slab, 1)[0], (), jnp.float32, 0.5, 2.0)
-        (y, g), (y_s, g_s) = vjp_both(f(hopper), f(False), (x, w), ct)
+        # The cuBLAS path jitted: one program.
+        (y, g), (y_s, g_s) = vjp_both(f(hopper), jax.jit(f(False)), (x, w), ct)
         np.testing.assert_allclose(float(y), float(y_s), rtol=1e-5)
         # The same dz rounded the same way; the float32 sums of dx and dW in another order.
         assert_close(g, g_s, dtype)
         fr = lambda x, w: jaxfuse.linear_cross_entropy(x, w, labels, impl="reference",  # noqa: E731
                                                        **options)
-        f32 = [a.astype(jnp.float32) for a in (x, w)]
-        _, g_r = vjp_both(fr, fr, f32, ct)[0]
-        for a, b in zip(g, g_r):
+        # The reference once (vjp_both ran it twice), jitted.
+        y_r, vjp_r = jax.vjp(jax.jit(fr), *[a.astype(jnp.float32) for a in (x, w)])
+        # The forward against the float32 reference too, as test_matches_the_slab_path_...
+        self.assertLess(abs(float(y) - float(y_r)) / abs(float(y_r)), 1e-3)
+        for a, b in zip(g, vjp_r(ct)):
             self.assertLess(_rel_err(a, b), 1e-2)
 
-    @parameterized.parameters(192, 320)
-    def test_backward_with_fewer_columns_than_a_tile(self, v):
-        # V = 192: no whole 256-column CTA tile, everything on the cuBLAS path; V = 320: one
-        # tile through the kernels (in one call: the default slab is wider), 64 columns after.
+    def test_backward_with_fewer_columns_than_a_tile(self):
+        # V = 192: no whole 256-column CTA tile, everything on the cuBLAS path (the default
+        # slab). One tile through the kernels and 64 columns after (V = 320) is
+        # test_backward_under_vmap_runs_example_by_example's shape, checked there.
+        v = 192
         x, w, labels = _inputs(128, 256, v, jnp.bfloat16, seed=v)
         g = [jax.grad(lambda x, w, h=h: jaxfuse.linear_cross_entropy(
             x, w, labels, block_sizes=LCEBlocks(hopper=h)), argnums=(0, 1))(x, w)
@@ -288,11 +330,17 @@ class HopperTest(chex.TestCase):
         # V = 320: one 256-column slab through the kernels, 64 columns on the cuBLAS path.
         x, w, labels = _inputs(2 * 128, 256, 320, jnp.bfloat16, seed=3)
         x, labels = x.reshape(2, 128, 256), labels.reshape(2, 128)
-        f = jax.value_and_grad(lambda x, w, y: jaxfuse.linear_cross_entropy(
-            x, w, y, block_sizes=LCEBlocks(slab=256, hopper=True)), argnums=(0, 1))
-        batched = jax.jit(jax.vmap(f, in_axes=(0, None, 0)))(x, w, labels)
-        one_by_one = [jax.jit(f)(x[i], w, labels[i]) for i in range(2)]
+        f = lambda hopper: jax.value_and_grad(  # noqa: E731
+            lambda x, w, y: jaxfuse.linear_cross_entropy(
+                x, w, y, block_sizes=LCEBlocks(slab=256, hopper=hopper)), argnums=(0, 1))
+        batched = jax.jit(jax.vmap(f(True), in_axes=(0, None, 0)))(x, w, labels)
+        one_by_one = [jax.jit(f(True))(x[i], w, labels[i]) for i in range(2)]
         chex.assert_trees_all_equal(batched, jax.tree.map(lambda *a: jnp.stack(a), *one_by_one))
+        # Each example's Hopper gradients are the cuBLAS path's (what the V = 320 case of
+        # test_backward_with_fewer_columns_than_a_tile checked on its own run of the kernels).
+        cublas = jax.jit(f(False))                                   # compiled once
+        for i in range(2):
+            assert_close(one_by_one[i], cublas(x[i], w, labels[i]), jnp.bfloat16)
 
     def test_shape_rules(self):
         x, w, labels = _inputs(256, 128, 1088, jnp.bfloat16)

@@ -34,6 +34,17 @@ def bench(fn, arg_sets, *, reps: int = 20, repeats: int = 5, warmup: int = 2) ->
     return statistics.median(times)
 
 
+def interleaved(fns: dict, arg_sets, rounds: int, **bench_kw) -> dict:
+    """{name: [seconds per call, one per round]}: every function of `fns` timed by `bench` once
+    a round, in turn, so that each sees the same clock (the H200's moves under its power cap
+    by ~10% between back-to-back timings of one function)."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn, arg_sets, **bench_kw))
+    return times
+
+
 def temp_bytes(fn, *args) -> int | None:
     try:
         return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)

@@ -6,6 +6,12 @@ default in one run, with the reference's call as the issue's yardstick.
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py [OUT.json]
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py profile [OUT_DIR]
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py ratio [OUT.json]
+
+`DECODE_VARIANTS=default,no split-K` picks variants by name (all of them by default). `ratio`
+times jaxfuse's greedy call and the reference's interleaved, `ROUNDS` (7) rounds, and records
+the median of the per-round ratios: the two calls' times move by 6-10% between runs (the
+H200's clock under its power cap), so back-to-back medians straddled the issue's 2x.
 
 A step of ~10 launches per layer takes 3.3-3.5x its bytes floor (BENCHMARKS.md); if the gaps
 between small kernels are part of that, graphs shorten the step; if the kernels' own latency
@@ -35,6 +41,15 @@ VARIANTS = {
     # L2; in the loop every weight arrives cold. cuBLAS's small-M kernels instead (s19-2:
     # 107.5 ms against 88.8; jax 0.11.2's XLA has no option to turn split-K off alone).
     "cuBLAS GEMMs": {"xla_gpu_enable_triton_gemm": False},
+    # Split-K cuts a 32-row GEMM's K so that more CTAs stream the weights, and adds a launch:
+    # the reduction, into which XLA fuses RoPE, SwiGLU and add + norm (~2 us each, ~60 us a
+    # step in s13-4). Forced off, the epilogues fuse into the GEMM; fewer CTAs each stream a
+    # longer column slab. Predicted: -1 launch per projection (~28 a step), GEMMs slower by
+    # less than the reductions cost, if the per-SM stream keeps up.
+    "no split-K": {"xla_gpu_experimental_force_split_k": 1},
+    # No autotuning: XLA's heuristic tile per GEMM (timed warm in L2 by the autotuner, a
+    # step's weights arrive cold).
+    "autotune off": {"xla_gpu_autotune_level": 0},
 }
 
 
@@ -53,9 +68,12 @@ def profile(out_dir: str | None):
     import os
     from benchmarks._profile import gaps, report
     cfg, params, prompts, lengths = _setup()
-    f = jax.jit(lambda p, x, l: M.greedy(p, cfg, x, l, max_new_tokens=32, eos_id=-1))
-    report("decode", "greedy pallas kernels (prefill + 31 steps)", f, (params, prompts, lengths),
-           top=30)
+    # DECODE_VARIANTS names one variant to profile (the default if unset)
+    name = os.environ.get("DECODE_VARIANTS", "default").split(",")[0]
+    f = jax.jit(lambda p, x, l: M.greedy(p, cfg, x, l, max_new_tokens=32, eos_id=-1),
+                compiler_options=VARIANTS[name] or None)
+    report("decode", f"greedy pallas kernels (prefill + 31 steps) [{name}]", f,
+           (params, prompts, lengths), top=30)
     gaps(f, (params, prompts, lengths), top=16)
     if out_dir:
         text = f.lower(params, prompts, lengths).compile().as_text()
@@ -63,16 +81,43 @@ def profile(out_dir: str | None):
             fh.write(text)
 
 
+def ratio(out: str | None, rounds: int = 7):
+    """jaxfuse's greedy call against the reference's, interleaved (see the module doc)."""
+    import statistics
+    b, prompt, new = 32, 512, 256
+    cfg, params, prompts, lengths = _setup(b, prompt, new)
+    fns = {impl: jax.jit(lambda p, x, l, impl=impl: M.greedy(p, cfg, x, l, max_new_tokens=new,
+                                                           eos_id=-1, impl=impl))
+           for impl in ("pallas", "reference")}
+    times = _timing.interleaved(fns, [(params, prompts, lengths)], rounds, reps=1, repeats=3,
+                                warmup=1)
+    for impl, ts in times.items():
+        record("decode", f"greedy B{b} P{prompt} new{new} interleaved x{rounds}", impl,
+               statistics.median(ts), tokens_per_s=b * new / statistics.median(ts),
+               spread=(max(ts) - min(ts)) / statistics.median(ts))
+    ratios = [r / p for r, p in zip(times["reference"], times["pallas"])]
+    record("decode", "greedy: jaxfuse vs reference, interleaved", "pallas", None,
+           speedup=statistics.median(ratios), lowest=min(ratios), highest=max(ratios))
+    _timing.save(out)
+
+
 def main():
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
     if sys.argv[1:2] == ["profile"]:
         profile(sys.argv[2] if len(sys.argv) > 2 else None)
         return
+    if sys.argv[1:2] == ["ratio"]:
+        import os
+        ratio(sys.argv[2] if len(sys.argv) > 2 else None, int(os.environ.get("ROUNDS", 7)))
+        return
+    import os
+    picked = os.environ.get("DECODE_VARIANTS")
+    variants = ({n: VARIANTS[n] for n in picked.split(",")} if picked else VARIANTS)
     b, prompt, new = 32, 512, 256
     cfg, params, prompts, lengths = _setup(b, prompt, new)
     base = {}
     for impl in ("pallas", "reference"):
-        for name, opts in VARIANTS.items():
+        for name, opts in variants.items():
             if impl == "reference" and name != "default":
                 continue
 

@@ -33,9 +33,19 @@ def _no_accelerator_plugin() -> bool:
 # inherits it through the environment), and only where jax can start nothing but its CPU
 # backend, so a GPU run of this suite compiles as it always did.
 _CPU_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+# Mosaic GPU's interpreter runs a CTA's warpgroups as Python threads, each executing its
+# compiled body, whose barrier waits are io_callbacks that block until every warpgroup has
+# arrived. XLA:CPU runs some of those callbacks on its intra-op thread pool, one thread a core
+# by default: on a 2-core machine two blocked waits filled the pool, the third warpgroup's
+# callback queued behind them and the suite hung (seen once in s23, test_attention_hopper's
+# forward: 4 warpgroups, 2 waiting on the pool's 2 threads, 1 queued). A pool of 16 threads
+# (read by XLA's CPU client when it starts, from PJRT_NPROC) leaves a free thread for every
+# warpgroup of the largest CTA (4) twice over; idle threads cost nothing.
+_CPU_POOL_THREADS = "16"
 if _no_accelerator_plugin():
     _flags = os.environ.get("XLA_FLAGS", "").split()
     os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _CPU_XLA_FLAGS if f not in _flags])
+    os.environ.setdefault("PJRT_NPROC", _CPU_POOL_THREADS)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -7,6 +7,7 @@ default in one run, with the reference's call as the issue's yardstick.
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py [OUT.json]
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py profile [OUT_DIR]
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py ratio [OUT.json]
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py sync [OUT.json]
 
 `DECODE_VARIANTS=default,no split-K` picks variants by name (all of them by default). `ratio`
 times jaxfuse's greedy call and the reference's interleaved, `ROUNDS` (7) rounds, and records
@@ -73,7 +74,7 @@ def profile(out_dir: str | None):
     f = jax.jit(lambda p, x, l: M.greedy(p, cfg, x, l, max_new_tokens=32, eos_id=-1),
                 compiler_options=VARIANTS[name] or None)
     report("decode", f"greedy pallas kernels (prefill + 31 steps) [{name}]", f,
-           (params, prompts, lengths), top=30)
+           (params, prompts, lengths), top=int(os.environ.get("DECODE_TOP", 30)))
     gaps(f, (params, prompts, lengths), top=16)
     if out_dir:
         text = f.lower(params, prompts, lengths).compile().as_text()
@@ -81,23 +82,74 @@ def profile(out_dir: str | None):
             fh.write(text)
 
 
-def ratio(out: str | None, rounds: int = 7):
-    """jaxfuse's greedy call against the reference's, interleaved (see the module doc)."""
+def _sm_clock() -> str:
+    """The SM clock now (MHz), as nvidia-smi reports it; '' where it cannot."""
+    import subprocess
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return ""
+
+
+def ratio(out: str | None, rounds: int = 7, settle_s: float = 0.0):
+    """jaxfuse's greedy call against the reference's, interleaved (see the module doc). With
+    `settle_s` (DECODE_SETTLE_S), each call first runs alone for that long before it is timed,
+    so that each is timed at the clock its own load holds (the H200 lowers its clock under the
+    reference's heavier load, and a call timed right after it inherits that clock)."""
     import statistics
+    import time
     b, prompt, new = 32, 512, 256
     cfg, params, prompts, lengths = _setup(b, prompt, new)
     fns = {impl: jax.jit(lambda p, x, l, impl=impl: M.greedy(p, cfg, x, l, max_new_tokens=new,
                                                            eos_id=-1, impl=impl))
            for impl in ("pallas", "reference")}
-    times = _timing.interleaved(fns, [(params, prompts, lengths)], rounds, reps=1, repeats=3,
-                                warmup=1)
+    args = (params, prompts, lengths)
+    if settle_s:
+        times = {impl: [] for impl in fns}
+        for _ in range(rounds):
+            for impl, fn in fns.items():
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < settle_s:
+                    jax.block_until_ready(fn(*args))
+                clock = _sm_clock()
+                times[impl].append(bench(fn, [args], reps=1, repeats=5, warmup=0))
+                print(f"  {impl}: {times[impl][-1] * 1e3:.3f} ms at SM clock {clock}",
+                      flush=True)
+    else:
+        times = _timing.interleaved(fns, [args], rounds, reps=1, repeats=3, warmup=1)
+    label = f"interleaved x{rounds}" + (f", {settle_s:g} s alone first" if settle_s else "")
     for impl, ts in times.items():
-        record("decode", f"greedy B{b} P{prompt} new{new} interleaved x{rounds}", impl,
+        record("decode", f"greedy B{b} P{prompt} new{new} {label}", impl,
                statistics.median(ts), tokens_per_s=b * new / statistics.median(ts),
                spread=(max(ts) - min(ts)) / statistics.median(ts))
     ratios = [r / p for r, p in zip(times["reference"], times["pallas"])]
-    record("decode", "greedy: jaxfuse vs reference, interleaved", "pallas", None,
+    record("decode", f"greedy: jaxfuse vs reference, {label}", "pallas", None,
            speedup=statistics.median(ratios), lowest=min(ratios), highest=max(ratios))
+    _timing.save(out)
+
+
+def sync(out: str | None, rounds: int = 5):
+    """`steps_per_sync` (decoding steps between two host checks of the early stop) for
+    jaxfuse's greedy call and the reference's, interleaved: s23-1's profile showed ~0.13 ms of
+    idle GPU around each check (the condition's copy to the host and the next burst's launch),
+    ~10% of a jaxfuse step at 8 steps a check."""
+    import statistics
+    b, prompt, new = 32, 512, 256
+    cfg, params, prompts, lengths = _setup(b, prompt, new)
+    fns = {}
+    for impl, counts in (("pallas", (8, 16, 32, 64)), ("reference", (8, 32))):
+        for n in counts:
+            fns[(impl, n)] = jax.jit(lambda p, x, l, impl=impl, n=n: M.greedy(
+                p, cfg, x, l, max_new_tokens=new, eos_id=-1, impl=impl, steps_per_sync=n))
+    times = _timing.interleaved(fns, [(params, prompts, lengths)], rounds, reps=1, repeats=3,
+                                warmup=1)
+    med = {k: statistics.median(ts) for k, ts in times.items()}
+    for (impl, n), t in med.items():
+        record("decode", f"greedy B{b} P{prompt} new{new} interleaved x{rounds}",
+               f"{impl} steps_per_sync={n}", t, tokens_per_s=b * new / t,
+               vs_reference_at_same=(med[("reference", n)] / t
+                                     if ("reference", n) in med and impl == "pallas" else None))
     _timing.save(out)
 
 
@@ -106,9 +158,14 @@ def main():
     if sys.argv[1:2] == ["profile"]:
         profile(sys.argv[2] if len(sys.argv) > 2 else None)
         return
+    if sys.argv[1:2] == ["sync"]:
+        import os
+        sync(sys.argv[2] if len(sys.argv) > 2 else None, int(os.environ.get("ROUNDS", 5)))
+        return
     if sys.argv[1:2] == ["ratio"]:
         import os
-        ratio(sys.argv[2] if len(sys.argv) > 2 else None, int(os.environ.get("ROUNDS", 7)))
+        ratio(sys.argv[2] if len(sys.argv) > 2 else None, int(os.environ.get("ROUNDS", 7)),
+              float(os.environ.get("DECODE_SETTLE_S", 0)))
         return
     import os
     picked = os.environ.get("DECODE_VARIANTS")

@@ -3,7 +3,8 @@ profiler: jaxfuse.rope at decoding shapes (B=32 tokens, one position each) and a
 shapes, across tiles, against the same rotation written in jax.numpy under jax.jit; and
 beam_top_k (HARS) against lax.top_k at beam search's shapes: time, and bitwise agreement on
 random, tied and NaN input (with how lax.top_k orders NaN, +-inf and +-0 on this backend); and
-decode_attention at decoding shapes across tiles and split counts.
+decode_attention at decoding shapes across tiles and split counts; and what a chain of
+dependent launches costs (`launch_chain`).
 
     PYTHONPATH=. python benchmarks/decode_probe.py [top_k_order beam_top_k rope decode_attention]
 """
@@ -130,9 +131,19 @@ def decode_attention_cold():
     want = jaxfuse.decode_attention(q, kcs[-1], vcs[-1], lengths, impl="reference")
     print(f"decode_attention cold B{b} S{s} len{n} Hq{hq} Hkv{hkv} D64: "
           f"{2 * b * n * hkv * 64 * 2 / 1e6:.1f} MB a call")
+    # s13-5 swept splits (None, 2, 4) x bk (128, 256) x warps (4, 8) x stages (2, 3, 4): the
+    # default best. DECODE_COLD=warps (s23) sweeps fewer warps a program (1, 2, 4: the
+    # softmax's row reductions within fewer warps, the one program an SM keeping the same
+    # loads in flight) x bk (64, 128, 256) x stages (2, 3, 4), one split.
+    if os.environ.get("DECODE_COLD") == "warps":
+        grid = ((None,), (64, 128, 256), (1, 2, 4), (2, 3, 4))
+    elif os.environ.get("DECODE_COLD") == "splits":   # each launch's own time printed too
+        grid = ((None, 2, 4), (128,), (4,), (3, 4))
+    else:
+        grid = ((None, 2, 4), (128, 256), (4, 8), (2, 3, 4))
     rows = [(f"splits={sp} bk={bk} warps={nw} stages={st}", sp,
              DecodeBlocks(block_k=bk, num_warps=nw, num_stages=st))
-            for sp in (None, 2, 4) for bk in (128, 256) for nw in (4, 8) for st in (2, 3, 4)]
+            for sp in grid[0] for bk in grid[1] for nw in grid[2] for st in grid[3]]
     for name, sp, blk in rows:
         f = jax.jit(lambda q, kcs, vcs, n, sp=sp, blk=blk: [jaxfuse.decode_attention(
             q, kc, vc, n, num_splits=sp, block_sizes=blk) for kc, vc in zip(kcs, vcs)])
@@ -144,6 +155,9 @@ def decode_attention_cold():
             launches = sum(c for _, c, _ in kt) / copies
             print(f"  {name:36s} {us:8.2f} us a call in {launches:.0f} launches, "
                   f"max err {err:.2e}")
+            if launches > 1:
+                for kname, count, ms in kt:
+                    print(f"      {kname[:48]:48s} {ms * 1e3 / copies:8.2f} us a call")
         except Exception as e:   # a tile that does not compile is a result, not a stop
             print(f"  {name:36s} failed: {type(e).__name__}: {str(e)[:120]}")
 
@@ -220,10 +234,50 @@ def reorder():
               + ", ".join(f"{n[:30]} x{c} {ms * 1e3:.1f}" for n, c, ms in kt[:4]))
 
 
+
+
+def launch_chain():
+    """What a chain of dependent launches costs, the way a decoding step is made (s23): n
+    kernels, each reading what the previous one wrote, in one jitted call (XLA puts them in a
+    CUDA graph, as it does the step's). (a) n tiny elementwise kernels on [32, 1024] float32
+    (`optimization_barrier` keeps XLA from fusing them): the per-kernel floor of a step of
+    small launches. (b) n [32, 1024] x [1024, 1024] bf16 matmuls, each with its own 2 MiB
+    weight (n x 2 MiB > L2: the weights arrive cold, as a step's do), XLA's choice of kernel:
+    the o projection of the 157M model, with everything a dependent matmul costs."""
+    import time
+    from benchmarks._timing import bench
+
+    def per_call(f, args):
+        return bench(jax.jit(f), [args], reps=20, repeats=5, warmup=2)
+
+    x = jax.random.normal(jax.random.key(0), (32, 1024), jnp.float32)
+    for n in (16, 64):
+        def chain(x, n=n):
+            for _ in range(n):
+                x = jax.lax.optimization_barrier(x * 1.0001 + 1e-4)
+            return x
+        t = per_call(chain, (x,))
+        print(f"launch_chain elementwise n={n:3d}: {t * 1e6:8.1f} us a call, "
+              f"{t * 1e6 / n:6.2f} us a kernel", flush=True)
+    xb = x.astype(jnp.bfloat16)
+    for n in (16, 64):
+        ws = jax.random.normal(jax.random.key(1), (n, 1024, 1024), jnp.bfloat16) * 0.03
+
+        def gemms(x, ws, n=n):
+            for i in range(n):
+                x = jax.lax.optimization_barrier((x @ ws[i]).astype(jnp.bfloat16))
+            return x
+        t0 = time.perf_counter()
+        t = per_call(gemms, (xb, ws))
+        print(f"launch_chain matmul 32x1024x1024 n={n:3d}: {t * 1e6:8.1f} us a call, "
+              f"{t * 1e6 / n:6.2f} us a matmul ({2 * 2 ** 20 / (t / n) / 1e12:.2f} TB/s of "
+              f"weights; set up {time.perf_counter() - t0:.0f} s)", flush=True)
+
+
 SECTIONS = {"top_k_order": top_k_order, "beam_top_k": beam_top_k, "rope": rope_kernels,
             "decode_attention": decode_attention_kernels, "decode_append": decode_append,
             "decode_attention_cold": decode_attention_cold,
-            "reorder": reorder}
+            "reorder": reorder, "launch_chain": launch_chain}
 
 
 def main():

@@ -36,12 +36,15 @@ def bench(fn, arg_sets, *, reps: int = 20, repeats: int = 5, warmup: int = 2) ->
 
 def interleaved(fns: dict, arg_sets, rounds: int, **bench_kw) -> dict:
     """{name: [seconds per call, one per round]}: every function of `fns` timed by `bench` once
-    a round, in turn, so that each sees the same clock (the H200's moves under its power cap
-    by ~10% between back-to-back timings of one function)."""
+    a round, in a rotating order, so that each sees the same clock (the H200's moves under its
+    power cap by ~10% between back-to-back timings of one function)."""
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(bench(fn, arg_sets, **bench_kw))
+    order = list(fns)
+    for r in range(rounds):
+        # The order rotates each round: no function always runs right after the same one
+        # (lce.py's runs 34-36: the one right after XLA's step read 3-4% slower).
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            times[name].append(bench(fns[name], arg_sets, **bench_kw))
     return times
 
 

@@ -139,17 +139,6 @@ def decode_attention_cold():
         grid = ((None,), (64, 128, 256), (1, 2, 4), (2, 3, 4))
     elif os.environ.get("DECODE_COLD") == "splits":   # each launch's own time printed too
         grid = ((None, 2, 4), (128,), (4,), (3, 4))
-    elif os.environ.get("DECODE_COLD") == "layout":
-        return _cold_layout(q, kcs, vcs, lengths, want, copies)
-    elif os.environ.get("DECODE_COLD") == "reduce":   # `_REDUCE_GQA`: rows by multiply-reduce
-        from unittest import mock
-        from jaxfuse.pallas import decode_attention as DA
-        with mock.patch.object(DA, "_REDUCE_GQA", True):
-            os.environ["DECODE_COLD"] = "reduce-grid"
-            decode_attention_cold()
-        return
-    elif os.environ.get("DECODE_COLD") == "reduce-grid":
-        grid = ((None, 2), (32, 64, 128), (4, 8), (3,))
     else:
         grid = ((None, 2, 4), (128, 256), (4, 8), (2, 3, 4))
     rows = [(f"splits={sp} bk={bk} warps={nw} stages={st}", sp,
@@ -171,30 +160,6 @@ def decode_attention_cold():
                     print(f"      {kname[:48]:48s} {ms * 1e3 / copies:8.2f} us a call")
         except Exception as e:   # a tile that does not compile is a result, not a stop
             print(f"  {name:36s} failed: {type(e).__name__}: {str(e)[:120]}")
-
-
-def _cold_layout(q, kcs, vcs, lengths, want, copies):
-    """The same caches head-major ([B, Hkv, S, D]: each program reads one contiguous slab)
-    against the model's [B, S, Hkv, D] (128-byte key rows at a 512-byte stride), through the
-    kernel's private entry (`decode_attention._HEAD_MAJOR`; the public op takes [B, S, Hkv, D])."""
-    from unittest import mock
-
-    from benchmarks._profile import kernel_times
-    from jaxfuse.pallas import decode_attention as DA
-    for head_major in (False, True):
-        ks, vs = ([jnp.swapaxes(c, 1, 2) for c in cs] if head_major else cs
-                  for cs in (kcs, vcs))
-        ks, vs = jax.block_until_ready((ks, vs))   # laid out before the timing
-        with mock.patch.object(DA, "_HEAD_MAJOR", head_major):
-            f = jax.jit(lambda q, ks, vs, n: [DA._decode(
-                q, kc, vc, n, scale=None, num_splits=None, logits_soft_cap=None,
-                interpret=False, blocks=DA.DecodeBlocks())[0] for kc, vc in zip(ks, vs)])
-            err = float(jnp.max(jnp.abs(f(q, ks, vs, lengths)[-1].astype(jnp.float32)
-                                        - want.astype(jnp.float32))))
-            kt = kernel_times(f, (q, ks, vs, lengths), reps=5)
-        us = sum(ms for name, _, ms in kt if "decode" in name) * 1e3 / copies
-        print(f"  head_major={head_major}: attention kernel {us:8.2f} us a call, "
-              f"max err {err:.2e}", flush=True)
 
 
 def decode_append():

@@ -99,10 +99,6 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: 
             s = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=-1)[..., None, :]
             pv_of = lambda p: jnp.sum(jnp.swapaxes(p, -1, -2) * v.astype(jnp.float32),
                                       axis=-2, keepdims=True)                 # [..., 1, Dp]
-        elif _REDUCE_GQA and not spec.folded:   # the diagnostic below: 3-D multiply-reduces
-            s = jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None],
-                        axis=-1)                                              # [bh, bk]
-            pv_of = lambda p: jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None], axis=1)
         else:
             s = A.dot(q, k, "...hd,...kd->...hk")                             # [..., bh, bk]
             pv_of = lambda p: A.dot(p.astype(v.dtype), v, "...hk,...kd->...hd")
@@ -196,16 +192,6 @@ def _inference_op(run):
     return op
 
 
-# A diagnostic (benchmarks/decode_probe.py, DECODE_COLD=layout), read while `_decode` traces
-# on the GPU without an append: caches given head-major, [B, Hkv, S, D], so that each program's
-# keys and values are one contiguous [S, D] slab instead of 128-byte rows at a stride of Hkv rows.
-_HEAD_MAJOR = False
-# A diagnostic (DECODE_COLD=reduce), read while `_decode` traces on the GPU: a group's G query
-# rows as G rows (padded to a power of two, not to Triton's 16-row matmul minimum), their
-# scores and P V as multiply-reduces instead of matrix-unit products.
-_REDUCE_GQA = False
-
-
 def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_splits,
             logits_soft_cap, interpret, blocks: DecodeBlocks, packed=False):
     """(o [B, Hq, D] in q's dtype, float32 lse [B, Hq]) over the first `lengths` keys (clipped
@@ -213,8 +199,6 @@ def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_
     heads then k_new's then v_new's), also over the new key where `lengths` lies in [0, S),
     written there in the returned caches (in place)."""
     s_len, hkv = k_cache.shape[1], k_cache.shape[2]
-    if _HEAD_MAJOR:
-        hkv, s_len = k_cache.shape[1], k_cache.shape[2]
     b, hq, d = q.shape
     hq -= 2 * hkv if packed else 0
     g = hq // hkv
@@ -229,8 +213,6 @@ def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_
     split_len = bk * C.cdiv(C.cdiv(s_len, num_splits), bk)   # whole tiles; trailing splits may be empty
     # One query row needs no matmul tile; G >= 2 rows are padded to Triton's 16-row minimum.
     bh = g if folded else (1 if g == 1 else max(16, C.next_pow2(g)))
-    if _REDUCE_GQA and not folded:
-        bh = C.next_pow2(g)
     kernel = functools.partial(_kernel, spec=spec, bh=bh, bk=bk, split_len=split_len,
                                append=append)
     # One split (a short cache, or enough sequences to fill the GPU without splitting): its
@@ -260,10 +242,6 @@ def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_
     else:
         grid = (b, hkv, num_splits)
         cache_spec = pl.BlockSpec((None, s_len, None, dp), lambda b_, h, s: (b_, 0, h, 0))
-        if _HEAD_MAJOR:
-            if append:
-                raise NotImplementedError("_HEAD_MAJOR is a read-only diagnostic")
-            cache_spec = pl.BlockSpec((None, None, s_len, dp), lambda b_, h, s: (b_, h, 0, 0))
         row_spec = pl.BlockSpec((None,), lambda b_, h, s: (b_,))
         in_specs = [pl.BlockSpec((None, g, dp), lambda b_, h, s: (b_, h, 0)),
                     cache_spec, cache_spec, row_spec]

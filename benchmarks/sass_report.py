@@ -60,8 +60,14 @@ def _patch():
     R.mlir.custom_call = custom_call
 
 
-def _lower(f, *args):
+# Inference ops (no gradient): lowered forward only.
+FORWARD_ONLY = {"decode_attention"}
+
+
+def _lower(f, *args, forward_only=False):
     def g(*a):
+        if forward_only:
+            return f(*a)
         y, vjp = jax.vjp(f, *a)
         return y, vjp(jax.tree.map(jnp.ones_like, y))
     export.export(jax.jit(g), platforms=["cuda"], disabled_checks=[
@@ -89,10 +95,16 @@ def workloads():
             q, k, v, causal=True, dropout_rate=0.1, dropout_key=key, interpret=False), q, q, q),
         "attention_no_dropout": (lambda q, k, v: jaxfuse.flash_attention(
             q, k, v, causal=True, interpret=False), q, q, q),
+        # the 157M model's decoding step (B32, a 768-position cache, 16 query heads on 4 KV
+        # heads of 64), the cache read in place
+        "decode_attention": (lambda q, kc, vc, n: jaxfuse.decode_attention(
+            q, kc, vc, n, interpret=False), jax.ShapeDtypeStruct((32, 16, 64), jnp.bfloat16),
+            *[jax.ShapeDtypeStruct((32, 768, 4, 64), jnp.bfloat16)] * 2,
+            jax.ShapeDtypeStruct((32,), jnp.int32)),
     }
 
 
-def compile_report(name, ttir, warps, stages, tmp):
+def compile_report(name, ttir, warps, stages, tmp, keep=None):
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -113,6 +125,13 @@ def compile_report(name, ttir, warps, stages, tmp):
     spill = re.search(r"(\d+) bytes spill stores", info)
     sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", cubin], capture_output=True,
                           text=True).stdout
+    if keep:   # the IR stages and the SASS, to read
+        os.makedirs(keep, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            with open(os.path.join(keep, f"{name}.{ext}"), "w") as f:
+                f.write(k.asm[ext])
+        with open(os.path.join(keep, f"{name}.sass"), "w") as f:
+            f.write(sass)
     ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+ )?([A-Z][A-Z0-9_]*)", sass, re.M)
     return dict(kernel=name, warps=warps, stages=stages, smem=k.metadata.shared,
                 regs=int(regs.group(1)) if regs else None,
@@ -124,6 +143,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=None, help="comma-separated workloads: " +
                     ",".join(workloads()))
+    ap.add_argument("--keep", default=None,
+                    help="a folder for each kernel's TTGIR, PTX and SASS")
     args = ap.parse_args()
     _patch()
     wl = workloads()
@@ -132,9 +153,9 @@ def main():
         for n in names:
             CAUGHT.clear()
             f, *a = wl[n]
-            _lower(f, *a)
+            _lower(f, *a, forward_only=n in FORWARD_ONLY)
             for kname, ttir, warps, stages in CAUGHT:
-                r = compile_report(kname, ttir, warps or 4, stages or 3, tmp)
+                r = compile_report(kname, ttir, warps or 4, stages or 3, tmp, args.keep)
                 print(f"{n:22s} {r['kernel']:36s} warps={r['warps']} stages={r['stages']} "
                       f"smem={r['smem']} regs={r['regs']} spill={r['spill_bytes']}B "
                       f"sass={r['sass']} {r['top']}", flush=True)

@@ -10,9 +10,11 @@ default in one run, with the reference's call as the issue's yardstick.
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py sync [OUT.json]
 
 `DECODE_VARIANTS=default,no split-K` picks variants by name (all of them by default). `ratio`
-times jaxfuse's greedy call and the reference's interleaved, `ROUNDS` (7) rounds, and records
-the median of the per-round ratios: the two calls' times move by 6-10% between runs (the
-H200's clock under its power cap), so back-to-back medians straddled the issue's 2x.
+times jaxfuse's greedy call (`DECODE_MODE=beam`: beam search, B8, 4 beams) and the reference's
+interleaved, `ROUNDS` (7) rounds, and records the median of the per-round ratios: the two calls'
+times move by 6-10% within a process (s23: the first ~5 s of calls ran ~8% faster), so
+back-to-back medians straddled the issue's 2x. `DECODE_SETTLE_S=s`: each call runs alone for s
+seconds before it is timed.
 
 A step of ~10 launches per layer takes 3.3-3.5x its bytes floor (BENCHMARKS.md); if the gaps
 between small kernels are part of that, graphs shorten the step; if the kernels' own latency
@@ -21,6 +23,7 @@ fills it, nothing here moves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 
 import jax
@@ -99,11 +102,17 @@ def ratio(out: str | None, rounds: int = 7, settle_s: float = 0.0):
     reference's heavier load, and a call timed right after it inherits that clock)."""
     import statistics
     import time
-    b, prompt, new = 32, 512, 256
+    import os
+    mode = os.environ.get("DECODE_MODE", "greedy")   # or beam: B8, 4 beams (issue 16's row)
+    b, prompt, new = (8 if mode == "beam" else 32), 512, 256
     cfg, params, prompts, lengths = _setup(b, prompt, new)
-    fns = {impl: jax.jit(lambda p, x, l, impl=impl: M.greedy(p, cfg, x, l, max_new_tokens=new,
-                                                           eos_id=-1, impl=impl))
-           for impl in ("pallas", "reference")}
+    if mode == "beam":
+        call = lambda p, x, l, impl: M.beam_search(p, cfg, x, l, beam_size=4,  # noqa: E731
+                                                   max_new_tokens=new, eos_id=-1, impl=impl)
+    else:
+        call = lambda p, x, l, impl: M.greedy(p, cfg, x, l, max_new_tokens=new,  # noqa: E731
+                                              eos_id=-1, impl=impl)
+    fns = {impl: jax.jit(functools.partial(call, impl=impl)) for impl in ("pallas", "reference")}
     args = (params, prompts, lengths)
     if settle_s:
         times = {impl: [] for impl in fns}
@@ -120,12 +129,13 @@ def ratio(out: str | None, rounds: int = 7, settle_s: float = 0.0):
     else:
         times = _timing.interleaved(fns, [args], rounds, reps=1, repeats=3, warmup=1)
     label = f"interleaved x{rounds}" + (f", {settle_s:g} s alone first" if settle_s else "")
+    mode_label = f"{mode} B{b}" + (" K4" if mode == "beam" else "")
     for impl, ts in times.items():
-        record("decode", f"greedy B{b} P{prompt} new{new} {label}", impl,
+        record("decode", f"{mode_label} P{prompt} new{new} {label}", impl,
                statistics.median(ts), tokens_per_s=b * new / statistics.median(ts),
                spread=(max(ts) - min(ts)) / statistics.median(ts))
     ratios = [r / p for r, p in zip(times["reference"], times["pallas"])]
-    record("decode", f"greedy: jaxfuse vs reference, {label}", "pallas", None,
+    record("decode", f"{mode}: jaxfuse vs reference, {label}", "pallas", None,
            speedup=statistics.median(ratios), lowest=min(ratios), highest=max(ratios))
     _timing.save(out)
 

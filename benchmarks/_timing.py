@@ -34,16 +34,21 @@ def bench(fn, arg_sets, *, reps: int = 20, repeats: int = 5, warmup: int = 2) ->
     return statistics.median(times)
 
 
-def interleaved(fns: dict, arg_sets, rounds: int, **bench_kw) -> dict:
+def interleaved(fns: dict, arg_sets, rounds: int, settle_s: float = 0.0, **bench_kw) -> dict:
     """{name: [seconds per call, one per round]}: every function of `fns` timed by `bench` once
     a round, in a rotating order, so that each sees the same clock (the H200's moves under its
-    power cap by ~10% between back-to-back timings of one function)."""
+    power cap by ~10% between back-to-back timings of one function). With `settle_s`, each
+    first runs alone for that long before its timing, so that it is timed in the state its own
+    load holds the GPU in, not the one the previous function left."""
     times = {name: [] for name in fns}
     order = list(fns)
     for r in range(rounds):
         # The order rotates each round: no function always runs right after the same one
         # (lce.py's runs 34-36: the one right after XLA's step read 3-4% slower).
         for name in order[r % len(order):] + order[:r % len(order)]:
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < settle_s:
+                jax.block_until_ready(fns[name](*arg_sets[0]))
             times[name].append(bench(fns[name], arg_sets, **bench_kw))
     return times
 

@@ -242,10 +242,7 @@ def _interleaved(label, shape, causal, fns, rounds: int):
                    status="ok" if err < TOL[jnp.bfloat16] else "FAIL")
 
     def run():
-        times = {impl: [] for impl in jitted}
-        for _ in range(rounds):
-            for impl, fn in jitted.items():
-                times[impl].append(bench(fn, sets, reps=10, repeats=3))
+        times = _timing.interleaved(jitted, sets, rounds, reps=10, repeats=3)
         flops = 4 * b * hq * t * t * d * (0.5 if causal else 1.0)
         for impl, ts in times.items():
             tm = statistics.median(ts)

@@ -36,6 +36,7 @@ import jaxfuse
 from jaxfuse import AttnBlocks
 from jaxfuse.pallas.attention_hopper import HopperAttnTiles
 from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+from benchmarks import _timing
 from benchmarks._timing import bench, guarded, record, rel_err
 
 S = "attn_bwd"
@@ -495,10 +496,7 @@ def _interleaved(label, sets, fns, rounds: int):
             err = max(rel_err(g, w) for g, w in zip(got, want))
             record(S, f"{label} grads vs cudnn", name, rel_err=err,
                    status="ok" if err < 2e-2 else "FAIL")
-        times = {name: [] for name in steps}
-        for _ in range(rounds):
-            for name, step in steps.items():
-                times[name].append(bench(step, sets, reps=5, repeats=3))
+        times = _timing.interleaved(steps, sets, rounds, reps=5, repeats=3)
         for name, ts in times.items():
             tm = statistics.median(ts)
             record(S, f"{label} fwd+bwd, interleaved x{rounds}", name, tm,
@@ -652,7 +650,6 @@ def _probe_sweep():
 
 
 if __name__ == "__main__":
-    from benchmarks import _timing
     _timing.commands({
         "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep

@@ -23,7 +23,8 @@ fills it, nothing here moves.
 from __future__ import annotations
 
 import dataclasses
-import functools
+import os
+import statistics
 import sys
 
 import jax
@@ -65,17 +66,22 @@ def _setup(b=32, prompt=512, new=256):
     return cfg, params, prompts, jnp.full((b,), prompt, jnp.int32)
 
 
+def _greedy(cfg, new: int, impl: str = "pallas", **kw):
+    """The greedy call every section times: `new` tokens, eos_id=-1 (never generated, so every
+    call takes all `new` steps)."""
+    return lambda p, x, l: M.greedy(p, cfg, x, l, max_new_tokens=new, eos_id=-1, impl=impl,
+                                    **kw)
+
+
 def profile(out_dir: str | None):
     """Kernels and idle gaps of a 32-token greedy call (prefill + 31 steps), and its optimized
     HLO (which kernels a step launches, which of them XLA put in command buffers)."""
     import gzip
-    import os
     from benchmarks._profile import gaps, report
     cfg, params, prompts, lengths = _setup()
     # DECODE_VARIANTS names one variant to profile (the default if unset)
     name = os.environ.get("DECODE_VARIANTS", "default").split(",")[0]
-    f = jax.jit(lambda p, x, l: M.greedy(p, cfg, x, l, max_new_tokens=32, eos_id=-1),
-                compiler_options=VARIANTS[name] or None)
+    f = jax.jit(_greedy(cfg, 32), compiler_options=VARIANTS[name] or None)
     report("decode", f"greedy pallas kernels (prefill + 31 steps) [{name}]", f,
            (params, prompts, lengths), top=int(os.environ.get("DECODE_TOP", 30)))
     gaps(f, (params, prompts, lengths), top=16)
@@ -85,49 +91,22 @@ def profile(out_dir: str | None):
             fh.write(text)
 
 
-def _sm_clock() -> str:
-    """The SM clock now (MHz), as nvidia-smi reports it; '' where it cannot."""
-    import subprocess
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001 - a diagnostic only
-        return ""
-
-
 def ratio(out: str | None, rounds: int = 7, settle_s: float = 0.0):
     """jaxfuse's greedy call against the reference's, interleaved (see the module doc). With
     `settle_s` (DECODE_SETTLE_S), each call first runs alone for that long before it is timed,
-    so that each is timed at the clock its own load holds (the H200 lowers its clock under the
-    reference's heavier load, and a call timed right after it inherits that clock)."""
-    import statistics
-    import time
-    import os
+    so that each is timed in the state its own load holds the GPU in (s23: in a process's first
+    ~5 s every call ran ~8% faster than later, at the same SM clock)."""
     mode = os.environ.get("DECODE_MODE", "greedy")   # or beam: B8, 4 beams (issue 16's row)
     b, prompt, new = (8 if mode == "beam" else 32), 512, 256
     cfg, params, prompts, lengths = _setup(b, prompt, new)
     if mode == "beam":
-        call = lambda p, x, l, impl: M.beam_search(p, cfg, x, l, beam_size=4,  # noqa: E731
-                                                   max_new_tokens=new, eos_id=-1, impl=impl)
+        call = lambda impl: lambda p, x, l: M.beam_search(  # noqa: E731
+            p, cfg, x, l, beam_size=4, max_new_tokens=new, eos_id=-1, impl=impl)
     else:
-        call = lambda p, x, l, impl: M.greedy(p, cfg, x, l, max_new_tokens=new,  # noqa: E731
-                                              eos_id=-1, impl=impl)
-    fns = {impl: jax.jit(functools.partial(call, impl=impl)) for impl in ("pallas", "reference")}
+        call = lambda impl: _greedy(cfg, new, impl)  # noqa: E731
+    fns = {impl: jax.jit(call(impl)) for impl in ("pallas", "reference")}
     args = (params, prompts, lengths)
-    if settle_s:
-        times = {impl: [] for impl in fns}
-        for r in range(rounds):
-            for impl in (list(fns) if r % 2 == 0 else list(fns)[::-1]):   # as _timing's
-                fn = fns[impl]
-                t0 = time.perf_counter()
-                while time.perf_counter() - t0 < settle_s:
-                    jax.block_until_ready(fn(*args))
-                clock = _sm_clock()
-                times[impl].append(bench(fn, [args], reps=1, repeats=5, warmup=0))
-                print(f"  {impl}: {times[impl][-1] * 1e3:.3f} ms at SM clock {clock}",
-                      flush=True)
-    else:
-        times = _timing.interleaved(fns, [args], rounds, reps=1, repeats=3, warmup=1)
+    times = _timing.interleaved(fns, [args], rounds, settle_s, reps=1, repeats=3, warmup=1)
     label = f"interleaved x{rounds}" + (f", {settle_s:g} s alone first" if settle_s else "")
     mode_label = f"{mode} B{b}" + (" K4" if mode == "beam" else "")
     for impl, ts in times.items():
@@ -145,14 +124,12 @@ def sync(out: str | None, rounds: int = 5):
     jaxfuse's greedy call and the reference's, interleaved: s23-1's profile showed ~0.13 ms of
     idle GPU around each check (the condition's copy to the host and the next burst's launch),
     ~10% of a jaxfuse step at 8 steps a check."""
-    import statistics
     b, prompt, new = 32, 512, 256
     cfg, params, prompts, lengths = _setup(b, prompt, new)
     fns = {}
     for impl, counts in (("pallas", (8, 16, 32, 64)), ("reference", (8, 32))):
         for n in counts:
-            fns[(impl, n)] = jax.jit(lambda p, x, l, impl=impl, n=n: M.greedy(
-                p, cfg, x, l, max_new_tokens=new, eos_id=-1, impl=impl, steps_per_sync=n))
+            fns[(impl, n)] = jax.jit(_greedy(cfg, new, impl, steps_per_sync=n))
     times = _timing.interleaved(fns, [(params, prompts, lengths)], rounds, reps=1, repeats=3,
                                 warmup=1)
     med = {k: statistics.median(ts) for k, ts in times.items()}
@@ -170,15 +147,12 @@ def main():
         profile(sys.argv[2] if len(sys.argv) > 2 else None)
         return
     if sys.argv[1:2] == ["sync"]:
-        import os
         sync(sys.argv[2] if len(sys.argv) > 2 else None, int(os.environ.get("ROUNDS", 5)))
         return
     if sys.argv[1:2] == ["ratio"]:
-        import os
         ratio(sys.argv[2] if len(sys.argv) > 2 else None, int(os.environ.get("ROUNDS", 7)),
               float(os.environ.get("DECODE_SETTLE_S", 0)))
         return
-    import os
     picked = os.environ.get("DECODE_VARIANTS")
     variants = ({n: VARIANTS[n] for n in picked.split(",")} if picked else VARIANTS)
     b, prompt, new = 32, 512, 256
@@ -193,9 +167,7 @@ def main():
                 times = {}
                 # the step time (less the prefill) for the default only: one compile each
                 for n in ((new, 1) if name == "default" else (new,)):
-                    f = jax.jit(lambda p, x, l, n=n: M.greedy(p, cfg, x, l, max_new_tokens=n,
-                                                             eos_id=-1, impl=impl),
-                                compiler_options=opts or None)
+                    f = jax.jit(_greedy(cfg, n, impl), compiler_options=opts or None)
                     times[n] = bench(f, [(params, prompts, lengths)], reps=1, repeats=5,
                                      warmup=1)
                 extra = {}

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfuse import model as M
+
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Absolute/relative tolerance of one output element against the reference run on the same
 # (rounded) inputs: a few units in the last place of the dtype.
@@ -19,6 +21,12 @@ def tol(dtype, scale: float = 1.0) -> dict:
 
 def randn(key, shape, dtype=jnp.float32, scale=1.0, shift=0.0):
     return (jax.random.normal(key, shape, jnp.float32) * scale + shift).astype(dtype)
+
+
+def host_randn(rng: np.random.Generator, shape, dtype=jnp.float32, scale=1.0, shift=0.0):
+    """`randn` drawn by NumPy on the host: an eager jax.random draw compiles an XLA program per
+    new shape and dtype, much of a test's time where every case has its own shape."""
+    return jnp.asarray((rng.standard_normal(shape, np.float32) * scale + shift).astype(dtype))
 
 
 def keys(seed: int, n: int):
@@ -59,3 +67,10 @@ def kernel_names(jaxpr) -> list[str]:
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             names += kernel_names(sub)
     return names
+
+
+
+# jaxfuse.model.apply under one jax.jit (Config and impl static), shared by the model tests:
+# one compile per program and config, where eager dispatch compiled each op and each scan
+# apart (about twice the CPU).
+apply_jit = jax.jit(M.apply, static_argnums=2, static_argnames="impl")

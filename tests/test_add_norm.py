@@ -10,18 +10,12 @@ from absl.testing import parameterized
 
 import jaxfuse
 from jaxfuse import RowBlocks
-from tests._util import DTYPES, assert_close, keys, randn, saved_residuals
+from tests._util import DTYPES, assert_close, host_randn, keys, randn, saved_residuals
 
 # Whole rows in one tile (one pass), rows split over column tiles (the add and norm kernels),
 # one column, a 3-D input.
 CASES = [((5, 37), None), ((7, 131), RowBlocks(4, 32, rows_per_program=8)), ((3, 1), None),
          ((2, 3, 16), RowBlocks(2, 16))]
-
-
-def _randn(rng, shape, dtype, scale=1.0, shift=0.0):
-    """`tests._util.randn` drawn by NumPy on the host: jax.random's eager draws compiled an XLA
-    program per new shape and dtype, much of these tests' time."""
-    return jnp.asarray((rng.standard_normal(shape, np.float32) * scale + shift).astype(dtype))
 
 
 # (dtype, norm, rate), each on the shape it always met (CASES by dtype and rate). Every pair
@@ -44,10 +38,10 @@ class AddNormTest(chex.TestCase):
         shape, blocks = CASES[(DTYPES.index(dtype) + 2 * int(rate > 0)) % len(CASES)]
         seed = shape[-1] + 3 * DTYPES.index(dtype)
         rng = np.random.default_rng(seed)
-        x, res = _randn(rng, shape, dtype), _randn(rng, shape, dtype, scale=2.0, shift=0.5)
-        w = _randn(rng, shape[-1:], dtype)
-        b = _randn(rng, shape[-1:], dtype) if norm == "layer" else None
-        ct = (_randn(rng, shape, dtype), _randn(rng, shape, dtype))
+        x, res = host_randn(rng, shape, dtype), host_randn(rng, shape, dtype, scale=2.0, shift=0.5)
+        w = host_randn(rng, shape[-1:], dtype)
+        b = host_randn(rng, shape[-1:], dtype) if norm == "layer" else None
+        ct = (host_randn(rng, shape, dtype), host_randn(rng, shape, dtype))
         key = jax.random.key(seed)
 
         def f(impl, **kw):
@@ -132,12 +126,12 @@ class AddNormLinearTest(chex.TestCase):
         widths = (7,) if rate else (11, 5, 3)
         seed = shape[-1] + 5 * DTYPES.index(dtype)
         rng = np.random.default_rng(seed)
-        x, res = _randn(rng, shape, dtype), _randn(rng, shape, dtype, scale=2.0, shift=0.5)
-        w = _randn(rng, shape[-1:], dtype)
-        b = _randn(rng, shape[-1:], dtype) if norm == "layer" else None
-        ps = tuple(_randn(rng, (shape[-1], n), dtype, scale=shape[-1] ** -0.5) for n in widths)
-        cts = (_randn(rng, shape, dtype),
-               tuple(_randn(rng, (*shape[:-1], n), dtype) for n in widths))
+        x, res = host_randn(rng, shape, dtype), host_randn(rng, shape, dtype, scale=2.0, shift=0.5)
+        w = host_randn(rng, shape[-1:], dtype)
+        b = host_randn(rng, shape[-1:], dtype) if norm == "layer" else None
+        ps = tuple(host_randn(rng, (shape[-1], n), dtype, scale=shape[-1] ** -0.5) for n in widths)
+        cts = (host_randn(rng, shape, dtype),
+               tuple(host_randn(rng, (*shape[:-1], n), dtype) for n in widths))
         key = jax.random.key(seed)
 
         def f(impl, **kw):

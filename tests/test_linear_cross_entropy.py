@@ -13,7 +13,7 @@ from jaxfuse import LCEBlocks, RowBlocks
 from jaxfuse.pallas import _hopper_gemm
 from jaxfuse.pallas._hopper_gemm import Tiles
 from jaxfuse.pallas.linear_cross_entropy import HopperTiles, whole_waves
-from tests._util import assert_close, kernel_names, keys, randn, vjp_both
+from tests._util import assert_close, host_randn, kernel_names, keys, randn, vjp_both
 
 # (N, D, V, blocks): one whole-vocabulary slab by default; slabs with a narrower tail (301 =
 # 4 x 64 + 45) walked by row tiles that split both axes; a slab of one column.
@@ -28,14 +28,13 @@ def _inputs(n, d, v, dtype=jnp.float32, seed=0, labels_at=None):
     (normal x, normal w scaled by 0.3, uniform labels, one of them ignored): jax.random's eager
     draws, and eager `.at[].set`, compiled an XLA program per new shape (~0.3 s a call)."""
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, d), np.float32).astype(dtype)
-    w = (0.3 * rng.standard_normal((d, v), np.float32)).astype(dtype)
+    x, w = host_randn(rng, (n, d), dtype), host_randn(rng, (d, v), dtype, scale=0.3)
     labels = rng.integers(0, v, n, dtype=np.int32)
     if n > 2:
         labels[1] = -100
     for i, label in (labels_at or {}).items():
         labels[i] = label
-    return jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels)
+    return x, w, jnp.asarray(labels)
 
 
 # The reference is only the oracle: the tests jit it (one compiled program, where eager

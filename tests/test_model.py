@@ -13,7 +13,7 @@ from absl.testing import parameterized
 
 import jaxfuse
 from jaxfuse import model as M
-from tests._util import assert_close, keys
+from tests._util import apply_jit, assert_close, keys
 
 CFG = M.Config(vocab_size=11, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
                max_len=24)
@@ -23,9 +23,7 @@ def _params(cfg=CFG, seed=0):
     return M.init(jax.random.key(seed), cfg)
 
 
-# Jitted (Config and impl static): one compile per program, where eager dispatch compiled each
-# op and each scan apart (about twice the CPU).
-_apply = jax.jit(M.apply, static_argnums=2, static_argnames="impl")
+# Jitted like tests/_util.py's apply_jit.
 _grad = jax.jit(jax.grad(M.loss), static_argnums=3, static_argnames="impl")
 
 
@@ -39,8 +37,8 @@ class ModelTest(chex.TestCase):
         k = keys(1, 2)
         tokens = jax.random.randint(k[0], (3, 13), 0, 11)
         targets = jax.random.randint(k[1], (3, 13), 0, 11).at[:, :4].set(-100)
-        assert_close(_apply(params, tokens, cfg), _apply(params, tokens, cfg, impl="reference"),
-                     jnp.float32, scale=5.0)
+        assert_close(apply_jit(params, tokens, cfg),
+                     apply_jit(params, tokens, cfg, impl="reference"), jnp.float32, scale=5.0)
         g = _grad(params, tokens, targets, cfg)
         g_r = _grad(params, tokens, targets, cfg, impl="reference")
         assert_close(g, g_r, jnp.float32, scale=10.0)
@@ -122,7 +120,7 @@ class ModelTest(chex.TestCase):
             full[b, :, :n] = np.asarray(prompts[b, :n])
             full[b, :, n:n + 3] = seqs
         logp = np.asarray(jax.nn.log_softmax(
-            _apply(params, jnp.asarray(full.reshape(250, 5)), cfg, impl="reference"))).reshape(
+            apply_jit(params, jnp.asarray(full.reshape(250, 5)), cfg, impl="reference"))).reshape(
                 2, 125, 5, 5)
         # eos_id=5 is outside the vocabulary: no sequence ends early, all 125 are distinct. Each
         # search covers both rows: run once, checked per row below.

@@ -11,7 +11,7 @@ from absl.testing import parameterized
 
 import jaxfuse
 from jaxfuse import model as M
-from tests._util import assert_close, kernel_names, keys
+from tests._util import apply_jit, assert_close, kernel_names, keys
 
 CFG = M.Config(vocab_size=13, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=40,
                max_len=20)
@@ -31,9 +31,7 @@ def _count(tree) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
-# Jitted (Config and impl static): one compile per program, reused by equal configs, where
-# eager dispatch compiled each op and each scan apart (about twice the CPU).
-_apply = jax.jit(M.apply, static_argnums=2, static_argnames="impl")
+# Jitted like tests/_util.py's apply_jit.
 _value_and_grad = jax.jit(jax.value_and_grad(M.loss), static_argnums=3, static_argnames="impl")
 
 
@@ -70,12 +68,12 @@ class PrecisionTest(chex.TestCase):
         cfg = dataclasses.replace(CFG, dtype="bfloat16")
         params = M.init(jax.random.key(2), cfg)
         tokens, _ = _batch(2)
-        logits = _apply(params, tokens, cfg)
+        logits = apply_jit(params, tokens, cfg)
         self.assertEqual(logits.dtype, jnp.bfloat16)
         # Against the float32 reference (a fraction of the kernels' compile time; the float32
         # kernels equal it within 1e-4, test_model.py): bf16 rounding through 3 blocks of
         # width 32, a few bf16 ulps of the logit scale.
-        ref = _apply(params, tokens, dataclasses.replace(cfg, dtype="float32"), impl="reference")
+        ref = apply_jit(params, tokens, dataclasses.replace(cfg, dtype="float32"), impl="reference")
         assert_close(logits, ref, jnp.bfloat16, scale=6.0)
         cache = M.init_cache(cfg, 2)
         self.assertEqual({c.dtype for c in cache["k"] + cache["v"]}, {jnp.dtype(jnp.bfloat16)})
@@ -114,7 +112,7 @@ class PrecisionTest(chex.TestCase):
             padded = np.zeros((3, 8), np.int32)
             for i in range(3):
                 padded[i, :len(seqs[i])] = seqs[i]
-            full = _apply(params, jnp.asarray(padded), cfg, impl="reference")
+            full = apply_jit(params, jnp.asarray(padded), cfg, impl="reference")
             for i in range(3):
                 assert_close(logits[i], full[i, len(seqs[i]) - 1], jnp.dtype(dtype), scale=10.0)
 
@@ -128,7 +126,7 @@ class LossTest(chex.TestCase):
         self.assertEqual("unembed" in params, not tie)
         tokens, targets = _batch(5)
 
-        @jax.jit                                       # see `_apply`
+        @jax.jit                                       # see `apply_jit`
         @jax.value_and_grad
         def logits_loss(params, tokens, targets):
             return jaxfuse.cross_entropy(M.apply(params, tokens, cfg, impl=impl), targets,
@@ -230,8 +228,8 @@ class DropoutTest(chex.TestCase):
         # Evaluation (no key) is deterministic and equals the model without dropout.
         self.assertEqual(float(no_key), float(loss(params, tokens, targets, cfg)))
         assert_close(no_key, loss(params, tokens, targets, plain), jnp.float32)
-        assert_close(_apply(params, tokens, cfg, impl="reference"),
-                     _apply(params, tokens, plain, impl="reference"), jnp.float32)
+        assert_close(apply_jit(params, tokens, cfg, impl="reference"),
+                     apply_jit(params, tokens, plain, impl="reference"), jnp.float32)
 
     def test_train_step_with_key(self):
         cfg = dataclasses.replace(CFG, dropout=0.1)

@@ -79,7 +79,13 @@ class _Static:
     residual: bool
 
 
-def _blocks(m: int, n: int, k: int, blocks: LinearBlocks | None, interpret: bool):
+# What the staged chunks may take of a multiprocessor's shared memory (227 KiB on an H100/H200;
+# Triton adds its own scratch for the layouts' conversions).
+SHARED_BYTES = 160 * 1024
+
+
+def _blocks(m: int, n: int, k: int, blocks: LinearBlocks | None, interpret: bool,
+            gated: bool = False, itemsize: int = 2):
     """(bm, bn, bk, blocks). Interpreted: one program sees everything (house style) unless a
     tile is asked for. On the GPU:
     every row in one program (up to 64; more rows take more programs), 16 output features a
@@ -92,6 +98,10 @@ def _blocks(m: int, n: int, k: int, blocks: LinearBlocks | None, interpret: bool
     bm = blocks.block_m or min(max(C.next_pow2(m), 16), 64)
     bn = blocks.block_n or 16
     bk = blocks.block_k or min(max(C.next_pow2(k), 16), 256)
+    if blocks.block_k is None:      # the pipeline's stages of x and weight chunks must fit
+        per_k = (bm + bn * (1 + gated)) * itemsize * blocks.num_stages
+        while bk > 16 and per_k * bk > SHARED_BYTES:
+            bk //= 2
     return bm, bn, bk, blocks
 
 
@@ -168,7 +178,8 @@ def decode_linear(x: jax.Array, weight: jax.Array, *, norm: str | None = None,
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    bm, bn, bk, blocks = _blocks(m, n, k, block_sizes, interpret)
+    bm, bn, bk, blocks = _blocks(m, n, k, block_sizes, interpret, gate_weight is not None,
+                                 x.dtype.itemsize)
     st = _Static(m, n, k, bm, bn, bk, norm, eps, norm_weight is not None,
                  norm_bias is not None, gate_weight is not None, residual is not None)
     args = [x2, weight] + [a for a in (gate_weight, norm_weight, norm_bias) if a is not None]

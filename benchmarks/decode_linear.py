@@ -124,19 +124,21 @@ def layers():
 def sweep():
     h = _randn(7, (B, D), jnp.bfloat16)
     ws = _layer_weights()
-    for bn in (16, 32, 64):
-        for bk in (128, 256, 512):
-            for warps, stages in ((4, 3), (4, 4), (8, 3), (2, 3)):
-                blk = LinearBlocks(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-                T.guarded("layers", "sweep", str(blk), lambda: T.record(
-                    "layers", f"bn={bn} bk={bk} warps={warps} stages={stages}", "pallas",
-                    T.bench(_chain("pallas", blk), [(h, ws)], reps=50, repeats=5, warmup=2)))
+    for bn in (16, 32):
+        for bk in (256, 512):
+            for split in (1, 2, 4):
+                for warps in (2, 4):
+                    blk = LinearBlocks(block_n=bn, block_k=bk, split=split, num_warps=warps)
+                    T.guarded("layers", "sweep", str(blk), lambda: T.record(
+                        "layers", f"bn={bn} bk={bk} split={split} warps={warps}", "pallas",
+                        T.bench(_chain("pallas", blk), [(h, ws)], reps=50, repeats=5,
+                                warmup=2)))
     n, e = _randn(8, (D,), jnp.bfloat16) + 1.0, _randn(9, (V, D), jnp.bfloat16)
-    for bn in (16, 32, 64, 128):
-        for bk in (128, 256):
-            blk = LinearBlocks(block_n=bn, block_k=bk)
+    for bn in (32, 64, 128):
+        for bk, split in ((256, 1), (256, 2), (512, 4)):
+            blk = LinearBlocks(block_n=bn, block_k=bk, split=split)
             T.guarded("layers", "unembed sweep", str(blk), lambda: T.record(
-                "layers", f"unembed bn={bn} bk={bk}", "pallas",
+                "layers", f"unembed bn={bn} bk={bk} split={split}", "pallas",
                 T.bench(_unembed("pallas", blk), [(h, n, e)], reps=50, repeats=5, warmup=2)))
 
 

@@ -48,11 +48,12 @@ class LinearBlocks:
     block_m: int | None = None
     block_n: int | None = None
     block_k: int | None = None
+    split: int = 2          # independent accumulator chains a step (bk / split columns each)
     num_warps: int = 4
     num_stages: int = 3
 
     def validate(self) -> None:
-        for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages"):
+        for name in ("block_m", "block_n", "block_k", "split", "num_warps", "num_stages"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"LinearBlocks({name}={v!r}): {name} must be a positive int")
@@ -61,6 +62,8 @@ class LinearBlocks:
             if v is not None and (v < 16 or v != C.next_pow2(v)):
                 raise ValueError(f"LinearBlocks({name}={v}) must be a power of two >= 16 (the "
                                  f"matrix unit's smallest tile), e.g. 16")
+        if self.split != C.next_pow2(self.split):
+            raise ValueError(f"LinearBlocks(split={self.split}) must be a power of two")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +74,7 @@ class _Static:
     bm: int
     bn: int
     bk: int
+    bu: int               # a sub-chunk of bk: one independent accumulator chain
     norm: str | None
     eps: float
     has_norm_weight: bool
@@ -116,47 +120,69 @@ def _kernel(x_ref, w_ref, *refs, st: _Static):
     row0, col0 = pl.program_id(0) * st.bm, pl.program_id(1) * st.bn
     n_k = C.cdiv(st.k, st.bk)
 
-    def x_chunk(k0):
-        x, _, _, valid = C.load_tile(x_ref, row0, k0, st.bm, st.bk, st.m, st.k)
-        return x.astype(jnp.float32), valid
+    def x_chunk(k0, width):
+        x, _, _, valid = C.load_tile(x_ref, row0, k0, st.bm, width, st.m, st.k)
+        return x, valid
 
     def per_col(ref, k0):
-        return C.load_vec(ref, k0, st.bk, st.k).astype(jnp.float32)[None, :]   # [1, bk]
+        return C.load_vec(ref, k0, st.bu, st.k).astype(jnp.float32)[None, :]   # [1, bu]
+
+    def dot(a, b):        # [m, k] x [n, k] -> [m, n], float32 (exact float32 for float32 input)
+        prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+        return jnp.einsum("mk,nk->mn", a, b, preferred_element_type=jnp.float32,
+                          precision=prec)
 
     mean = rstd = None
     if st.norm == "layer":       # pass 1: Chan's merge of each chunk's exact statistics
         def stats(kk, state):
-            x, valid = x_chunk(kk * st.bk)
-            return welford_merge(state, _norm.row_state(x, valid, center=True))
+            x, valid = x_chunk(kk * st.bk, st.bk)
+            return welford_merge(state, _norm.row_state(x.astype(jnp.float32), valid,
+                                                        center=True))
         zero = tuple(jnp.zeros((st.bm, 1), jnp.float32) for _ in range(3))
         mean, rstd = _norm._finalize(C.reduce_tiles(n_k, stats, zero), st.eps)
 
-    def step(kk, carry):
-        acc, acc_g, ss = carry
-        k0 = kk * st.bk
-        x, _ = x_chunk(k0)
-        if st.norm == "rms":
-            ss = ss + jnp.sum(x * x, axis=-1, keepdims=True)     # rstd scales the product later
-        elif st.norm == "layer":
-            x = (x - mean) * rstd
-        if st.has_norm_weight:
-            x = x * per_col(nw_ref, k0)
-        if st.has_norm_bias:
-            x = x + per_col(nb_ref, k0)
-        y = x.astype(x_ref.dtype)                                  # [bm, bk], the matmul input
-        w, *_ = C.load_tile(w_ref, col0, k0, st.bn, st.bk, st.n, st.k)     # [bn, bk]
-        acc = acc + jnp.einsum("mk,nk->mn", y, w, preferred_element_type=jnp.float32)
-        if st.gated:
-            g, *_ = C.load_tile(gw_ref, col0, k0, st.bn, st.bk, st.n, st.k)
-            acc_g = acc_g + jnp.einsum("mk,nk->mn", y, g, preferred_element_type=jnp.float32)
-        return acc, acc_g, ss
+    # A step's chunk of K is `split` sub-chunks, each with accumulators of its own: the matrix
+    # unit's results chain through an accumulator, so one chain over K is a serial walk of
+    # dependent products that a few warps cannot hide; independent chains interleave.
+    split = st.bk // st.bu
 
-    zeros = jnp.zeros((st.bm, st.bn), jnp.float32)
-    acc, acc_g, ss = C.reduce_tiles(n_k, step, (zeros, zeros, jnp.zeros((st.bm, 1),
-                                                                         jnp.float32)))
+    def step(kk, carry):
+        accs, accs_g, gram = carry
+        accs, accs_g = list(accs), list(accs_g)
+        for u in range(split):
+            k0 = kk * st.bk + u * st.bu
+            x, _ = x_chunk(k0, st.bu)                               # [bm, bu]
+            if st.norm == "rms":
+                # row sums of squares on the matrix unit: the diagonal of x x^T, one more
+                # product instead of squaring and reducing x across the threads every step
+                gram = gram + dot(x, x)
+            xf = x.astype(jnp.float32)
+            if st.norm == "layer":
+                xf = (xf - mean) * rstd
+            if st.has_norm_weight:
+                xf = xf * per_col(nw_ref, k0)
+            if st.has_norm_bias:
+                xf = xf + per_col(nb_ref, k0)
+            y = xf.astype(x_ref.dtype)                              # the matmul input
+            w, *_ = C.load_tile(w_ref, col0, k0, st.bn, st.bu, st.n, st.k)     # [bn, bu]
+            accs[u] = accs[u] + dot(y, w)
+            if st.gated:
+                g, *_ = C.load_tile(gw_ref, col0, k0, st.bn, st.bu, st.n, st.k)
+                accs_g[u] = accs_g[u] + dot(y, g)
+        return tuple(accs), tuple(accs_g), gram
+
+    zeros = tuple(jnp.zeros((st.bm, st.bn), jnp.float32) for _ in range(split))
+    init = (zeros, zeros if st.gated else (), jnp.zeros((st.bm, st.bm), jnp.float32))
+    accs, accs_g, gram = C.reduce_tiles(n_k, step, init)
+    acc = functools.reduce(jnp.add, accs)
+    acc_g = functools.reduce(jnp.add, accs_g) if st.gated else None
     if st.norm == "rms":
-        scale = jax.lax.rsqrt(ss / st.k + st.eps)                   # [bm, 1]
-        acc, acc_g = acc * scale, acc_g * scale
+        eye = (jax.lax.broadcasted_iota(jnp.int32, gram.shape, 0)
+               == jax.lax.broadcasted_iota(jnp.int32, gram.shape, 1))
+        ss = jnp.sum(jnp.where(eye, gram, 0.0), axis=-1, keepdims=True)        # [bm, 1]
+        scale = jax.lax.rsqrt(ss / st.k + st.eps)
+        acc = acc * scale
+        acc_g = acc_g * scale if st.gated else None
     out = jax.nn.silu(acc_g) * acc if st.gated else acc
     if st.residual:
         r, *_ = C.load_tile(r_ref, row0, col0, st.bm, st.bn, st.m, st.n)
@@ -180,7 +206,8 @@ def decode_linear(x: jax.Array, weight: jax.Array, *, norm: str | None = None,
     m = x2.shape[0]
     bm, bn, bk, blocks = _blocks(m, n, k, block_sizes, interpret, gate_weight is not None,
                                  x.dtype.itemsize)
-    st = _Static(m, n, k, bm, bn, bk, norm, eps, norm_weight is not None,
+    bu = max(bk // blocks.split, 16) if not interpret or block_sizes is not None else bk
+    st = _Static(m, n, k, bm, bn, bk, bu, norm, eps, norm_weight is not None,
                  norm_bias is not None, gate_weight is not None, residual is not None)
     args = [x2, weight] + [a for a in (gate_weight, norm_weight, norm_bias) if a is not None]
     if residual is not None:

@@ -61,7 +61,7 @@ def _patch():
 
 
 # Inference ops (no gradient): lowered forward only.
-FORWARD_ONLY = {"decode_attention", "decode_linear_gated"}
+FORWARD_ONLY = {"decode_attention"}
 
 
 def _lower(f, *args, forward_only=False):
@@ -101,12 +101,6 @@ def workloads():
             q, kc, vc, n, interpret=False), jax.ShapeDtypeStruct((32, 16, 64), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((32, 768, 4, 64), jnp.bfloat16)] * 2,
             jax.ShapeDtypeStruct((32,), jnp.int32)),
-        # its gate/up projection: rms, [32, 1024] x [2816, 1024] twice, SwiGLU
-        "decode_linear_gated": (lambda x, w, g, n: jaxfuse.decode_linear(
-            x, w, norm="rms", norm_weight=n, gate_weight=g, interpret=False),
-            jax.ShapeDtypeStruct((32, 1024), jnp.bfloat16),
-            *[jax.ShapeDtypeStruct((2816, 1024), jnp.bfloat16)] * 2,
-            jax.ShapeDtypeStruct((1024,), jnp.bfloat16)),
     }
 
 

@@ -395,6 +395,52 @@ def perf_mask_floor(passes: int = 3):
            G_entries_per_s=passes * visible / tm / 1e9)
 
 
+def perf_compute_floor(copy_bw: float):
+    """The forwards' arithmetic alone, at the row kernels' shape and tile ([16384, 4096], one
+    program a row of 4096, `RowBlocks.for_shape`): a kernel that makes its input in registers
+    from the element's index (a few integer instructions, the stand-in for a load), runs the
+    forward's activation and dropout (`_dropout.act`, `_rng.drop_tile`: the kernels' own
+    functions), rounds to bf16 as the store would and writes one sum a row (64 KB in all).
+    With the memory system idle this is the time the arithmetic needs; a forward cannot run
+    faster than the larger of it and its bytes at the copy rate, so where it is above the
+    85%-of-copy allowance (2 units of 134 MB at 0.85 x the copy rate) that target is below the
+    floor of this generator and activation."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+    from jaxfuse import _philox
+    from jaxfuse.pallas import _dropout, _rng
+    n_rows, n_cols = _shapes()["rows"]
+    blk = jaxfuse.RowBlocks.for_shape(n_rows, n_cols, interpret=SMALL)
+    br, bc = blk.block_rows, blk.block_cols
+    allowance = 2 * n_rows * n_cols * 2 / (0.85 * copy_bw)
+
+    def kernel(key_ref, o_ref, *, activation, drop):
+        key_w = tuple(key_ref[w] for w in range(2))
+        rows = pl.program_id(0) * br + jax.lax.broadcasted_iota(jnp.int32, (br, 1), 0)
+        cols = jax.lax.broadcasted_iota(jnp.int32, (br, bc), 1)
+        x = ((rows * 7919 + cols) & 1023).astype(jnp.float32) * (1.0 / 256) - 2.0
+        z = _dropout.act(activation, x.astype(jnp.bfloat16).astype(jnp.float32) + 0.125)
+        if drop:
+            z = _rng.drop_tile(z, key_w, rows, 0, RATE, SMALL)
+        o_ref[...] = jnp.sum(z.astype(jnp.bfloat16).astype(jnp.float32), axis=1)
+
+    for label, activation, drop in (("input only", None, False), ("dropout", None, True),
+                                    ("gelu", "gelu", False),
+                                    ("gelu + dropout (bias_act_dropout)", "gelu", True)):
+        call = pl.pallas_call(
+            functools.partial(kernel, activation=activation, drop=drop),
+            grid=(n_rows // br,), in_specs=[pl.BlockSpec((2,), lambda *_: (0,))],
+            out_specs=pl.BlockSpec((br,), lambda i: (i,)),
+            out_shape=jax.ShapeDtypeStruct((n_rows,), jnp.float32), interpret=SMALL,
+            compiler_params=None if SMALL else pltriton.CompilerParams(
+                num_warps=blk.num_warps))
+        keys = [(_philox.key_words(jax.random.key(40 + i)),) for i in range(2)]
+        f = jax.jit(lambda kw, call=call: call(kw))
+        t = bench(f, keys, reps=20)
+        record(S, f"arithmetic alone [{n_rows}, {n_cols}] tile {br}x{bc}: {label}", "jaxfuse",
+               t, of_85pct_copy_allowance=t / allowance)
+
+
 def perf_sweep(copy_bw: float):
     """Row tiles of the dropout kernels (`RowBlocks`: rows, columns, warps), forward and
     forward+backward of dropout, bias_act_dropout and embedding: the defaults (1 x 4096 with 4
@@ -511,6 +557,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default=None, help="comma-separated check dtypes, e.g. bfloat16")
     ap.add_argument("--only", default=None, help="comma-separated ops, e.g. rope,swiglu,attention")
     ap.add_argument("--sweep", action="store_true", help="also time dropout's row tiles")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the forwards' arithmetic alone (perf_compute_floor)")
     ap.add_argument("--rows-sweep", action="store_true",
                     help="only time the backward's rows per program (dbias/dweight passes)")
     args = ap.parse_args()
@@ -526,6 +574,8 @@ def main() -> None:
     else:
         if not args.no_check:
             check()
+        if args.floor:
+            guarded(S, "arithmetic alone", "jaxfuse", lambda: perf_compute_floor(copy_bw))
         perf(copy_bw, sweep=args.sweep)
     _timing.save(args.out)
 

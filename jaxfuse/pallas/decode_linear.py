@@ -241,7 +241,7 @@ def _kernel(x_ref, w_ref, *refs, st: _Static):
             a, g, t = carry
             q0 = q * rows_p + row0
             read = lambda ref, c0, w: pltriton.load(ref.at[pl.ds(q0, st.bm), pl.ds(c0, w)],
-                                                    cache_modifier="cg")
+                                                    volatile=True)
             a = a + read(part_ref, col0, st.bn)
             if st.gated:
                 g = g + read(gpart_ref, col0, st.bn)

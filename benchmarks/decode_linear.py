@@ -125,8 +125,8 @@ def sweep():
     h = _randn(7, (B, D), jnp.bfloat16)
     ws = _layer_weights()
     for bn in (32, 64):
-        for bk in (64, 128, 256):
-            for fill in (1, 2, 4):        # programs per multiprocessor the splits aim at
+        for bk in (128, 256):
+            for fill in (2, 4, 8):        # programs per multiprocessor the splits aim at
                 for warps in (2, 4):
                     blk = LinearBlocks(block_n=bn, block_k=bk, num_warps=warps,
                                        programs_per_sm=fill)
@@ -135,8 +135,8 @@ def sweep():
                         T.bench(_chain("pallas", blk), [(h, ws)], reps=50, repeats=5,
                                 warmup=2)))
     n, e = _randn(8, (D,), jnp.bfloat16) + 1.0, _randn(9, (V, D), jnp.bfloat16)
-    for bn in (32, 64, 128):
-        for bk in (64, 128, 256):
+    for bn in (32, 128):
+        for bk in (128, 256):
             blk = LinearBlocks(block_n=bn, block_k=bk, k_splits=1)
             T.guarded("layers", "unembed sweep", str(blk), lambda: T.record(
                 "layers", f"unembed bn={bn} bk={bk}", "pallas",

@@ -237,20 +237,16 @@ def _kernel(x_ref, w_ref, *refs, st: _Static):
 
     @pl.when(arrived == st.splits - 1)
     def _fix_up():
-        def add(q, carry):
-            a, g, t = carry
-            q0 = q * rows_p + row0
-            read = lambda ref, c0, w: pltriton.load(ref.at[pl.ds(q0, st.bm), pl.ds(c0, w)],
-                                                    volatile=True)
-            a = a + read(part_ref, col0, st.bn)
-            if st.gated:
-                g = g + read(gpart_ref, col0, st.bn)
-            if st.norm == "rms":
-                t = t + read(ss_ref, j, 1)
-            return a, g, t
-        sums = jax.lax.fori_loop(0, st.splits, add, (zeros, zeros,
-                                                     jnp.zeros((st.bm, 1), jnp.float32)))
-        epilogue(*sums)
+        # Every partial's load is issued before the first add (a static loop: a loop of
+        # load-then-add waits one L2 round trip per split), then they are added in split order.
+        def read(ref, q, c0, w):     # volatile: from L2, never an L1 line of an earlier call
+            return pltriton.load(ref.at[pl.ds(q * rows_p + row0, st.bm), pl.ds(c0, w)],
+                                 volatile=True)
+        parts = [read(part_ref, q, col0, st.bn) for q in range(st.splits)]
+        gparts = [read(gpart_ref, q, col0, st.bn) for q in range(st.splits)] if st.gated else []
+        sss = [read(ss_ref, q, j, 1) for q in range(st.splits)] if st.norm == "rms" else []
+        total = lambda xs: functools.reduce(jnp.add, xs) if xs else None
+        epilogue(total(parts), total(gparts), total(sss))
 
 
 def decode_linear(x: jax.Array, weight: jax.Array, *, norm: str | None = None,

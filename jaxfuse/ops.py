@@ -14,7 +14,6 @@ from jaxfuse._dispatch import route
 from jaxfuse.pallas import attention as _p_attn
 from jaxfuse.pallas import cross_entropy as _p_ce
 from jaxfuse.pallas import decode_attention as _p_dec
-from jaxfuse.pallas import decode_linear as _p_dlin
 from jaxfuse.pallas import layer_norm as _p_ln
 from jaxfuse.pallas import linear_cross_entropy as _p_lce
 from jaxfuse.pallas import rms_norm as _p_rms
@@ -30,7 +29,6 @@ from jaxfuse.reference import embedding as _r_emb
 from jaxfuse.reference import reorder_beams as _r_reo
 from jaxfuse.reference import cross_entropy as _r_ce
 from jaxfuse.reference import decode_attention as _r_dec
-from jaxfuse.reference import decode_linear as _r_dlin
 from jaxfuse.reference import layer_norm as _r_ln
 from jaxfuse.reference import linear_cross_entropy as _r_lce
 from jaxfuse.reference import rms_norm as _r_rms
@@ -324,34 +322,6 @@ def swiglu(gate: jax.Array, up: jax.Array, *, impl: str = "pallas",
     >>> a = jaxfuse.swiglu(x @ w_gate, x @ w_up)
     """
     return route(impl, _s_blocks.swiglu, _r_swiglu.swiglu, gate, up, interpret=interpret,
-                 block_sizes=block_sizes)
-
-
-def decode_linear(x: jax.Array, weight: jax.Array, *, norm: str | None = None,
-                  norm_weight: jax.Array | None = None, norm_bias: jax.Array | None = None,
-                  eps: float | None = None, gate_weight: jax.Array | None = None,
-                  residual: jax.Array | None = None, impl: str = "pallas",
-                  interpret: bool | None = None, block_sizes=None) -> jax.Array:
-    """A decoding step's matmul, `x [..., K] @ weight.T` (weight [N, K], output features first
-    as `torch.nn.Linear` stores it), in one kernel with the block's ops around it:
-
-        y = norm(x) * norm_weight (+ norm_bias)     norm = "rms" | "layer" | None (y = x)
-        out = y @ weight.T
-        out = silu(y @ gate_weight.T) * out         with gate_weight (SwiGLU's gate and up)
-        out = residual + out                        with residual [..., N]
-
-    For a few rows (one token per sequence: a matmul that streams its weight) the kernel reads
-    each weight row once, whole, at the copy rate: no split-K partial sums, no kernel for the
-    norm, SwiGLU or the residual add. Returns x's dtype (float32 accumulation). Differentiable
-    (the backward is the reference's, XLA's matmuls); made for inference.
-
-    >>> qkv = jaxfuse.decode_linear(h, w_qkv_t, norm="rms", norm_weight=g)     # [B, N]
-    >>> h = jaxfuse.decode_linear(o, w_o_t, residual=h)
-    >>> a = jaxfuse.decode_linear(h, w_up_t, norm="rms", norm_weight=g2, gate_weight=w_gate_t)
-    """
-    return route(impl, _p_dlin.decode_linear, _r_dlin.decode_linear, x, weight, norm=norm,
-                 norm_weight=norm_weight, norm_bias=norm_bias, eps=eps,
-                 gate_weight=gate_weight, residual=residual, interpret=interpret,
                  block_sizes=block_sizes)
 
 

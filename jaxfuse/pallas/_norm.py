@@ -46,11 +46,7 @@ class _Static:
 
 def _tile_state(tile: _rows.Tile, center: bool):
     """Exact statistics of one tile: (count, mean, m2) for LayerNorm, (count, 0, sum x^2) for RMS."""
-    return row_state(tile.x[0], tile.valid, center)
-
-
-def row_state(x, valid, center: bool):
-    """`_tile_state` of a float32 [rows, cols] tile x (zero where not `valid`)."""
+    x, valid = tile.x[0], tile.valid
     n = jnp.sum(valid.astype(jnp.float32), axis=-1, keepdims=True)
     if not center:
         return n, jnp.zeros_like(n), jnp.sum(x * x, axis=-1, keepdims=True)

@@ -446,7 +446,8 @@ def perf_sweep(copy_bw: float):
     forward+backward of dropout, bias_act_dropout and embedding: the defaults (1 x 4096 with 4
     warps; embedding 1 row, 8 warps) are the softmax's measured best, unmeasured for these ops."""
     sh = _shapes()
-    tiles = [(1, 4096, 2), (1, 4096, 4), (1, 4096, 8), (2, 4096, 8), (1, 2048, 2), (1, 2048, 4)]
+    tiles = [(1, 4096, 2), (1, 4096, 4), (1, 4096, 8), (2, 4096, 8), (1, 2048, 2), (1, 2048, 4),
+             (1, 1024, 1), (1, 1024, 2), (2, 2048, 4)]
     if SMALL:
         tiles = [(1, 256, 1), (2, 256, 1)]
     # embedding: block_rows is the tokens (forward) and table rows (backward) of one program.

@@ -188,7 +188,16 @@ def apply(x, bias, residual, *, activation: str | None, rate: float, key, name: 
     x2 = _rows.as_rows(x)
     n_rows, n_cols = x2.shape
     fwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret)
-    bwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret,
+    bwd_blocks = block_sizes
+    if block_sizes is None and activation and not interpret:
+        # The activation's derivative is the backward's largest state (gelu: 222 registers a
+        # thread at 1 x 4096 with 4 warps, 168 at 2 x 2048: three programs a multiprocessor
+        # instead of two): bias_act_dropout's fwd+bwd 0.490 -> 0.426-0.447 ms on an H200
+        # ([16384, 4096] bf16, benchmarks/NOTES.md s24 item 4); the forward keeps its tile.
+        base = RowBlocks.for_shape(n_rows, n_cols, interpret=False)
+        if base.block_cols >= 4096:
+            bwd_blocks = RowBlocks(2 * base.block_rows, base.block_cols // 2, base.num_warps)
+    bwd = _rows.resolve_blocks(bwd_blocks, n_rows, n_cols, interpret,
                                accumulate_rows=bias is not None)
     st = _Static(activation, rate, bias is not None, residual is not None, fwd, bwd, interpret,
                  name)

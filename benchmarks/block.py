@@ -401,10 +401,12 @@ def perf_compute_floor(copy_bw: float):
     from the element's index (a few integer instructions, the stand-in for a load), runs the
     forward's activation and dropout (`_dropout.act`, `_rng.drop_tile`: the kernels' own
     functions), rounds to bf16 as the store would and writes one sum a row (64 KB in all).
-    With the memory system idle this is the time the arithmetic needs; a forward cannot run
-    faster than the larger of it and its bytes at the copy rate, so where it is above the
-    85%-of-copy allowance (2 units of 134 MB at 0.85 x the copy rate) that target is below the
-    floor of this generator and activation."""
+    With the memory system idle this bounds from above what the arithmetic needs (the stand-in
+    has instructions of its own: "input only" times them); a forward cannot run faster than
+    the larger of its arithmetic and its bytes at the copy rate, so this, read with the
+    kernels' instruction counts (`sass_report.py`), says whether the 85%-of-copy allowance
+    (2 units of 134 MB at 0.85 x the copy rate) is above the arithmetic's floor (NOTES s24
+    item 3)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
     from jaxfuse import _philox

@@ -274,10 +274,65 @@ def launch_chain():
               f"weights; set up {time.perf_counter() - t0:.0f} s)", flush=True)
 
 
+def hopper_gemv():
+    """A decoding step's matmuls through the Hopper GEMM of the linear + cross-entropy
+    (`_hopper_gemm.matmul_epilogue`: TMA ring up to 8 stages deep, wgmma, a persistent grid):
+    out^T [N, 64] = W [N, K] @ x^T, W stored [N, K] (the wgmma A operand: features are the
+    tile's rows) and x's 32 rows padded to 64 (B: 2 x 32 columns). NOTES s24 items 1-2: Triton
+    kernels streamed these weights at 0.3-0.7 TB/s, slower than XLA's split-K GEMMs; the
+    question is whether TMA's deep queues (not threads' loads) reach the copy rate with the
+    few tiles decoding has (16-88 output tiles: no split of K here). 8 launches a shape, each
+    its own weight (cold), kernel times from the profiler, against XLA's x @ W^T."""
+    from benchmarks._profile import kernel_times
+    from jaxfuse.pallas import _hopper_gemm as HG
+    small = jax.default_backend() == "cpu"          # a smoke test in Mosaic GPU's interpreter
+    copies = 2 if small else 8
+    shapes = ((128, 64),) if small else ((1024, 1024), (1536, 1024), (5632, 1024), (1024, 2816))
+    configs = ((64, "pingpong", 8), (64, "cooperative", 8), (128, "cooperative", 6))
+    if os.environ.get("GEMV_QUICK"):        # the o and gate/up shapes, two schedules
+        shapes, configs = shapes[::2], configs[::2]
+
+    def store(z, rows, ctx):
+        HG.store_tile(z.astype(jnp.bfloat16), ctx.scratch.at[ctx.wg], ctx.outs[0], ctx.row,
+                      ctx.col)
+
+    for n, k in shapes:
+        ws = tuple(jax.random.normal(jax.random.key(50 + i), (n, k), jnp.bfloat16) * k ** -0.5
+                   for i in range(copies))
+        x = jax.random.normal(jax.random.key(49), (64, k), jnp.bfloat16)
+        want = x[:32] @ ws[-1].T
+        mb = n * k * 2 / 1e6
+        xla = jax.jit(lambda x, ws: [x[:32] @ w.T for w in ws])
+        kt = kernel_times(xla, (x, ws), reps=5) if not small else []
+        us = sum(ms for _, _, ms in kt) * 1e3 / copies
+        print(f"hopper_gemv [{n}, {k}] ({mb:.1f} MB): XLA {us:7.2f} us a matmul "
+              f"({mb / max(us, 1e-9):.2f} TB/s) in {sum(c for _, c, _ in kt) / copies:.0f} "
+              f"launches", flush=True)
+        for m_tile, sched, stages in configs:
+            tiles = HG.Tiles(m=m_tile, n=32, k=64, stages=stages, epi=32, piece=32,
+                             schedule=sched)
+            if n % m_tile:
+                continue
+            f = jax.jit(lambda x, ws, tiles=tiles: [HG.matmul_epilogue(
+                w, x, b_t=True, epilogue=store,
+                out_types=jax.ShapeDtypeStruct((n, 64), jnp.bfloat16),
+                scratch_types=HG.tile_smem(jnp.bfloat16, tiles), tiles=tiles,
+                interpret=small, name="probe_hopper_gemv") for w in ws])
+            try:
+                got = f(x, ws)[-1][:, :32].T
+                err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+                kt = kernel_times(f, (x, ws), reps=5) if not small else []
+                us = sum(ms for _, _, ms in kt) * 1e3 / copies
+                print(f"  m={m_tile} {sched:11s} stages={stages}: {us:7.2f} us a matmul "
+                      f"({mb / max(us, 1e-9):.2f} TB/s), max err {err:.2e}", flush=True)
+            except Exception as e:   # a tile that does not compile is a result, not a stop
+                print(f"  m={m_tile} {sched} failed: {type(e).__name__}: {str(e)[:160]}")
+
+
 SECTIONS = {"top_k_order": top_k_order, "beam_top_k": beam_top_k, "rope": rope_kernels,
             "decode_attention": decode_attention_kernels, "decode_append": decode_append,
             "decode_attention_cold": decode_attention_cold,
-            "reorder": reorder, "launch_chain": launch_chain}
+            "reorder": reorder, "launch_chain": launch_chain, "hopper_gemv": hopper_gemv}
 
 
 def main():

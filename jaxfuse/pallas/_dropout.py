@@ -190,9 +190,10 @@ def apply(x, bias, residual, *, activation: str | None, rate: float, key, name: 
     fwd = _rows.resolve_blocks(block_sizes, n_rows, n_cols, interpret)
     bwd_blocks = block_sizes
     if block_sizes is None and activation and not interpret:
-        # The activation's derivative is the backward's largest state (gelu: 222 registers a
-        # thread at 1 x 4096 with 4 warps, 168 at 2 x 2048: three programs a multiprocessor
-        # instead of two): bias_act_dropout's fwd+bwd 0.490 -> 0.426-0.447 ms on an H200
+        # A backward with an activation holds x's tile, its derivative and the dbias sums:
+        # at 1 x 4096 with 4 warps 206-222 registers a thread (relu, gelu, gelu_tanh; silu
+        # 168), at 2 x 2048 123-168 (sass_report.py): 3-4 programs a multiprocessor instead
+        # of 2. bias_act_dropout (gelu) fwd+bwd 0.490 -> 0.426-0.447 ms on an H200
         # ([16384, 4096] bf16, benchmarks/NOTES.md s24 item 4); the forward keeps its tile.
         base = RowBlocks.for_shape(n_rows, n_cols, interpret=False)
         if base.block_cols >= 4096:

@@ -548,7 +548,7 @@ def perf(copy_bw: float, sweep: bool = False):
                 record(S, f"{wl} fwd+bwd", impl, t, temp_MB=(tb or 0) / 1e6)
             guarded(S, f"{wl} fwd", impl, run_fwd)
             guarded(S, f"{wl} fwd+bwd", impl, run_fb)
-        del sets
+        sets = None          # the op's inputs freed before the next op's are made
 
 
 def main() -> None:

@@ -11,13 +11,6 @@ import functools
 import jax
 
 from jaxfuse._dispatch import route
-from jaxfuse.pallas import attention as _p_attn
-from jaxfuse.pallas import cross_entropy as _p_ce
-from jaxfuse.pallas import decode_attention as _p_dec
-from jaxfuse.pallas import layer_norm as _p_ln
-from jaxfuse.pallas import linear_cross_entropy as _p_lce
-from jaxfuse.pallas import rms_norm as _p_rms
-from jaxfuse.pallas import softmax as _p_softmax
 from jaxfuse.reference import add_norm as _r_an
 from jaxfuse.reference import add_norm_linear as _r_anl
 from jaxfuse.reference import attention as _r_attn

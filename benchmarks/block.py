@@ -443,6 +443,66 @@ def perf_compute_floor(copy_bw: float):
                t, of_85pct_copy_allowance=t / allowance)
 
 
+def prefetch_dropout(n_rows: int, n_cols: int, r_rows: int, warps: int, interpret: bool):
+    """dropout's forward with a register prefetch (NOTES s24 item 6): each program walks
+    `r_rows` rows, and the next row's x is loaded at the top of the loop body, before this
+    row's mask is drawn, so that its latency runs under the generator (the row pass loads a
+    row after its mask, and Triton pipelines only loads that feed dots). (x, key) -> the same
+    output as `jaxfuse.dropout(x, RATE, key)` for x [n_rows, n_cols], n_rows % r_rows == 0."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+    from jaxfuse import _philox
+    from jaxfuse.pallas import _rng
+
+    def kernel(key_ref, x_ref, o_ref):
+        key_w = tuple(key_ref[w] for w in range(2))
+        row0 = pl.program_id(0) * r_rows
+        cols = jax.lax.broadcasted_iota(jnp.int32, (1, n_cols), 1)
+
+        def load(r, more):        # a row of x, or nothing (no memory traffic) past the group
+            return pltriton.load(x_ref.at[pl.ds(jnp.minimum(r, n_rows - 1), 1), :],
+                                 mask=jnp.broadcast_to(more, (1, n_cols)) & (cols >= 0),
+                                 other=0.0)
+
+        def body(i, x_row):
+            nxt = load(row0 + i + 1, i + 1 < r_rows)             # issued before the mask
+            rows = jnp.full((1, 1), row0 + i, jnp.int32)
+            z = _rng.drop_tile(x_row.astype(jnp.float32), key_w, rows, 0, RATE, interpret)
+            pltriton.store(o_ref.at[pl.ds(row0 + i, 1), :], z.astype(o_ref.dtype))
+            return nxt
+
+        jax.lax.fori_loop(0, r_rows, body, load(row0, True))
+
+    def run(x, key):
+        call = pl.pallas_call(
+            kernel, grid=(n_rows // r_rows,), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            interpret=interpret, name="prefetch_dropout_fwd",
+            compiler_params=None if interpret else pltriton.CompilerParams(num_warps=warps))
+        return call(_philox.key_words(key), x)
+    return run
+
+
+def perf_prefetch(copy_bw: float):
+    """`prefetch_dropout` at 2-8 rows a program against `jaxfuse.dropout` (the row pass), masks
+    checked bitwise, in the same run."""
+    n_rows, n_cols = _shapes()["rows"]
+    x = jax.random.normal(jax.random.key(60), (n_rows, n_cols), jnp.bfloat16)
+    key = jax.random.key(61)
+    nbytes = 2 * x.size * x.dtype.itemsize
+    want = jaxfuse.dropout(x, RATE, key)
+    t_ref = bench(jax.jit(lambda x, k: jaxfuse.dropout(x, RATE, k)), [(x, key)])
+    record(S, f"dropout fwd {tuple(x.shape)} bf16, the row pass", "jaxfuse", t_ref,
+           frac_copy=nbytes / t_ref / copy_bw)
+    for r_rows, warps in ((2, 4), (4, 4), (8, 4), (4, 8)):
+        if n_rows % r_rows:
+            continue
+        f = jax.jit(prefetch_dropout(n_rows, n_cols, r_rows, warps, SMALL))
+        same = bool(jnp.array_equal(f(x, key), want))
+        t = bench(f, [(x, key)])
+        record(S, f"dropout fwd, {r_rows} rows a program, next row prefetched", f"{warps} warps",
+               t, frac_copy=nbytes / t / copy_bw, bitwise_equal=same)
+
+
 def perf_sweep(copy_bw: float):
     """Row tiles of the dropout kernels (`RowBlocks`: rows, columns, warps), forward and
     forward+backward of dropout, bias_act_dropout and embedding: the defaults (1 x 4096 with 4
@@ -560,6 +620,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default=None, help="comma-separated check dtypes, e.g. bfloat16")
     ap.add_argument("--only", default=None, help="comma-separated ops, e.g. rope,swiglu,attention")
     ap.add_argument("--sweep", action="store_true", help="also time dropout's row tiles")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="also time dropout's forward with a register prefetch (perf_prefetch)")
     ap.add_argument("--floor", action="store_true",
                     help="also time the forwards' arithmetic alone (perf_compute_floor)")
     ap.add_argument("--rows-sweep", action="store_true",
@@ -579,6 +641,8 @@ def main() -> None:
             check()
         if args.floor:
             guarded(S, "arithmetic alone", "jaxfuse", lambda: perf_compute_floor(copy_bw))
+        if args.prefetch:
+            guarded(S, "prefetch", "jaxfuse", lambda: perf_prefetch(copy_bw))
         perf(copy_bw, sweep=args.sweep)
     _timing.save(args.out)
 

@@ -69,7 +69,6 @@ def kernel_names(jaxpr) -> list[str]:
     return names
 
 
-
 # jaxfuse.model.apply under one jax.jit (Config and impl static), shared by the model tests:
 # one compile per program and config, where eager dispatch compiled each op and each scan
 # apart (about twice the CPU).

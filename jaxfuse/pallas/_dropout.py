@@ -195,9 +195,8 @@ def apply(x, bias, residual, *, activation: str | None, rate: float, key, name: 
         # 168), at 2 x 2048 123-168 (sass_report.py): 3-4 programs a multiprocessor instead
         # of 2. bias_act_dropout (gelu) fwd+bwd 0.490 -> 0.426-0.447 ms on an H200
         # ([16384, 4096] bf16, benchmarks/NOTES.md s24 item 4); the forward keeps its tile.
-        base = RowBlocks.for_shape(n_rows, n_cols, interpret=False)
-        if base.block_cols >= 4096:
-            bwd_blocks = RowBlocks(2 * base.block_rows, base.block_cols // 2, base.num_warps)
+        if fwd.block_cols >= 4096:        # fwd: the rule's tile (no block_sizes given)
+            bwd_blocks = RowBlocks(2 * fwd.block_rows, fwd.block_cols // 2, fwd.num_warps)
     bwd = _rows.resolve_blocks(bwd_blocks, n_rows, n_cols, interpret,
                                accumulate_rows=bias is not None)
     st = _Static(activation, rate, bias is not None, residual is not None, fwd, bwd, interpret,

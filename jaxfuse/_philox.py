@@ -21,8 +21,9 @@ and wgmma both give a thread 2 adjacent columns of every 8-column slice, so a th
 columns of 32 computes exactly its own calls, and attention drops P where P lives (a mask in plain
 column order had to cross to that layout through shared memory: 16 KiB more per 128 x 128 tile,
 and more instructions than the generator). A kernel that holds whole 32-column blocks makes one
-call per 8 elements and places the halves with joins and a transpose (`keep_block`); one that
-does not computes the call per element and keeps its half (`keep`): the same bits either way.
+call per 8 elements and moves its words into column order with joins and a transpose
+(`keep_block`); one that does not computes the call per element and keeps its half (`keep`):
+the same bits either way.
 Per element that is 1/8 of a Philox call (~10 integer instructions) instead of a whole one (~80):
 on an H200, a whole call per element of attention's P cost 2.5x the attention itself.
 
@@ -141,13 +142,21 @@ def keep_block(key_w, rows, col0, n_cols: int, rate: float, *, stream=0, mulhi=m
     ctr = (calls.astype(jnp.uint32), jnp.broadcast_to(rows, shape).astype(jnp.uint32),
            jnp.asarray(stream).astype(jnp.uint32), np.uint32(0))
     words = philox4x32(ctr, (key_w[0], key_w[1]), mulhi=mulhi)
-    # Word k: [..., blocks, p, h] (call 4 * block + p, half h); then the words as (a, b) with
-    # k = 2a + b, moved before p: [..., blocks, a, b, p, h] is column 32 block + 8k + 2p + h.
-    x = [_join(*_keep_halves(w, threshold(rate))).reshape(lead + (n // 4, 4, 2)) for w in words]
-    y = _join(_join(x[0], x[2]), _join(x[1], x[3]))       # [..., blocks, p, h, a, b]
+    # The words move into column order as 32-bit words, before any comparison: joined, [...,
+    # n, b, a] with word k = 2a + b, then [..., blocks, a, b, p] (call 4 * block + p) is
+    # column 32 block + 8k + 2p + h for the two halves h (a trailing axis, compared in
+    # place). A compiled row kernel holds 8 contiguous columns a thread, so the four calls of a
+    # block meet there in one exchange of words through shared memory; moving the eight
+    # booleans of each call instead (comparisons first, then joins and the transpose) took
+    # Triton five byte-wise exchanges, and the row kernels were bound by the integer ALU (ncu
+    # on an H200, dropout's forward: ALU 79% busy, 864 instructions a warp; 544 now, SASS).
+    w = _join(_join(words[0], words[1]), _join(words[2], words[3]))      # [..., n, b, a]
     nd = len(lead)
-    y = jnp.transpose(y, tuple(range(nd + 1)) + (nd + 3, nd + 4, nd + 1, nd + 2))
-    return y.reshape(lead + (n_cols,))
+    w = jnp.transpose(w.reshape(lead + (n // 4, 4, 2, 2)),                 # [..., blocks, p, b, a]
+                      tuple(range(nd + 1)) + (nd + 3, nd + 2, nd + 1))     # [..., blocks, a, b, p]
+    lo, hi = _keep_halves(w.reshape(lead + (n // 4, 4, 4, 1)), threshold(rate))
+    half = lax.broadcasted_iota(jnp.int32, (1,) * (nd + 3) + (2,), nd + 3)
+    return jnp.where(half == 0, lo, hi).reshape(lead + (n_cols,))
 
 
 def _keep_halves(w, t: int):

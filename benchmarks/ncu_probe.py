@@ -1,0 +1,70 @@
+"""Workloads for Nsight Compute (diagnostic, GPU): each section runs one kernel a few times so
+that `ncu` can read its hardware counters (the device's Firecracker runtime lets it; the jax
+profiler gives durations only). XLA's command buffers are off so every launch is a plain kernel
+launch that ncu can replay; ncu flushes the caches before each replay, so the counters are those
+of a cold call, as in a decoding step (the cache and weights do not stay in L2). JAX's memory
+preallocation is off: ncu saves and restores every allocated byte around each replay, and with
+the default 75% of the GPU's memory allocated one kernel's 34 passes took over a minute.
+
+    ncu --clock-control none -k regex:decode_attention --section SpeedOfLight ... \\
+        python benchmarks/ncu_probe.py decode_attention
+
+Sections: decode_attention (the 157M model's decoding shape: B32, 528 of 768 cached keys, 16
+query and 4 KV heads of 64, bf16; plain, then with the model's packed append), dropout (the
+forward at [16384, 4096] bf16, rate 0.1), attention (the Hopper forward, B4 H32 T4096 D128
+bf16, full).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_gpu_enable_command_buffer=").strip()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jaxfuse  # noqa: E402
+
+
+def decode_attention(reps: int = 3):
+    b, s, n, hq, hkv, d = 32, 768, 528, 16, 4, 64
+    ks = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(ks[0], (b, hq + 2 * hkv, d), jnp.bfloat16)
+    kc = jax.random.normal(ks[1], (b, s, hkv, d), jnp.bfloat16)
+    vc = jax.random.normal(ks[2], (b, s, hkv, d), jnp.bfloat16)
+    lengths = jnp.full((b,), n, jnp.int32)
+    plain = jax.jit(lambda q, k, v, n: jaxfuse.decode_attention(q[:, :hq], k, v, n))
+    packed = jax.jit(lambda q, k, v, n: jaxfuse.decode_attention(q, k, v, n, packed_qkv=True),
+                     donate_argnums=(1, 2))
+    for _ in range(reps):
+        jax.block_until_ready(plain(q, kc, vc, lengths))
+    for _ in range(reps):
+        o, kc, vc = packed(q, kc, vc, lengths)
+        jax.block_until_ready(o)
+
+
+def attention(reps: int = 2):
+    ks = jax.random.split(jax.random.key(5), 3)
+    q, k, v = (jax.random.normal(kk, (4, 4096, 32, 128), jnp.bfloat16) for kk in ks)
+    f = jax.jit(jaxfuse.flash_attention)
+    for _ in range(reps):
+        jax.block_until_ready(f(q, k, v))
+
+
+def dropout(reps: int = 3):
+    x = jax.random.normal(jax.random.key(0), (16384, 4096), jnp.bfloat16)
+    f = jax.jit(lambda x, k: jaxfuse.dropout(x, 0.1, k))
+    for i in range(reps):
+        jax.block_until_ready(f(x, jax.random.key(i)))
+
+
+SECTIONS = {"decode_attention": decode_attention, "dropout": dropout, "attention": attention}
+
+if __name__ == "__main__":
+    print("device", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    for name in sys.argv[1:] or list(SECTIONS):
+        SECTIONS[name]()

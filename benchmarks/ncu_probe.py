@@ -12,7 +12,8 @@ the default 75% of the GPU's memory allocated one kernel's 34 passes took over a
 Sections: decode_attention (the 157M model's decoding shape: B32, 528 of 768 cached keys, 16
 query and 4 KV heads of 64, bf16; plain, then with the model's packed append), dropout (the
 forward at [16384, 4096] bf16, rate 0.1), attention (the Hopper forward, B4 H32 T4096 D128
-bf16, full).
+bf16, full), block (add_norm, bias_dropout_add and embedding at issue 15's shapes, forward and
+backward).
 """
 from __future__ import annotations
 
@@ -62,7 +63,26 @@ def dropout(reps: int = 3):
         jax.block_until_ready(f(x, jax.random.key(i)))
 
 
-SECTIONS = {"decode_attention": decode_attention, "dropout": dropout, "attention": attention}
+def block(reps: int = 2):
+    """The other block kernels at issue 15's shapes, forward and backward (dropout 0.1)."""
+    ks = jax.random.split(jax.random.key(1), 4)
+    x, r = (jax.random.normal(k, (16384, 4096), jnp.bfloat16) for k in ks[:2])
+    b = jax.random.normal(ks[2], (4096,), jnp.bfloat16)
+    tok = jax.random.randint(ks[3], (8, 2048), 0, 128256)
+    table = jax.random.normal(ks[3], (128256, 4096), jnp.bfloat16)
+    kw = dict(rate=0.1, key=jax.random.key(7))
+    grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)),
+                                      argnums=(0, 1)))
+    fs = [(grad(lambda x, r: jaxfuse.add_norm(x, r, b, **kw)[1]), (x, r)),
+          (grad(lambda x, r: jaxfuse.bias_dropout_add(x, b, r, **kw)), (x, r)),
+          (grad(lambda t, _: jaxfuse.embedding(tok, t, scale=64.0, **kw)), (table, b))]
+    for f, args in fs:
+        for _ in range(reps):
+            jax.block_until_ready(f(*args))
+
+
+SECTIONS = {"decode_attention": decode_attention, "dropout": dropout, "attention": attention,
+            "block": block}
 
 if __name__ == "__main__":
     print("device", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)

@@ -197,8 +197,13 @@ def apply(x, bias, residual, *, activation: str | None, rate: float, key, name: 
         # ([16384, 4096] bf16, benchmarks/NOTES.md s24 item 4); the forward keeps its tile.
         if fwd.block_cols >= 4096:        # fwd: the rule's tile (no block_sizes given)
             bwd_blocks = RowBlocks(2 * fwd.block_rows, fwd.block_cols // 2, fwd.num_warps)
+    # The backward's dbias sums: 8 programs a multiprocessor (~16 rows each at 16384 rows)
+    # instead of the norms' 2 (~63): with the mask's cheaper exchange (NOTES s25 item 3) the
+    # pass waits on its loads, and more programs hide them. fwd+bwd on an H200 (s25-8):
+    # bias_dropout_add 0.310 -> 0.285 ms at [16384, 4096], 0.095 -> 0.088 at [16384, 1024];
+    # bias_act_dropout 0.122 -> 0.108 at [16384, 1024], ~flat at 4096 columns.
     bwd = _rows.resolve_blocks(bwd_blocks, n_rows, n_cols, interpret,
-                               accumulate_rows=bias is not None)
+                               accumulate_rows=bias is not None, programs_per_sm=8)
     st = _Static(activation, rate, bias is not None, residual is not None, fwd, bwd, interpret,
                  name)
     if key_w is None:

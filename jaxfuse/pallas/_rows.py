@@ -51,7 +51,7 @@ class RowBlocks:
 
     @classmethod
     def for_shape(cls, n_rows: int, n_cols: int, *, interpret: bool,
-                  accumulate_rows: bool = False) -> "RowBlocks":
+                  accumulate_rows: bool = False, programs_per_sm: int = 2) -> "RowBlocks":
         if interpret:
             bc = n_cols
             br = max(1, min(n_rows, _INTERPRET_TILE_ELEMS // max(n_cols, 1)))
@@ -69,8 +69,9 @@ class RowBlocks:
         warps = max(1, min(16, br * bc // 1024))
         rpp = None
         if accumulate_rows:
-            # Enough programs to fill the GPU twice over; each sums its rows in registers.
-            groups = max(1, 2 * C.num_multiprocessors() // C.cdiv(n_cols, bc))
+            # Enough programs to fill the GPU `programs_per_sm` times over; each sums its rows
+            # in registers and writes one float32 partial row.
+            groups = max(1, programs_per_sm * C.num_multiprocessors() // C.cdiv(n_cols, bc))
             rpp = br * C.cdiv(C.cdiv(n_rows, groups), br)
         return cls(br, bc, warps, rpp)
 
@@ -91,12 +92,15 @@ class RowBlocks:
 
 
 def resolve_blocks(blocks: RowBlocks | None, n_rows: int, n_cols: int, interpret: bool,
-                   accumulate_rows: bool = False, has_hopper: bool = False) -> RowBlocks:
+                   accumulate_rows: bool = False, has_hopper: bool = False,
+                   programs_per_sm: int = 2) -> RowBlocks:
     """`blocks`, or the rule's tile. `has_hopper`: the op has Hopper kernels (else
-    `RowBlocks(hopper=True)` is refused rather than ignored)."""
+    `RowBlocks(hopper=True)` is refused rather than ignored). `programs_per_sm`: how many
+    programs a pass that sums over rows gets per multiprocessor when `blocks` does not say."""
     if blocks is None:
         return RowBlocks.for_shape(n_rows, n_cols, interpret=interpret,
-                                   accumulate_rows=accumulate_rows)
+                                   accumulate_rows=accumulate_rows,
+                                   programs_per_sm=programs_per_sm)
     blocks.validate(interpret, has_hopper)
     if not accumulate_rows:
         # rows_per_program is for passes that sum over rows (the docstring's contract): a
@@ -104,7 +108,8 @@ def resolve_blocks(blocks: RowBlocks | None, n_rows: int, n_cols: int, interpret
         return dataclasses.replace(blocks, rows_per_program=None)
     if blocks.rows_per_program is None:
         target = n_rows if interpret else RowBlocks.for_shape(
-            n_rows, n_cols, interpret=False, accumulate_rows=True).rows_per_program
+            n_rows, n_cols, interpret=False, accumulate_rows=True,
+            programs_per_sm=programs_per_sm).rows_per_program
         blocks = dataclasses.replace(
             blocks, rows_per_program=blocks.block_rows * C.cdiv(target, blocks.block_rows))
     return blocks

@@ -140,6 +140,11 @@ def decode_attention_cold():
         grid = ((None,), (64, 128, 256), (1, 2, 4), (2, 3, 4))
     elif os.environ.get("DECODE_COLD") == "splits":   # each launch's own time printed too
         grid = ((None, 2, 4), (128,), (4,), (3, 4))
+    elif os.environ.get("DECODE_COLD") == "stages":
+        # s25 (ncu): 22% of the kernel's stall samples sit at the loop's first barrier, waiting
+        # for a K/V tile; with 4-5 tiles a program, a ring deep enough for all of them puts
+        # every load in flight at the start (6 x 32 KB of 128-key tiles fit one CTA's smem).
+        grid = ((None,), (64, 128), (4,), (3, 4, 5, 6, 8))
     else:
         grid = ((None, 2, 4), (128, 256), (4, 8), (2, 3, 4))
     rows = [(f"splits={sp} bk={bk} warps={nw} stages={st}", sp,

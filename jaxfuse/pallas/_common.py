@@ -10,6 +10,7 @@
   masked primitives pad instead of clamping, so a tile that hangs over the edge reads the right
   elements there too.
 * `pallas_call`: `pl.pallas_call` with the compiler parameters for the current regime.
+* `recip`: 1 / x as the regime computes it best (exact when interpreted, one MUFU.RCP compiled).
 
 The two regimes (house style, "one kernel body, two regimes"): on the GPU a program sees one
 small power-of-two tile; in interpret mode a program sees as much of the array as possible,
@@ -31,7 +32,7 @@ from jaxfuse.reference._masks import keep_mask  # noqa: F401  (re-exported for k
 __all__ = [
     "cdiv", "next_pow2", "resolve_interpret", "num_multiprocessors", "keep_mask",
     "online_max_sum", "safe_max", "tile_index", "tiles_exactly", "load_tile", "store_tile",
-    "load_vec", "store_vec", "pallas_call", "reduce_tiles", "NEG_INF",
+    "load_vec", "store_vec", "pallas_call", "reduce_tiles", "recip", "exact_recip", "NEG_INF",
 ]
 
 NEG_INF = float("-inf")
@@ -69,6 +70,27 @@ def num_multiprocessors() -> int:
     if dev.platform == "cpu":
         return 1
     return int(getattr(dev, "core_count", 0) or 132)
+
+
+def exact_recip(x):
+    return 1.0 / x
+
+
+def _recip_ptx(x):
+    # Triton lowers `1 / x` to div.full.f32: a reciprocal plus range checks and scalings for
+    # |x| near the float32 limits (~8 instructions); rcp.approx.ftz is the reciprocal alone
+    # (MUFU.RCP, within 1 ulp), for denominators known to stay in the normal range.
+    return pltriton.elementwise_inline_asm(
+        "rcp.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+
+def recip(interpret: bool):
+    """1 / x of a float32 tile: exact in interpret mode, `rcp.approx.ftz.f32` compiled (a
+    subnormal result flushes to 0; an infinite x gives 0). For activations' denominators
+    (erf's rational fit, the sigmoid's 1 + e^-z): in the dropout family's kernels it took
+    their instruction counts down by ~10% (benchmarks/NOTES.md s25 item 7)."""
+    return exact_recip if interpret else _recip_ptx
 
 
 def online_max_sum(state, s):

@@ -36,8 +36,10 @@ _ERF_BETA = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03
              -7.37332916720468e-03, -1.42647390514189e-02)
 
 
-def erf(x):
-    """float32 erf from + - * / only (Pallas's Triton lowering has no erf)."""
+def erf(x, recip=C.exact_recip):
+    """float32 erf from + - * and a reciprocal only (Pallas's Triton lowering has no erf);
+    `recip` (`_common.recip`) the regime's 1 / x: the fit's denominator lies in [-1.4e-2,
+    -2.4], never near a float32 limit."""
     x = jnp.clip(x, -4.0, 4.0)
     x2 = x * x
     p = jnp.float32(_ERF_ALPHA[0])
@@ -46,38 +48,38 @@ def erf(x):
     q = jnp.float32(_ERF_BETA[0])
     for b in _ERF_BETA[1:]:
         q = q * x2 + b
-    return x * p / q
+    return x * p * recip(q)
 
 
-def _sigmoid(z):
-    return 1.0 / (1.0 + jnp.exp(-z))
+def _sigmoid(z, recip=C.exact_recip):
+    return recip(1.0 + jnp.exp(-z))
 
 
-def act(name: str | None, z):
-    """The activation, as `jax.nn` defines it."""
+def act(name: str | None, z, recip=C.exact_recip):
+    """The activation, as `jax.nn` defines it; `recip` as `erf`'s."""
     if name is None:
         return z
     if name == "gelu":
-        return 0.5 * z * (1.0 + erf(z * (1.0 / math.sqrt(2.0))))
+        return 0.5 * z * (1.0 + erf(z * (1.0 / math.sqrt(2.0)), recip))
     if name == "gelu_tanh":
         return 0.5 * z * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z)))
     if name == "relu":
         return jnp.maximum(z, 0.0)
-    return z * _sigmoid(z)                                       # silu
+    return z * _sigmoid(z, recip)                                # silu
 
 
-def act_grad(name: str, z):
+def act_grad(name: str, z, recip=C.exact_recip):
     """d act / dz (the backward recomputes it from x; nothing but x is saved)."""
     if name == "gelu":
-        return 0.5 * (1.0 + erf(z * (1.0 / math.sqrt(2.0)))) + z * _INV_SQRT_2PI * jnp.exp(
-            -0.5 * z * z)
+        return (0.5 * (1.0 + erf(z * (1.0 / math.sqrt(2.0)), recip))
+                + z * _INV_SQRT_2PI * jnp.exp(-0.5 * z * z))
     if name == "gelu_tanh":
         t = jnp.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z))
         return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (
             1.0 + 3.0 * 0.044715 * z * z)
     if name == "relu":
         return (z > 0.0).astype(jnp.float32)
-    s = _sigmoid(z)
+    s = _sigmoid(z, recip)
     return s * (1.0 + z * (1.0 - s))                             # silu
 
 
@@ -120,7 +122,7 @@ def _forward(x2, bias, res2, key_w, st: _Static):
 
     def emit(tile):
         z = tile.x[0] + tile.per_col[0] if st.has_bias else tile.x[0]
-        z = act(st.activation, z)
+        z = act(st.activation, z, C.recip(st.interpret))
         if st.rate:
             z = drop(tile, z, st.rate, st.interpret)
         if st.has_residual:
@@ -146,7 +148,7 @@ def _backward(x2, bias, key_w, dy2, st: _Static):
             g = drop(tile, g, st.rate, st.interpret)
         if st.activation:
             z = tile.x[1] + tile.per_col[0] if st.has_bias else tile.x[1]
-            g = g * act_grad(st.activation, z)
+            g = g * act_grad(st.activation, z, C.recip(st.interpret))
         return (g,), (), ((g,) if st.has_bias else ())
 
     needs_x = bool(st.activation)

@@ -12,8 +12,8 @@ the default 75% of the GPU's memory allocated one kernel's 34 passes took over a
 Sections: decode_attention (the 157M model's decoding shape: B32, 528 of 768 cached keys, 16
 query and 4 KV heads of 64, bf16; plain, then with the model's packed append), dropout (the
 forward at [16384, 4096] bf16, rate 0.1), attention (the Hopper forward, B4 H32 T4096 D128
-bf16, full), block (add_norm, bias_dropout_add and embedding at issue 15's shapes, forward and
-backward).
+bf16, full), block (bias_act_dropout with gelu, add_norm, bias_dropout_add and embedding at issue
+15's shapes, forward and backward).
 """
 from __future__ import annotations
 

@@ -149,7 +149,7 @@ def keep_block(key_w, rows, col0, n_cols: int, rate: float, *, stream=0, mulhi=m
     # block meet there in one exchange of words through shared memory; moving the eight
     # booleans of each call instead (comparisons first, then joins and the transpose) took
     # Triton five byte-wise exchanges, and the row kernels were bound by the integer ALU (ncu
-    # on an H200, dropout's forward: ALU 79% busy, 864 instructions a warp; 544 now, SASS).
+    # on an H200, dropout's forward: ALU 79% busy; its SASS 736 instructions, 544 now).
     w = _join(_join(words[0], words[1]), _join(words[2], words[3]))      # [..., n, b, a]
     nd = len(lead)
     w = jnp.transpose(w.reshape(lead + (n // 4, 4, 2, 2)),                 # [..., blocks, p, b, a]

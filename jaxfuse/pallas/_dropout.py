@@ -201,9 +201,9 @@ def apply(x, bias, residual, *, activation: str | None, rate: float, key, name: 
             bwd_blocks = RowBlocks(2 * fwd.block_rows, fwd.block_cols // 2, fwd.num_warps)
     # The backward's dbias sums: 8 programs a multiprocessor (~16 rows each at 16384 rows)
     # instead of the norms' 2 (~63): with the mask's cheaper exchange (NOTES s25 item 3) the
-    # pass waits on its loads, and more programs hide them. fwd+bwd on an H200 (s25-8):
-    # bias_dropout_add 0.310 -> 0.285 ms at [16384, 4096], 0.095 -> 0.088 at [16384, 1024];
-    # bias_act_dropout 0.122 -> 0.108 at [16384, 1024], ~flat at 4096 columns.
+    # pass waits on its loads, and more programs hide them. fwd+bwd on an H200 (s25-8/9):
+    # bias_dropout_add 0.310 -> 0.285-0.287 ms at [16384, 4096]; at [16384, 1024] and for
+    # bias_act_dropout the settings moved less than the runs' spread.
     bwd = _rows.resolve_blocks(bwd_blocks, n_rows, n_cols, interpret,
                                accumulate_rows=bias is not None, programs_per_sm=8)
     st = _Static(activation, rate, bias is not None, residual is not None, fwd, bwd, interpret,

@@ -165,6 +165,30 @@ class NormTest(chex.TestCase):
         self.assertEqual(_rows.resolve_blocks(RowBlocks(2, 8), 37, 8, interpret=True,
                                               accumulate_rows=True).rows_per_program, 38)
 
+    def test_programs_per_multiprocessor_of_row_summing_passes(self):
+        # The GPU rule (decided on any host): `programs_per_sm` programs a multiprocessor, each
+        # summing a whole number of row blocks; the norms keep 2, the dropout family's dbias 8.
+        from jaxfuse.pallas import _common as C
+        from jaxfuse.pallas import _rows
+        sms = C.num_multiprocessors()
+        for n_rows, n_cols in ((16384, 4096), (16384, 1024), (1000, 96)):
+            for per_sm in (2, 8):
+                b = _rows.resolve_blocks(None, n_rows, n_cols, interpret=False,
+                                         accumulate_rows=True, programs_per_sm=per_sm)
+                self.assertEqual(b.rows_per_program % b.block_rows, 0)
+                groups = max(1, per_sm * sms // C.cdiv(n_cols, b.block_cols))
+                self.assertEqual(b.rows_per_program,
+                                 b.block_rows * C.cdiv(C.cdiv(n_rows, groups), b.block_rows))
+            # a given tile without rows_per_program takes the same rule's count
+            given = _rows.resolve_blocks(RowBlocks(2, 512), n_rows, n_cols, interpret=False,
+                                         accumulate_rows=True, programs_per_sm=8)
+            self.assertEqual(given.rows_per_program % 2, 0)
+            self.assertGreaterEqual(given.rows_per_program, 2)
+        two, eight = (_rows.resolve_blocks(None, 16384, 4096, interpret=False,
+                                           accumulate_rows=True, programs_per_sm=k)
+                      for k in (2, 8))
+        self.assertLess(eight.rows_per_program, two.rows_per_program)
+
 
 if __name__ == "__main__":
     pytest.main([__file__])

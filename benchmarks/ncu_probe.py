@@ -73,8 +73,7 @@ def block(reps: int = 2):
     kw = dict(rate=0.1, key=jax.random.key(7))
     grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)),
                                       argnums=(0, 1)))
-    fs = [(grad(lambda x, r: jaxfuse.bias_act_dropout(x, r[0], activation="gelu", **kw)),
-           (x, r)),
+    fs = [(grad(lambda x, _: jaxfuse.bias_act_dropout(x, b, activation="gelu", **kw)), (x, r)),
           (grad(lambda x, r: jaxfuse.add_norm(x, r, b, **kw)[1]), (x, r)),
           (grad(lambda x, r: jaxfuse.bias_dropout_add(x, b, r, **kw)), (x, r)),
           (grad(lambda t, _: jaxfuse.embedding(tok, t, scale=64.0, **kw)), (table, b))]

@@ -38,8 +38,8 @@ _ERF_BETA = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03
 
 def erf(x, recip=C.exact_recip):
     """float32 erf from + - * and a reciprocal only (Pallas's Triton lowering has no erf);
-    `recip` (`_common.recip`) the regime's 1 / x: the fit's denominator lies in [-1.4e-2,
-    -2.4], never near a float32 limit."""
+    `recip` (`_common.recip`) the regime's 1 / x: the fit's denominator lies in [-2.4,
+    -1.4e-2], never near a float32 limit."""
     x = jnp.clip(x, -4.0, 4.0)
     x2 = x * x
     p = jnp.float32(_ERF_ALPHA[0])

@@ -331,10 +331,49 @@ def hopper_gemv():
                 print(f"  m={m_tile} {sched} failed: {type(e).__name__}: {str(e)[:160]}")
 
 
+def qkv_parts():
+    """Can a decoding step's q/k/v projection hand its split-K partial sums to the next kernel
+    instead of reducing them in a launch of its own (s26)? XLA's [32, 1024] x [1024, 1536] GEMM
+    runs split-K and reduces the partials in a fusion (with RoPE and the concat: ~2.2 us a
+    layer). Written as a batched matmul over P slices of K with float32 partials [P, 32, N],
+    XLA has nothing to reduce; the question is whether that batched GEMM is one kernel and as
+    fast as its split-K GEMM. 8 cold weights a formulation, kernel times from the profiler."""
+    from benchmarks._profile import kernel_times
+    copies, k, n = 8, 1024, 1536
+    ws = jax.random.normal(jax.random.key(3), (copies, k, n), jnp.bfloat16) * k ** -0.5
+    x = jax.random.normal(jax.random.key(4), (32, k), jnp.bfloat16)
+    bar = jax.lax.optimization_barrier
+
+    def chain(project):         # each layer's input depends on the last (no merged GEMMs)
+        def f(x, ws):
+            for i in range(copies):
+                out = bar(project(x, ws[i]))
+                out = out.sum(0) if out.ndim == 3 else out
+                x = out[:, :k].astype(jnp.bfloat16)
+            return out
+        return f
+    forms = {"x @ W, bf16 out (split-K + reduce)":
+             chain(lambda x, w: (x @ w).astype(jnp.bfloat16))}
+    for p in (1, 2, 4, 8):
+        forms[f"batched P={p}, f32 partials"] = chain(lambda x, w, p=p: jnp.einsum(
+            "bpk,pkn->pbn", x.reshape(32, p, k // p), w.reshape(p, k // p, n),
+            preferred_element_type=jnp.float32))
+    for name, f in forms.items():
+        f = jax.jit(f)
+        f(x, ws)
+        kt = kernel_times(f, (x, ws), reps=5)
+        total = sum(ms for _, _, ms in kt) * 1e3 / copies
+        print(f"qkv_parts {name:36s} {total:6.2f} us a layer (with the chain's sums)",
+              flush=True)
+        for kname, count, ms in kt:
+            print(f"      {kname[:60]:60s} x{count} {ms * 1e3 / copies:6.2f} us a layer")
+
+
 SECTIONS = {"top_k_order": top_k_order, "beam_top_k": beam_top_k, "rope": rope_kernels,
             "decode_attention": decode_attention_kernels, "decode_append": decode_append,
             "decode_attention_cold": decode_attention_cold,
-            "reorder": reorder, "launch_chain": launch_chain, "hopper_gemv": hopper_gemv}
+            "reorder": reorder, "launch_chain": launch_chain, "hopper_gemv": hopper_gemv,
+            "qkv_parts": qkv_parts}
 
 
 def main():

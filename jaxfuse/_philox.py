@@ -125,7 +125,7 @@ def keep(key_w, rows, cols, rate: float, *, stream=0, mulhi=mulhi_u32):
     return u.astype(jnp.int32) < threshold(rate)
 
 
-def _join(a, b):
+def join_last(a, b):
     """[..., n] x 2 -> [..., n, 2] (`tt.join` in Pallas's Triton lowering)."""
     return jnp.concatenate([a.reshape(a.shape + (1,)), b.reshape(b.shape + (1,))], axis=-1)
 
@@ -150,7 +150,7 @@ def keep_block(key_w, rows, col0, n_cols: int, rate: float, *, stream=0, mulhi=m
     # booleans of each call instead (comparisons first, then joins and the transpose) took
     # Triton five byte-wise exchanges, and the row kernels were bound by the integer ALU (ncu
     # on an H200, dropout's forward: ALU 79% busy; its SASS 736 instructions, 544 now).
-    w = _join(_join(words[0], words[1]), _join(words[2], words[3]))      # [..., n, b, a]
+    w = join_last(join_last(words[0], words[1]), join_last(words[2], words[3]))      # [..., n, b, a]
     nd = len(lead)
     w = jnp.transpose(w.reshape(lead + (n // 4, 4, 2, 2)),                 # [..., blocks, p, b, a]
                       tuple(range(nd + 1)) + (nd + 3, nd + 2, nd + 1))     # [..., blocks, a, b, p]

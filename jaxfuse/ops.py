@@ -154,8 +154,10 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      kv_lengths: jax.Array, *, scale: float | None = None,
                      num_splits: int | None = None, logits_soft_cap: float | None = None,
                      return_lse: bool = False, k_new: jax.Array | None = None,
-                     v_new: jax.Array | None = None, packed_qkv: bool = False,
-                     impl: str = "pallas", interpret: bool | None = None, block_sizes=None):
+                     v_new: jax.Array | None = None, packed_qkv: bool | str = False,
+                     partial_sums: bool = False, rope_base: float | None = None,
+                     rope_interleaved: bool = True, impl: str = "pallas",
+                     interpret: bool | None = None, block_sizes=None):
     """One new query per sequence, q [B, Hq, D], over KV caches [B, S, Hkv, D] that hold
     `kv_lengths[b]` valid positions (int [B], clipped to [0, S]; whatever lies beyond is never
     read; lengths of any integer dtype are clipped in that dtype, so uint32 2^31 means S).
@@ -171,7 +173,18 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     `packed_qkv=True`: q is [B, Hq + 2 Hkv, D], the query heads then the new key's then the new
     value's (a fused q/k/v projection's output, e.g. `jnp.concatenate([q, k, v], axis=1)`);
     the kernel reads all three from that one array, where separate q, k_new and v_new would
-    each be copied out of it first.
+    each be copied out of it first. `packed_qkv="grouped"`: q is [B, Hkv (G + 2), D], each KV
+    head's G query heads, then its new key, then its new value (a projection whose columns are
+    grouped by KV head, as `jaxfuse.model`'s, whose heads a tensor-parallel split keeps together).
+
+    The rest of a decoding step's attention input, fused in: `rope_base=` rotates the query
+    heads and the new key by RoPE at position kv_lengths[b] (as `jaxfuse.rope`, pairs
+    interleaved or, with `rope_interleaved=False`, halves); `partial_sums=True` takes a packed q
+    as P float32 partial sums [P, B, heads, D] of the projection split along its contraction
+    and adds them in the kernel, so that the projection's reduction takes no launch of its own:
+    `jnp.einsum("bpk,pkn->pbn", x.reshape(B, P, -1), w.reshape(P, -1, N),
+    preferred_element_type=jnp.float32)`. The new token's q, k and v are rounded to the cache's
+    dtype after the sum and the rotation; o comes in the cache's dtype.
 
     >>> o = jaxfuse.decode_attention(q, k_cache, v_cache, lengths)
     >>> o, k_cache, v_cache = jaxfuse.decode_attention(q, k_cache, v_cache, lengths,
@@ -180,7 +193,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     return route(impl, _s_attn.decode_attention, _r_dec.decode_attention, q, k_cache, v_cache,
                  kv_lengths, scale=scale, num_splits=num_splits,
                  logits_soft_cap=logits_soft_cap, return_lse=return_lse, k_new=k_new,
-                 v_new=v_new, packed_qkv=packed_qkv, interpret=interpret,
+                 v_new=v_new, packed_qkv=packed_qkv, partial_sums=partial_sums,
+                 rope_base=rope_base, rope_interleaved=rope_interleaved, interpret=interpret,
                  block_sizes=block_sizes)
 
 

@@ -30,6 +30,7 @@ from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas.attention import check_head_dim
 from jaxfuse.reference import decode_attention as ref
+from jaxfuse.reference import rope as rope_ref
 from jaxfuse.reference.attention import merge_many
 
 
@@ -73,22 +74,41 @@ def choose_splits(units: int, seq_len: int, sms: int, min_keys: int = 512) -> in
 _SPLIT_AXIS = {True: 0, False: 2}   # grid axis of the split: (splits,) folded, (B, Hkv, splits)
 
 
-def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: int,
-            split_len: int, append: bool):
-    # GPU: q_ref [G, Dp] (the group's heads), k_ref/v_ref [S, Dp], len_ref a scalar.
-    # Interpret: q_ref [B*Hkv, G, D], k_ref [B*Hkv, S, D], len_ref [B*Hkv].
-    # append: kn_ref/vn_ref [(B*Hkv,) 1, Dp] the new rows, ko_ref/vo_ref the caches again
-    # (aliased to k_ref/v_ref: in place); the new row goes at len_ref's value, unclipped (a
-    # device holding one slice of the cache gets it shifted, maybe outside [0, S): not its row).
+def _kernel(k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: int,
+            split_len: int, parts: int, append: bool, rope: bool | None):
+    # GPU: k_ref/v_ref [S, Dp], len_ref a scalar; refs: (f_ref [Dp/2], the RoPE pairs'
+    # frequencies, with `rope`), then `parts` refs of the group's query heads [G, Dp] (partial
+    # sums to add when parts > 1), with `append` `parts` refs of the new key [1, Dp] and as many
+    # of the new value, then the outputs. Interpret: k_ref [B*Hkv, S, D], len_ref [B*Hkv], the
+    # q refs [B*Hkv, G, D], the new rows' [B*Hkv, 1, D].
+    # append: ko_ref/vo_ref are the caches again (aliased to k_ref/v_ref: in place); the new
+    # row goes at len_ref's value, unclipped (a device holding one slice of the cache gets it
+    # shifted, maybe outside [0, S): not its row).
+    refs = list(refs)
+    f_ref = refs.pop(0) if rope is not None else None
+    q_refs, refs = refs[:parts], refs[parts:]
     if append:
-        kn_ref, vn_ref, o_ref, lse_ref, ko_ref, vo_ref = refs
+        kn_refs, vn_refs, refs = refs[:parts], refs[parts:2 * parts], refs[2 * parts:]
+        o_ref, lse_ref, ko_ref, vo_ref = refs
     else:
         o_ref, lse_ref = refs
     g = spec.groups
     s0 = pl.program_id(_SPLIT_AXIS[spec.folded]) * split_len
     length = jnp.clip(len_ref[...], 0, spec.n_k)
     n = length[..., None, None]                                              # [..., 1, 1]
-    q = A.load_rows(q_ref, 0, bh, g, spec)                                   # [..., bh, Dp]
+    q = _added(q_refs, bh, g, spec)                                           # [..., bh, Dp]
+    if append:
+        k_new, v_new = (_added(r, 1, 1, spec) for r in (kn_refs, vn_refs))   # [..., 1, Dp]
+    if rope is not None:
+        # RoPE at the new token's position, the angles' cos and sin once for the q rows and
+        # the key; the rotation is `jaxfuse.reference.rope`'s own function.
+        theta = len_ref[...][..., None, None].astype(jnp.float32) * C.load_vec(
+            f_ref, 0, spec.head_dim_pad // 2, spec.head_dim // 2)               # [..., 1, Dp/2]
+        cos, sin = jnp.cos(theta), jnp.sin(theta)
+        q, k_new = (rope_ref.rotate(x.astype(jnp.float32), cos, sin, rope) for x in (q, k_new))
+    if parts > 1 or rope is not None:
+        # The new token's q, k and v as the cache holds them (and the matrix unit takes q).
+        q, k_new, v_new = (x.astype(k_ref.dtype) for x in (q, k_new, v_new))
     end = jnp.minimum(s0 + split_len, jnp.max(length))
 
     def step(j, carry):
@@ -116,7 +136,6 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: 
         # on an H200: the loaded tiles no longer went straight to the matrix unit.)
         pos = len_ref[...][..., None, None]                                  # [..., 1, 1]
         mine = (pos >= s0) & (pos < s0 + split_len) & (pos >= 0) & (pos < spec.n_k)
-        k_new, v_new = (A.load_rows(r, 0, 1, 1, spec) for r in (kn_ref, vn_ref))
         s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=-1,
                         keepdims=True)                                        # [..., bh, 1]
         u, _ = A.transform(spec, s_new)
@@ -135,27 +154,43 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: 
     C.store_vec(lse_ref, A.lse_natural(lse_u, spec), 0, g)   # the splits merge natural lse
 
 
+def _added(refs, n: int, n_valid, spec: A.AttnSpec):
+    """Rows [0, n) of the refs (`load_rows`), added in float32 when there are several (a
+    projection's partial sums); one ref's rows as stored."""
+    tiles = [A.load_rows(r, 0, n, n_valid, spec) for r in refs]
+    if len(tiles) == 1:
+        return tiles[0]
+    total = tiles[0].astype(jnp.float32)
+    for t in tiles[1:]:
+        total = total + t.astype(jnp.float32)
+    return total
+
+
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      kv_lengths: jax.Array, *, scale: float | None = None,
                      num_splits: int | None = None, logits_soft_cap: float | None = None,
                      return_lse: bool = False, k_new: jax.Array | None = None,
-                     v_new: jax.Array | None = None, packed_qkv: bool = False,
-                     interpret: bool | None = None, block_sizes: DecodeBlocks | None = None):
+                     v_new: jax.Array | None = None, packed_qkv: bool | str = False,
+                     partial_sums: bool = False, rope_base: float | None = None,
+                     rope_interleaved: bool = True, interpret: bool | None = None,
+                     block_sizes: DecodeBlocks | None = None):
     """Pallas Flash-Decoding; same semantics as `jaxfuse.reference.decode_attention`.
 
     Inference only: it has no gradient (train with `flash_attention`)."""
     ref.validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
-                      v_new, packed_qkv)
+                      v_new, packed_qkv, partial_sums, rope_base, rope_interleaved)
     check_head_dim(q.shape[-1])
     interpret = C.resolve_interpret(interpret)
     blocks = block_sizes or DecodeBlocks()
     blocks.validate(interpret if blocks.folded is None else blocks.folded)
     run = functools.partial(_decode, scale=scale, num_splits=num_splits,
                             logits_soft_cap=logits_soft_cap, interpret=interpret, blocks=blocks,
-                            packed=packed_qkv)
+                            packed=packed_qkv, partial_sums=partial_sums, rope_base=rope_base,
+                            rope_interleaved=rope_interleaved)
     # With an append the lengths are also where the new row goes (`_kernel`).
-    outs = _inference_op(run)(q, k_cache, v_cache, ref.clip_lengths(kv_lengths, k_cache.shape[1]),
-                              *(() if k_new is None else (k_new, v_new)))
+    outs = _inference_op(run, q_batch_axis=1 if partial_sums else 0)(
+        q, k_cache, v_cache, ref.clip_lengths(kv_lengths, k_cache.shape[1]),
+        *(() if k_new is None else (k_new, v_new)))
     return results(outs, return_lse)
 
 
@@ -167,10 +202,11 @@ def results(outs, return_lse: bool):
     return head + tuple(caches) if caches else (head if return_lse else o)
 
 
-def _inference_op(run):
+def _inference_op(run, q_batch_axis: int = 0):
     """`run` under a vmap rule that folds the mapped axis into the batch axis (the kernel's loop
     bounds come from kv_lengths, data that a batched pallas_call cannot loop over), and with a
-    gradient that fails loudly rather than silently."""
+    gradient that fails loudly rather than silently. The batch is every argument's axis 0 but
+    q's `q_batch_axis` (1: q's partial sums lead)."""
     @jax.custom_jvp
     @jax.custom_batching.custom_vmap
     def op(q, k_cache, v_cache, lengths, *append):
@@ -180,7 +216,9 @@ def _inference_op(run):
     def _fold(axis_size, in_batched, *args):
         args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
                 for a, batched in zip(args, in_batched)]
-        outs = op.fun(*[a.reshape(-1, *a.shape[2:]) for a in args])
+        q = jnp.moveaxis(args[0], 0, q_batch_axis)       # the mapped axis just before the batch
+        q = q.reshape(*q.shape[:q_batch_axis], -1, *q.shape[q_batch_axis + 2:])
+        outs = op.fun(q, *[a.reshape(-1, *a.shape[2:]) for a in args[1:]])
         unfold = lambda x: x.reshape(axis_size, -1, *x.shape[1:])
         return tuple(unfold(x) for x in outs), (True,) * len(outs)
 
@@ -193,87 +231,121 @@ def _inference_op(run):
 
 
 def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_splits,
-            logits_soft_cap, interpret, blocks: DecodeBlocks, packed=False):
-    """(o [B, Hq, D] in q's dtype, float32 lse [B, Hq]) over the first `lengths` keys (clipped
-    to [0, S]). With k_new/v_new [B, Hkv, D], or `packed` (q is [B, Hq + 2 Hkv, D]: the query
-    heads then k_new's then v_new's), also over the new key where `lengths` lies in [0, S),
-    written there in the returned caches (in place)."""
-    s_len, hkv = k_cache.shape[1], k_cache.shape[2]
-    b, hq, d = q.shape
-    hq -= 2 * hkv if packed else 0
+            logits_soft_cap, interpret, blocks: DecodeBlocks, packed=False, partial_sums=False,
+            rope_base=None, rope_interleaved=True):
+    """(o [B, Hq, D] in the cache's dtype, float32 lse [B, Hq]) over the first `lengths` keys
+    (clipped to [0, S]). With k_new/v_new [B, Hkv, D], or a `packed` q (its layouts:
+    `jaxfuse.reference.decode_attention`), also over the new key where `lengths` lies in
+    [0, S), written there in the returned caches (in place). `partial_sums`: q is [P, ...],
+    P partial sums the kernel adds; `rope_base`: the kernel rotates the new q and k."""
+    s_len, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    folded = interpret if blocks.folded is None else blocks.folded     # `AttnSpec.make`'s rule
+    if rope_base is not None and not rope_interleaved and not folded and max(16, C.next_pow2(d)) != d:
+        # Halves [i, i + D/2] of a head dim padded for the matrix unit do not meet in the
+        # kernel's reshape: XLA forms the new token first, the kernel appends and attends.
+        q, k_new, v_new = ref.new_token(q, k_cache, v_cache, lengths, k_new, v_new, packed,
+                                        partial_sums, rope_base, rope_interleaved)
+        packed, partial_sums, rope_base = False, False, None
+    layout = "heads" if packed is True else packed             # False, "heads" or "grouped"
+    qp = q if partial_sums else q[None]                         # [P, B, heads, D]
+    parts, b, heads = qp.shape[:3]
+    hq = {False: heads, "heads": heads - 2 * hkv, "grouped": heads - 2 * hkv}[layout]
     g = hq // hkv
-    append = packed or k_new is not None
-    spec = A.AttnSpec.make(n_q=1, n_k=s_len, head_dim=d, groups=g, dtype=q.dtype, scale=scale,
-                           interpret=interpret, folded=blocks.folded, softcap=logits_soft_cap)
+    append = bool(layout) or k_new is not None
+    rope = None if rope_base is None else bool(rope_interleaved)
+    spec = A.AttnSpec.make(n_q=1, n_k=s_len, head_dim=d, groups=g, dtype=k_cache.dtype,
+                           scale=scale, interpret=interpret, folded=blocks.folded,
+                           softcap=logits_soft_cap)
     folded, dp = spec.folded, spec.head_dim_pad
     if num_splits is None:
         num_splits = 1 if folded else choose_splits(b * hkv, s_len, C.num_multiprocessors())
-    block_k = blocks.block_k or (128 if dp * q.dtype.itemsize <= 128 else 64)
+    block_k = blocks.block_k or (128 if dp * k_cache.dtype.itemsize <= 128 else 64)
     bk = min(block_k, max(16, C.next_pow2(s_len))) if not folded else min(block_k, s_len)
     split_len = bk * C.cdiv(C.cdiv(s_len, num_splits), bk)   # whole tiles; trailing splits may be empty
     # One query row needs no matmul tile; G >= 2 rows are padded to Triton's 16-row minimum.
     bh = g if folded else (1 if g == 1 else max(16, C.next_pow2(g)))
     kernel = functools.partial(_kernel, spec=spec, bh=bh, bk=bk, split_len=split_len,
-                               append=append)
+                               parts=parts, append=append, rope=rope)
     # One split (a short cache, or enough sequences to fill the GPU without splitting): its
     # result is final (merging one part is the identity, bitwise), so the kernel writes o in
-    # q's dtype and no merge runs: two reductions and a cast fewer per call, in a decoding step
-    # made of microsecond launches (measured on the 157M model: 3 of ~18 kernels per layer).
-    o_dtype = q.dtype if num_splits == 1 else jnp.float32
-    if folded and packed:     # interpreted: the heads are sliced apart (copies cost nothing here)
-        q, k_new, v_new = q[:, :hq], q[:, hq:hq + hkv], q[:, hq + hkv:]
+    # the cache's dtype and no merge runs: two reductions and a cast fewer per call, in a
+    # decoding step made of microsecond launches (measured on the 157M model: 3 of ~18 kernels
+    # per layer).
+    o_dtype = k_cache.dtype if num_splits == 1 else jnp.float32
+    head = []                     # the RoPE pairs' frequencies, padded to the kernel's Dp / 2
+    if rope is not None:
+        cols = rope_ref.column_freqs(d, rope_base, rope)
+        head = [cols[0::2] if rope else cols[: d // 2]]
     if folded:
+        # Interpreted: the heads are sliced apart per partial sum (copies cost nothing here);
+        # the sums and the rotation stay in the kernel.
         n = b * hkv
+        news = [ref.unpack_qkv(x, k_cache, None, None, layout) if layout else (x, k_new, v_new)
+                for x in qp]
         heads_major = lambda c: c.transpose(0, 2, 1, 3).reshape(n, s_len, d)
-        qc, kc, vc = q.reshape(n, g, d), heads_major(k_cache), heads_major(v_cache)
+        kc, vc = heads_major(k_cache), heads_major(v_cache)
         grid = (num_splits,)
         whole = lambda *shape: pl.BlockSpec(shape, lambda s: (0,) * len(shape))
-        in_specs = [whole(n, g, d), whole(n, s_len, d), whole(n, s_len, d), whole(n)]
+        in_specs = [whole(n, s_len, d), whole(n, s_len, d), whole(n)] + [whole(d // 2)] * len(head)
+        in_specs += [whole(n, g, d)] * parts
         out_specs = [pl.BlockSpec((n, None, g, d), lambda s: (0, s, 0, 0)),
                      pl.BlockSpec((n, None, g), lambda s: (0, s, 0))]
         out_shape = [jax.ShapeDtypeStruct((n, num_splits, g, d), o_dtype),
                      jax.ShapeDtypeStruct((n, num_splits, g), jnp.float32)]
-        args = [qc, kc, vc, jnp.repeat(lengths, hkv)]
+        args = [kc, vc, jnp.repeat(lengths, hkv), *head] + [x[0].reshape(n, g, d) for x in news]
         if append:
-            in_specs += [whole(n, 1, d), whole(n, 1, d)]
+            in_specs += [whole(n, 1, d)] * (2 * parts)
             out_specs += [whole(n, s_len, d)] * 2
             out_shape += [jax.ShapeDtypeStruct(kc.shape, kc.dtype)] * 2
-            args += [k_new.reshape(n, 1, d), v_new.reshape(n, 1, d)]
+            args += [x[1].reshape(n, 1, d) for x in news] + [x[2].reshape(n, 1, d) for x in news]
     else:
         grid = (b, hkv, num_splits)
         cache_spec = pl.BlockSpec((None, s_len, None, dp), lambda b_, h, s: (b_, 0, h, 0))
         row_spec = pl.BlockSpec((None,), lambda b_, h, s: (b_,))
-        in_specs = [pl.BlockSpec((None, g, dp), lambda b_, h, s: (b_, h, 0)),
-                    cache_spec, cache_spec, row_spec]
+        in_specs = [cache_spec, cache_spec, row_spec]
+        in_specs += [pl.BlockSpec((dp // 2,), lambda b_, h, s: (0,))] * len(head)
+        # Each kind of row (the group's query heads, the new key, the new value) of each
+        # partial sum is read where it lies in q: the same buffer passed several times, no
+        # slice of it copied out first. rows(p, n, at): n rows of part p at block index at(h).
+        if layout == "grouped":     # [P, B, Hkv, G + 2, D]: group h's q heads, key, value
+            src = qp.reshape(parts, b, hkv, g + 2, d)
+            rows = lambda p, n, at: pl.BlockSpec((None, None, None, n, dp),
+                                                 lambda b_, h, s: (p, b_, h, at(h), 0))
+            at_q, at_k, at_v = (lambda h: 0), (lambda h: g), (lambda h: g + 1)
+        else:                       # [P, B, heads, D]: q heads, then (packed) keys, values
+            src = qp
+            rows = lambda p, n, at: pl.BlockSpec((None, None, n, dp),
+                                                 lambda b_, h, s: (p, b_, at(h), 0))
+            at_q, at_k, at_v = (lambda h: h), (lambda h: hq + h), (lambda h: hq + hkv + h)
+        in_specs += [rows(p, g, at_q) for p in range(parts)]
+        args = [k_cache, v_cache, lengths, *head] + [src] * parts
+        if append:
+            if layout:
+                in_specs += [rows(p, 1, at) for at in (at_k, at_v) for p in range(parts)]
+                args += [src] * (2 * parts)
+            else:                   # separate [B, Hkv, D] arrays: head h's row
+                one = pl.BlockSpec((None, None, 1, dp), lambda b_, h, s: (0, b_, h, 0))
+                in_specs += [one, one]
+                args += [k_new[None], v_new[None]]
+            out_specs_c = [cache_spec] * 2
         out_specs = [pl.BlockSpec((None, None, g, dp), lambda b_, h, s: (b_, s, h, 0)),
                      pl.BlockSpec((None, None, g), lambda b_, h, s: (b_, s, h))]
         out_shape = [jax.ShapeDtypeStruct((b, num_splits, hq, d), o_dtype),
                      jax.ShapeDtypeStruct((b, num_splits, hq), jnp.float32)]
-        args = [q, k_cache, v_cache, lengths]
         if append:
-            if packed:
-                # The new key and value heads are read where they lie in the packed q (the
-                # same buffer passed three times): no slice of it is copied out first.
-                new_specs = [pl.BlockSpec((None, 1, dp), lambda b_, h, s, c=c: (b_, c + h, 0))
-                             for c in (hq, hq + hkv)]
-                args += [q, q]
-            else:
-                new_specs = [pl.BlockSpec((None, None, 1, dp), lambda b_, h, s: (b_, h, 0, 0))] * 2
-                args += [k_new[:, :, None], v_new[:, :, None]]
-            in_specs += new_specs
-            out_specs += [cache_spec] * 2
+            out_specs += out_specs_c
             out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2
     outs = C.pallas_call(
         kernel, out_shape=out_shape, grid=grid, name="jaxfuse_decode_attention",
         interpret=interpret, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         in_specs=in_specs, out_specs=out_specs,
-        input_output_aliases={1: 2, 2: 3} if append else None)(*args)
+        input_output_aliases={0: 2, 1: 3} if append else None)(*args)
     o_parts, lse_parts = outs[:2]
     if num_splits == 1:
         o, lse = o_parts[:, 0], lse_parts[:, 0]
     else:
         o, lse = merge_many(o_parts, lse_parts, axis=1)    # the split axis, in both layouts
-    o, lse = o.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
+    o, lse = o.reshape(b, hq, d).astype(k_cache.dtype), lse.reshape(b, hq)
     if not append:
         return o, lse
     if folded:     # back from the kernel's [B * Hkv, S, D] to [B, S, Hkv, D]

@@ -12,6 +12,14 @@ Append (a decoding step): with k_new and v_new [B, Hkv, D], the new token's key 
 first written at position p_b = kv_lengths[b] (clipped to [0, S]; p_b = S, a full cache, writes
 nothing), then the query attends over min(p_b + 1, S) positions; the updated caches are
 returned with o.
+
+A fused projection's output (a decoding step's q/k/v in one matmul) can be handed over as it
+comes: `packed_qkv` names its layout ("heads": the query heads, then the new keys, then the
+new values; "grouped": each KV head's G query heads, its new key, its new value),
+`partial_sums=True` takes it as P float32 partial sums [P, ...] of a matmul split along its
+contraction (added here in float32), and `rope_base` rotates the query heads and the new key
+by RoPE at the new token's position p_b (as `jaxfuse.rope`, the angles in float32). The
+new token's q, k and v are rounded to the cache's dtype after the sum and the rotation.
 """
 from __future__ import annotations
 
@@ -21,6 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse import _checks
+from jaxfuse.reference import rope as _rope
+
+PACKED_LAYOUTS = (False, True, "heads", "grouped")
 
 
 def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=None,
@@ -71,26 +82,85 @@ def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=N
 
 
 def validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
-                  v_new, packed_qkv: bool) -> None:
-    """`validate`, for a packed q too (its heads checked as the three arrays they hold)."""
-    if packed_qkv:
-        q, k_new, v_new = unpack_qkv(q, k_cache, k_new, v_new)
+                  v_new, packed_qkv=False, partial_sums=False, rope_base=None,
+                  rope_interleaved=True) -> None:
+    """`validate`, for the packed, partial-sum and RoPE forms too (checked as the arrays the
+    kernel will attend with: `new_token`'s)."""
+    q, k_new, v_new = new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv,
+                                partial_sums, rope_base, rope_interleaved, abstract=True)
     validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new, v_new)
 
 
-def unpack_qkv(qkv, k_cache, k_new, v_new):
-    """`packed_qkv=True`: (q, k_new, v_new) sliced from qkv [B, Hq + 2 Hkv, D] (query heads,
-    then the new key's, then the new value's: a fused q/k/v projection's output)."""
+def new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv=False,
+              partial_sums=False, rope_base=None, rope_interleaved=True, *, abstract=False):
+    """(q [B, Hq, D], k_new, v_new) from the call's arguments: partial sums added (float32),
+    a packed q unpacked, RoPE applied at position kv_lengths[b], and, where a sum or a
+    rotation happened, rounded to the cache's dtype. `abstract`: shapes and dtypes only (for
+    validation: no arithmetic is traced)."""
+    if packed_qkv not in PACKED_LAYOUTS:
+        raise ValueError(f"packed_qkv={packed_qkv!r} must be one of {PACKED_LAYOUTS} (True means "
+                         "\"heads\")")
+    if partial_sums:
+        if not packed_qkv:
+            raise ValueError("partial_sums=True needs packed_qkv (\"heads\" or \"grouped\"): "
+                             "the partial sums are a fused q/k/v projection's")
+        _checks.check_float("q", q)
+        if q.ndim != 4:
+            raise ValueError(f"partial_sums=True: q.shape={tuple(q.shape)} must be [P, B, heads, "
+                             "D] (P partial sums of the packed q/k/v)")
+        q = (jax.ShapeDtypeStruct(q.shape[1:], jnp.float32) if abstract
+             else jnp.sum(q.astype(jnp.float32), axis=0))
+    if packed_qkv:
+        q, k_new, v_new = unpack_qkv(q, k_cache, k_new, v_new, packed_qkv, abstract=abstract)
+    if rope_base is not None:
+        if k_new is None:
+            raise ValueError("rope_base rotates the new token at position kv_lengths[b]: it "
+                             "needs the token appended (k_new and v_new, or packed_qkv)")
+        _checks.check_positive("rope_base", rope_base, allow_none=False)
+        if q.shape[-1] % 2:
+            raise ValueError(f"rope_base needs an even head dim, got D={q.shape[-1]}")
+    if not (partial_sums or rope_base is not None) or abstract:
+        if abstract and (partial_sums or rope_base is not None):
+            cast = lambda a: jax.ShapeDtypeStruct(a.shape, k_cache.dtype)
+            q, k_new, v_new = cast(q), cast(k_new), cast(v_new)
+        return q, k_new, v_new
+    if rope_base is not None:
+        pos = clip_lengths(kv_lengths, k_cache.shape[1])[:, None]              # [B, T=1]
+        turn = lambda x: _rope.rope(x.astype(jnp.float32)[:, None], pos, base=rope_base,
+                                    interleaved=rope_interleaved)[:, 0]
+        q, k_new = turn(q), turn(k_new)
+    return tuple(a.astype(k_cache.dtype) for a in (q, k_new, v_new))
+
+
+def unpack_qkv(qkv, k_cache, k_new, v_new, layout=True, *, abstract=False):
+    """(q, k_new, v_new) from a packed qkv: [B, Hq + 2 Hkv, D] in the "heads" layout (True:
+    query heads, then the new key's, then the new value's), [B, Hkv (G + 2), D] "grouped" (KV
+    head h's G query heads, its new key, its new value: a fused projection whose columns are
+    grouped by KV head)."""
     if k_new is not None or v_new is not None:
-        raise ValueError("packed_qkv=True takes k_new and v_new from q's last 2 * Hkv heads: "
+        raise ValueError(f"packed_qkv={layout!r} takes k_new and v_new from q's heads: "
                          "pass k_new=None and v_new=None")
     _checks.check_ndim("q", qkv, 3)
     _checks.check_ndim("k_cache", k_cache, 4)
+    b, heads, d = qkv.shape
     hkv = k_cache.shape[2]
-    hq = qkv.shape[1] - 2 * hkv
+    if layout == "grouped":
+        if hkv == 0 or heads % hkv or heads // hkv < 3:
+            raise ValueError(f"packed_qkv=\"grouped\": q.shape={tuple(qkv.shape)} must be [B, "
+                             f"Hkv (G + 2), D] with Hkv={hkv} (k_cache.shape[2]) and G >= 1")
+        g = heads // hkv - 2
+        if abstract:
+            sd = lambda *shape: jax.ShapeDtypeStruct(shape, qkv.dtype)
+            return sd(b, hkv * g, d), sd(b, hkv, d), sd(b, hkv, d)
+        grouped = qkv.reshape(b, hkv, g + 2, d)
+        return grouped[:, :, :g].reshape(b, hkv * g, d), grouped[:, :, g], grouped[:, :, g + 1]
+    hq = heads - 2 * hkv
     if hkv == 0 or hq < hkv or hq % hkv:
         raise ValueError(f"packed_qkv=True: q.shape={tuple(qkv.shape)} must be [B, Hq + 2 Hkv, D] "
                          f"with Hkv={hkv} (k_cache.shape[2]) and Hq a positive multiple of Hkv")
+    if abstract:
+        sd = lambda *shape: jax.ShapeDtypeStruct(shape, qkv.dtype)
+        return sd(b, hq, d), sd(b, hkv, d), sd(b, hkv, d)
     return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
 
 
@@ -105,15 +175,18 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      kv_lengths: jax.Array, *, scale: float | None = None,
                      num_splits: int | None = None, logits_soft_cap: float | None = None,
                      return_lse: bool = False, k_new: jax.Array | None = None,
-                     v_new: jax.Array | None = None, packed_qkv: bool = False):
+                     v_new: jax.Array | None = None, packed_qkv: bool | str = False,
+                     partial_sums: bool = False, rope_base: float | None = None,
+                     rope_interleaved: bool = True):
     """q [B, Hq, D] over caches [B, S, Hkv, D] up to kv_lengths [B]; returns o [B, Hq, D]
     (and float32 lse [B, Hq]), then with k_new/v_new the updated caches (module docstring).
-    `packed_qkv`: q is [B, Hq + 2 Hkv, D] and holds k_new and v_new as its last heads.
-    `num_splits` only matters to the kernel; it is accepted here so that both implementations
-    share one signature."""
-    if packed_qkv:
-        q, k_new, v_new = unpack_qkv(q, k_cache, k_new, v_new)
-    validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new, v_new)
+    `packed_qkv`, `partial_sums`, `rope_base`: the new token's q, k and v as a fused projection
+    gives them (module docstring). `num_splits` only matters to the kernel; it is accepted here
+    so that both implementations share one signature."""
+    validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
+                  v_new, packed_qkv, partial_sums, rope_base, rope_interleaved)
+    q, k_new, v_new = new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv,
+                                partial_sums, rope_base, rope_interleaved)
     if k_new is not None:
         s_len = k_cache.shape[1]
         pos = clip_lengths(kv_lengths, s_len)        # S, a full cache: dropped

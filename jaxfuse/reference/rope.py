@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse import _checks
+from jaxfuse._philox import join_last
 
 
 def validate(x, positions, base) -> None:
@@ -42,13 +43,21 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
     freq = column_freqs(d, base, interleaved)[0::2] if interleaved else \
         column_freqs(d, base, interleaved)[: d // 2]                          # [D/2]
     angle = positions.astype(jnp.float32)[..., None, None] * freq             # [..., T, 1, D/2]
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    xf = x.astype(jnp.float32)
-    xa, xb = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., : d // 2],
-                                                                   xf[..., d // 2:])
-    ya, yb = xa * cos - xb * sin, xb * cos + xa * sin
+    return rotate(x.astype(jnp.float32), jnp.cos(angle), jnp.sin(angle),
+                  interleaved).astype(x.dtype)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
+    """float32 x [..., D] with each pair turned by the angle whose cos and sin ([..., D/2],
+    broadcast against x's leading axes) are given. Written with reshapes, a split and a join
+    of a trailing axis of 2 (no strided slices), so that kernels use it too: Pallas's Triton
+    lowering has those (`decode_attention` rotates its new token's q and k with it)."""
+    *lead, d = x.shape
+    lead = tuple(lead)
     if interleaved:
-        out = jnp.stack([ya, yb], axis=-1).reshape(x.shape)
+        pairs = x.reshape(lead + (d // 2, 2))                                 # [..., D/2, 2]
     else:
-        out = jnp.concatenate([ya, yb], axis=-1)
-    return out.astype(x.dtype)
+        pairs = jnp.swapaxes(x.reshape(lead + (2, d // 2)), -1, -2)          # [..., D/2, 2]
+    xa, xb = (h.reshape(lead + (d // 2,)) for h in jnp.split(pairs, 2, axis=-1))
+    y = join_last(xa * cos - xb * sin, xb * cos + xa * sin)                   # [..., D/2, 2]
+    return (y if interleaved else jnp.swapaxes(y, -1, -2)).reshape(lead + (d,))

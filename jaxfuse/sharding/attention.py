@@ -171,11 +171,18 @@ def _decode_local(kw, plan, q, k_cache, v_cache, lengths, *append):
 
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=None,
                      logits_soft_cap=None, return_lse=False, k_new=None, v_new=None,
-                     packed_qkv=False, interpret=None, block_sizes=None):
+                     packed_qkv=False, partial_sums=False, rope_base=None,
+                     rope_interleaved=True, interpret=None, block_sizes=None):
     """`jaxfuse.pallas.decode_attention` partitioned over batch, KV heads and cache length
     (packed q: batch and cache length; its heads hold the three kinds and stay whole)."""
     _r_dec.validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale,
-                         k_new, v_new, packed_qkv)
+                         k_new, v_new, packed_qkv, partial_sums, rope_base, rope_interleaved)
+    if partial_sums or rope_base is not None:
+        # Formed by XLA before the split: a device holding a slice of the cache sees lengths
+        # shifted to its slice, not the token's position that RoPE turns by.
+        q, k_new, v_new = _r_dec.new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new,
+                                           packed_qkv, partial_sums, rope_base, rope_interleaved)
+        packed_qkv = False
     _p_attn.check_head_dim(q.shape[-1])
     interpret = C.resolve_interpret(interpret)
     blocks = block_sizes or DecodeBlocks()

@@ -233,5 +233,117 @@ class AppendTest(chex.TestCase):
             jaxfuse.decode_attention(q, kc, kc, n, k_new=new, v_new=new.astype(jnp.bfloat16))
 
 
+class FusedInputTest(chex.TestCase):
+    """A fused q/k/v projection's output handed over as it comes: packed "heads" or "grouped",
+    as float32 partial sums the kernel adds (`partial_sums`), with the new token's q and k
+    turned by RoPE in the kernel (`rope_base`)."""
+
+    B, S, HQ, HKV = 3, 29, 8, 2          # GQA 4 per KV head; a prime cache length
+    LENGTHS = (0, 11, 29)                # empty, mid-tile, full (nothing appended)
+
+    @staticmethod
+    def _oracle(*args, **kw):
+        """The reference, jitted with its options static (strings and flags)."""
+        return jax.jit(functools.partial(jaxfuse.decode_attention, impl="reference",
+                                         **kw))(*args)
+
+    def _inputs(self, d, parts, seed):
+        rng = np.random.default_rng(seed)
+        b, s, hq, hkv = self.B, self.S, self.HQ, self.HKV
+        kc, vc = (jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
+                  for _ in range(2))
+        # The float32 partial sums of a [B, heads, D] q/k/v; one partial (as stored) otherwise.
+        qkv = jnp.asarray(rng.standard_normal((parts or 1, b, hq + 2 * hkv, d)), jnp.float32)
+        return (qkv if parts else qkv[0].astype(jnp.bfloat16)), kc, vc, jnp.array(
+            self.LENGTHS, jnp.int32)
+
+    @parameterized.product(layout=list(LAYOUTS), packed=["heads", "grouped"], parts=[None, 3],
+                           rope=[None, True, False])
+    def test_matches_reference(self, layout, packed, parts, rope):
+        d = 16                                     # the GPU layout's own width: halves in-kernel
+        qkv, kc, vc, lengths = self._inputs(d, parts, seed=(parts or 1) + 10 * (rope is None))
+        kw = dict(packed_qkv=packed, partial_sums=parts is not None, return_lse=True,
+                  rope_base=None if rope is None else 500.0, rope_interleaved=bool(rope))
+        want = self._oracle(qkv, kc, vc, lengths, **kw)
+        got = jax.jit(lambda *a: [jaxfuse.decode_attention(
+            *a, num_splits=n, block_sizes=LAYOUTS[layout], **kw) for n in (1, 3)])(
+            qkv, kc, vc, lengths)
+        for o, lse, k_out, v_out in got:
+            self.assertEqual(o.dtype, jnp.bfloat16)
+            assert_close(o, want[0], jnp.bfloat16)
+            np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want[1]))
+            # The new rows as the reference forms them (sum, rotation, one rounding): within
+            # one bfloat16 rounding (the kernel's cos, sin and sums may differ in the last
+            # float32 bits), every other entry bitwise.
+            for a, w in ((k_out, want[2]), (v_out, want[3])):
+                a, w = np.asarray(a, np.float32), np.asarray(w, np.float32)
+                np.testing.assert_allclose(a, w, rtol=2 ** -7, atol=0)
+                rows = np.arange(self.S)[None, :] != np.asarray(lengths)[:, None]
+                np.testing.assert_array_equal(a[rows], w[rows])
+
+    def test_reference_is_the_composition(self):
+        # Sum, unpack, RoPE (`jaxfuse.rope`'s reference), round to the cache's dtype, append.
+        d, hkv, g = 16, self.HKV, self.HQ // self.HKV
+        qkv, kc, vc, lengths = self._inputs(d, 3, seed=5)
+        got = self._oracle(qkv, kc, vc, lengths, packed_qkv="grouped", partial_sums=True,
+                           rope_base=10000.0)
+        grouped = jnp.sum(qkv, axis=0).reshape(self.B, hkv, g + 2, d)
+        pos = lengths[:, None]
+        turn = lambda x: jaxfuse.rope(x[:, None], pos, impl="reference")[:, 0]
+        q = turn(grouped[:, :, :g].reshape(self.B, hkv * g, d)).astype(jnp.bfloat16)
+        k_new = turn(grouped[:, :, g]).astype(jnp.bfloat16)
+        v_new = grouped[:, :, g + 1].astype(jnp.bfloat16)
+        want = self._oracle(q, kc, vc, lengths, k_new=k_new, v_new=v_new)
+        for a, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(w, np.float32))
+
+    def test_halves_of_a_padded_head_dim(self):
+        # D = 8 is padded to 16 columns on the GPU layout, where halves [i, i + 4] do not meet
+        # in the kernel's reshape: XLA forms the new token, the kernel appends and attends.
+        qkv, kc, vc, lengths = self._inputs(8, 2, seed=7)
+        kw = dict(packed_qkv="grouped", partial_sums=True, rope_base=100.0,
+                  rope_interleaved=False, return_lse=True)
+        want = self._oracle(qkv, kc, vc, lengths, **kw)
+        got = jaxfuse.decode_attention(qkv, kc, vc, lengths, block_sizes=LAYOUTS["gpu_layout"],
+                                       **kw)
+        assert_close(got[0], want[0], jnp.bfloat16)
+        np.testing.assert_allclose(np.asarray(got[2], np.float32),
+                                   np.asarray(want[2], np.float32), rtol=2 ** -7, atol=0)
+
+    def test_vmap_over_partial_sums(self):
+        # The mapped axis folds into the batch, which is axis 1 of partial sums.
+        qkv, kc, vc, lengths = self._inputs(16, 2, seed=8)
+        qkv2 = jnp.stack([qkv, -qkv], axis=1)                  # [P, 2, B, heads, D]
+        kc2, vc2 = jnp.stack([kc, vc]), jnp.stack([vc, kc])
+        lengths2 = jnp.stack([lengths, lengths[::-1]])
+        f = lambda impl: jax.jit(jax.vmap(lambda q, k, v, n: jaxfuse.decode_attention(
+            q, k, v, n, packed_qkv=True, partial_sums=True, rope_base=10000.0, impl=impl),
+            in_axes=(1, 0, 0, 0)))
+        got, want = f("pallas")(qkv2, kc2, vc2, lengths2), f("reference")(qkv2, kc2, vc2,
+                                                                          lengths2)
+        assert_close(got[0], want[0], jnp.bfloat16)
+        np.testing.assert_allclose(np.asarray(got[1], np.float32),
+                                   np.asarray(want[1], np.float32), rtol=2 ** -7, atol=0)
+
+    @parameterized.parameters("pallas", "reference")
+    def test_bad_input(self, impl):
+        qkv, kc, vc, lengths = self._inputs(16, 2, seed=9)
+        call = lambda q, **kw: jaxfuse.decode_attention(q, kc, vc, lengths, impl=impl, **kw)
+        with self.assertRaisesRegex(ValueError, "partial_sums=True needs packed_qkv"):
+            call(qkv, partial_sums=True)
+        with self.assertRaisesRegex(ValueError, r"q.shape=\(3, 12, 16\) must be \[P, B"):
+            call(qkv[0], packed_qkv=True, partial_sums=True)
+        with self.assertRaisesRegex(ValueError, "packed_qkv='rows' must be one of"):
+            call(qkv[0], packed_qkv="rows")
+        with self.assertRaisesRegex(ValueError, r"grouped.*q.shape=\(3, 11, 16\) must be"):
+            call(qkv[0, :, :11], packed_qkv="grouped")
+        with self.assertRaisesRegex(ValueError, "rope_base rotates the new token"):
+            call(qkv[0, :, :self.HQ].astype(jnp.bfloat16), rope_base=10000.0)
+        with self.assertRaisesRegex(ValueError, "rope_base=-1.0"):
+            call(qkv, packed_qkv=True, partial_sums=True, rope_base=-1.0)
+        with self.assertRaisesRegex(ValueError, "even head dim, got D=15"):
+            call(qkv[..., :15], packed_qkv=True, partial_sums=True, rope_base=10000.0)
+
+
 if __name__ == "__main__":
     pytest.main([__file__])

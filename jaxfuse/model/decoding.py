@@ -54,6 +54,23 @@ def decode_params(params: dict, cfg: Config) -> dict:
     return p
 
 
+# A decoding step's q/k/v projection as this many float32 partial sums (a batched matmul over
+# slices of d_model). Measured on an H200 (s26, `decode_probe.py qkv_parts`, the 157M model's
+# [32, 1024] x [1024, 1536]): 2.8 us a matmul at 4 (2.6 at 8, XLA's split-K GEMM 2.8 plus its
+# 1.4-us reduction); each partial is another [G + 2, hd] read a program of the attention.
+QKV_PARTS = 4
+
+
+def _qkv_partials(y: jax.Array, w: jax.Array, cfg: Config) -> jax.Array:
+    """y [B, D] @ w [D, N] as P float32 partial sums [P, B, N / hd, hd] (P = QKV_PARTS where it
+    divides D, else 1): nothing for XLA to reduce, `decode_attention` adds them."""
+    b, d = y.shape
+    parts = QKV_PARTS if d % QKV_PARTS == 0 else 1
+    out = jnp.einsum("bpk,pkn->pbn", y.reshape(b, parts, d // parts),
+                     w.reshape(parts, d // parts, -1), preferred_element_type=jnp.float32)
+    return out.reshape(parts, b, -1, cfg.head_dim)
+
+
 def prefill(params: dict, cache: dict, prompts: jax.Array, prompt_lengths: jax.Array,
             cfg: Config, *, impl: str = "pallas"):
     """Runs the right-padded prompts [B, P] with causal flash attention, writes their K/V into
@@ -85,20 +102,33 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
     delta = jnp.zeros_like(h)
     k_out, v_out = [], []
     for i, blk in enumerate(p["blocks"]):
-        def attend(q, k, v, _key, i=i):
-            # The new token's K/V go into the cache inside the attention kernel (in place, one
-            # launch where an XLA scatter per cache would add two to a step of small launches),
-            # and q, k, v reach it as one array: XLA writes it in one fusion with RoPE, where
-            # three separate operands took three.
-            k_c, v_c = cache["k"][i], cache["v"][i]
-            qkv = jnp.concatenate([x[:, 0].astype(k_c.dtype) for x in (q, k, v)], axis=1)
-            o, k_c, v_c = jaxfuse.decode_attention(qkv, k_c, v_c, lengths, packed_qkv=True,
-                                                   impl=impl)
-            k_out.append(k_c)
-            v_out.append(v_c)
-            return o[:, None]
-        h, delta, _ = T.block(blk, h, delta, lengths[:, None], cfg, attend, impl=impl,
-                              head_mask=None if head_mask is None else head_mask[i])
+        k_c, v_c = cache["k"][i], cache["v"][i]
+        mask = None if head_mask is None else head_mask[i]
+        if impl == "pallas":
+            # The attention's input in one kernel: the q/k/v projection reaches it as float32
+            # partial sums (`_qkv_partials`), and the kernel adds them, turns q and k by RoPE,
+            # writes the new token's K/V into the cache (in place) and attends. In a step of
+            # microsecond launches this saves the projection's reduction (XLA's split-K GEMM
+            # reduces in a launch of its own, there with RoPE and the heads' regrouping:
+            # ~2.2 us a layer of the 157M model on an H200) and the step's cos/sin launch.
+            h, y = T.add_norm(blk["attn_norm"], delta, h, cfg, impl)            # [B, 1, D]
+            parts = _qkv_partials(y[:, 0], blk["wqkv"], cfg)          # [P, B, Hkv (G + 2), hd]
+            o, k_c, v_c = jaxfuse.decode_attention(
+                parts, k_c, v_c, lengths, packed_qkv="grouped", partial_sums=True,
+                rope_base=cfg.rope_base, impl=impl)
+            h, delta = T.after_attention(blk, o[:, None], h, cfg, impl, head_mask=mask)
+        else:
+            def attend(q, k, v, _key):
+                # q, k, v reach the kernel as one array: XLA writes it in one fusion with RoPE.
+                nonlocal k_c, v_c
+                qkv = jnp.concatenate([x[:, 0].astype(k_c.dtype) for x in (q, k, v)], axis=1)
+                o, k_c, v_c = jaxfuse.decode_attention(qkv, k_c, v_c, lengths,
+                                                       packed_qkv=True, impl=impl)
+                return o[:, None]
+            h, delta, _ = T.block(blk, h, delta, lengths[:, None], cfg, attend, impl=impl,
+                                  head_mask=mask)
+        k_out.append(k_c)
+        v_out.append(v_c)
     _, y = T.add_norm(p["final_norm"], delta, h, cfg, impl)
     logits = (y @ p["unembed"])[:, 0]
     return logits, {"k": tuple(k_out), "v": tuple(v_out), "lengths": lengths + 1}

@@ -161,9 +161,17 @@ def block(blk: dict, h: jax.Array, delta: jax.Array, positions: jax.Array, cfg: 
     h, outs = add_norm_project(blk["attn_norm"], delta, h, qkv_weights(blk, cfg), cfg, impl,
                                keys[0])
     q, k, v = qkv(outs, positions, cfg, impl)
-    h, outs = add_norm_project(blk["mlp_norm"], attn_out(blk, attend(q, k, v, keys[1]), head_mask),
-                               h, mlp_weights(blk), cfg, impl, keys[2])
-    return h, _stream(mlp(blk, outs, impl)), (q, k, v)
+    h, delta = after_attention(blk, attend(q, k, v, keys[1]), h, cfg, impl, keys[2], head_mask)
+    return h, delta, (q, k, v)
+
+
+def after_attention(blk: dict, o: jax.Array, h: jax.Array, cfg: Config, impl: str,
+                    key: jax.Array | None = None, head_mask: jax.Array | None = None):
+    """The block past attention's output o [B, T, H, hd]: (h + o W_o, the MLP's output of
+    its norm, still to be added)."""
+    h, outs = add_norm_project(blk["mlp_norm"], attn_out(blk, o, head_mask), h, mlp_weights(blk),
+                               cfg, impl, key)
+    return h, _stream(mlp(blk, outs, impl))
 
 
 def _stream(x: jax.Array) -> jax.Array:

@@ -92,11 +92,12 @@ def validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, 
 
 
 def new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv=False,
-              partial_sums=False, rope_base=None, rope_interleaved=True, *, abstract=False):
+              partial_sums=False, rope_base=None, rope_interleaved=True, *, abstract=False,
+              positions=None):
     """(q [B, Hq, D], k_new, v_new) from the call's arguments: partial sums added (float32),
-    a packed q unpacked, RoPE applied at position kv_lengths[b], and, where a sum or a
-    rotation happened, rounded to the cache's dtype. `abstract`: shapes and dtypes only (for
-    validation: no arithmetic is traced)."""
+    a packed q unpacked, RoPE applied at position kv_lengths[b] (or `positions`, where the
+    cache is one device's slice), and, where a sum or a rotation happened, rounded to the
+    cache's dtype. `abstract`: shapes and dtypes only (for validation: nothing computed)."""
     if packed_qkv not in PACKED_LAYOUTS:
         raise ValueError(f"packed_qkv={packed_qkv!r} must be one of {PACKED_LAYOUTS} (True means "
                          "\"heads\")")
@@ -125,7 +126,8 @@ def new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv=False,
             q, k_new, v_new = cast(q), cast(k_new), cast(v_new)
         return q, k_new, v_new
     if rope_base is not None:
-        pos = clip_lengths(kv_lengths, k_cache.shape[1])[:, None]              # [B, T=1]
+        pos = (clip_lengths(kv_lengths, k_cache.shape[1]) if positions is None
+               else positions)[:, None]                                     # [B, T=1]
         turn = lambda x: _rope.rope(x.astype(jnp.float32)[:, None], pos, base=rope_base,
                                     interleaved=rope_interleaved)[:, 0]
         q, k_new = turn(q), turn(k_new)

@@ -160,13 +160,20 @@ def _decode_local(kw, plan, q, k_cache, v_cache, lengths, *append):
     axes = plan.get("s", ())
     if not axes:
         return _p_dec._decode(q, k_cache, v_cache, lengths, *append, **kw)
+    if kw["partial_sums"] or kw["rope_base"] is not None:
+        # A device holding a slice of the cache sees its lengths shifted to that slice, not the
+        # new token's position that RoPE turns by: XLA forms the token first (global lengths).
+        q, *append = _r_dec.new_token(q, k_cache, v_cache, lengths, *(append or (None, None)),
+                                      kw["packed"], kw["partial_sums"], kw["rope_base"],
+                                      kw["rope_interleaved"], positions=lengths)
+        kw = dict(kw, packed=False, partial_sums=False, rope_base=None)
     # Lengths shifted to this device's slice, unclipped (the kernel clips): with an append, the
     # new row lands on the device whose slice holds its position.
     start = jax.lax.axis_index(axes) * k_cache.shape[1]
     out = _p_dec._decode(q, k_cache, v_cache, lengths - start, *append, **kw)
     o, lse = merge_many(jax.lax.all_gather(out[0], axes), jax.lax.all_gather(out[1], axes),
                         axis=0)
-    return (o.astype(q.dtype), lse, *out[2:])
+    return (o.astype(k_cache.dtype), lse, *out[2:])
 
 
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=None,
@@ -177,21 +184,17 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=
     (packed q: batch and cache length; its heads hold the three kinds and stay whole)."""
     _r_dec.validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale,
                          k_new, v_new, packed_qkv, partial_sums, rope_base, rope_interleaved)
-    if partial_sums or rope_base is not None:
-        # Formed by XLA before the split: a device holding a slice of the cache sees lengths
-        # shifted to its slice, not the token's position that RoPE turns by.
-        q, k_new, v_new = _r_dec.new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new,
-                                           packed_qkv, partial_sums, rope_base, rope_interleaved)
-        packed_qkv = False
     _p_attn.check_head_dim(q.shape[-1])
     interpret = C.resolve_interpret(interpret)
     blocks = block_sizes or DecodeBlocks()
     blocks.validate(interpret if blocks.folded is None else blocks.folded)
     kw = dict(scale=scale, num_splits=num_splits, logits_soft_cap=logits_soft_cap,
-              interpret=interpret, blocks=blocks, packed=packed_qkv)
+              interpret=interpret, blocks=blocks, packed=packed_qkv, partial_sums=partial_sums,
+              rope_base=rope_base, rope_interleaved=rope_interleaved)
     kv_dims = ("b", "s", "n", "d")
-    if packed_qkv:   # its heads hold the three kinds: none split
-        q_dims, o_dims, lse_dims = ("b", "p", "d"), ("b", "h", "d"), ("b", "h")
+    if packed_qkv:   # its heads hold the three kinds: none split (nor its partial sums)
+        q_dims = ("r", "b", "p", "d") if partial_sums else ("b", "p", "d")
+        o_dims, lse_dims = ("b", "h", "d"), ("b", "h")
         new_dims, split, sizes = (), ("b", "s"), ()
     else:
         hkv, groups = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
@@ -205,7 +208,7 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=
                     (o_dims, lse_dims) + ((kv_dims, kv_dims) if appends else ()), split, sizes)
     run = lambda *a: partitioned(functools.partial(_decode_local, kw), layout, a)
     # With an append the lengths are also where the new row goes (`_p_dec._kernel`).
-    outs = _p_dec._inference_op(run)(q, k_cache, v_cache,
+    outs = _p_dec._inference_op(run, q_batch_axis=1 if partial_sums else 0)(q, k_cache, v_cache,
                                      _r_dec.clip_lengths(kv_lengths, k_cache.shape[1]),
                                      *(() if k_new is None else (k_new, v_new)))
     return _p_dec.results(outs, return_lse)

@@ -315,6 +315,18 @@ def test_decode_append_on_a_length_split_cache():
         np.testing.assert_allclose(np.asarray(got), np.asarray(w), **TOL)
     for got, w in zip(many[2:], want[2:]):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+    # Grouped partial sums with RoPE (decoding's fused input): on a length-split cache each
+    # device's lengths are shifted to its slice, so the new token is turned by its global
+    # position (positions 39 and 9 land on different devices).
+    parts = randn(keys(8, 1)[0], (2, b, hkv * (g + 2), d))
+    kw = dict(packed_qkv="grouped", partial_sums=True, rope_base=100.0, return_lse=True)
+    fused = jax.jit(lambda qkv, *a: jaxfuse.decode_attention(qkv, *a, **kw))
+    want = jaxfuse.decode_attention(parts, kc, vc, lengths, impl="reference", **kw)
+    many = fused(jax.device_put(parts, NamedSharding(AUTO, P(None, "data"))), *placed[1:4])
+    for got, w in zip(many[:2], want[:2]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(w), **TOL)
+    for got, w in zip(many[2:], want[2:]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
 # ---- other modes -----------------------------------------------------------------------------

@@ -369,11 +369,84 @@ def qkv_parts():
             print(f"      {kname[:60]:60s} x{count} {ms * 1e3 / copies:6.2f} us a layer")
 
 
+def decode_fused():
+    """The decoding step's fused attention input (s26): checks on the GPU against the float32
+    reference (grouped and heads-packed q/k/v, as stored or as 4 float32 partial sums, RoPE
+    interleaved or halves, awkward lengths and head dims), then the kernel at the 157M model's
+    step as the model calls it, cold (8 caches in turn): the packed bf16 q/k/v that XLA's
+    reduction + RoPE fusion used to write, against the partial sums added and rotated in the
+    kernel."""
+    from benchmarks._profile import kernel_times
+    from benchmarks._timing import rel_err
+    ok = True
+    for b, s, hq, hkv, d in ([] if os.environ.get("DECODE_FUSED_NO_CHECK") else ((3, 53, 8, 2, 64), (5, 1000, 16, 4, 64), (2, 333, 4, 1, 128),
+                             (3, 97, 6, 2, 80))):
+        g, ks = hq // hkv, jax.random.split(jax.random.key(b * s + d), 3)
+        kc = jax.random.normal(ks[0], (b, s, hkv, d), jnp.bfloat16)
+        vc = jax.random.normal(ks[1], (b, s, hkv, d), jnp.bfloat16)
+        lengths = jnp.array([0, s // 2, s, s - 1, 1][:b], jnp.int32)
+        parts = jax.random.normal(ks[2], (4, b, hkv * (g + 2), d), jnp.float32)
+        for packed in ("grouped", "heads"):
+            for ps in (False, True):
+                for rope in (None, True, False):
+                    qkv = parts if ps else parts[0].astype(jnp.bfloat16)
+                    kw = dict(packed_qkv=packed, partial_sums=ps, return_lse=True,
+                              rope_base=None if rope is None else 10000.0,
+                              rope_interleaved=bool(rope))
+                    want = jaxfuse.decode_attention(qkv.astype(jnp.float32) if ps else qkv,
+                                                    kc, vc, lengths, impl="reference", **kw)
+                    got = jax.jit(lambda *a, kw=kw: jaxfuse.decode_attention(*a, **kw))(
+                        qkv, kc, vc, lengths)
+                    f32 = lambda x: x.astype(jnp.float32)
+                    # o: the norm-relative error and bar of every bf16 check (decode.py); the
+                    # caches: the new key within one bf16 rounding, the values bitwise.
+                    eo = rel_err(got[0], want[0])
+                    ek = float(jnp.max(jnp.abs(f32(got[2]) - f32(want[2])) /
+                                       (jnp.abs(f32(want[2])) + 1e-30)))
+                    good = eo < 2e-2 and ek <= 2 ** -7 and bool(
+                        jnp.array_equal(f32(got[3]), f32(want[3])))
+                    ok &= good
+                    print(f"decode_fused check B{b} S{s} Hq{hq}/{hkv} D{d} {packed:7s} "
+                          f"parts={4 if ps else 1} rope={rope}: o rel err {eo:.1e}, k rel "
+                          f"{ek:.1e}, v bitwise -> {'ok' if good else 'FAIL'}", flush=True)
+    print(f"decode_fused checks: {'all ok' if ok else 'FAILURES'}")
+    b, s, n, hq, hkv, d, copies = 32, 768, 528, 16, 4, 64, 8
+    g = hq // hkv
+    ks = jax.random.split(jax.random.key(5), 3)
+    kcs = [jax.random.normal(jax.random.fold_in(ks[0], i), (b, s, hkv, d), jnp.bfloat16)
+           for i in range(copies)]
+    vcs = [jax.random.normal(jax.random.fold_in(ks[1], i), (b, s, hkv, d), jnp.bfloat16)
+           for i in range(copies)]
+    lengths = jnp.full((b,), n, jnp.int32)
+    parts = jax.random.normal(ks[2], (4, b, hkv * (g + 2), d), jnp.float32)
+    heads = jnp.concatenate([parts[0, :, :hkv * g], parts[0, :, hkv * g:]], 1).astype(
+        jnp.bfloat16)
+    grouped = parts[0].astype(jnp.bfloat16)
+    rope = dict(rope_base=10000.0)
+    forms = {"packed heads, bf16 (XLA summed and rotated)": (heads, dict(packed_qkv=True)),
+             "grouped, bf16": (grouped, dict(packed_qkv="grouped")),
+             "grouped, bf16 + RoPE in the kernel": (grouped, dict(packed_qkv="grouped", **rope)),
+             "grouped, 4 float32 partials": (parts, dict(packed_qkv="grouped",
+                                                         partial_sums=True)),
+             "grouped, 4 float32 partials + RoPE in the kernel": (parts, dict(
+                 packed_qkv="grouped", partial_sums=True, **rope))}
+    for name, (qkv, kw) in forms.items():
+        f = jax.jit(lambda q, kcs, vcs, n, kw=kw: [jaxfuse.decode_attention(
+            q, kc, vc, n, **kw)[0] for kc, vc in zip(kcs, vcs)])
+        # The attention kernel alone: unjitted from a loop, the aliased caches are copied
+        # first (not donated here), which the model's loop does not do.
+        kt = [r for r in kernel_times(f, (qkv, kcs, vcs, lengths), reps=5)
+              if "decode_attention" in r[0]]
+        us = sum(ms for _, _, ms in kt) * 1e3 / copies
+        print(f"decode_fused cold B{b} S{s} len{n}: {name:52s} {us:6.2f} us a call",
+              flush=True)
+
+
 SECTIONS = {"top_k_order": top_k_order, "beam_top_k": beam_top_k, "rope": rope_kernels,
             "decode_attention": decode_attention_kernels, "decode_append": decode_append,
             "decode_attention_cold": decode_attention_cold,
             "reorder": reorder, "launch_chain": launch_chain, "hopper_gemv": hopper_gemv,
-            "qkv_parts": qkv_parts}
+            "qkv_parts": qkv_parts, "decode_fused": decode_fused}
 
 
 def main():

@@ -24,6 +24,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -91,6 +92,32 @@ def recip(interpret: bool):
     (erf's rational fit, the sigmoid's 1 + e^-z): in the dropout family's kernels it took
     their instruction counts down by ~10% (benchmarks/NOTES.md s25 item 7)."""
     return exact_recip if interpret else _recip_ptx
+
+
+def sincos(interpret: bool):
+    """(cos x, sin x) of a float32 tile: exact in interpret mode; compiled, x reduced to
+    [-pi, pi] (Cody and Waite: k = x / 2 pi rounded, x - k hi - k lo with 2 pi = hi + lo and
+    k hi exact for |k| < 2^16) and `cos.approx`/`sin.approx` (MUFU, absolute error < 2^-20
+    there): RoPE's angles in `decode_attention`, where libdevice's cosf/sinf (their range
+    reductions and slow-path branches) sat in the prologue every K/V load waits behind."""
+    return _exact_sincos if interpret else _sincos_ptx
+
+
+def _exact_sincos(x):
+    return jnp.cos(x), jnp.sin(x)
+
+
+_TWO_PI_HI = 6.28125                         # 8 significant bits: k * hi is exact
+_TWO_PI_LO = float(np.float32(2 * np.pi - _TWO_PI_HI))
+
+
+def _sincos_ptx(x):
+    k = jnp.floor(x * np.float32(1 / (2 * np.pi)) + 0.5)
+    r = (x - k * _TWO_PI_HI) - k * _TWO_PI_LO
+    mufu = lambda op: pltriton.elementwise_inline_asm(
+        f"{op}.approx.ftz.f32 $0, $1;", args=[r], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+    return mufu("cos"), mufu("sin")
 
 
 def online_max_sum(state, s):

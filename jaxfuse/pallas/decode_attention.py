@@ -104,7 +104,7 @@ def _kernel(k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: int,
         # the key; the rotation is `jaxfuse.reference.rope`'s own function.
         theta = len_ref[...][..., None, None].astype(jnp.float32) * C.load_vec(
             f_ref, 0, spec.head_dim_pad // 2, spec.head_dim // 2)               # [..., 1, Dp/2]
-        cos, sin = jnp.cos(theta), jnp.sin(theta)
+        cos, sin = C.sincos(spec.interpret)(theta)
         q, k_new = (rope_ref.rotate(x.astype(jnp.float32), cos, sin, rope) for x in (q, k_new))
     if parts > 1 or rope is not None:
         # The new token's q, k and v as the cache holds them (and the matrix unit takes q).

@@ -59,6 +59,10 @@ VARIANTS = {
 
 
 def _setup(b=32, prompt=512, new=256):
+    # DECODE_QKV_PARTS=p: the step's q/k/v projection as p float32 partial sums (s26).
+    if os.environ.get("DECODE_QKV_PARTS"):
+        from jaxfuse.model import decoding
+        decoding.QKV_PARTS = int(os.environ["DECODE_QKV_PARTS"])
     cfg = M.preset("157m")
     cfg = dataclasses.replace(cfg, max_len=max(cfg.max_len, prompt + new))
     params = M.init(jax.random.key(0), cfg)

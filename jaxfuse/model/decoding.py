@@ -55,10 +55,12 @@ def decode_params(params: dict, cfg: Config) -> dict:
 
 
 # A decoding step's q/k/v projection as this many float32 partial sums (a batched matmul over
-# slices of d_model). Measured on an H200 (s26, `decode_probe.py qkv_parts`, the 157M model's
-# [32, 1024] x [1024, 1536]): 2.8 us a matmul at 4 (2.6 at 8, XLA's split-K GEMM 2.8 plus its
-# 1.4-us reduction); each partial is another [G + 2, hd] read a program of the attention.
-QKV_PARTS = 4
+# slices of d_model). Measured on an H200 in the 157M model's greedy step (s26, profiler,
+# `DECODE_QKV_PARTS=p decode_flags.py profile`, the projection's GEMM + the attention kernel a
+# layer): 2 parts 4.8 + 9.4 us, 4 parts 4.3 + 9.6, 8 parts 3.5 + 10.0, 16 parts 3.6 + 10.3;
+# XLA's split-K GEMM was 3.6 us plus its 2.2-us reduction + RoPE fusion. More parts: more
+# programs stream the weight, and each attention program reads one more [G + 2, hd] partial.
+QKV_PARTS = 8
 
 
 def _qkv_partials(y: jax.Array, w: jax.Array, cfg: Config) -> jax.Array:

@@ -68,7 +68,9 @@ def greedy(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: jax.Ar
     def step(state):
         t, logits, cache, out, done = state
         tok = jnp.where(done, eos_id, jnp.argmax(logits, axis=-1).astype(jnp.int32))
-        out = out.at[:, t].set(tok)
+        # t lies in [0, max_new_tokens): lax's update, without `.at[]`'s normalization of a
+        # negative index and its bounds check (a kernel of their own in every step).
+        out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, t))
         done = done | (tok == eos_id)
         logits, cache = decoding.decode_step(params, cache, tok, cfg, impl=impl)
         return t + 1, logits, cache, out, done
@@ -120,7 +122,8 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
             logp.reshape(b, k * v), parent * v + tok, 1)
         length = jnp.take_along_axis(new_len, parent, 1)
         done = jnp.take_along_axis(done, parent, 1) | (tok == eos_id)
-        tokens = jnp.take_along_axis(tokens, parent[..., None], 1).at[:, :, t].set(tok)
+        tokens = jax.lax.dynamic_update_slice(
+            jnp.take_along_axis(tokens, parent[..., None], 1), tok[..., None], (0, 0, t))
         # Each beam takes its parent's K/V at the positions decoded so far; the prompt's are the
         # same in every beam of a row (`reorder_beams`: in place, one launch for all layers).
         n = cache["lengths"].reshape(b, k)[:, 0]                             # prompt + t

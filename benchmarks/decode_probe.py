@@ -379,8 +379,8 @@ def decode_fused():
     from benchmarks._profile import kernel_times
     from benchmarks._timing import rel_err
     ok = True
-    for b, s, hq, hkv, d in ([] if os.environ.get("DECODE_FUSED_NO_CHECK") else ((3, 53, 8, 2, 64), (5, 1000, 16, 4, 64), (2, 333, 4, 1, 128),
-                             (3, 97, 6, 2, 80))):
+    shapes = ((3, 53, 8, 2, 64), (5, 1000, 16, 4, 64), (2, 333, 4, 1, 128), (3, 97, 6, 2, 80))
+    for b, s, hq, hkv, d in ([] if os.environ.get("DECODE_FUSED_NO_CHECK") else shapes):
         g, ks = hq // hkv, jax.random.split(jax.random.key(b * s + d), 3)
         kc = jax.random.normal(ks[0], (b, s, hkv, d), jnp.bfloat16)
         vc = jax.random.normal(ks[1], (b, s, hkv, d), jnp.bfloat16)

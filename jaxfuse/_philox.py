@@ -150,7 +150,8 @@ def keep_block(key_w, rows, col0, n_cols: int, rate: float, *, stream=0, mulhi=m
     # booleans of each call instead (comparisons first, then joins and the transpose) took
     # Triton five byte-wise exchanges, and the row kernels were bound by the integer ALU (ncu
     # on an H200, dropout's forward: ALU 79% busy; its SASS 736 instructions, 544 now).
-    w = join_last(join_last(words[0], words[1]), join_last(words[2], words[3]))      # [..., n, b, a]
+    w = join_last(join_last(words[0], words[1]),
+                  join_last(words[2], words[3]))                        # [..., n, b, a]
     nd = len(lead)
     w = jnp.transpose(w.reshape(lead + (n // 4, 4, 2, 2)),                 # [..., blocks, p, b, a]
                       tuple(range(nd + 1)) + (nd + 3, nd + 2, nd + 1))     # [..., blocks, a, b, p]

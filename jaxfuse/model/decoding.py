@@ -112,7 +112,9 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
             # writes the new token's K/V into the cache (in place) and attends. In a step of
             # microsecond launches this saves the projection's reduction (XLA's split-K GEMM
             # reduces in a launch of its own, there with RoPE and the heads' regrouping:
-            # ~2.2 us a layer of the 157M model on an H200) and the step's cos/sin launch.
+            # ~2.2 us a layer of the 157M model on an H200) and the step's cos/sin launch, for
+            # ~0.5 us more in the attention kernel (s26: the step's kernels 17.57 -> 17.00 ms a
+            # 32-token call, with the token's write below in `search`).
             h, y = T.add_norm(blk["attn_norm"], delta, h, cfg, impl)            # [B, 1, D]
             parts = _qkv_partials(y[:, 0], blk["wqkv"], cfg)          # [P, B, Hkv (G + 2), hd]
             o, k_c, v_c = jaxfuse.decode_attention(

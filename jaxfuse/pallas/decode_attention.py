@@ -16,6 +16,13 @@ Append (a decoding step in one launch): the new token's key and value (`k_new`/`
 last heads of a packed q) are written into the cache at kv_lengths[b], in place (the caches are
 aliased to outputs), by the split whose slice holds that position; that split attends them as
 one more online-softmax step from registers after its loop over the keys already cached.
+
+A decoding step's attention input (the model's): the new token's q, k and v may come as a fused
+projection's float32 partial sums, grouped by KV head, which every program adds for its group
+(each partial a [G + 2, D] read: XLA then has no split-K reduction to launch), and RoPE turns q
+and k at position kv_lengths[b] in the same prologue (`rope_base`; compiled, the angles' cos and
+sin are MUFU's after a two-part reduction by 2 pi, `_common.sincos`: libdevice's cosf/sinf made
+the prologue, which the first K/V loads wait behind, 1.1-1.5 us longer on an H200).
 """
 from __future__ import annotations
 
@@ -240,7 +247,8 @@ def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_
     P partial sums the kernel adds; `rope_base`: the kernel rotates the new q and k."""
     s_len, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     folded = interpret if blocks.folded is None else blocks.folded     # `AttnSpec.make`'s rule
-    if rope_base is not None and not rope_interleaved and not folded and max(16, C.next_pow2(d)) != d:
+    padded = max(16, C.next_pow2(d)) != d                            # `AttnSpec.make`'s Dp
+    if rope_base is not None and not rope_interleaved and not folded and padded:
         # Halves [i, i + D/2] of a head dim padded for the matrix unit do not meet in the
         # kernel's reshape: XLA forms the new token first, the kernel appends and attends.
         q, k_new, v_new = ref.new_token(q, k_cache, v_cache, lengths, k_new, v_new, packed,
@@ -261,7 +269,8 @@ def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_
         num_splits = 1 if folded else choose_splits(b * hkv, s_len, C.num_multiprocessors())
     block_k = blocks.block_k or (128 if dp * k_cache.dtype.itemsize <= 128 else 64)
     bk = min(block_k, max(16, C.next_pow2(s_len))) if not folded else min(block_k, s_len)
-    split_len = bk * C.cdiv(C.cdiv(s_len, num_splits), bk)   # whole tiles; trailing splits may be empty
+    # whole tiles; trailing splits may be empty
+    split_len = bk * C.cdiv(C.cdiv(s_len, num_splits), bk)
     # One query row needs no matmul tile; G >= 2 rows are padded to Triton's 16-row minimum.
     bh = g if folded else (1 if g == 1 else max(16, C.next_pow2(g)))
     kernel = functools.partial(_kernel, spec=spec, bh=bh, bk=bk, split_len=split_len,

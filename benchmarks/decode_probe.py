@@ -442,11 +442,33 @@ def decode_fused():
               flush=True)
 
 
+def argmax_forms():
+    """Greedy's pick of each row's best token, [32, 32768] logits (s26): `jnp.argmax` (XLA: two
+    reductions) against `lax.top_k(., 1)` (XLA's top-k kernel), equal on random rows, ties and
+    NaN/inf, and their kernels."""
+    from benchmarks._profile import kernel_times
+    x = jax.random.normal(jax.random.key(0), (32, 32768), jnp.float32)
+    odd = x.at[3, 100].set(jnp.nan).at[3, 50].set(jnp.nan).at[5, 7].set(jnp.inf)
+    argmax = jax.jit(lambda z: jnp.argmax(z, -1))
+    top1 = jax.jit(lambda z: jax.lax.top_k(z, 1)[1][:, 0])
+    for name, y in (("random", x), ("ties", jnp.round(x * 2)), ("nan/inf", odd)):
+        for dt in (jnp.bfloat16, jnp.float32):
+            z = y.astype(dt)
+            print(f"argmax_forms {name:8s} {jnp.dtype(dt).name:9s} top_k equals argmax: "
+                  f"{bool((argmax(z) == top1(z)).all())}")
+    z = x.astype(jnp.bfloat16)
+    for name, f in (("argmax", argmax), ("top_k", top1)):
+        kt = kernel_times(f, (z,), reps=20)
+        print(f"argmax_forms {name}: " + ", ".join(f"{k[:40]} x{c} {ms * 1e3:.2f} us"
+                                                   for k, c, ms in kt))
+
+
 SECTIONS = {"top_k_order": top_k_order, "beam_top_k": beam_top_k, "rope": rope_kernels,
             "decode_attention": decode_attention_kernels, "decode_append": decode_append,
             "decode_attention_cold": decode_attention_cold,
             "reorder": reorder, "launch_chain": launch_chain, "hopper_gemv": hopper_gemv,
-            "qkv_parts": qkv_parts, "decode_fused": decode_fused}
+            "qkv_parts": qkv_parts, "decode_fused": decode_fused,
+            "argmax": argmax_forms}
 
 
 def main():

@@ -9,7 +9,8 @@ default in one run, with the reference's call as the issue's yardstick.
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py ratio [OUT.json]
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/decode_flags.py sync [OUT.json]
 
-`DECODE_VARIANTS=default,no split-K` picks variants by name (all of them by default). `ratio`
+`DECODE_VARIANTS=default,no split-K` picks variants by name (all of them by default);
+`DECODE_QKV_PARTS=p` sets the step's q/k/v partial sums (`jaxfuse.model.decoding.QKV_PARTS`). `ratio`
 times jaxfuse's greedy call (`DECODE_MODE=beam`: beam search, B8, 4 beams) and the reference's
 interleaved, `ROUNDS` (7) rounds, and records the median of the per-round ratios: the two calls'
 times move by 6-10% within a process (s23: the first ~5 s of calls ran ~8% faster), so

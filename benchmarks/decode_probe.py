@@ -5,7 +5,9 @@ beam_top_k (HARS) against lax.top_k at beam search's shapes: time, and bitwise a
 random, tied and NaN input (with how lax.top_k orders NaN, +-inf and +-0 on this backend); and
 decode_attention at decoding shapes across tiles and split counts; and what a chain of
 dependent launches costs (`launch_chain`); and decoding's matmuls through the Hopper GEMM
-(`hopper_gemv`).
+(`hopper_gemv`); the q/k/v projection as float32 partial sums (`qkv_parts`), decode_attention's
+fused input checked and timed form by form (`decode_fused`), and greedy's argmax against
+`lax.top_k` (`argmax`).
 
     PYTHONPATH=. python benchmarks/decode_probe.py [top_k_order beam_top_k rope decode_attention]
 """

@@ -156,7 +156,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      return_lse: bool = False, k_new: jax.Array | None = None,
                      v_new: jax.Array | None = None, packed_qkv: bool | str = False,
                      partial_sums: bool = False, rope_base: float | None = None,
-                     rope_interleaved: bool = True, impl: str = "pallas",
+                     rope_interleaved: bool = True, rms_input: jax.Array | None = None,
+                     rms_eps: float = 1e-6, impl: str = "pallas",
                      interpret: bool | None = None, block_sizes=None):
     """One new query per sequence, q [B, Hq, D], over KV caches [B, S, Hkv, D] that hold
     `kv_lengths[b]` valid positions (int [B], clipped to [0, S]; whatever lies beyond is never
@@ -183,8 +184,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     as P float32 partial sums [P, B, heads, D] of the projection split along its contraction
     and adds them in the kernel, so that the projection's reduction takes no launch of its own:
     `jnp.einsum("bpk,pkn->pbn", x.reshape(B, P, -1), w.reshape(P, -1, N),
-    preferred_element_type=jnp.float32)`. The new token's q, k and v are rounded to the cache's
-    dtype after the sum and the rotation; o comes in the cache's dtype.
+    preferred_element_type=jnp.float32)`. `rms_input=x` [B, d], the projection's input, applies
+    its RMSNorm in the kernel: each row times rsqrt(mean(x^2) + rms_eps), the norm's weight w
+    folded into the projection (norm(x) @ W = rsqrt(mean(x^2) + eps) * (x @ (w[:, None] * W))),
+    so no launch normalizes x first. The new token's q, k and v are rounded to the cache's dtype
+    after the sum, the scale and the rotation; o comes in the cache's dtype.
 
     >>> o = jaxfuse.decode_attention(q, k_cache, v_cache, lengths)
     >>> o, k_cache, v_cache = jaxfuse.decode_attention(q, k_cache, v_cache, lengths,
@@ -194,7 +198,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                  kv_lengths, scale=scale, num_splits=num_splits,
                  logits_soft_cap=logits_soft_cap, return_lse=return_lse, k_new=k_new,
                  v_new=v_new, packed_qkv=packed_qkv, partial_sums=partial_sums,
-                 rope_base=rope_base, rope_interleaved=rope_interleaved, interpret=interpret,
+                 rope_base=rope_base, rope_interleaved=rope_interleaved, rms_input=rms_input,
+                 rms_eps=rms_eps, interpret=interpret,
                  block_sizes=block_sizes)
 
 

@@ -297,6 +297,41 @@ class FusedInputTest(chex.TestCase):
         for a, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(w, np.float32))
 
+    @parameterized.parameters(*LAYOUTS)
+    def test_rms_input(self, layout):
+        # The projection's input RMSNorm applied in the kernel (its weight folded into the
+        # projection by the caller): the sums scaled per row by rsqrt(mean(x^2) + eps), x of a
+        # prime width (a padded block on the GPU layout) and large enough that the scale matters.
+        qkv, kc, vc, lengths = self._inputs(16, 3, seed=11)
+        x = jnp.asarray(np.random.default_rng(12).standard_normal((self.B, 37)) * 5, jnp.bfloat16)
+        kw = dict(packed_qkv="grouped", partial_sums=True, rope_base=500.0, rms_input=x,
+                  rms_eps=1e-5, return_lse=True)
+        want = self._oracle(qkv, kc, vc, lengths, **kw)
+        # The reference is the scale on the summed q/k/v, then the rest as without it.
+        r = jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1) + 1e-5)
+        scaled = self._oracle(jnp.sum(qkv, 0, keepdims=True) * r[None, :, None, None], kc, vc,
+                              lengths, **dict(kw, rms_input=None))
+        for a, w in zip(want, scaled):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(w, np.float32),
+                                       rtol=2 ** -7, atol=1e-6)
+        got = jax.jit(lambda *a: [jaxfuse.decode_attention(
+            *a, num_splits=n, block_sizes=LAYOUTS[layout], **kw) for n in (1, 3)])(
+            qkv, kc, vc, lengths)
+        for o, lse, k_out, v_out in got:
+            assert_close(o, want[0], jnp.bfloat16)
+            np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want[1]))
+            for a, w in ((k_out, want[2]), (v_out, want[3])):
+                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(w, np.float32),
+                                           rtol=2 ** -7, atol=0)
+        call = lambda **k: jaxfuse.decode_attention(qkv, kc, vc, lengths, **dict(kw, **k))
+        with self.assertRaisesRegex(ValueError, "rms_input needs packed_qkv"):
+            jaxfuse.decode_attention(qkv[0, :, :self.HQ].astype(jnp.bfloat16), kc, vc, lengths,
+                                     rms_input=x)
+        with self.assertRaisesRegex(ValueError, r"rms_input.shape=\(2, 37\) must be \[B=3"):
+            call(rms_input=x[:2])
+        with self.assertRaisesRegex(ValueError, "rms_eps=0"):
+            call(rms_eps=0.0)
+
     def test_halves_of_a_padded_head_dim(self):
         # D = 8 is padded to 16 columns on the GPU layout, where halves [i, i + 4] do not meet
         # in the kernel's reshape: XLA forms the new token, the kernel appends and attends.

@@ -21,6 +21,7 @@ from jaxfuse.model import _block_ops as ops
 from jaxfuse.model import transformer as T
 from jaxfuse.model.config import Config
 from jaxfuse.model.sharding import constrain
+from jaxfuse.reference import add_norm as add_norm_ref
 
 
 def init_cache(cfg: Config, batch: int, max_len: int | None = None, dtype=None) -> dict:
@@ -47,6 +48,11 @@ def decode_params(params: dict, cfg: Config) -> dict:
     for i in range(cfg.n_layers):
         blk = jax.tree.map(lambda x: x[i], p["blocks"])
         blk["wqkv"] = T.qkv_weight(blk.pop("wq"), blk.pop("wk"), blk.pop("wv"), cfg)
+        if cfg.norm == "rms":
+            # The attention's RMSNorm weight folded into the projection (one rounding), for the
+            # Pallas step, whose attention kernel applies the norm's per-row scale itself.
+            w = blk["attn_norm"]["weight"].astype(jnp.float32)[:, None]
+            blk["wqkv_normed"] = (w * blk["wqkv"].astype(jnp.float32)).astype(blk["wqkv"].dtype)
         blk["w13"] = jnp.concatenate([blk.pop("w1"), blk.pop("w3")], axis=-1)
         blocks.append(blk)
     p["blocks"] = tuple(blocks)
@@ -116,10 +122,16 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
             # ~0.5 us more in the attention kernel (s26: the step's kernels 17.57 -> 17.00 ms a
             # 32-token call, with the token's write below in `search`).
             h, y = T.add_norm(blk["attn_norm"], delta, h, cfg, impl)            # [B, 1, D]
-            parts = _qkv_partials(y[:, 0], blk["wqkv"], cfg)          # [P, B, Hkv (G + 2), hd]
-            o, k_c, v_c = jaxfuse.decode_attention(
+            if "wqkv_normed" in blk:
+                # RMSNorm(h) @ W = rsqrt(mean(h^2) + eps) * (h @ (w * W)): the kernel applies the
+                # per-row scale, so no launch normalizes h first (y goes unused: XLA drops it).
+                parts = _qkv_partials(h[:, 0], blk["wqkv_normed"], cfg)
+                norm = dict(rms_input=h[:, 0], rms_eps=add_norm_ref.DEFAULT_EPS["rms"])
+            else:
+                parts, norm = _qkv_partials(y[:, 0], blk["wqkv"], cfg), {}
+            o, k_c, v_c = jaxfuse.decode_attention(                    # parts [P, B, Hkv (G + 2), hd]
                 parts, k_c, v_c, lengths, packed_qkv="grouped", partial_sums=True,
-                rope_base=cfg.rope_base, impl=impl)
+                rope_base=cfg.rope_base, impl=impl, **norm)
             h, delta = T.after_attention(blk, o[:, None], h, cfg, impl, head_mask=mask)
         else:
             def attend(q, k, v, _key):

@@ -82,9 +82,10 @@ _SPLIT_AXIS = {True: 0, False: 2}   # grid axis of the split: (splits,) folded, 
 
 
 def _kernel(k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: int,
-            split_len: int, parts: int, append: bool, rope: bool | None):
+            split_len: int, parts: int, append: bool, rope: bool | None, rms: tuple | None):
     # GPU: k_ref/v_ref [S, Dp], len_ref a scalar; refs: (f_ref [Dp/2], the RoPE pairs'
-    # frequencies, with `rope`), then `parts` refs of the group's query heads [G, Dp] (partial
+    # frequencies, with `rope`), (x_ref [dm'], the projection's input row, with `rms`: (eps, dm)),
+    # then `parts` refs of the group's query heads [G, Dp] (partial
     # sums to add when parts > 1), with `append` `parts` refs of the new key [1, Dp] and as many
     # of the new value, then the outputs. Interpret: k_ref [B*Hkv, S, D], len_ref [B*Hkv], the
     # q refs [B*Hkv, G, D], the new rows' [B*Hkv, 1, D].
@@ -93,6 +94,7 @@ def _kernel(k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: int,
     # shifted, maybe outside [0, S): not its row).
     refs = list(refs)
     f_ref = refs.pop(0) if rope is not None else None
+    x_ref = refs.pop(0) if rms is not None else None
     q_refs, refs = refs[:parts], refs[parts:]
     if append:
         kn_refs, vn_refs, refs = refs[:parts], refs[parts:2 * parts], refs[2 * parts:]
@@ -106,6 +108,13 @@ def _kernel(k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: int,
     q = _added(q_refs, bh, g, spec)                                           # [..., bh, Dp]
     if append:
         k_new, v_new = (_added(r, 1, 1, spec) for r in (kn_refs, vn_refs))   # [..., 1, Dp]
+    if rms is not None:
+        # The projection's input RMSNorm, its weight folded into the projection: each row of
+        # q, k and v times rsqrt(mean(x^2) + eps) of the input row x.
+        eps, dm = rms
+        x = C.load_vec(x_ref, 0, x_ref.shape[-1], dm).astype(jnp.float32)     # [..., dm']
+        r = jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / dm + eps)[..., None]
+        q, k_new, v_new = (t.astype(jnp.float32) * r for t in (q, k_new, v_new))
     if rope is not None:
         # RoPE at the new token's position, the angles' cos and sin once for the q rows and
         # the key; the rotation is `jaxfuse.reference.rope`'s own function.
@@ -113,7 +122,7 @@ def _kernel(k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: int,
             f_ref, 0, spec.head_dim_pad // 2, spec.head_dim // 2)               # [..., 1, Dp/2]
         cos, sin = C.sincos(spec.interpret)(theta)
         q, k_new = (rope_ref.rotate(x.astype(jnp.float32), cos, sin, rope) for x in (q, k_new))
-    if parts > 1 or rope is not None:
+    if parts > 1 or rope is not None or rms is not None:
         # The new token's q, k and v as the cache holds them (and the matrix unit takes q).
         q, k_new, v_new = (x.astype(k_ref.dtype) for x in (q, k_new, v_new))
     end = jnp.minimum(s0 + split_len, jnp.max(length))
@@ -179,13 +188,15 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      return_lse: bool = False, k_new: jax.Array | None = None,
                      v_new: jax.Array | None = None, packed_qkv: bool | str = False,
                      partial_sums: bool = False, rope_base: float | None = None,
-                     rope_interleaved: bool = True, interpret: bool | None = None,
+                     rope_interleaved: bool = True, rms_input: jax.Array | None = None,
+                     rms_eps: float = 1e-6, interpret: bool | None = None,
                      block_sizes: DecodeBlocks | None = None):
     """Pallas Flash-Decoding; same semantics as `jaxfuse.reference.decode_attention`.
 
     Inference only: it has no gradient (train with `flash_attention`)."""
     ref.validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
-                      v_new, packed_qkv, partial_sums, rope_base, rope_interleaved)
+                      v_new, packed_qkv, partial_sums, rope_base, rope_interleaved, rms_input,
+                      rms_eps)
     check_head_dim(q.shape[-1])
     interpret = C.resolve_interpret(interpret)
     blocks = block_sizes or DecodeBlocks()
@@ -193,12 +204,20 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     run = functools.partial(_decode, scale=scale, num_splits=num_splits,
                             logits_soft_cap=logits_soft_cap, interpret=interpret, blocks=blocks,
                             packed=packed_qkv, partial_sums=partial_sums, rope_base=rope_base,
-                            rope_interleaved=rope_interleaved)
+                            rope_interleaved=rope_interleaved,
+                            rms_eps=None if rms_input is None else rms_eps)
     # With an append the lengths are also where the new row goes (`_kernel`).
     outs = _inference_op(run, q_batch_axis=1 if partial_sums else 0)(
         q, k_cache, v_cache, ref.clip_lengths(kv_lengths, k_cache.shape[1]),
-        *(() if k_new is None else (k_new, v_new)))
+        *operands(k_new, v_new, rms_input))
     return results(outs, return_lse)
+
+
+def operands(k_new, v_new, rms_input) -> tuple:
+    """The optional operands after the lengths, as `_decode` takes them: (k_new, v_new) for an
+    unpacked append, then rms_input."""
+    return (() if k_new is None else (k_new, v_new)) + (() if rms_input is None else
+                                                        (rms_input,))
 
 
 def results(outs, return_lse: bool):
@@ -237,14 +256,18 @@ def _inference_op(run, q_batch_axis: int = 0):
     return op
 
 
-def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_splits,
-            logits_soft_cap, interpret, blocks: DecodeBlocks, packed=False, partial_sums=False,
-            rope_base=None, rope_interleaved=True):
+def _decode(q, k_cache, v_cache, lengths, *extra, scale, num_splits, logits_soft_cap,
+            interpret, blocks: DecodeBlocks, packed=False, partial_sums=False, rope_base=None,
+            rope_interleaved=True, rms_eps=None):
     """(o [B, Hq, D] in the cache's dtype, float32 lse [B, Hq]) over the first `lengths` keys
     (clipped to [0, S]). With k_new/v_new [B, Hkv, D], or a `packed` q (its layouts:
     `jaxfuse.reference.decode_attention`), also over the new key where `lengths` lies in
     [0, S), written there in the returned caches (in place). `partial_sums`: q is [P, ...],
-    P partial sums the kernel adds; `rope_base`: the kernel rotates the new q and k."""
+    P partial sums the kernel adds; `rope_base`: the kernel rotates the new q and k; `rms_eps`
+    (not None): the last of `extra` is rms_input, whose rows' RMS scale the kernel applies.
+    `extra`: `operands`'s."""
+    rms_input = extra[-1] if rms_eps is not None else None
+    k_new, v_new = extra[:2] if len(extra) >= 2 else (None, None)
     s_len, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     folded = interpret if blocks.folded is None else blocks.folded     # `AttnSpec.make`'s rule
     padded = max(16, C.next_pow2(d)) != d                            # `AttnSpec.make`'s Dp
@@ -252,8 +275,9 @@ def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_
         # Halves [i, i + D/2] of a head dim padded for the matrix unit do not meet in the
         # kernel's reshape: XLA forms the new token first, the kernel appends and attends.
         q, k_new, v_new = ref.new_token(q, k_cache, v_cache, lengths, k_new, v_new, packed,
-                                        partial_sums, rope_base, rope_interleaved)
-        packed, partial_sums, rope_base = False, False, None
+                                        partial_sums, rope_base, rope_interleaved, rms_input,
+                                        1e-6 if rms_eps is None else rms_eps)
+        packed, partial_sums, rope_base, rms_eps, rms_input = False, False, None, None, None
     layout = "heads" if packed is True else packed             # False, "heads" or "grouped"
     qp = q if partial_sums else q[None]                         # [P, B, heads, D]
     parts, b, heads = qp.shape[:3]
@@ -274,7 +298,8 @@ def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_
     # One query row needs no matmul tile; G >= 2 rows are padded to Triton's 16-row minimum.
     bh = g if folded else (1 if g == 1 else max(16, C.next_pow2(g)))
     kernel = functools.partial(_kernel, spec=spec, bh=bh, bk=bk, split_len=split_len,
-                               parts=parts, append=append, rope=rope)
+                               parts=parts, append=append, rope=rope,
+                               rms=None if rms_eps is None else (rms_eps, rms_input.shape[1]))
     # One split (a short cache, or enough sequences to fill the GPU without splitting): its
     # result is final (merging one part is the identity, bitwise), so the kernel writes o in
     # the cache's dtype and no merge runs: two reductions and a cast fewer per call, in a
@@ -285,6 +310,7 @@ def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_
     if rope is not None:
         cols = rope_ref.column_freqs(d, rope_base, rope)
         head = [cols[0::2] if rope else cols[: d // 2]]
+    rows_x = [] if rms_input is None else [rms_input]           # [B, dm]: the projection's input
     if folded:
         # Interpreted: the heads are sliced apart per partial sum (copies cost nothing here);
         # the sums and the rotation stay in the kernel.
@@ -296,12 +322,14 @@ def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_
         grid = (num_splits,)
         whole = lambda *shape: pl.BlockSpec(shape, lambda s: (0,) * len(shape))
         in_specs = [whole(n, s_len, d), whole(n, s_len, d), whole(n)] + [whole(d // 2)] * len(head)
-        in_specs += [whole(n, g, d)] * parts
+        rows_x = [jnp.repeat(x, hkv, axis=0) for x in rows_x]        # a row per (b, KV head)
+        in_specs += [whole(*x.shape) for x in rows_x] + [whole(n, g, d)] * parts
         out_specs = [pl.BlockSpec((n, None, g, d), lambda s: (0, s, 0, 0)),
                      pl.BlockSpec((n, None, g), lambda s: (0, s, 0))]
         out_shape = [jax.ShapeDtypeStruct((n, num_splits, g, d), o_dtype),
                      jax.ShapeDtypeStruct((n, num_splits, g), jnp.float32)]
-        args = [kc, vc, jnp.repeat(lengths, hkv), *head] + [x[0].reshape(n, g, d) for x in news]
+        args = [kc, vc, jnp.repeat(lengths, hkv), *head, *rows_x] + [x[0].reshape(n, g, d)
+                                                                     for x in news]
         if append:
             in_specs += [whole(n, 1, d)] * (2 * parts)
             out_specs += [whole(n, s_len, d)] * 2
@@ -313,6 +341,8 @@ def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_
         row_spec = pl.BlockSpec((None,), lambda b_, h, s: (b_,))
         in_specs = [cache_spec, cache_spec, row_spec]
         in_specs += [pl.BlockSpec((dp // 2,), lambda b_, h, s: (0,))] * len(head)
+        in_specs += [pl.BlockSpec((None, C.next_pow2(x.shape[1])), lambda b_, h, s: (b_, 0))
+                     for x in rows_x]
         # Each kind of row (the group's query heads, the new key, the new value) of each
         # partial sum is read where it lies in q: the same buffer passed several times, no
         # slice of it copied out first. rows(p, n, at): n rows of part p at block index at(h).
@@ -327,7 +357,7 @@ def _decode(q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, scale, num_
                                                  lambda b_, h, s: (p, b_, at(h), 0))
             at_q, at_k, at_v = (lambda h: h), (lambda h: hq + h), (lambda h: hq + hkv + h)
         in_specs += [rows(p, g, at_q) for p in range(parts)]
-        args = [k_cache, v_cache, lengths, *head] + [src] * parts
+        args = [k_cache, v_cache, lengths, *head, *rows_x] + [src] * parts
         if append:
             if layout:
                 in_specs += [rows(p, 1, at) for at in (at_k, at_v) for p in range(parts)]

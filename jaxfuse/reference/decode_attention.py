@@ -17,9 +17,12 @@ A fused projection's output (a decoding step's q/k/v in one matmul) can be hande
 comes: `packed_qkv` names its layout ("heads": the query heads, then the new keys, then the
 new values; "grouped": each KV head's G query heads, its new key, its new value),
 `partial_sums=True` takes it as P float32 partial sums [P, ...] of a matmul split along its
-contraction (added here in float32), and `rope_base` rotates the query heads and the new key
-by RoPE at the new token's position p_b (as `jaxfuse.rope`, the angles in float32). The
-new token's q, k and v are rounded to the cache's dtype after the sum and the rotation.
+contraction (added here in float32), `rms_input` x [B, d] scales each row by x's
+rsqrt(mean(x^2) + rms_eps) (the projection's input RMSNorm, whose weight the caller folded into
+the projection: norm(x) @ W = rsqrt(mean(x^2) + eps) * (x @ (w * W))), and `rope_base`
+rotates the query heads and the new key by RoPE at the new token's position p_b (as
+`jaxfuse.rope`, the angles in float32). The new token's q, k and v are rounded to the cache's
+dtype after the sum, the scale and the rotation.
 """
 from __future__ import annotations
 
@@ -83,21 +86,23 @@ def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=N
 
 def validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
                   v_new, packed_qkv=False, partial_sums=False, rope_base=None,
-                  rope_interleaved=True) -> None:
-    """`validate`, for the packed, partial-sum and RoPE forms too (checked as the arrays the
-    kernel will attend with: `new_token`'s)."""
+                  rope_interleaved=True, rms_input=None, rms_eps=1e-6) -> None:
+    """`validate`, for the packed, partial-sum, RMS and RoPE forms too (checked as the arrays
+    the kernel will attend with: `new_token`'s)."""
     q, k_new, v_new = new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv,
-                                partial_sums, rope_base, rope_interleaved, abstract=True)
+                                partial_sums, rope_base, rope_interleaved, rms_input, rms_eps,
+                                abstract=True)
     validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new, v_new)
 
 
 def new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv=False,
-              partial_sums=False, rope_base=None, rope_interleaved=True, *, abstract=False,
-              positions=None):
+              partial_sums=False, rope_base=None, rope_interleaved=True, rms_input=None,
+              rms_eps=1e-6, *, abstract=False, positions=None):
     """(q [B, Hq, D], k_new, v_new) from the call's arguments: partial sums added (float32),
-    a packed q unpacked, RoPE applied at position kv_lengths[b] (or `positions`, where the
-    cache is one device's slice), and, where a sum or a rotation happened, rounded to the
-    cache's dtype. `abstract`: shapes and dtypes only (for validation: nothing computed)."""
+    scaled by rms_input's rsqrt(mean(x^2) + eps) per row, a packed q unpacked, RoPE applied at
+    position kv_lengths[b] (or `positions`, where the cache is one device's slice), and, where
+    any of these happened, rounded to the cache's dtype. `abstract`: shapes and dtypes only
+    (for validation: nothing computed)."""
     if packed_qkv not in PACKED_LAYOUTS:
         raise ValueError(f"packed_qkv={packed_qkv!r} must be one of {PACKED_LAYOUTS} (True means "
                          "\"heads\")")
@@ -111,6 +116,19 @@ def new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv=False,
                              "D] (P partial sums of the packed q/k/v)")
         q = (jax.ShapeDtypeStruct(q.shape[1:], jnp.float32) if abstract
              else jnp.sum(q.astype(jnp.float32), axis=0))
+    if rms_input is not None:
+        if not packed_qkv:
+            raise ValueError("rms_input needs packed_qkv: it is the input of the fused q/k/v "
+                             "projection whose RMSNorm the kernel applies")
+        _checks.check_float("rms_input", rms_input)
+        if tuple(rms_input.shape[:1]) != (q.shape[0],) or rms_input.ndim != 2:
+            raise ValueError(f"rms_input.shape={tuple(rms_input.shape)} must be [B={q.shape[0]}, "
+                             "d] (the projection's input rows)")
+        _checks.check_positive("rms_eps", rms_eps, allow_none=False)
+        if not abstract:
+            x = rms_input.astype(jnp.float32)
+            q = q.astype(jnp.float32) * jax.lax.rsqrt(
+                jnp.mean(x * x, axis=-1) + rms_eps)[:, None, None]
     if packed_qkv:
         q, k_new, v_new = unpack_qkv(q, k_cache, k_new, v_new, packed_qkv, abstract=abstract)
     if rope_base is not None:
@@ -120,8 +138,9 @@ def new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv=False,
         _checks.check_positive("rope_base", rope_base, allow_none=False)
         if q.shape[-1] % 2:
             raise ValueError(f"rope_base needs an even head dim, got D={q.shape[-1]}")
-    if not (partial_sums or rope_base is not None) or abstract:
-        if abstract and (partial_sums or rope_base is not None):
+    formed = partial_sums or rope_base is not None or rms_input is not None
+    if not formed or abstract:
+        if abstract and formed:
             cast = lambda a: jax.ShapeDtypeStruct(a.shape, k_cache.dtype)
             q, k_new, v_new = cast(q), cast(k_new), cast(v_new)
         return q, k_new, v_new
@@ -179,16 +198,18 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      return_lse: bool = False, k_new: jax.Array | None = None,
                      v_new: jax.Array | None = None, packed_qkv: bool | str = False,
                      partial_sums: bool = False, rope_base: float | None = None,
-                     rope_interleaved: bool = True):
+                     rope_interleaved: bool = True, rms_input: jax.Array | None = None,
+                     rms_eps: float = 1e-6):
     """q [B, Hq, D] over caches [B, S, Hkv, D] up to kv_lengths [B]; returns o [B, Hq, D]
     (and float32 lse [B, Hq]), then with k_new/v_new the updated caches (module docstring).
-    `packed_qkv`, `partial_sums`, `rope_base`: the new token's q, k and v as a fused projection
-    gives them (module docstring). `num_splits` only matters to the kernel; it is accepted here
-    so that both implementations share one signature."""
+    `packed_qkv`, `partial_sums`, `rms_input`, `rope_base`: the new token's q, k and v as a
+    fused projection gives them (module docstring). `num_splits` only matters to the kernel; it
+    is accepted here so that both implementations share one signature."""
     validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
-                  v_new, packed_qkv, partial_sums, rope_base, rope_interleaved)
+                  v_new, packed_qkv, partial_sums, rope_base, rope_interleaved, rms_input,
+                  rms_eps)
     q, k_new, v_new = new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv,
-                                partial_sums, rope_base, rope_interleaved)
+                                partial_sums, rope_base, rope_interleaved, rms_input, rms_eps)
     if k_new is not None:
         s_len = k_cache.shape[1]
         pos = clip_lengths(kv_lengths, s_len)        # S, a full cache: dropped

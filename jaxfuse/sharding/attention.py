@@ -160,13 +160,15 @@ def _decode_local(kw, plan, q, k_cache, v_cache, lengths, *append):
     axes = plan.get("s", ())
     if not axes:
         return _p_dec._decode(q, k_cache, v_cache, lengths, *append, **kw)
-    if kw["partial_sums"] or kw["rope_base"] is not None:
+    if kw["partial_sums"] or kw["rope_base"] is not None or kw["rms_eps"] is not None:
         # A device holding a slice of the cache sees its lengths shifted to that slice, not the
         # new token's position that RoPE turns by: XLA forms the token first (global lengths).
-        q, *append = _r_dec.new_token(q, k_cache, v_cache, lengths, *(append or (None, None)),
-                                      kw["packed"], kw["partial_sums"], kw["rope_base"],
-                                      kw["rope_interleaved"], positions=lengths)
-        kw = dict(kw, packed=False, partial_sums=False, rope_base=None)
+        rms = append[-1] if kw["rms_eps"] is not None else None
+        kn_vn = append[:2] if len(append) >= 2 else (None, None)
+        q, *append = _r_dec.new_token(q, k_cache, v_cache, lengths, *kn_vn, kw["packed"],
+                                      kw["partial_sums"], kw["rope_base"], kw["rope_interleaved"],
+                                      rms, kw["rms_eps"] or 1e-6, positions=lengths)
+        kw = dict(kw, packed=False, partial_sums=False, rope_base=None, rms_eps=None)
     # Lengths shifted to this device's slice, unclipped (the kernel clips): with an append, the
     # new row lands on the device whose slice holds its position.
     start = jax.lax.axis_index(axes) * k_cache.shape[1]
@@ -179,23 +181,26 @@ def _decode_local(kw, plan, q, k_cache, v_cache, lengths, *append):
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=None,
                      logits_soft_cap=None, return_lse=False, k_new=None, v_new=None,
                      packed_qkv=False, partial_sums=False, rope_base=None,
-                     rope_interleaved=True, interpret=None, block_sizes=None):
+                     rope_interleaved=True, rms_input=None, rms_eps=1e-6, interpret=None,
+                     block_sizes=None):
     """`jaxfuse.pallas.decode_attention` partitioned over batch, KV heads and cache length
     (packed q: batch and cache length; its heads hold the three kinds and stay whole)."""
     _r_dec.validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale,
-                         k_new, v_new, packed_qkv, partial_sums, rope_base, rope_interleaved)
+                         k_new, v_new, packed_qkv, partial_sums, rope_base, rope_interleaved,
+                         rms_input, rms_eps)
     _p_attn.check_head_dim(q.shape[-1])
     interpret = C.resolve_interpret(interpret)
     blocks = block_sizes or DecodeBlocks()
     blocks.validate(interpret if blocks.folded is None else blocks.folded)
     kw = dict(scale=scale, num_splits=num_splits, logits_soft_cap=logits_soft_cap,
               interpret=interpret, blocks=blocks, packed=packed_qkv, partial_sums=partial_sums,
-              rope_base=rope_base, rope_interleaved=rope_interleaved)
+              rope_base=rope_base, rope_interleaved=rope_interleaved,
+              rms_eps=None if rms_input is None else rms_eps)
     kv_dims = ("b", "s", "n", "d")
     if packed_qkv:   # its heads hold the three kinds: none split (nor its partial sums)
         q_dims = ("r", "b", "p", "d") if partial_sums else ("b", "p", "d")
         o_dims, lse_dims = ("b", "h", "d"), ("b", "h")
-        new_dims, split, sizes = (), ("b", "s"), ()
+        new_dims, split, sizes = ((("b", "m"),) if rms_input is not None else ()), ("b", "s"), ()
     else:
         hkv, groups = k_cache.shape[2], q.shape[1] // k_cache.shape[2]
         h = _heads(hkv, groups)
@@ -210,5 +215,5 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, num_splits=
     # With an append the lengths are also where the new row goes (`_p_dec._kernel`).
     outs = _p_dec._inference_op(run, q_batch_axis=1 if partial_sums else 0)(q, k_cache, v_cache,
                                      _r_dec.clip_lengths(kv_lengths, k_cache.shape[1]),
-                                     *(() if k_new is None else (k_new, v_new)))
+                                     *_p_dec.operands(k_new, v_new, rms_input))
     return _p_dec.results(outs, return_lse)

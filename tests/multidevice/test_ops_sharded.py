@@ -319,7 +319,9 @@ def test_decode_append_on_a_length_split_cache():
     # device's lengths are shifted to its slice, so the new token is turned by its global
     # position (positions 39 and 9 land on different devices).
     parts = randn(keys(8, 1)[0], (2, b, hkv * (g + 2), d))
-    kw = dict(packed_qkv="grouped", partial_sums=True, rope_base=100.0, return_lse=True)
+    x = jax.device_put(randn(keys(9, 1)[0], (b, 24)) * 3, NamedSharding(AUTO, P("data")))
+    kw = dict(packed_qkv="grouped", partial_sums=True, rope_base=100.0, rms_input=x,
+              return_lse=True)
     fused = jax.jit(lambda qkv, *a: jaxfuse.decode_attention(qkv, *a, **kw))
     want = jaxfuse.decode_attention(parts, kc, vc, lengths, impl="reference", **kw)
     many = fused(jax.device_put(parts, NamedSharding(AUTO, P(None, "data"))), *placed[1:4])

@@ -388,29 +388,32 @@ def decode_fused():
         vc = jax.random.normal(ks[1], (b, s, hkv, d), jnp.bfloat16)
         lengths = jnp.array([0, s // 2, s, s - 1, 1][:b], jnp.int32)
         parts = jax.random.normal(ks[2], (4, b, hkv * (g + 2), d), jnp.float32)
-        for packed in ("grouped", "heads"):
-            for ps in (False, True):
-                for rope in (None, True, False):
-                    qkv = parts if ps else parts[0].astype(jnp.bfloat16)
-                    kw = dict(packed_qkv=packed, partial_sums=ps, return_lse=True,
-                              rope_base=None if rope is None else 10000.0,
-                              rope_interleaved=bool(rope))
-                    want = jaxfuse.decode_attention(qkv.astype(jnp.float32) if ps else qkv,
-                                                    kc, vc, lengths, impl="reference", **kw)
-                    got = jax.jit(lambda *a, kw=kw: jaxfuse.decode_attention(*a, **kw))(
-                        qkv, kc, vc, lengths)
-                    f32 = lambda x: x.astype(jnp.float32)
-                    # o: the norm-relative error and bar of every bf16 check (decode.py); the
-                    # caches: the new key within one bf16 rounding, the values bitwise.
-                    eo = rel_err(got[0], want[0])
-                    ek = float(jnp.max(jnp.abs(f32(got[2]) - f32(want[2])) /
-                                       (jnp.abs(f32(want[2])) + 1e-30)))
-                    good = eo < 2e-2 and ek <= 2 ** -7 and bool(
-                        jnp.array_equal(f32(got[3]), f32(want[3])))
-                    ok &= good
-                    print(f"decode_fused check B{b} S{s} Hq{hq}/{hkv} D{d} {packed:7s} "
-                          f"parts={4 if ps else 1} rope={rope}: o rel err {eo:.1e}, k rel "
-                          f"{ek:.1e}, v bitwise -> {'ok' if good else 'FAIL'}", flush=True)
+        x = jax.random.normal(ks[2], (b, 1000), jnp.bfloat16) * 3      # an RMS input row
+        forms = [(packed, ps, rope, False) for packed in ("grouped", "heads")
+                 for ps in (False, True) for rope in (None, True, False)]
+        for packed, ps, rope, rms in forms + [("grouped", True, True, True)]:
+            qkv = parts if ps else parts[0].astype(jnp.bfloat16)
+            kw = dict(packed_qkv=packed, partial_sums=ps, return_lse=True,
+                      rope_base=None if rope is None else 10000.0,
+                      rope_interleaved=bool(rope), rms_input=x if rms else None)
+            want = jaxfuse.decode_attention(qkv.astype(jnp.float32) if ps else qkv,
+                                            kc, vc, lengths, impl="reference", **kw)
+            got = jax.jit(lambda *a, kw=kw: jaxfuse.decode_attention(*a, **kw))(
+                qkv, kc, vc, lengths)
+            f32 = lambda x: x.astype(jnp.float32)
+            # o: the norm-relative error and bar of every bf16 check (decode.py); the
+            # caches: the new key within one bf16 rounding.
+            eo = rel_err(got[0], want[0])
+            ek = float(jnp.max(jnp.abs(f32(got[2]) - f32(want[2])) /
+                               (jnp.abs(f32(want[2])) + 1e-30)))
+            ev = float(jnp.max(jnp.abs(f32(got[3]) - f32(want[3])) /
+                               (jnp.abs(f32(want[3])) + 1e-30)))
+            # values: bitwise, but for the RMS scale (a product rounded once more)
+            good = eo < 2e-2 and ek <= 2 ** -7 and (ev <= 2 ** -7 if rms else ev == 0)
+            ok &= good
+            print(f"decode_fused check B{b} S{s} Hq{hq}/{hkv} D{d} {packed:7s} "
+                  f"parts={4 if ps else 1} rope={rope} rms={rms}: o rel err {eo:.1e}, k rel "
+                  f"{ek:.1e}, v rel {ev:.1e} -> {'ok' if good else 'FAIL'}", flush=True)
     print(f"decode_fused checks: {'all ok' if ok else 'FAILURES'}")
     b, s, n, hq, hkv, d, copies = 32, 768, 528, 16, 4, 64, 8
     g = hq // hkv

@@ -101,13 +101,13 @@ def workloads():
             q, kc, vc, n, interpret=False), jax.ShapeDtypeStruct((32, 16, 64), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((32, 768, 4, 64), jnp.bfloat16)] * 2,
             jax.ShapeDtypeStruct((32,), jnp.int32)),
-        # the same step as the model runs it (s26): q/k/v as 4 float32 partial sums of the
-        # grouped projection, added and rotated (RoPE) in the kernel, the new K/V appended
-        "decode_attention_fused": (lambda q, kc, vc, n: jaxfuse.decode_attention(
+        # the same step as the model runs it (s26): q/k/v as 8 float32 partial sums of the
+        # grouped projection, scaled by the input's RMS, rotated (RoPE), the new K/V appended
+        "decode_attention_fused": (lambda q, kc, vc, n, x: jaxfuse.decode_attention(
             q, kc, vc, n, packed_qkv="grouped", partial_sums=True, rope_base=10000.0,
-            interpret=False), jax.ShapeDtypeStruct((4, 32, 24, 64), jnp.float32),
+            rms_input=x, interpret=False), jax.ShapeDtypeStruct((8, 32, 24, 64), jnp.float32),
             *[jax.ShapeDtypeStruct((32, 768, 4, 64), jnp.bfloat16)] * 2,
-            jax.ShapeDtypeStruct((32,), jnp.int32)),
+            jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((32, 1024), jnp.bfloat16)),
     }
 
 

@@ -120,7 +120,7 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
             # reduces in a launch of its own, there with RoPE and the heads' regrouping:
             # ~2.2 us a layer of the 157M model on an H200) and the step's cos/sin launch, for
             # ~0.5 us more in the attention kernel (s26: the step's kernels 17.57 -> 17.00 ms a
-            # 32-token call, with the token's write below in `search`).
+            # 32-token call, with the token's write in `search`; 16.82 with the norm folded).
             h, y = T.add_norm(blk["attn_norm"], delta, h, cfg, impl)            # [B, 1, D]
             if "wqkv_normed" in blk:
                 # RMSNorm(h) @ W = rsqrt(mean(h^2) + eps) * (h @ (w * W)): the kernel applies the
@@ -129,7 +129,7 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
                 norm = dict(rms_input=h[:, 0], rms_eps=add_norm_ref.DEFAULT_EPS["rms"])
             else:
                 parts, norm = _qkv_partials(y[:, 0], blk["wqkv"], cfg), {}
-            o, k_c, v_c = jaxfuse.decode_attention(                    # parts [P, B, Hkv (G + 2), hd]
+            o, k_c, v_c = jaxfuse.decode_attention(        # parts: [P, B, Hkv (G + 2), hd]
                 parts, k_c, v_c, lengths, packed_qkv="grouped", partial_sums=True,
                 rope_base=cfg.rope_base, impl=impl, **norm)
             h, delta = T.after_attention(blk, o[:, None], h, cfg, impl, head_mask=mask)

@@ -84,10 +84,10 @@ _SPLIT_AXIS = {True: 0, False: 2}   # grid axis of the split: (splits,) folded, 
 def _kernel(k_ref, v_ref, len_ref, *refs, spec: A.AttnSpec, bh: int, bk: int,
             split_len: int, parts: int, append: bool, rope: bool | None, rms: tuple | None):
     # GPU: k_ref/v_ref [S, Dp], len_ref a scalar; refs: (f_ref [Dp/2], the RoPE pairs'
-    # frequencies, with `rope`), (x_ref [dm'], the projection's input row, with `rms`: (eps, dm)),
-    # then `parts` refs of the group's query heads [G, Dp] (partial
-    # sums to add when parts > 1), with `append` `parts` refs of the new key [1, Dp] and as many
-    # of the new value, then the outputs. Interpret: k_ref [B*Hkv, S, D], len_ref [B*Hkv], the
+    # frequencies, with `rope`), (x_ref [dm'], the projection's input row, with `rms` = (eps,
+    # dm)), then `parts` refs of the group's query heads [G, Dp] (partial sums to add when
+    # parts > 1), with `append` `parts` refs of the new key [1, Dp] and as many of the new
+    # value, then the outputs. Interpret: k_ref [B*Hkv, S, D], len_ref [B*Hkv], the
     # q refs [B*Hkv, G, D], the new rows' [B*Hkv, 1, D].
     # append: ko_ref/vo_ref are the caches again (aliased to k_ref/v_ref: in place); the new
     # row goes at len_ref's value, unclipped (a device holding one slice of the cache gets it

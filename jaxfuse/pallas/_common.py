@@ -10,7 +10,8 @@
   masked primitives pad instead of clamping, so a tile that hangs over the edge reads the right
   elements there too.
 * `pallas_call`: `pl.pallas_call` with the compiler parameters for the current regime.
-* `recip`: 1 / x as the regime computes it best (exact when interpreted, one MUFU.RCP compiled).
+* `recip`, `sincos`: 1 / x, and cos and sin, as the regime computes them best (exact when
+  interpreted, the multi-function unit's approximations compiled).
 
 The two regimes (house style, "one kernel body, two regimes"): on the GPU a program sees one
 small power-of-two tile; in interpret mode a program sees as much of the array as possible,
@@ -33,7 +34,8 @@ from jaxfuse.reference._masks import keep_mask  # noqa: F401  (re-exported for k
 __all__ = [
     "cdiv", "next_pow2", "resolve_interpret", "num_multiprocessors", "keep_mask",
     "online_max_sum", "safe_max", "tile_index", "tiles_exactly", "load_tile", "store_tile",
-    "load_vec", "store_vec", "pallas_call", "reduce_tiles", "recip", "exact_recip", "NEG_INF",
+    "load_vec", "store_vec", "pallas_call", "reduce_tiles", "recip", "exact_recip", "sincos",
+    "NEG_INF",
 ]
 
 NEG_INF = float("-inf")
@@ -77,13 +79,18 @@ def exact_recip(x):
     return 1.0 / x
 
 
+def _mufu(op: str, x):
+    """One PTX `op.approx.ftz.f32` of a float32 tile (the multi-function unit's instruction)."""
+    return pltriton.elementwise_inline_asm(
+        f"{op}.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+
 def _recip_ptx(x):
     # Triton lowers `1 / x` to div.full.f32: a reciprocal plus range checks and scalings for
     # |x| near the float32 limits (~8 instructions); rcp.approx.ftz is the reciprocal alone
     # (MUFU.RCP, within 1 ulp), for denominators known to stay in the normal range.
-    return pltriton.elementwise_inline_asm(
-        "rcp.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+    return _mufu("rcp", x)
 
 
 def recip(interpret: bool):
@@ -114,10 +121,7 @@ _TWO_PI_LO = float(np.float32(2 * np.pi - _TWO_PI_HI))
 def _sincos_ptx(x):
     k = jnp.floor(x * np.float32(1 / (2 * np.pi)) + 0.5)
     r = (x - k * _TWO_PI_HI) - k * _TWO_PI_LO
-    mufu = lambda op: pltriton.elementwise_inline_asm(
-        f"{op}.approx.ftz.f32 $0, $1;", args=[r], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
-    return mufu("cos"), mufu("sin")
+    return _mufu("cos", r), _mufu("sin", r)
 
 
 def online_max_sum(state, s):

@@ -220,6 +220,13 @@ def operands(k_new, v_new, rms_input) -> tuple:
                                                         (rms_input,))
 
 
+def split_operands(extra: tuple, rms: bool) -> tuple:
+    """`operands` backwards: (k_new, v_new, rms_input), None where absent."""
+    rms_input = extra[-1] if rms else None
+    k_new, v_new = extra[:2] if len(extra) >= 2 else (None, None)
+    return k_new, v_new, rms_input
+
+
 def results(outs, return_lse: bool):
     """The public return value from the kernel's (o, lse[, k_cache, v_cache]): o, or (o, lse),
     followed by the caches when they were appended to."""
@@ -266,8 +273,7 @@ def _decode(q, k_cache, v_cache, lengths, *extra, scale, num_splits, logits_soft
     P partial sums the kernel adds; `rope_base`: the kernel rotates the new q and k; `rms_eps`
     (not None): the last of `extra` is rms_input, whose rows' RMS scale the kernel applies.
     `extra`: `operands`'s."""
-    rms_input = extra[-1] if rms_eps is not None else None
-    k_new, v_new = extra[:2] if len(extra) >= 2 else (None, None)
+    k_new, v_new, rms_input = split_operands(extra, rms_eps is not None)
     s_len, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     folded = interpret if blocks.folded is None else blocks.folded     # `AttnSpec.make`'s rule
     padded = max(16, C.next_pow2(d)) != d                            # `AttnSpec.make`'s Dp
@@ -276,7 +282,7 @@ def _decode(q, k_cache, v_cache, lengths, *extra, scale, num_splits, logits_soft
         # kernel's reshape: XLA forms the new token first, the kernel appends and attends.
         q, k_new, v_new = ref.new_token(q, k_cache, v_cache, lengths, k_new, v_new, packed,
                                         partial_sums, rope_base, rope_interleaved, rms_input,
-                                        1e-6 if rms_eps is None else rms_eps)
+                                        rms_eps)
         packed, partial_sums, rope_base, rms_eps, rms_input = False, False, None, None, None
     layout = "heads" if packed is True else packed             # False, "heads" or "grouped"
     qp = q if partial_sums else q[None]                         # [P, B, heads, D]

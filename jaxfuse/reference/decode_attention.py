@@ -64,9 +64,7 @@ def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=N
     if tuple(kv_lengths.shape) != (b,):
         raise ValueError(f"kv_lengths.shape={tuple(kv_lengths.shape)} must be ({b},), one "
                          "length per sequence")
-    if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
-        raise ValueError(f"kv_lengths.dtype={kv_lengths.dtype} must be an integer type "
-                         "(e.g. kv_lengths.astype(jnp.int32))")
+    check_lengths_dtype(kv_lengths)
     s = k_cache.shape[1]
     if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= max(s, 1)):
         raise ValueError(f"num_splits={num_splits!r} must be an int in [1, S={s}] or None")
@@ -84,25 +82,31 @@ def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=N
                                  "and value per sequence and KV head)")
 
 
+def check_lengths_dtype(kv_lengths) -> None:
+    if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+        raise ValueError(f"kv_lengths.dtype={kv_lengths.dtype} must be an integer type "
+                         "(e.g. kv_lengths.astype(jnp.int32))")
+
+
 def validate_call(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new,
                   v_new, packed_qkv=False, partial_sums=False, rope_base=None,
                   rope_interleaved=True, rms_input=None, rms_eps=1e-6) -> None:
     """`validate`, for the packed, partial-sum, RMS and RoPE forms too (checked as the arrays
-    the kernel will attend with: `new_token`'s)."""
-    q, k_new, v_new = new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv,
-                                partial_sums, rope_base, rope_interleaved, rms_input, rms_eps,
-                                abstract=True)
+    the kernel will attend with: `new_token`'s, traced for their shapes only)."""
+    q, k_new, v_new = jax.eval_shape(
+        lambda *a: new_token(*a[:6], packed_qkv, partial_sums, rope_base, rope_interleaved,
+                             a[6], rms_eps),
+        q, k_cache, v_cache, kv_lengths, k_new, v_new, rms_input)
     validate(q, k_cache, v_cache, kv_lengths, num_splits, logits_soft_cap, scale, k_new, v_new)
 
 
 def new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv=False,
               partial_sums=False, rope_base=None, rope_interleaved=True, rms_input=None,
-              rms_eps=1e-6, *, abstract=False, positions=None):
+              rms_eps=1e-6, *, positions=None):
     """(q [B, Hq, D], k_new, v_new) from the call's arguments: partial sums added (float32),
     scaled by rms_input's rsqrt(mean(x^2) + eps) per row, a packed q unpacked, RoPE applied at
     position kv_lengths[b] (or `positions`, where the cache is one device's slice), and, where
-    any of these happened, rounded to the cache's dtype. `abstract`: shapes and dtypes only
-    (for validation: nothing computed)."""
+    any of these happened, rounded to the cache's dtype."""
     if packed_qkv not in PACKED_LAYOUTS:
         raise ValueError(f"packed_qkv={packed_qkv!r} must be one of {PACKED_LAYOUTS} (True means "
                          "\"heads\")")
@@ -114,8 +118,7 @@ def new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv=False,
         if q.ndim != 4:
             raise ValueError(f"partial_sums=True: q.shape={tuple(q.shape)} must be [P, B, heads, "
                              "D] (P partial sums of the packed q/k/v)")
-        q = (jax.ShapeDtypeStruct(q.shape[1:], jnp.float32) if abstract
-             else jnp.sum(q.astype(jnp.float32), axis=0))
+        q = jnp.sum(q.astype(jnp.float32), axis=0)
     if rms_input is not None:
         if not packed_qkv:
             raise ValueError("rms_input needs packed_qkv: it is the input of the fused q/k/v "
@@ -125,12 +128,10 @@ def new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv=False,
             raise ValueError(f"rms_input.shape={tuple(rms_input.shape)} must be [B={q.shape[0]}, "
                              "d] (the projection's input rows)")
         _checks.check_positive("rms_eps", rms_eps, allow_none=False)
-        if not abstract:
-            x = rms_input.astype(jnp.float32)
-            q = q.astype(jnp.float32) * jax.lax.rsqrt(
-                jnp.mean(x * x, axis=-1) + rms_eps)[:, None, None]
+        x = rms_input.astype(jnp.float32)
+        q = q.astype(jnp.float32) * jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + rms_eps)[:, None, None]
     if packed_qkv:
-        q, k_new, v_new = unpack_qkv(q, k_cache, k_new, v_new, packed_qkv, abstract=abstract)
+        q, k_new, v_new = unpack_qkv(q, k_cache, k_new, v_new, packed_qkv)
     if rope_base is not None:
         if k_new is None:
             raise ValueError("rope_base rotates the new token at position kv_lengths[b]: it "
@@ -138,11 +139,8 @@ def new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv=False,
         _checks.check_positive("rope_base", rope_base, allow_none=False)
         if q.shape[-1] % 2:
             raise ValueError(f"rope_base needs an even head dim, got D={q.shape[-1]}")
-    formed = partial_sums or rope_base is not None or rms_input is not None
-    if not formed or abstract:
-        if abstract and formed:
-            cast = lambda a: jax.ShapeDtypeStruct(a.shape, k_cache.dtype)
-            q, k_new, v_new = cast(q), cast(k_new), cast(v_new)
+        check_lengths_dtype(kv_lengths)
+    if not (partial_sums or rope_base is not None or rms_input is not None):
         return q, k_new, v_new
     if rope_base is not None:
         pos = (clip_lengths(kv_lengths, k_cache.shape[1]) if positions is None
@@ -153,7 +151,7 @@ def new_token(q, k_cache, v_cache, kv_lengths, k_new, v_new, packed_qkv=False,
     return tuple(a.astype(k_cache.dtype) for a in (q, k_new, v_new))
 
 
-def unpack_qkv(qkv, k_cache, k_new, v_new, layout=True, *, abstract=False):
+def unpack_qkv(qkv, k_cache, k_new, v_new, layout=True):
     """(q, k_new, v_new) from a packed qkv: [B, Hq + 2 Hkv, D] in the "heads" layout (True:
     query heads, then the new key's, then the new value's), [B, Hkv (G + 2), D] "grouped" (KV
     head h's G query heads, its new key, its new value: a fused projection whose columns are
@@ -170,18 +168,12 @@ def unpack_qkv(qkv, k_cache, k_new, v_new, layout=True, *, abstract=False):
             raise ValueError(f"packed_qkv=\"grouped\": q.shape={tuple(qkv.shape)} must be [B, "
                              f"Hkv (G + 2), D] with Hkv={hkv} (k_cache.shape[2]) and G >= 1")
         g = heads // hkv - 2
-        if abstract:
-            sd = lambda *shape: jax.ShapeDtypeStruct(shape, qkv.dtype)
-            return sd(b, hkv * g, d), sd(b, hkv, d), sd(b, hkv, d)
         grouped = qkv.reshape(b, hkv, g + 2, d)
         return grouped[:, :, :g].reshape(b, hkv * g, d), grouped[:, :, g], grouped[:, :, g + 1]
     hq = heads - 2 * hkv
     if hkv == 0 or hq < hkv or hq % hkv:
         raise ValueError(f"packed_qkv=True: q.shape={tuple(qkv.shape)} must be [B, Hq + 2 Hkv, D] "
                          f"with Hkv={hkv} (k_cache.shape[2]) and Hq a positive multiple of Hkv")
-    if abstract:
-        sd = lambda *shape: jax.ShapeDtypeStruct(shape, qkv.dtype)
-        return sd(b, hq, d), sd(b, hkv, d), sd(b, hkv, d)
     return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
 
 

@@ -163,11 +163,10 @@ def _decode_local(kw, plan, q, k_cache, v_cache, lengths, *append):
     if kw["partial_sums"] or kw["rope_base"] is not None or kw["rms_eps"] is not None:
         # A device holding a slice of the cache sees its lengths shifted to that slice, not the
         # new token's position that RoPE turns by: XLA forms the token first (global lengths).
-        rms = append[-1] if kw["rms_eps"] is not None else None
-        kn_vn = append[:2] if len(append) >= 2 else (None, None)
-        q, *append = _r_dec.new_token(q, k_cache, v_cache, lengths, *kn_vn, kw["packed"],
+        k_new, v_new, rms = _p_dec.split_operands(append, kw["rms_eps"] is not None)
+        q, *append = _r_dec.new_token(q, k_cache, v_cache, lengths, k_new, v_new, kw["packed"],
                                       kw["partial_sums"], kw["rope_base"], kw["rope_interleaved"],
-                                      rms, kw["rms_eps"] or 1e-6, positions=lengths)
+                                      rms, kw["rms_eps"], positions=lengths)
         kw = dict(kw, packed=False, partial_sums=False, rope_base=None, rms_eps=None)
     # Lengths shifted to this device's slice, unclipped (the kernel clips): with an append, the
     # new row lands on the device whose slice holds its position.

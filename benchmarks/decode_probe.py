@@ -468,12 +468,118 @@ def argmax_forms():
                                                    for k, c, ms in kt))
 
 
+def _touch(arrays, programs: int, interpret: bool = False, block: int = 2048, unroll: int = 8):
+    """A Pallas kernel of `programs` programs that reads `arrays` into L2 and keeps nothing:
+    each program loads every `programs`-th group of `unroll` blocks of `block` elements
+    ("evict_last", all of a group's loads issued before any is used) and stores their sum (an
+    unused load is deleted by the compiler). The prefetch s27 tried inside the decoding
+    kernel, alone."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+    from jaxfuse.pallas import _common as C
+
+    def kernel(*refs):
+        program, total = pl.program_id(0), jnp.float32(0)
+        for ref in refs[:-1]:
+            n = ref.shape[0]
+            size = min(block, 1 << (n.bit_length() - 1))
+            blocks = C.cdiv(n, size)
+
+            def body(i, acc, ref=ref, n=n, size=size, blocks=blocks):
+                g, tiles = program + i * programs, []
+                for u in range(unroll):
+                    j = g * unroll + u
+                    idx = j * size + jnp.arange(size, dtype=jnp.int32)
+                    tiles.append(plt.load(ref.at[pl.ds(jnp.minimum(j, blocks - 1) * size, size)],
+                                          mask=idx < n, other=0, eviction_policy="evict_last"))
+                for t in tiles:
+                    acc = acc + t.astype(jnp.float32)
+                return acc
+            acc = jax.lax.fori_loop(0, C.cdiv(C.cdiv(blocks, unroll), programs), body,
+                                    jnp.zeros((size,), jnp.float32))
+            total = total + jnp.sum(acc)
+        refs[-1][...] = jnp.full((1,), total)
+
+    return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((programs,), jnp.float32),
+                         grid=(programs,), name="probe_touch", interpret=interpret,
+                         num_warps=4, in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(arrays),
+                         out_specs=pl.BlockSpec((1,), lambda i: (i,)))(
+                             *[a.reshape(-1) for a in arrays])
+
+
+def l2_prefetch():
+    """Would a decoding step's small matmuls run faster from L2? (s27) After each layer's
+    attention the 157M step runs o (2 MiB), gate/up (11.5 MB), down (5.8 MB) and the next
+    layer's q/k/v (3.1 MB) matmuls at 0.65-1.8 TB/s of weights (latency-bound launches, cold
+    weights); the attention kernel before them moves ~21 MB in ~10 us, half the copy rate.
+    Chain of 8 layers with their own weights (cold), profiler kernel times a layer:
+    A) the matmuls alone; B) after a kernel that reads the layer's weights (evict_last);
+    C) after a kernel whose programs read a 21 MB stand-in KV cache (evict_first) and the
+    weights at once; D) the KV stand-in alone (C - D: what the weights add to such a kernel)."""
+    from benchmarks._profile import kernel_times
+    bar = jax.lax.optimization_barrier
+    n_layers, d, f, nqkv = 8, 1024, 2816, 1536
+    keys = jax.random.split(jax.random.key(7), 5)
+    ws = {"o": (n_layers, d, d), "w13": (n_layers, d, 2 * f), "w2": (n_layers, f, d),
+          "qkv": (n_layers, d, nqkv)}
+    # One array a layer (not stacked): a slice of a stacked array would reach the touch
+    # kernel as a copy, and the copy, not the touch, would warm L2 (s27-2's first version).
+    ws = {k: [jax.random.normal(jax.random.fold_in(kk, i), s[1:], jnp.bfloat16) * s[1] ** -0.5
+              for i in range(n_layers)] for kk, (k, s) in zip(keys, ws.items())}
+    kv = [jax.random.normal(jax.random.fold_in(keys[4], i), (21 * 2 ** 20 // 2,), jnp.bfloat16)
+          for i in range(n_layers)]
+    x = jax.random.normal(jax.random.key(8), (32, d), jnp.bfloat16)
+    programs = int(os.environ.get("TOUCH_PROGRAMS", "264"))
+
+    def chain(form):
+        def fn(x, ws, kv):
+            touched = []          # returned, or XLA drops the touch kernels as dead
+            for i in range(n_layers):
+                w = {k: v[i] for k, v in ws.items()}
+                nxt = ws["qkv"][(i + 1) % n_layers]
+                mats = [w["o"], w["w13"], w["w2"], nxt]
+                if form == "B":
+                    x, t = bar((x, _touch(mats, programs)))
+                elif form == "C":
+                    x, t = bar((x, _touch([kv[i]] + mats, programs)))
+                elif form == "D":
+                    x, t = bar((x, _touch([kv[i]], programs)))
+                if form != "A":
+                    touched.append(t)
+                h = (x @ w["o"]).astype(jnp.bfloat16) + x
+                hf = h.astype(jnp.float32)
+                n = (hf * jax.lax.rsqrt(jnp.mean(hf * hf, -1, keepdims=True) + 1e-6)
+                     ).astype(jnp.bfloat16)
+                gu = n @ w["w13"]
+                a = (jax.nn.silu(gu[:, :f].astype(jnp.float32)) * gu[:, f:]).astype(jnp.bfloat16)
+                h = h + (a @ w["w2"]).astype(jnp.bfloat16)
+                parts = jnp.einsum("bpk,pkn->pbn", h.reshape(32, 8, d // 8),
+                                   nxt.reshape(8, d // 8, nqkv),
+                                   preferred_element_type=jnp.float32)
+                x = bar(parts.sum(0)[:, :d].astype(jnp.bfloat16))
+            return x, touched
+        return jax.jit(fn)
+
+    for form in ("A", "B", "C", "D"):
+        fn = chain(form)
+        fn(x, ws, kv)
+        kt = kernel_times(fn, (x, ws, kv), reps=5)
+        total = sum(ms for _, _, ms in kt) * 1e3 / n_layers
+        touch = sum(ms for k, _, ms in kt if "probe_touch" in k) * 1e3 / n_layers
+        gemm = sum(ms for k, _, ms in kt if "gemm" in k or "nvjet" in k) * 1e3 / n_layers
+        print(f"l2_prefetch {form} programs={programs}: {total:6.2f} us of kernels a layer, "
+              f"touch {touch:5.2f}, matmuls {gemm:6.2f}, the rest {total - touch - gemm:6.2f}",
+              flush=True)
+        for kname, count, ms in kt[:8]:
+            print(f"      {kname[:60]:60s} x{count} {ms * 1e3 / n_layers:6.2f} us a layer")
+
+
 SECTIONS = {"top_k_order": top_k_order, "beam_top_k": beam_top_k, "rope": rope_kernels,
             "decode_attention": decode_attention_kernels, "decode_append": decode_append,
             "decode_attention_cold": decode_attention_cold,
             "reorder": reorder, "launch_chain": launch_chain, "hopper_gemv": hopper_gemv,
             "qkv_parts": qkv_parts, "decode_fused": decode_fused,
-            "argmax": argmax_forms}
+            "argmax": argmax_forms, "l2_prefetch": l2_prefetch}
 
 
 def main():

@@ -505,32 +505,41 @@ def perf_prefetch(copy_bw: float):
 
 def perf_sweep(copy_bw: float):
     """Row tiles of the dropout kernels (`RowBlocks`: rows, columns, warps), forward and
-    forward+backward of dropout, bias_act_dropout and embedding: the defaults (1 x 4096 with 4
-    warps; embedding 1 row, 8 warps) are the softmax's measured best, unmeasured for these ops."""
+    forward+backward of dropout, bias_dropout_add, add_norm (s27), bias_act_dropout and
+    embedding (`--only` picks among them): the defaults (1 x 4096 with 4 warps; embedding 1
+    row, 8 warps) are the softmax's measured best."""
     sh = _shapes()
     tiles = [(1, 4096, 2), (1, 4096, 4), (1, 4096, 8), (2, 4096, 8), (1, 2048, 2), (1, 2048, 4),
-             (1, 1024, 1), (1, 1024, 2), (2, 2048, 4)]
+             (1, 1024, 1), (1, 1024, 2), (2, 2048, 4), (4, 4096, 16), (2, 4096, 4)]
     if SMALL:
         tiles = [(1, 256, 1), (2, 256, 1)]
     # embedding: block_rows is the tokens (forward) and table rows (backward) of one program.
     emb_tiles = [(1, 4096, 8), (1, 4096, 4), (4, 4096, 8), (16, 4096, 8)]
     if SMALL:
         emb_tiles = [(1, 256, 1), (4, 256, 1)]
-    for name in ("dropout", "bias_act_dropout", "embedding"):
+    for name in filter(_wanted, ("dropout", "bias_dropout_add", "add_norm", "bias_act_dropout",
+                                 "embedding")):
         sets = [_args(name, jax.random.key(10 + i), jnp.bfloat16, **sh) for i in range(3)]
-        nbytes = _FWD_UNITS[name] * sets[0][2].size * sets[0][2].dtype.itemsize
+        unit = sets[0][2][0] if name == "add_norm" else sets[0][2]
+        nbytes = _FWD_UNITS[name] * unit.size * unit.dtype.itemsize
         for br, bc, w in (emb_tiles if name == "embedding" else tiles):
             blocks = jaxfuse.RowBlocks(br, bc, w)
             if name == "dropout":
                 f = lambda x, key, blocks=blocks: jaxfuse.dropout(x, RATE, key,
                                                                   block_sizes=blocks)
+            elif name == "bias_dropout_add":
+                f = lambda x, b, r, key, blocks=blocks: jaxfuse.bias_dropout_add(
+                    x, b, r, rate=RATE, key=key, block_sizes=blocks)
+            elif name == "add_norm":
+                f = lambda x, r, w, key, blocks=blocks: jaxfuse.add_norm(
+                    x, r, w, rate=RATE, key=key, block_sizes=blocks)
             elif name == "embedding":
                 f = lambda tok, table, key, blocks=blocks: jaxfuse.embedding(
                     tok, table, scale=64.0, rate=RATE, key=key, block_sizes=blocks)
             else:
                 f = lambda x, b, key, blocks=blocks: jaxfuse.bias_act_dropout(
                     x, b, activation="gelu", rate=RATE, key=key, block_sizes=blocks)
-            label = f"{name} {tuple(sets[0][2].shape)} bf16"
+            label = f"{name} {tuple(unit.shape)} bf16"
 
             def run(f=f, label=label, tile=(br, bc, w)):
                 fwd = jax.jit(lambda diff, other: _call(name, f, diff, other))

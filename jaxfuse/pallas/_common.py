@@ -96,8 +96,9 @@ def _recip_ptx(x):
 def recip(interpret: bool):
     """1 / x of a float32 tile: exact in interpret mode, `rcp.approx.ftz.f32` compiled (a
     subnormal result flushes to 0; an infinite x gives 0). For activations' denominators
-    (erf's rational fit, the sigmoid's 1 + e^-z): in the dropout family's kernels it took
-    their instruction counts down by ~10% (benchmarks/NOTES.md s25 item 7)."""
+    (gelu's 1 + p |z| in `_dropout.normal_cdf2`, the sigmoid's 1 + e^-z): in the dropout
+    family's kernels it took their instruction counts down by ~10% (benchmarks/NOTES.md s25
+    item 7)."""
     return exact_recip if interpret else _recip_ptx
 
 

@@ -28,27 +28,32 @@ from jaxfuse.pallas._rows import RowBlocks
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-# Eigen's float32 erf (the one XLA uses): an odd/even rational fit on [-4, 4], +-1 beyond.
-_ERF_ALPHA = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
-              -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
-              -1.60960333262415e-02)
-_ERF_BETA = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
-             -7.37332916720468e-03, -1.42647390514189e-02)
+_LOG2_E = math.log2(math.e)
+# Abramowitz and Stegun 7.1.26: erf(x) = 1 - t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) e^{-x^2},
+# t = 1 / (1 + p |x|), odd in x, |error| <= 1.5e-7 (Handbook of Mathematical Functions, 1964).
+_AS_P = 0.3275911
+_AS_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 
 
-def erf(x, recip=C.exact_recip):
-    """float32 erf from + - * and a reciprocal only (Pallas's Triton lowering has no erf);
-    `recip` (`_common.recip`) the regime's 1 / x: the fit's denominator lies in [-2.4,
-    -1.4e-2], never near a float32 limit."""
-    x = jnp.clip(x, -4.0, 4.0)
-    x2 = x * x
-    p = jnp.float32(_ERF_ALPHA[0])
-    for a in _ERF_ALPHA[1:]:
-        p = p * x2 + a
-    q = jnp.float32(_ERF_BETA[0])
-    for b in _ERF_BETA[1:]:
-        q = q * x2 + b
-    return x * p * recip(q)
+def normal_cdf2(z, recip=C.exact_recip):
+    """(1 + erf(z / sqrt 2), e^{-z^2 / 2}): twice the normal CDF of z, and the Gaussian, in
+    float32 from + - *, one reciprocal and one exp2 (Pallas's Triton lowering has no erf).
+    A and S 7.1.26 gives erfc(|x|) = t poly(t) e^{-x^2} itself, so 1 + erf(x) = erfc(-x) takes no
+    cancellation for x < 0: gelu's tail keeps its relative accuracy (1 + an erf near -1 lost it:
+    86% at z = -5 with the rational fit of Eigen's float32 erf that these kernels used before),
+    and e^{-z^2 / 2} is the Gaussian that gelu's derivative takes as well; x = z / sqrt 2 is
+    folded into the constants. bias_act_dropout (gelu) is bound by instruction issue on an H200:
+    SASS a 32-element thread, forward 1256 -> 1160, backward 1784 -> 1336 against the rational
+    fit and libdevice's expf; fwd+bwd 0.340 -> 0.281-0.289 ms at [16384, 4096] bf16
+    (benchmarks/NOTES.md s27). `recip` (`_common.recip`): the regime's 1 / x; the denominator
+    lies in [1, inf)."""
+    g = jnp.exp2(z * (z * (-0.5 * _LOG2_E)))        # MUFU.EX2 compiled (jnp.exp: libdevice)
+    t = recip(1.0 + (_AS_P / math.sqrt(2.0)) * jnp.abs(z))
+    poly = jnp.float32(_AS_A[-1])
+    for a in _AS_A[-2::-1]:
+        poly = poly * t + a
+    c = t * poly * g                                         # erfc(|z| / sqrt 2)
+    return jnp.where(z < 0.0, c, 2.0 - c), g
 
 
 def _sigmoid(z, recip=C.exact_recip):
@@ -56,11 +61,11 @@ def _sigmoid(z, recip=C.exact_recip):
 
 
 def act(name: str | None, z, recip=C.exact_recip):
-    """The activation, as `jax.nn` defines it; `recip` as `erf`'s."""
+    """The activation, as `jax.nn` defines it; `recip` as `normal_cdf2`'s."""
     if name is None:
         return z
     if name == "gelu":
-        return 0.5 * z * (1.0 + erf(z * (1.0 / math.sqrt(2.0)), recip))
+        return 0.5 * z * normal_cdf2(z, recip)[0]
     if name == "gelu_tanh":
         return 0.5 * z * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z)))
     if name == "relu":
@@ -71,8 +76,8 @@ def act(name: str | None, z, recip=C.exact_recip):
 def act_grad(name: str, z, recip=C.exact_recip):
     """d act / dz (the backward recomputes it from x; nothing but x is saved)."""
     if name == "gelu":
-        return (0.5 * (1.0 + erf(z * (1.0 / math.sqrt(2.0)), recip))
-                + z * _INV_SQRT_2PI * jnp.exp(-0.5 * z * z))
+        e, g = normal_cdf2(z, recip)
+        return 0.5 * e + z * _INV_SQRT_2PI * g
     if name == "gelu_tanh":
         t = jnp.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z))
         return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (

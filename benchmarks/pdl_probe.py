@@ -50,8 +50,12 @@ def _add_one(x, mode: str, interpret: bool):
             zero = _ptx("griddepcontrol.wait;", zero)
         off = zero[0] * _N            # 0, but only once the statement above has run
         v = x_ref[pl.ds(off, _N)] + 1.0
-        if mode in ("trigger", "wait"):
+        if mode == "trigger":
             v = v + _ptx("griddepcontrol.launch_dependents;", zero)[0].astype(jnp.float32)
+        elif mode == "wait":      # after the load: the statement takes the loaded values' max
+            bits = jax.lax.bitcast_convert_type(jnp.broadcast_to(jnp.max(v), (1,)), jnp.int32)
+            v = v + (_ptx("griddepcontrol.launch_dependents;", bits) - bits)[0].astype(
+                jnp.float32)
         o_ref[...] = v
     return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((_N,), jnp.float32), grid=(1,),
                          name=f"probe_pdl_{mode}", interpret=interpret, num_warps=4)(x)
@@ -90,8 +94,8 @@ def main():
                         for line in plane.lines if line.name.startswith("Stream")
                         for ev in line.events)
         busy = sum(e - s for s, e, _ in events) / 5 / n / 1e3
-        # wall: per call, from its first kernel's start to its last kernel's end (calls are
-        # separated by host gaps of > 5 us; the chain's own gaps are launch gaps)
+        # wall: per call, from its first kernel's start to its last kernel's end (a gap of
+        # over 20 us ends a call: host dispatch; the chain's own gaps are launch gaps)
         calls, cur = [], [events[0]]
         for ev in events[1:]:
             if ev[0] - max(e for _, e, _ in cur) > 20_000:

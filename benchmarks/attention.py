@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import statistics
 
 import jax
@@ -147,6 +148,9 @@ def _peers(causal: bool, only=None):
     return peers if only is None else {k: v for k, v in peers.items() if k in only}
 
 
+_SETTLE_S = 0.3
+
+
 def _time_row(label, fns, shape, causal, *, backward: bool, reps: int = 10):
     b, t, hq, hkv, d = shape
     flops = 4 * b * hq * t * t * d * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
@@ -162,6 +166,12 @@ def _time_row(label, fns, shape, causal, *, backward: bool, reps: int = 10):
             else:
                 fn = jax.jit(f)
                 args = [s[:3] for s in sets]
+            # Each function runs alone for a moment first: the table's first timings after
+            # tokamax's autotuned calls read 2-4x slow for short calls (s27-7: D64 and D256
+            # forwards; NOTES s27 item 6).
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < _SETTLE_S:
+                jax.block_until_ready(fn(*args[0]))
             tm = bench(fn, args, reps=reps, repeats=3)
             record(S, f"{label} {'fwd+bwd' if backward else 'fwd'}", impl, tm,
                    TFLOPs=flops / tm / 1e12)

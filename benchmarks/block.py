@@ -67,6 +67,9 @@ XLA = {
     "bias_act_dropout": lambda x, b, key: _xla_dropout(jax.nn.gelu(
         x.astype(jnp.float32) + b.astype(jnp.float32), approximate=False), RATE,
         key).astype(x.dtype),
+    "bias_act_dropout_tanh": lambda x, b, key: _xla_dropout(jax.nn.gelu(
+        x.astype(jnp.float32) + b.astype(jnp.float32), approximate=True), RATE,
+        key).astype(x.dtype),
     "add_norm": lambda x, r, w, key: (lambda h: (h, _xla_rms(h, w)))(
         (r.astype(jnp.float32) + _xla_dropout(x.astype(jnp.float32), RATE, key)).astype(x.dtype)),
     "swiglu": lambda g, u: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(
@@ -85,6 +88,8 @@ def _ours(impl: str):
             x, b, r, rate=RATE, key=key, impl=impl),
         "bias_act_dropout": lambda x, b, key: jaxfuse.bias_act_dropout(
             x, b, activation="gelu", rate=RATE, key=key, impl=impl),
+        "bias_act_dropout_tanh": lambda x, b, key: jaxfuse.bias_act_dropout(
+            x, b, activation="gelu_tanh", rate=RATE, key=key, impl=impl),
         "add_norm": lambda x, r, w, key: jaxfuse.add_norm(x, r, w, rate=RATE, key=key,
                                                           impl=impl),
         "swiglu": lambda g, u: jaxfuse.swiglu(g, u, impl=impl),
@@ -113,7 +118,7 @@ def _args(name, key, dtype, rows, rope, vocab, tokens):
         return (x,), (dk,), ct
     if name == "bias_dropout_add":
         return (x, vec, res), (dk,), ct
-    if name == "bias_act_dropout":
+    if name in ("bias_act_dropout", "bias_act_dropout_tanh"):
         return (x, vec), (dk,), ct
     if name == "add_norm":
         return (x, res, vec), (dk,), (ct, jax.random.normal(k[5], rows, dtype))
@@ -277,7 +282,8 @@ def check_projections():
 
 
 # Bytes each forward must move (read + write), in units of one activation (or q, or N x D).
-_FWD_UNITS = {"dropout": 2, "bias_dropout_add": 3, "bias_act_dropout": 2, "add_norm": 4,
+_FWD_UNITS = {"dropout": 2, "bias_dropout_add": 3, "bias_act_dropout": 2,
+              "bias_act_dropout_tanh": 2, "add_norm": 4,
               "swiglu": 3, "rope": 2, "embedding": 2}
 
 

@@ -87,6 +87,8 @@ def workloads():
         "dropout": (lambda x: jaxfuse.dropout(x, 0.1, key, interpret=False), x),
         "bias_dropout_add": (lambda x, b, r: jaxfuse.bias_dropout_add(x, b, r, **kw), x, b, x),
         "bias_act_dropout": (lambda x, b: jaxfuse.bias_act_dropout(x, b, **kw), x, b),
+        "bias_act_dropout_tanh": (lambda x, b: jaxfuse.bias_act_dropout(
+            x, b, activation="gelu_tanh", **kw), x, b),
         "add_norm": (lambda x, r, w: jaxfuse.add_norm(x, r, w, **kw), x, x, b),
         "swiglu": (lambda g, u: jaxfuse.swiglu(g, u, interpret=False), x, x),
         "embedding": (lambda t: jaxfuse.embedding(tok, t, scale=64.0, **kw),

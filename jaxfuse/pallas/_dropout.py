@@ -41,11 +41,11 @@ def normal_cdf2(z, recip=C.exact_recip):
     A and S 7.1.26 gives erfc(|x|) = t poly(t) e^{-x^2} itself, so 1 + erf(x) = erfc(-x) takes no
     cancellation for x < 0: gelu's tail keeps its relative accuracy (0.4% down to z = -6, 1.2%
     at -8, 3.4% at -12: the fit's own; 1 + an erf near -1 lost it: 86% at z = -5 with the
-    rational fit of Eigen's float32 erf that these kernels used before),
-    and e^{-z^2 / 2} is the Gaussian that gelu's derivative takes as well; x = z / sqrt 2 is
-    folded into the constants. bias_act_dropout (gelu) is bound by instruction issue on an H200:
-    SASS a 32-element thread, forward 1256 -> 1160, backward 1784 -> 1336 against the rational
-    fit and libdevice's expf; fwd+bwd 0.340 -> 0.281-0.289 ms at [16384, 4096] bf16
+    rational fit of Eigen's float32 erf that these kernels used before), and e^{-z^2 / 2} is
+    the Gaussian that gelu's derivative takes as well; x = z / sqrt 2 is folded into the
+    constants. bias_act_dropout (gelu) is bound by instruction issue on an H200: SASS a
+    32-element thread, forward 1256 -> 1160, backward 1784 -> 1336 against the rational fit
+    and libdevice's expf; fwd+bwd 0.340 -> 0.275-0.289 ms at [16384, 4096] bf16 in three runs
     (benchmarks/NOTES.md s27). `recip` (`_common.recip`): the regime's 1 / x; the denominator
     lies in [1, inf)."""
     # exp2: libdevice's exp2f, one MUFU.EX2 with its range fix-ups; expf took ~8 more

@@ -275,9 +275,14 @@ def _decode(q, k_cache, v_cache, lengths, *extra, scale, num_splits, logits_soft
     `extra`: `operands`'s."""
     k_new, v_new, rms_input = split_operands(extra, rms_eps is not None)
     s_len, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    folded = interpret if blocks.folded is None else blocks.folded     # `AttnSpec.make`'s rule
-    padded = max(16, C.next_pow2(d)) != d                            # `AttnSpec.make`'s Dp
-    if rope_base is not None and not rope_interleaved and not folded and padded:
+    # query heads: a packed q's heads less the new key's and value's
+    hq = q.shape[-2] - (2 * hkv if packed else 0)
+    g = hq // hkv
+    spec = A.AttnSpec.make(n_q=1, n_k=s_len, head_dim=d, groups=g, dtype=k_cache.dtype,
+                           scale=scale, interpret=interpret, folded=blocks.folded,
+                           softcap=logits_soft_cap)
+    folded, dp = spec.folded, spec.head_dim_pad
+    if rope_base is not None and not rope_interleaved and not folded and dp != d:
         # Halves [i, i + D/2] of a head dim padded for the matrix unit do not meet in the
         # kernel's reshape: XLA forms the new token first, the kernel appends and attends.
         q, k_new, v_new = ref.new_token(q, k_cache, v_cache, lengths, k_new, v_new, packed,
@@ -286,15 +291,9 @@ def _decode(q, k_cache, v_cache, lengths, *extra, scale, num_splits, logits_soft
         packed, partial_sums, rope_base, rms_eps, rms_input = False, False, None, None, None
     layout = "heads" if packed is True else packed             # False, "heads" or "grouped"
     qp = q if partial_sums else q[None]                         # [P, B, heads, D]
-    parts, b, heads = qp.shape[:3]
-    hq = {False: heads, "heads": heads - 2 * hkv, "grouped": heads - 2 * hkv}[layout]
-    g = hq // hkv
+    parts, b = qp.shape[:2]
     append = bool(layout) or k_new is not None
     rope = None if rope_base is None else bool(rope_interleaved)
-    spec = A.AttnSpec.make(n_q=1, n_k=s_len, head_dim=d, groups=g, dtype=k_cache.dtype,
-                           scale=scale, interpret=interpret, folded=blocks.folded,
-                           softcap=logits_soft_cap)
-    folded, dp = spec.folded, spec.head_dim_pad
     if num_splits is None:
         num_splits = 1 if folded else choose_splits(b * hkv, s_len, C.num_multiprocessors())
     block_k = blocks.block_k or (128 if dp * k_cache.dtype.itemsize <= 128 else 64)
@@ -312,10 +311,8 @@ def _decode(q, k_cache, v_cache, lengths, *extra, scale, num_splits, logits_soft
     # decoding step made of microsecond launches (measured on the 157M model: 3 of ~18 kernels
     # per layer).
     o_dtype = k_cache.dtype if num_splits == 1 else jnp.float32
-    head = []                     # the RoPE pairs' frequencies, padded to the kernel's Dp / 2
-    if rope is not None:
-        cols = rope_ref.column_freqs(d, rope_base, rope)
-        head = [cols[0::2] if rope else cols[: d // 2]]
+    # the RoPE pairs' frequencies (padded to the kernel's Dp / 2 by its masked load)
+    head = [] if rope is None else [rope_ref.pair_freqs(d, rope_base)]
     rows_x = [] if rms_input is None else [rms_input]           # [B, dm]: the projection's input
     if folded:
         # Interpreted: the heads are sliced apart per partial sum (copies cost nothing here);
@@ -372,13 +369,12 @@ def _decode(q, k_cache, v_cache, lengths, *extra, scale, num_splits, logits_soft
                 one = pl.BlockSpec((None, None, 1, dp), lambda b_, h, s: (0, b_, h, 0))
                 in_specs += [one, one]
                 args += [k_new[None], v_new[None]]
-            out_specs_c = [cache_spec] * 2
         out_specs = [pl.BlockSpec((None, None, g, dp), lambda b_, h, s: (b_, s, h, 0)),
                      pl.BlockSpec((None, None, g), lambda b_, h, s: (b_, s, h))]
         out_shape = [jax.ShapeDtypeStruct((b, num_splits, hq, d), o_dtype),
                      jax.ShapeDtypeStruct((b, num_splits, hq), jnp.float32)]
         if append:
-            out_specs += out_specs_c
+            out_specs += [cache_spec] * 2
             out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2
     outs = C.pallas_call(
         kernel, out_shape=out_shape, grid=grid, name="jaxfuse_decode_attention",

@@ -28,20 +28,23 @@ def validate(x, positions, base) -> None:
     _checks.check_positive("base", base, allow_none=False)
 
 
+def pair_freqs(d: int, base: float) -> jax.Array:
+    """float32 [D/2]: base^(-2i/D) of pair i, whichever columns the pair holds (the kernels and
+    this reference use the same numbers; each angle is then position * freq)."""
+    return jnp.float32(base) ** (-(2 * jnp.arange(d // 2)).astype(jnp.float32) / d)
+
+
 def column_freqs(d: int, base: float, interleaved: bool) -> jax.Array:
-    """float32 [D]: base^(-2i/D) of the pair i that column c belongs to (the kernel and this
-    reference use the same numbers; each angle is then position * freq)."""
+    """float32 [D]: `pair_freqs` of the pair that column c belongs to."""
     c = jnp.arange(d)
-    i = c // 2 if interleaved else c % (d // 2)
-    return jnp.float32(base) ** (-(2 * i).astype(jnp.float32) / d)
+    return pair_freqs(d, base)[c // 2 if interleaved else c % (d // 2)]
 
 
 def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
          interleaved: bool = True) -> jax.Array:
     validate(x, positions, base)
     d = x.shape[-1]
-    freq = column_freqs(d, base, interleaved)[0::2] if interleaved else \
-        column_freqs(d, base, interleaved)[: d // 2]                          # [D/2]
+    freq = pair_freqs(d, base)                                                # [D/2]
     angle = positions.astype(jnp.float32)[..., None, None] * freq             # [..., T, 1, D/2]
     return rotate(x.astype(jnp.float32), jnp.cos(angle), jnp.sin(angle),
                   interleaved).astype(x.dtype)

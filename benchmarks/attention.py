@@ -433,6 +433,26 @@ def perf_named(rounds: int = 7):
         _interleaved(label, shape, causal, fns, rounds)
 
 
+def perf_wide_keys(rounds: int = 5):
+    """D = 128 forward with 192-key tiles (S [64, 192] a consumer: wgmma's N 192 instead of
+    128, a third fewer softmax rescales and barrier rounds a key; FlashAttention-3 takes 176 at
+    D = 128 without masks, which Mosaic GPU's register-operand wgmma refuses: its K must be a
+    multiple of 64) against the default 128 (persistent) and 128 a CTA a tile, and cuDNN;
+    2 ring slots of 192 keys fill 192 of shared memory's 227 KiB, so no persistence
+    (its O buffer does not fit). T = 4224 = 22 x 192 = 33 x 128: no tail tile on either side."""
+    shape = (4, 4224, 32, 32, 128)
+    for causal in (False, True):
+        fns = _peers(causal, ("jaxfuse", "cudnn"))
+        for name, kw in (("128, a CTA a tile", dict(persistent=False)),
+                         ("192, 2 slots", dict(block_k=192, stages=2, persistent=False)),
+                         ("192, 2 slots, free", dict(block_k=192, stages=2, persistent=False,
+                                                      pingpong=False))):
+            fns[f"jaxfuse[{name}]"] = functools.partial(
+                jaxfuse.flash_attention, causal=causal, block_sizes=_tiles(**kw))
+        _interleaved(f"B4 H32 T4224 D128 {'causal' if causal else 'full'}", shape, causal,
+                     fns, rounds)
+
+
 def _check_hopper():
     """The Hopper path's cases alone, bf16 and f16."""
     for dtype in (jnp.bfloat16, jnp.float16):
@@ -459,5 +479,5 @@ if __name__ == "__main__":
         "persistent": lambda: (check_persistent(), perf_persistent()),
         "named": _named, "scheduled": _scheduled,
         "l2_share": perf_l2_share, "fwd_order": perf_fwd_order,
-        "persistent_overlap": perf_persistent_overlap,
+        "persistent_overlap": perf_persistent_overlap, "wide_keys": perf_wide_keys,
         "overlap": lambda: (check_overlap(), perf_overlap())})

@@ -211,11 +211,3 @@ def guard_always_writes():
     only those holding a non-finite value (`_hopper_ring._COUNT_FIRST`): a diagnostic."""
     from jaxfuse.pallas import _hopper_ring
     return mock.patch.object(_hopper_ring, "_COUNT_FIRST", False)
-
-
-def no_chunk_prefetch():
-    """A context in which `_rows.map_pass` loads each chunk of rows when it is used, not a chunk
-    ahead (`_rows._PREFETCH_CHUNKS`; the passes that sum over rows): a diagnostic. Hold it over
-    the whole trace of a differentiated step (a custom_vjp's backward is traced later)."""
-    from jaxfuse.pallas import _rows
-    return mock.patch.object(_rows, "_PREFETCH_CHUNKS", False)

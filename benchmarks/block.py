@@ -41,7 +41,6 @@ RATE = 0.1
 SMALL = False
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)   # --dtypes: those the checks run
 ONLY: set | None = None   # --only: the ops to check and time ("attention" for its dropout)
-PREFETCH_AB = False       # --prefetch-ab: also time the row-summing backwards without prefetch
 
 
 def _wanted(name: str) -> bool:
@@ -146,15 +145,6 @@ def _fwd_bwd(name, f):
         y, vjp = jax.vjp(lambda *d: _call(name, f, d, other), *diff)
         return y, vjp(ct)
     return step
-
-
-def _under(context, f):
-    """f whose calls run under `context` (given a whole step, its trace: a custom_vjp's
-    backward is traced after the forward returns)."""
-    def g(*a):
-        with context():
-            return f(*a)
-    return g
 
 
 def _fwd_bwd_passed_on(f):
@@ -622,10 +612,6 @@ def perf(copy_bw: float, sweep: bool = False):
         jaxfuse.RowBlocks.for_shape(g.shape[0], g.shape[1], interpret=SMALL), hopper=False))
     impls = {"jaxfuse": _ours("pallas"), "jaxfuse_triton": {"swiglu": triton}, "xla": XLA,
              "xla_philox": _ours("reference")}
-    if PREFETCH_AB:     # the backward passes that sum over rows, without their chunk prefetch
-        impls["jaxfuse[no chunk prefetch]"] = {
-            k: v for k, v in _ours("pallas").items()
-            if k in ("bias_dropout_add", "bias_act_dropout", "add_norm", "embedding")}
     for name in filter(_wanted, _FWD_UNITS):
         sets = [_args(name, jax.random.key(10 + i), jnp.bfloat16, **sh) for i in range(3)]
         unit = sets[0][2][0] if name == "add_norm" else sets[0][2]
@@ -636,23 +622,19 @@ def perf(copy_bw: float, sweep: bool = False):
                 continue
             f = ops[name]
 
-            # A diagnostic context is held over each whole traced step.
-            wrap = ((lambda g: _under(_timing.no_chunk_prefetch, g))
-                    if impl == "jaxfuse[no chunk prefetch]" else (lambda g: g))
-
-            def run_fwd(f=f, impl=impl, wrap=wrap):
-                fwd = jax.jit(wrap(lambda diff, other: _call(name, f, diff, other)))
+            def run_fwd(f=f, impl=impl):
+                fwd = jax.jit(lambda diff, other: _call(name, f, diff, other))
                 t = bench(fwd, [(d, o) for d, o, _ in sets])
                 record(S, f"{wl} fwd", impl, t, TBps=nbytes / t / 1e12,
                        frac_copy=nbytes / t / copy_bw)
 
-            def run_fb(f=f, impl=impl, wrap=wrap):
-                step = wrap(_fwd_bwd(name, f))
+            def run_fb(f=f, impl=impl):
+                step = _fwd_bwd(name, f)
                 t = bench(jax.jit(step), sets, reps=10)
                 tb = temp_bytes(step, *sets[0])
                 record(S, f"{wl} fwd+bwd", impl, t, temp_MB=(tb or 0) / 1e6)
-            def run_passed(f=f, impl=impl, wrap=wrap):
-                step = wrap(_fwd_bwd_passed_on(f))
+            def run_passed(f=f, impl=impl):
+                step = _fwd_bwd_passed_on(f)
                 t = bench(jax.jit(step), sets, reps=10)
                 record(S, f"{wl} fwd+bwd, d residual passed on", impl, t,
                        temp_MB=(temp_bytes(step, *sets[0]) or 0) / 1e6)
@@ -664,7 +646,7 @@ def perf(copy_bw: float, sweep: bool = False):
 
 
 def main() -> None:
-    global SMALL, ONLY, DTYPES, PREFETCH_AB
+    global SMALL, ONLY, DTYPES
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-check", action="store_true")
@@ -676,14 +658,10 @@ def main() -> None:
                     help="also time dropout's forward with a register prefetch (perf_prefetch)")
     ap.add_argument("--floor", action="store_true",
                     help="also time the forwards' arithmetic alone (perf_compute_floor)")
-    ap.add_argument("--prefetch-ab", action="store_true",
-                    help="also time the backwards that sum over rows without their chunk "
-                         "prefetch (_timing.no_chunk_prefetch)")
     ap.add_argument("--rows-sweep", action="store_true",
                     help="only time the backward's rows per program (dbias/dweight passes)")
     args = ap.parse_args()
     SMALL = args.small
-    PREFETCH_AB = args.prefetch_ab
     ONLY = set(args.only.split(",")) if args.only else None
     if args.dtypes:
         DTYPES = tuple(jnp.dtype(d).type for d in args.dtypes.split(","))

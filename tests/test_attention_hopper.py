@@ -101,6 +101,12 @@ def test_forced_hopper_rejects_what_it_cannot_take(shape, kw, what):
         jaxfuse.flash_attention(q, q, q, block_sizes=AttnBlocks(hopper=True), **kw)
 
 
+@pytest.mark.parametrize("block_k", [32, 96, 192, 512])
+def test_key_tiles_other_than_64_128_256_rejected(block_k):
+    with pytest.raises(ValueError, match=f"block_k={block_k} must be 64, 128 or 256"):
+        HopperAttnTiles(block_k=block_k)
+
+
 def test_overlap_needs_two_slots():
     """The overlap holds a V tile a step longer: a ring of one slot is refused by name."""
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)

@@ -37,16 +37,11 @@ LANES = 8
 
 
 def fold_columns(x, op):
-    """x [64, n] -> [64, 8], n a multiple of 8: column halves combined by `op` while they are
-    whole 8-column groups, then the odd count of groups left (n = 176, 192: 11, 3) pairwise."""
-    while x.shape[1] % (2 * LANES) == 0 and x.shape[1] > LANES:
+    """x [64, n] -> [64, 8]: column halves combined by `op` until 8 columns are left."""
+    while x.shape[1] > LANES:
         h = x.shape[1] // 2
         x = op(x[:, :h], x[:, h:])
-    parts = [x[:, i:i + LANES] for i in range(0, x.shape[1], LANES)]
-    while len(parts) > 1:
-        parts = [op(*parts[i:i + 2]) if i + 1 < len(parts) else parts[i]
-                 for i in range(0, len(parts), 2)]
-    return parts[0]
+    return x
 
 
 class PingPong:

@@ -30,9 +30,6 @@ from jaxfuse.pallas import _common as C
 _GPU_MAX_TILE_COLS = 16384      # longest row held in registers at once
 _GPU_TILE_ELEMS = 4096          # elements per program for short rows
 _INTERPRET_TILE_ELEMS = 1 << 22  # elements per interpreted step (16 MiB of float32)
-# map_pass's programs that walk several chunks of rows (the passes that sum over rows) load
-# chunk c + 1 before computing chunk c (`map_pass`; False: each chunk loaded when it is used).
-_PREFETCH_CHUNKS = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,19 +130,14 @@ class Tile(NamedTuple):
 
 
 def _load(refs, fills, per_row, per_col, row0, col0, b: RowBlocks, n_rows, n_cols, key=(),
-          interior: bool = False, loaded: tuple | None = None):
+          interior: bool = False):
     """The tile of every tiled input at (row0, col0), with the per-row and per-column values the
     caller loaded once for it (they do not change from tile to tile). `interior`: the caller
-    knows the tile's columns lie inside the array (`C.load_tile(cols_inside=True)`). `loaded`:
-    the tiles, already loaded by the caller (`map_pass`'s prefetch)."""
-    if loaded is None:
-        loads = [C.load_tile(ref, row0, col0, b.block_rows, b.block_cols, n_rows, n_cols,
-                             other=fill, cols_inside=interior) for ref, fill in zip(refs, fills)]
-        loaded = tuple(t[0] for t in loads)
-        _, rows, cols, valid = loads[0]
-    else:       # as load_tile's indices of a tile not known to be interior
-        rows, cols, valid = C.tile_index(row0, col0, b.block_rows, b.block_cols, n_rows, n_cols)
-    return Tile(tuple(t.astype(jnp.float32) for t in loaded), per_row, per_col, rows, cols,
+    knows the tile's columns lie inside the array (`C.load_tile(cols_inside=True)`)."""
+    loads = [C.load_tile(ref, row0, col0, b.block_rows, b.block_cols, n_rows, n_cols,
+                         other=fill, cols_inside=interior) for ref, fill in zip(refs, fills)]
+    _, rows, cols, valid = loads[0]
+    return Tile(tuple(t[0].astype(jnp.float32) for t in loads), per_row, per_col, rows, cols,
                 valid, key, row0, col0)
 
 
@@ -251,10 +243,10 @@ def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Seque
         col0 = j * b.block_cols
         cols_in = _per_col(c_refs, col0, b, n_cols)   # the same for every chunk of rows
 
-        def chunk(c, sums, loaded=None):
+        def chunk(c, sums):
             row0 = group * rpp + c * b.block_rows
             tile = _load(t_refs, fills, _per_row(r_refs, row0, b, n_rows), cols_in, row0, col0,
-                         b, n_rows, n_cols, key_w, loaded=loaded)
+                         b, n_rows, n_cols, key_w)
             out_tiles, row_outs, col_sums = emit(tile)
             for ref, val in zip(o_refs, out_tiles):
                 C.store_tile(ref, val, row0, col0, n_rows, n_cols)
@@ -266,26 +258,11 @@ def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Seque
                 col_sums = [jnp.where(tile.rows < n_rows, v, 0.0) for v in col_sums]
             return tuple(s + jnp.sum(v, axis=0, keepdims=True) for s, v in zip(sums, col_sums))
 
-        def raw(c):
-            """Chunk c's tiles as loaded (the inputs' dtypes), for `prefetch`."""
-            row0 = group * rpp + c * b.block_rows
-            return tuple(C.load_tile(ref, row0, col0, b.block_rows, b.block_cols, n_rows,
-                                     n_cols, other=fill)[0] for ref, fill in zip(t_refs, fills))
-
-        def prefetched(c, carry):
-            """Chunk c from tiles loaded a chunk earlier, chunk c + 1's loads issued first:
-            a program's loads stay in flight while it computes (its chunks are a serial
-            loop; Triton does not pipeline loads that feed no matrix product)."""
-            loaded, sums = carry
-            nxt = raw(c + 1)
-            return nxt, chunk(c, sums, loaded)
-
         init = tuple(jnp.zeros((1, b.block_cols), jnp.float32) for _ in range(n_col_sums))
-        if _PREFETCH_CHUNKS and n_chunks > 1:
-            loaded, sums = jax.lax.fori_loop(0, n_chunks - 1, prefetched, (raw(0), init))
-            sums = chunk(jnp.int32(n_chunks - 1), sums, loaded)
-        else:
-            sums = C.reduce_tiles(n_chunks, chunk, init)
+        # (Loading chunk c + 1 before computing chunk c was no faster: H200, s28-2, fwd+bwd
+        # bias_dropout_add 0.311 against 0.275 ms, bias_act_dropout 0.294 / 0.277, add_norm
+        # 0.410 / 0.404; 144 registers a thread against 115. benchmarks/NOTES.md s28.)
+        sums = C.reduce_tiles(n_chunks, chunk, init)
         for ref, val in zip(cs_refs, sums):
             C.store_tile(ref, val, group, col0, n_groups, n_cols)
 

@@ -133,6 +133,13 @@ class HopperAttnTiles:
         if self.consumers is not None and self.consumers not in R.REGISTERS:
             raise ValueError(f"HopperAttnTiles.consumers={self.consumers} must be one of "
                              f"{tuple(R.REGISTERS)} (consumer warpgroups of 64 rows a CTA)")
+        # P V's K (keys) must be a multiple of 64 for a wgmma with P in registers, and the
+        # softmax folds S's columns in halves. 192 keys, made to lower, ran 3-5% faster than
+        # 128 without masks at T = 4224 and hung with causal masks on an H200 (s28,
+        # benchmarks/NOTES.md): not taken.
+        if self.block_k not in (64, 128, 256):
+            raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128 or 256 "
+                             f"(keys a step; 128 is the default, 64 at head_dim 256)")
 
     @classmethod
     def for_head_dim(cls, d: int) -> "HopperAttnTiles":
@@ -619,8 +626,7 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
     f = plgpu.kernel(body, out_type=out_types, grid=grid, grid_names=grid_names,
                      num_threads=nc + 1, thread_name="wg",
                      compiler_params=H.compiler_params(
-                         name, approx_math=True, unsafe_no_auto_barriers=not _AUTO_BARRIERS,
-                         **_reduction_scratch(spec, tiles)),
+                         name, approx_math=True, unsafe_no_auto_barriers=not _AUTO_BARRIERS),
                      kernel_name=name, **kw)
     # The barrier keeps XLA from running the kernel twice. Inside a scanned, differentiated
     # model, o is both used and stacked as a residual, and XLA's GPU dynamic-slice fusion
@@ -628,18 +634,6 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
     # original for the other user: measured on the H200, 16 forward launches for 8 layers
     # (0.235 ms each, 157M model). Behind the barrier the stack takes a copy of o instead.
     return jax.lax.optimization_barrier(f(q, k, v, *sched))
-
-
-def _reduction_scratch(spec: AttnSpec, tiles: HopperAttnTiles) -> dict:
-    """Shared memory Mosaic GPU sets aside for reductions across warps (default 2 KiB). The
-    softmax's row max and sum take none (a row of S's wgmma layout lies in one warp); the
-    producer's count of an edge tile's non-finite entries (`_hopper_ring.hide_masked_garbage`,
-    masks that hide keys) takes 512 bytes (Mosaic GPU's lowering says so if that changes).
-    Only keys tiles over 128 ask for less: two 192-key ring slots need the 2 KiB
-    (`benchmarks/attention.py wide_keys`)."""
-    if tiles.block_k <= 128:
-        return {}
-    return dict(reduction_scratch_bytes=512 if A.hides_keys(spec) else 0)
 
 
 # K and V bytes that the CTAs of a persistent walk share at a time (`work_schedule`): a slice

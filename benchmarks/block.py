@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,6 +42,7 @@ RATE = 0.1
 SMALL = False
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)   # --dtypes: those the checks run
 ONLY: set | None = None   # --only: the ops to check and time ("attention" for its dropout)
+INTERLEAVE = 0            # --interleave N: also time each op's fwd+bwd interleaved, N rounds
 
 
 def _wanted(name: str) -> bool:
@@ -633,6 +635,7 @@ def perf(copy_bw: float, sweep: bool = False):
                 t = bench(jax.jit(step), sets, reps=10)
                 tb = temp_bytes(step, *sets[0])
                 record(S, f"{wl} fwd+bwd", impl, t, temp_MB=(tb or 0) / 1e6)
+
             def run_passed(f=f, impl=impl):
                 step = _fwd_bwd_passed_on(f)
                 t = bench(jax.jit(step), sets, reps=10)
@@ -642,11 +645,33 @@ def perf(copy_bw: float, sweep: bool = False):
             guarded(S, f"{wl} fwd+bwd", impl, run_fb)
             if name == "bias_dropout_add":
                 guarded(S, f"{wl} fwd+bwd, d residual passed on", impl, run_passed)
+        if INTERLEAVE:
+            _interleaved_fwd_bwd(name, wl, impls, sets)
         sets = None          # the op's inputs freed before the next op's are made
 
 
+def _interleaved_fwd_bwd(name, wl, impls, sets):
+    """fwd+bwd of every implementation of op `name` timed interleaved, INTERLEAVE rounds,
+    medians (each first run alone for 0.3 s): back-to-back rows of one run put XLA's dropout
+    fwd+bwd at 0.278-0.302 ms across runs (s25, s28) as the H200's clock moved; interleaved,
+    every implementation sees the same clock. bias_dropout_add also with d residual passed on."""
+    forms = [("fwd+bwd", lambda f: _fwd_bwd(name, f))]
+    if name == "bias_dropout_add":
+        forms.append(("fwd+bwd, d residual passed on", _fwd_bwd_passed_on))
+    for form, make in forms:
+        fns = {impl: jax.jit(make(ops[name])) for impl, ops in impls.items() if name in ops}
+
+        def run(fns=fns, form=form):
+            times = _timing.interleaved(fns, sets, INTERLEAVE, settle_s=0.3, reps=10)
+            for impl, ts in times.items():
+                tm = statistics.median(ts)
+                record(S, f"{wl} {form}, interleaved x{INTERLEAVE}", impl, tm,
+                       spread=(max(ts) - min(ts)) / tm)
+        guarded(S, f"{wl} {form}, interleaved x{INTERLEAVE}", ",".join(fns), run)
+
+
 def main() -> None:
-    global SMALL, ONLY, DTYPES
+    global SMALL, ONLY, DTYPES, INTERLEAVE
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-check", action="store_true")
@@ -658,10 +683,13 @@ def main() -> None:
                     help="also time dropout's forward with a register prefetch (perf_prefetch)")
     ap.add_argument("--floor", action="store_true",
                     help="also time the forwards' arithmetic alone (perf_compute_floor)")
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="also time each op's fwd+bwd against its peers interleaved, N rounds")
     ap.add_argument("--rows-sweep", action="store_true",
                     help="only time the backward's rows per program (dbias/dweight passes)")
     args = ap.parse_args()
     SMALL = args.small
+    INTERLEAVE = args.interleave
     ONLY = set(args.only.split(",")) if args.only else None
     if args.dtypes:
         DTYPES = tuple(jnp.dtype(d).type for d in args.dtypes.split(","))

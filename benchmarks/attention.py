@@ -433,6 +433,20 @@ def perf_named(rounds: int = 7):
         _interleaved(label, shape, causal, fns, rounds)
 
 
+def check_block_k():
+    """The Hopper forward at D <= 128 with the key tile and persistence of the environment
+    (BLOCK_K, PERSISTENT = 1 / 0 / unset for the rule), masks included, against the float32
+    reference: a tile other than the default's must not hang (run each setting in a process
+    of its own under a kill timeout) nor disagree."""
+    import os
+    p = os.environ.get("PERSISTENT")
+    blocks = _tiles(block_k=int(os.environ.get("BLOCK_K", "128")),
+                    persistent=None if p is None else p == "1", backward=False)
+    for i, c in enumerate(HOPPER_CASES):
+        if c["d"] <= 128:
+            _check_case(i, c, jnp.bfloat16, blocks, f" hopper {blocks.hopper}")
+
+
 def _check_hopper():
     """The Hopper path's cases alone, bf16 and f16."""
     for dtype in (jnp.bfloat16, jnp.float16):
@@ -459,5 +473,5 @@ if __name__ == "__main__":
         "persistent": lambda: (check_persistent(), perf_persistent()),
         "named": _named, "scheduled": _scheduled,
         "l2_share": perf_l2_share, "fwd_order": perf_fwd_order,
-        "persistent_overlap": perf_persistent_overlap,
+        "persistent_overlap": perf_persistent_overlap, "check_block_k": check_block_k,
         "overlap": lambda: (check_overlap(), perf_overlap())})

@@ -435,15 +435,16 @@ def perf_named(rounds: int = 7):
 
 def check_block_k():
     """The Hopper forward at D <= 128 with the key tile and persistence of the environment
-    (BLOCK_K, PERSISTENT = 1 / 0 / unset for the rule), masks included, against the float32
+    (BLOCK_K, PERSISTENT = 1 / 0 / unset for the rule; CASES: indices), masks included, against the float32
     reference: a tile other than the default's must not hang (run each setting in a process
     of its own under a kill timeout) nor disagree."""
     import os
     p = os.environ.get("PERSISTENT")
     blocks = _tiles(block_k=int(os.environ.get("BLOCK_K", "128")),
                     persistent=None if p is None else p == "1", backward=False)
+    only = os.environ.get("CASES")          # e.g. "4,6": those of HOPPER_CASES only
     for i, c in enumerate(HOPPER_CASES):
-        if c["d"] <= 128:
+        if c["d"] <= 128 and (only is None or str(i) in only.split(",")):
             _check_case(i, c, jnp.bfloat16, blocks, f" hopper {blocks.hopper}")
 
 

@@ -107,6 +107,18 @@ def test_key_tiles_other_than_64_128_256_rejected(block_k):
         HopperAttnTiles(block_k=block_k)
 
 
+@pytest.mark.parametrize("d,consumers", [(64, None), (64, 3), (256, 2)])
+def test_256_key_tiles_need_registers(d, consumers):
+    """256-key tiles at head_dim 64 with three consumers failed in ptxas on an H200 (s28): a
+    ValueError naming the fix instead; at head_dim 256 they never fit."""
+    q = jnp.zeros((1, 256, 2, d), jnp.bfloat16)
+    tiles = HopperAttnTiles(block_k=256, consumers=consumers, backward=False)
+    with pytest.raises(ValueError, match="block_k=256"):
+        jaxfuse.flash_attention(q, q, q, block_sizes=AttnBlocks(hopper=tiles))
+    HopperAttnTiles(block_k=256, consumers=2).check_head_dim(64)     # the fix named: taken
+    HopperAttnTiles(block_k=256).check_head_dim(128)
+
+
 def test_overlap_needs_two_slots():
     """The overlap holds a V tile a step longer: a ring of one slot is refused by name."""
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)

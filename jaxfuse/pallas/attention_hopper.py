@@ -136,7 +136,7 @@ class HopperAttnTiles:
         # P V's K (keys) must be a multiple of 64 for a wgmma with P in registers, and the
         # softmax folds S's columns in halves. 192 keys, made to lower, ran 3-5% faster than
         # 128 without masks at T = 4224 and hung with causal masks on an H200 (s28,
-        # benchmarks/NOTES.md): not taken.
+        # benchmarks/NOTES.md): not taken. 256 needs room in registers (`check_head_dim`).
         if self.block_k not in (64, 128, 256):
             raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128 or 256 "
                              f"(keys a step; 128 is the default, 64 at head_dim 256)")
@@ -155,6 +155,18 @@ class HopperAttnTiles:
         # / 1.132 against 1.923 / 1.083), at D = 64 3-7% (0.223-0.230 against 0.214-0.217):
         # there the defaults stay.
         return cls(block_k=64, pingpong=False, overlap=True) if d > 128 else cls()
+
+    def check_head_dim(self, d: int) -> None:
+        """Raises ValueError where the key tile does not fit a consumer's registers: S [64,
+        block_k] float32 beside O [64, d] float32. 256 keys take two consumers and head_dim <=
+        128 (at head_dim 64 with three consumers' 160 registers ptxas refused the kernel on an
+        H200, s28; two consumers' 232 hold it at 128)."""
+        if self.block_k == 256 and (d > 128 or self.n_consumers(d) != 2):
+            raise ValueError(
+                f"HopperAttnTiles(block_k=256) at head_dim {d} with {self.n_consumers(d)} "
+                f"consumers: a [64, 256] float32 S does not fit beside O in a consumer's "
+                f"registers; it takes head_dim <= 128 with consumers=2 (pass consumers=2 at "
+                f"head_dim 64), else block_k <= 128")
 
     def n_consumers(self, d: int) -> int:
         # D = 64: three consumers (160 registers each: acc 32, S 64, P 32). Measured (H200,
@@ -207,6 +219,7 @@ def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
         return None
     tiles = hopper if isinstance(hopper, HopperAttnTiles) else HopperAttnTiles.for_head_dim(
         spec.head_dim)
+    tiles.check_head_dim(spec.head_dim)
     if fits(dtype, spec, tiles):
         return tiles
     if hopper is not None:

@@ -435,9 +435,9 @@ def perf_named(rounds: int = 7):
 
 def check_block_k():
     """The Hopper forward at D <= 128 with the key tile and persistence of the environment
-    (BLOCK_K, PERSISTENT = 1 / 0 / unset for the rule; CASES: indices), masks included, against the float32
-    reference: a tile other than the default's must not hang (run each setting in a process
-    of its own under a kill timeout) nor disagree."""
+    (BLOCK_K; PERSISTENT = 1 / 0 / unset for the rule; CASES: indices into HOPPER_CASES),
+    masks included, against the float32 reference: a tile other than the default's must not
+    hang (run each setting in a process of its own under a kill timeout) nor disagree."""
     import os
     p = os.environ.get("PERSISTENT")
     blocks = _tiles(block_k=int(os.environ.get("BLOCK_K", "128")),

@@ -110,7 +110,8 @@ def test_key_tiles_other_than_64_128_256_rejected(block_k):
 @pytest.mark.parametrize("d,consumers", [(64, None), (64, 3), (256, 2)])
 def test_256_key_tiles_need_registers(d, consumers):
     """256-key tiles at head_dim 64 with three consumers failed in ptxas on an H200 (s28): a
-    ValueError naming the fix instead; at head_dim 256 they never fit."""
+    ValueError naming the fix instead; at head_dim 256 S and O alone would take 256 registers
+    a thread (232 at most)."""
     q = jnp.zeros((1, 256, 2, d), jnp.bfloat16)
     tiles = HopperAttnTiles(block_k=256, consumers=consumers, backward=False)
     with pytest.raises(ValueError, match="block_k=256"):

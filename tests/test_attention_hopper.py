@@ -89,6 +89,43 @@ def test_persistent_walk_matches_reference(opts):
     assert float(jnp.abs(lse - rlse).max()) < 1e-4
 
 
+_MIDDLE_EDGES = """
+import jax, jax.numpy as jnp
+import jaxfuse
+from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+from jaxfuse.reference import attention as ref
+ks = jax.random.split(jax.random.key(0), 3)
+q = jax.random.normal(ks[0], (1, 256, 2, 64), jnp.bfloat16)
+k, v = (jax.random.normal(kk, (1, 256, 1, 64), jnp.bfloat16) for kk in ks[1:])
+r = ref.attention(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True, sliding_window=100)
+for persistent in (False, True):
+    tiles = HopperAttnTiles(block_k=64, stages=2, consumers=2, persistent=persistent,
+                            backward=False)
+    o = jaxfuse.flash_attention(q, k, v, causal=True, sliding_window=100,
+                                block_sizes=jaxfuse.AttnBlocks(hopper=tiles))
+    print(float(jnp.abs(o.astype(jnp.float32) - r).max()))
+"""
+
+
+def test_window_with_edge_blocks_in_the_middle_does_not_hang():
+    """A 2-slot ring, two consumers taking turns and a window whose edge blocks (keys some of
+    the CTA's rows do not see, which the producer cleans of garbage) are followed by more
+    blocks: the producer had deferred each edge block's cleaning until the next block's copy
+    was issued, that copy waited for a slot the consumers release only after starting on the
+    edge block, and the kernel hung (s28: in the interpreter, and the D = 128 default on an
+    H200 has a 2-slot ring). Run in a subprocess under a timeout, so that a hang fails the
+    test rather than the suite; a CTA a tile, then persistent CTAs (slots running on across
+    work tiles)."""
+    import subprocess
+    import sys
+    try:
+        out = subprocess.run([sys.executable, "-c", _MIDDLE_EDGES], capture_output=True,
+                             text=True, timeout=300, check=True).stdout.split()
+    except subprocess.TimeoutExpired:
+        pytest.fail("the Hopper forward hung (a window with edge blocks in the middle)")
+    assert len(out) == 2 and all(float(e) < 2e-2 for e in out), out
+
+
 @pytest.mark.parametrize("shape,kw,what", [
     ((1, 100, 2, 64), {}, "Tq a multiple of 128"),
     ((1, 128, 2, 80), {}, "head_dim in"),

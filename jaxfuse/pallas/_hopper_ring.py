@@ -184,8 +184,9 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
     the producer cleans them in shared memory (`hide_masked_garbage`) and then completes
     their 'full' barriers itself, so the consumers wait as for any tile. With two slots or
     more it cleans block j - 1 after issuing block j's copy, so that a second edge tile's
-    copy is in flight while the first is cleaned (causal CTAs end on two or three edge tiles);
-    with one slot block j reuses block j - 1's slot, so each is cleaned as soon as it lands.
+    copy is in flight while the first is cleaned (causal CTAs end on two or three edge tiles),
+    where that copy cannot wait on the cleaning itself (`deferrable`); with one slot block j
+    reuses block j - 1's slot, so each is cleaned as soon as it lands.
     H200, B4 H32 T4096 D128 causal: the guard cost 4% cleaning each tile as it landed (s12-5),
     nothing this way (s13-6: 1.014 ms, 1.027 without the guard, same run).
 
@@ -218,6 +219,19 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
         is_edge = lambda j: (j < e_lo) | (j >= e_hi)
     defer = stages >= 2 + held
 
+    def deferrable(j):
+        """Whether edge block j may be cleaned after block j + 1's copy is issued. That copy
+        waits for block j + 1 - stages's slot, which consumers taking turns release only after
+        the other consumer has started on a block j - held or later: with fewer than
+        3 + held slots, a block that must itself wait for the cleaning of block j. Then block
+        j waits for the cleaning unless it is the last (nothing is copied after it) or block
+        j + 1 takes a slot never used (no wait). Without this (s28), on 2 slots, a sliding
+        window whose first edge blocks were followed by more blocks hung the D = 128 forward:
+        B1 T384 window 200 in Mosaic GPU's interpreter."""
+        if stages >= 3 + held:
+            return True             # static (Mosaic GPU lowers no boolean constants)
+        return (j == n - 1) | (base + j + 1 < stages)
+
     def clean(j):
         slot = lax.rem(base + j, stages)
         with jax.named_scope("land"):            # scopes for benchmarks/attention_trace.py
@@ -245,9 +259,14 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
             load(j, slot, (landed, landed))
             if not defer:
                 clean(j)
+            elif deferrable(j) is not True:
+                pl.when(jnp.logical_not(deferrable(j)))(lambda: clean(j))
 
         if defer:
-            pl.when((j >= 1) & is_edge(j - 1))(lambda: clean(j - 1))
+            later = (j >= 1) & is_edge(j - 1)
+            if deferrable(j - 1) is not True:
+                later = later & deferrable(j - 1)
+            pl.when(later)(lambda: clean(j - 1))
 
     if edges is not None and defer:
         pl.when((n >= 1) & is_edge(n - 1))(lambda: clean(n - 1))

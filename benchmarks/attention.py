@@ -50,6 +50,9 @@ HOPPER_CASES = [
     dict(b=2, tq=512, tk=512, hq=4, hkv=2, d=128, causal=False),
     dict(b=1, tq=128, tk=384, hq=2, hkv=2, d=64, causal=True),
     dict(b=1, tq=1024, tk=1024, hq=2, hkv=2, d=128, causal=True),
+    # A window whose CTAs' first edge blocks are followed by more blocks, on D = 128's 2-slot
+    # ring: the producer's deferred cleaning hung it before s28 (`_hopper_ring.produce_kv`).
+    dict(b=1, tq=1024, tk=1024, hq=2, hkv=1, d=128, causal=True, sliding_window=300),
 ]
 
 

@@ -134,9 +134,10 @@ class HopperAttnTiles:
             raise ValueError(f"HopperAttnTiles.consumers={self.consumers} must be one of "
                              f"{tuple(R.REGISTERS)} (consumer warpgroups of 64 rows a CTA)")
         # P V's K (keys) must be a multiple of 64 for a wgmma with P in registers, and the
-        # softmax folds S's columns in halves. 192 keys, made to lower, ran 3-5% faster than
-        # 128 without masks at T = 4224 and hung with causal masks on an H200 (s28,
-        # benchmarks/NOTES.md): not taken. 256 needs room in registers (`check_head_dim`).
+        # softmax folds S's columns in halves. 192 keys, made to lower, ran 5.5% faster than
+        # 128 a CTA a tile without masks at T = 4224 (H200, s28), the gain persistence gives
+        # 128 (s16), which 192's two slots leave no room for: not taken (benchmarks/NOTES.md
+        # s28). 256 needs room in registers (`check_head_dim`).
         if self.block_k not in (64, 128, 256):
             raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128 or 256 "
                              f"(keys a step; 128 is the default, 64 at head_dim 256)")

@@ -174,7 +174,8 @@ REGISTERS = {2: (40, 232), 3: (32, 160)}
 
 def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full, empty,
                registers: int | None = 40, edges=None, interpret: bool = False, held: int = 0,
-               base=0, drain: bool = True, swap: bool = False, minor: int | None = None):
+               base=0, drain: bool = True, swap: bool = False, minor: int | None = None,
+               coupled: bool = True):
     """The producer warpgroup of a kernel that walks n key blocks from block lo: K and V of
     (b, h_kv) through a ring of `stages` shared-memory slots, (k, v) pairs of smem refs,
     'full' barriers it arrives on and 'empty' barriers the consumers release.
@@ -202,7 +203,9 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
     swap: clean edge tiles with K and V in each other's roles (`hide_masked_garbage(v, k)`:
     K's non-finite entries 0, V NaN wherever K or V is not), for the backward's dQ kernel,
     whose dQ += dS K multiplies a hidden key's zero dS by its K row. minor: the row width
-    the tiles' swizzle was chosen for (`_hopper._tma_transforms`; None: D)."""
+    the tiles' swizzle was chosen for (`_hopper._tma_transforms`; None: D). coupled: the
+    consumers take turns (`PingPong`, `Turns`), so that one's release of a slot can wait for
+    the other's start on a later block (`deferrable`)."""
     if registers is not None:
         plgpu.set_max_registers(registers, action="decrease")
     kv = lambda ref, j: ref.at[b, pl.ds((lo + j) * bk, bk), h_kv]
@@ -221,14 +224,15 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
 
     def deferrable(j):
         """Whether edge block j may be cleaned after block j + 1's copy is issued. That copy
-        waits for block j + 1 - stages's slot, which consumers taking turns release only after
-        the other consumer has started on a block j - held or later: with fewer than
-        3 + held slots, a block that must itself wait for the cleaning of block j. Then block
-        j waits for the cleaning unless it is the last (nothing is copied after it) or block
-        j + 1 takes a slot never used (no wait). Without this (s28), on 2 slots, a sliding
-        window whose first edge blocks were followed by more blocks hung the D = 128 forward:
-        B1 T384 window 200 in Mosaic GPU's interpreter."""
-        if stages >= 3 + held:
+        waits for block j + 1 - stages's slot, which a consumer releases `held` steps after
+        its own step on it and, when the consumers take turns (`coupled`), only once the
+        other consumer has started on its next block: with fewer than 2 + held + coupled
+        slots, a block that may itself wait for the cleaning of block j, a cycle. Then block
+        j is cleaned first unless it is the last (nothing is copied after it) or block j + 1
+        takes a slot never used (no wait). Without this (s28), on 2 slots with turns, a
+        sliding window whose first edge blocks were followed by more blocks hung the
+        D = 128 forward (B1 T384 window 200 in Mosaic GPU's interpreter)."""
+        if stages >= 2 + held + int(coupled):
             return True             # static (Mosaic GPU lowers no boolean constants)
         return (j == n - 1) | (base + j + 1 < stages)
 

@@ -367,6 +367,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
     def scoped(q_smem, k_smem, v_smem, lse_smem, k_full, v_full, q_full, k_empty, v_empty,
                turn, *rest):
         landed = rest[:1] if A.hides_keys(spec) else ()
+        takes_turns = tiles.pingpong and nc == 2 and stages >= 2   # the consumers' turns
         rest = rest[len(landed):]
         o_smem = rest[0] if ctas is not None else q_smem     # O leaves through here
         o_scratch = rest[1:] if ctas is not None else rest
@@ -382,14 +383,14 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                 edges = (flo - lo, fhi - lo, landed[0]) if landed else None
                 R.produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
                            (k_full, v_full), (k_empty, v_empty), None, edges, spec.interpret,
-                           held=int(tiles.overlap), base=base, drain=False)
+                           held=int(tiles.overlap), base=base, drain=False,
+                           coupled=takes_turns)
                 return base + n
             R.drain_ring((k_empty, v_empty), stages, walk(item_kv, jnp.int32(0)))
 
         @pl.when(wg < nc)
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
-            takes_turns = tiles.pingpong and nc == 2 and stages >= 2
             named = _NAMED_PINGPONG and not spec.interpret   # the interpreter has none
             pp = R.PingPong(turn, wg, takes_turns and not tiles.overlap, stages, named=named)
             turns = R.Turns(turn, wg, takes_turns and tiles.overlap, named=named)

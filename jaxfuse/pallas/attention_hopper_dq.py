@@ -54,7 +54,7 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             R.produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
                           (k_full, v_full), (k_empty, v_empty), edges=edges,
                           interpret=spec.interpret, held=int(overlap), swap=True,
-                          minor=min(d, bk))
+                          minor=min(d, bk), coupled=pingpong and stages >= 2)
 
         @pl.when(wg < 2)
         def _consumer():

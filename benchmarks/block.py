@@ -161,6 +161,15 @@ def _fwd_bwd_passed_on(f):
     return step
 
 
+def _fb_forms(name):
+    """[(label, step maker)]: the fwd+bwd forms op `name` is timed in; bias_dropout_add also
+    with d residual passed on (`_fwd_bwd_passed_on`)."""
+    forms = [("fwd+bwd", lambda f: _fwd_bwd(name, f))]
+    if name == "bias_dropout_add":
+        forms.append(("fwd+bwd, d residual passed on", _fwd_bwd_passed_on))
+    return forms
+
+
 def check_philox():
     """Random123's known answers from a compiled Triton kernel (mul.hi.u32 through inline PTX)."""
     from jax.experimental import pallas as pl
@@ -630,21 +639,15 @@ def perf(copy_bw: float, sweep: bool = False):
                 record(S, f"{wl} fwd", impl, t, TBps=nbytes / t / 1e12,
                        frac_copy=nbytes / t / copy_bw)
 
-            def run_fb(f=f, impl=impl):
-                step = _fwd_bwd(name, f)
+            def run_fb(f=f, impl=impl, form="", make=None):
+                step = make(f)
                 t = bench(jax.jit(step), sets, reps=10)
                 tb = temp_bytes(step, *sets[0])
-                record(S, f"{wl} fwd+bwd", impl, t, temp_MB=(tb or 0) / 1e6)
-
-            def run_passed(f=f, impl=impl):
-                step = _fwd_bwd_passed_on(f)
-                t = bench(jax.jit(step), sets, reps=10)
-                record(S, f"{wl} fwd+bwd, d residual passed on", impl, t,
-                       temp_MB=(temp_bytes(step, *sets[0]) or 0) / 1e6)
+                record(S, f"{wl} {form}", impl, t, temp_MB=(tb or 0) / 1e6)
             guarded(S, f"{wl} fwd", impl, run_fwd)
-            guarded(S, f"{wl} fwd+bwd", impl, run_fb)
-            if name == "bias_dropout_add":
-                guarded(S, f"{wl} fwd+bwd, d residual passed on", impl, run_passed)
+            for form, make in _fb_forms(name):
+                guarded(S, f"{wl} {form}", impl,
+                        functools.partial(run_fb, form=form, make=make))
         if INTERLEAVE:
             _interleaved_fwd_bwd(name, wl, impls, sets)
         sets = None          # the op's inputs freed before the next op's are made
@@ -654,11 +657,8 @@ def _interleaved_fwd_bwd(name, wl, impls, sets):
     """fwd+bwd of every implementation of op `name` timed interleaved, INTERLEAVE rounds,
     medians (each first run alone for 0.3 s): back-to-back rows of one run put XLA's dropout
     fwd+bwd at 0.278-0.302 ms across runs (s25, s28) as the H200's clock moved; interleaved,
-    every implementation sees the same clock. bias_dropout_add also with d residual passed on."""
-    forms = [("fwd+bwd", lambda f: _fwd_bwd(name, f))]
-    if name == "bias_dropout_add":
-        forms.append(("fwd+bwd, d residual passed on", _fwd_bwd_passed_on))
-    for form, make in forms:
+    every implementation sees the same clock. Each form of `_fb_forms`."""
+    for form, make in _fb_forms(name):
         fns = {impl: jax.jit(make(ops[name])) for impl, ops in impls.items() if name in ops}
 
         def run(fns=fns, form=form):

@@ -263,13 +263,13 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
             load(j, slot, (landed, landed))
             if not defer:
                 clean(j)
-            elif deferrable(j) is not True:
-                pl.when(jnp.logical_not(deferrable(j)))(lambda: clean(j))
+            elif (now := deferrable(j)) is not True:
+                pl.when(jnp.logical_not(now))(lambda: clean(j))
 
         if defer:
             later = (j >= 1) & is_edge(j - 1)
-            if deferrable(j - 1) is not True:
-                later = later & deferrable(j - 1)
+            if (prev := deferrable(j - 1)) is not True:
+                later = later & prev
             pl.when(later)(lambda: clean(j - 1))
 
     if edges is not None and defer:

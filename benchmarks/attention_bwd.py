@@ -636,6 +636,44 @@ def _checks():
     garbage()
 
 
+def dkv_overlap(rounds: int = 5):
+    """The dK/dV kernel's overlapped steps (`HopperBwdTiles(dkv_overlap=True)`: S^T and dP^T
+    issued together, P formed under dP^T, dS under dV += P^T dO). Compiled checks (every
+    CASES entry, bf16, deterministic: bitwise repeat), gradients bitwise equal to the plain
+    schedule's (the same products of the same operands), per-kernel times of both at the
+    D128 and 1B rows (profiler), then fwd+bwd interleaved on ROWS against the default and
+    cuDNN.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py dkv_overlap [OUT.json]
+    """
+    from benchmarks import _profile
+    tiles = HopperBwdTiles(dkv_overlap=True)
+    for i, (shape, opts) in enumerate(CASES):
+        _check_case(i, shape, opts, jnp.bfloat16, True, _tiles(shape[-1], tiles))
+    for label in ("B4 H32 T4096 D128 full", "1B B2 Hq32 Hkv8 T8192 D64 causal"):
+        (b, t, hq, hkv, d), causal = ROWS[label]
+        args = _inputs(jax.random.key(7), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]
+        steps = {name: jax.jit(_fwd_bwd(functools.partial(
+            jaxfuse.flash_attention, causal=causal,
+            block_sizes=AttnBlocks(hopper=_tiles(d, bwd)))))
+            for name, bwd in (("plain", HopperBwdTiles()), ("overlapped", tiles))}
+
+        def same(steps=steps, args=args, label=label):
+            a, b = (steps[n](*args)[1] for n in ("plain", "overlapped"))
+            eq = all(bool(jnp.array_equal(x, y)) for x, y in zip(a, b))
+            record(S, f"{label} overlapped grads bitwise equal to plain", "jaxfuse",
+                   equal=eq, status="ok" if eq else "FAIL")
+        guarded(S, f"{label} overlapped grads bitwise equal to plain", "jaxfuse", same)
+        for name, step in steps.items():
+            guarded(S, f"{label} profile", name,
+                    lambda step=step, name=name, label=label, args=args: _profile.report(
+                        S, f"{label} {name}", step, args, top=6))
+    for label, row in ROWS.items():                  # the forward's tiles depend on D
+        blocks = AttnBlocks(hopper=_tiles(row[0][-1], tiles))
+        _rows(rounds, {"dK/dV overlapped": (dict(block_sizes=blocks),
+                                            contextlib.nullcontext)}, {label: row})
+
+
 def _quick():
     """Checks, the three workloads against cuDNN, kernel times with the consumers' ping-pong
     (the default, s9) against their running free."""
@@ -653,7 +691,7 @@ if __name__ == "__main__":
     _timing.commands({
         "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
-        "quick": _quick, "profile": probe,           # profile: probe's kernel times alone
+        "quick": _quick, "profile": probe, "dkv_overlap": dkv_overlap,           # profile: probe's kernel times alone
         "probe": _probe_sweep, "d256": d256, "d256x": d256_exchange, "clean": clean,
         "dq_overlap": dq_overlap, "d256ring": d256_ring, "d256prof": d256_profile,
         "repeat": repeatability, "f16": check_f16,

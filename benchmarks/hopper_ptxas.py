@@ -1,9 +1,11 @@
 """ptxas's report (registers, spills, wgmma serialization warnings) for the Hopper attention
-forward's schedules, on the GPU: Mosaic GPU prints it when MOSAIC_GPU_DUMP_PTXAS is set (this
+forward's schedules (or, with `bwd`, the backward's dK/dV kernel plain and overlapped,
+`HopperBwdTiles.dkv_overlap`), on the GPU: Mosaic GPU prints it when MOSAIC_GPU_DUMP_PTXAS is set (this
 script sets it before jax is imported). A "wgmma ... serialized" warning means ptxas waits for
 each product before the next instruction, which undoes any overlap the schedule asks for.
 
     PYTHONPATH=. python benchmarks/hopper_ptxas.py [d ...] > ptxas.log 2>&1
+    PYTHONPATH=. python benchmarks/hopper_ptxas.py bwd [d ...] > ptxas.log 2>&1
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 import jaxfuse  # noqa: E402
 from jaxfuse import AttnBlocks  # noqa: E402
 from jaxfuse.pallas.attention_hopper import HopperAttnTiles  # noqa: E402
+from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles  # noqa: E402
 
 
 def report(d: int, causal: bool, **kw):
@@ -31,7 +34,26 @@ def report(d: int, causal: bool, **kw):
     sys.stdout.flush()
 
 
+def report_bwd(d: int, causal: bool, **kw):
+    """The forward and both backward kernels (fwd+bwd) with the backward tiles `kw`."""
+    tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(d), backward=HopperBwdTiles(**kw))
+    q = jax.ShapeDtypeStruct((1, 1024, 4, d), jnp.bfloat16)
+
+    def fb(q, k, v):
+        o, vjp = jax.vjp(lambda q, k, v: jaxfuse.flash_attention(
+            q, k, v, causal=causal, block_sizes=AttnBlocks(hopper=tiles)), q, k, v)
+        return vjp(o)
+    print(f"=== fwd+bwd D={d} causal={causal} {kw}", flush=True)
+    jax.jit(fb).lower(q, q, q).compile()
+    sys.stdout.flush()
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["bwd"]:
+        for d in [int(a) for a in sys.argv[2:]] or [128, 64]:
+            for overlap in (False, True):
+                report_bwd(d, True, dkv_overlap=overlap)
+        sys.exit()
     for d in [int(a) for a in sys.argv[1:]] or [128]:
         for causal in (False, True):
             report(d, causal)

@@ -289,6 +289,24 @@ def test_hopper_named_pingpong_lowers(opts, overlap, named, monkeypatch):
     assert ("bar.arrive" in module) == (overlap and named)
 
 
+@pytest.mark.parametrize("d,opts", [(128, dict(causal=True, sliding_window=200)),
+                                    (64, _WINDOW_CAP)])
+def test_hopper_dkv_overlap_lowers(d, opts):
+    """`HopperBwdTiles(dkv_overlap=True)`: the dK/dV kernel's S^T and dP^T issued together,
+    S^T read with `wgmma_accumulator_load(wait_n=1)` while dP^T runs, P^T and dS^T as register
+    operands issued between the reads; masked and unmasked steps, the soft cap."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
+    k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=True))
+    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
+        q, k, k).mlir_module()
+    for name in _HOPPER_BWD[True]:
+        assert name in module, name
+
+
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
 def test_dropout_kernels_lower(shape):
     x = jnp.zeros(shape, jnp.bfloat16)

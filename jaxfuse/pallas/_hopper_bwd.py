@@ -88,6 +88,43 @@ class _Mma:
                       for f, acc, a, b in products)
         return pl.run_state(body)(inits)
 
+    def dkv_overlapped(self, dk, dv, k, q, v, do, wait_do, p_of, ds_of):
+        """(dk + dS^T Q, dv + P^T dO) of one dK/dV step with its vector work under its own
+        products (FlashAttention-3 sec. 3.2's intra-warpgroup overlap, within the step):
+        S^T = K Q^T and dP^T = V dO^T issued together (`wait_do()` between them: dO's copy),
+        P formed by p_of(S^T) -> (P float32, P^T in the input dtype, aux) while dP^T runs,
+        dV's product issued, dS^T = ds_of(P, dP^T, aux) (the input dtype) formed while it
+        runs, then dK's. The same products, of the same operands, in the same order as the
+        plain schedule's (`run` a product at a time): the same bits. In the interpreter,
+        that plain sequence."""
+        if self.interpret:
+            (st,) = self.run(nt(k, q))
+            wait_do()
+            (dpt,) = self.run(nt(v, do))
+            p, pt, aux = p_of(st)
+            (dv,) = self.run(rs(dv, pt, do))
+            ds = ds_of(p, dpt, aux)
+            (dk,) = self.run(rs(dk, ds, q))
+            return dk, dv
+
+        def body(refs):
+            dk_ref, dv_ref = refs
+
+            def scoped(st_ref, dpt_ref):
+                # Each wgmma is one group, waited for in order: wait_n = 1 leaves the last
+                # one issued in flight.
+                plgpu.wgmma(st_ref, k, plgpu.transpose_ref(q, (1, 0)))
+                wait_do()
+                plgpu.wgmma(dpt_ref, v, plgpu.transpose_ref(do, (1, 0)))
+                p, pt, aux = p_of(plgpu.wgmma_accumulator_load(st_ref, wait_n=1))
+                plgpu.wgmma(dv_ref, pt, do)
+                ds = ds_of(p, plgpu.wgmma_accumulator_load(dpt_ref, wait_n=1), aux)
+                plgpu.wgmma(dk_ref, ds, q)
+                plgpu.wgmma_wait(0)
+            shape = (k.shape[0], q.shape[0])
+            pl.run_scoped(scoped, plgpu.ACC(shape, _F32), plgpu.ACC(shape, _F32))
+        return pl.run_state(body)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+
     def accumulate(self, body, shape, scratch):
         """body(ref) with a zeroed float32 accumulator of `shape`: a wgmma accumulator on the
         GPU (registers, for the whole of body's loops), the shared-memory ref `scratch` in the

@@ -211,7 +211,9 @@ class HopperBwdTiles:
     s19-1). Default since s20-1 (H200, fwd+bwd interleaved medians of 5, causal, without ->
     with: D64 B8 H16 T2048 0.902 -> 0.857 ms, its GQA 16/4 0.876 -> 0.835, B4 H32 T4096
     D128 4.546 -> 4.466, GQA 32/8 4.428 -> 4.446, 1B B2 T8192 D64 5.089 -> 5.095, D256 B2
-    H16 T4096 2.834 -> 2.728; 19 compiled checks and the garbage cases ok)."""
+    H16 T4096 2.834 -> 2.728; 19 compiled checks and the garbage cases ok).
+    dkv_overlap: the dK/dV kernel's steps with their vector work under their own products
+    (`dkv_overlaps`)."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -221,6 +223,7 @@ class HopperBwdTiles:
     consumers: int | None = None
     exchange: bool = True
     clean: bool = True
+    dkv_overlap: bool | None = None
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -279,6 +282,16 @@ class HopperBwdTiles:
     def dq_overlap(self, d: int) -> bool:
         """Whether the dQ kernel runs the overlapped schedule (module docstring, "Overlap")."""
         return d <= 128 if self.overlap is None else self.overlap
+
+    def dkv_overlaps(self, d: int, fused_dq: bool) -> bool:
+        """Whether the dK/dV kernel's steps run the overlapped schedule (`dkv_overlap`;
+        None: off until measured faster): S^T and dP^T issued together, P formed while dP^T
+        runs, dS while dV += P^T dO runs (FlashAttention-3 sec. 3.2's intra-warpgroup
+        overlap within a step; nothing carried to the next step, so no registers beyond
+        the plain schedule's). Not with the fused dQ, the split columns of D = 256 or the
+        consumers' ping-pong, whose steps are their own."""
+        return (bool(self.dkv_overlap) and not fused_dq and not self.split_d(d)
+                and self.pingpong is not True)
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong

@@ -43,6 +43,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
     dtype = q_gmem.dtype
     mma = _Mma(spec.interpret)
     exchange = tiles.exchanges(d)
+    overlap = tiles.dkv_overlaps(d, fused_dq)
     xq = bq // 2                  # exchange: query rows of a step whose S^T a consumer forms
     # Exchange: P^T and dS^T [64, bq] are A operands from shared memory, written in xq-column
     # halves, so every tile takes xq-element swizzle rows (wgmma: both operands one swizzle).
@@ -208,6 +209,30 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                         pl.when(turn == wg)(functools.partial(dq_product, 0))
                 return dk, dv
 
+            def ostep(gi, i, j, carry, masked):
+                """`step`'s products and vector work, the vector work under the products
+                (`HopperBwdTiles.dkv_overlaps`)."""
+                dk, dv = carry
+                slot = lax.rem(j, stages)
+                q0 = i * bq
+                delta = delta_smem.at[slot]
+                with jax.named_scope("wait_q"):
+                    plgpu.barrier_wait(q_full.at[slot])
+
+                def p_of(st):
+                    p, t, keep = probs(st, q0, lse_smem.at[slot], masked)
+                    return p, p.astype(dtype), (t, keep)
+
+                def ds_of(p, dpt, aux):
+                    ds = _ds(spec, p, dpt, _vec(delta, 0, _ROWS, spec.interpret), *aux)
+                    return ds.astype(dtype)
+                with jax.named_scope("products"):
+                    dk, dv = mma.dkv_overlapped(
+                        dk, dv, k_tile, q_smem.at[slot], v_tile, do_smem.at[slot],
+                        lambda: plgpu.barrier_wait(do_full.at[slot]), p_of, ds_of)
+                plgpu.barrier_arrive(empty.at[slot])
+                return dk, dv
+
             def xstep(gi, i, j, carry, masked):
                 """A step with the exchange: this consumer forms S^T and dP^T of the step's
                 query rows [c * xq, (c + 1) * xq) (c = its half), writes its P^T and dS^T
@@ -254,7 +279,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
 
             def head(gi, carry):
                 j0 = gi * n - lo             # the running step of query tile i is j0 + i
-                body = xstep if exchange else step
+                body = xstep if exchange else ostep if overlap else step
                 run = lambda a, z, masked, c: lax.fori_loop(
                     a, z, lambda i, c: body(gi, i, j0 + i, c, masked), c)
                 skip = lambda a, z, c: lax.fori_loop(a, z, lambda i, c: pass_over(j0 + i, c), c)

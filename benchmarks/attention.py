@@ -53,6 +53,9 @@ HOPPER_CASES = [
     # A window whose CTAs' first edge blocks are followed by more blocks, on D = 128's 2-slot
     # ring: the producer's deferred cleaning hung it before s28 (`_hopper_ring.produce_kv`).
     dict(b=1, tq=1024, tk=1024, hq=2, hkv=1, d=128, causal=True, sliding_window=300),
+    # The same at D = 64, where the dQ kernel's consumers take turns (its producer shares the
+    # deferral's rule).
+    dict(b=1, tq=1024, tk=1024, hq=2, hkv=1, d=64, causal=True, sliding_window=300),
 ]
 
 
@@ -458,6 +461,14 @@ def _check_hopper():
             _check_case(i, c, dtype, AttnBlocks(hopper=True), " hopper")
 
 
+def _check_windows():
+    """HOPPER_CASES with sliding windows, bf16, forward and backward on the Hopper path (the
+    cases of s28's hang: run under a kill timeout)."""
+    for i, c in enumerate(HOPPER_CASES):
+        if "sliding_window" in c:
+            _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper")
+
+
 def _named(rounds: int = 7):
     for i, c in enumerate(HOPPER_CASES):
         _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper named")
@@ -473,7 +484,7 @@ def _scheduled(rounds: int = 5):
 
 if __name__ == "__main__":
     _timing.commands({
-        "check": check, "check_hopper": _check_hopper, "d256": perf_d256, "guard": perf_guard,
+        "check": check, "check_hopper": _check_hopper, "check_windows": _check_windows, "d256": perf_d256, "guard": perf_guard,
         "persistent": lambda: (check_persistent(), perf_persistent()),
         "named": _named, "scheduled": _scheduled,
         "l2_share": perf_l2_share, "fwd_order": perf_fwd_order,

@@ -637,29 +637,31 @@ def _checks():
 
 
 def dkv_overlap(rounds: int = 5):
-    """The dK/dV kernel's overlapped steps (`HopperBwdTiles(dkv_overlap=True)`: S^T and dP^T
-    issued together, P formed under dP^T, dS under dV += P^T dO). Compiled checks (every
-    CASES entry, bf16, deterministic: bitwise repeat), gradients bitwise equal to the plain
-    schedule's (the same products of the same operands), per-kernel times of both at the
-    D128 and 1B rows (profiler), then fwd+bwd interleaved on ROWS against the default and
-    cuDNN.
+    """The dK/dV kernel's overlapped steps (`HopperBwdTiles.dkv_overlap`, the default since
+    s29: S^T and dP^T issued together, P formed under dP^T, dS under dV += P^T dO) against
+    its plain steps (`dkv_overlap=False`). Compiled checks (every CASES entry, bf16,
+    deterministic: bitwise repeat) of the variant, gradients of both bitwise equal (the same
+    products of the same operands), per-kernel times of both at the D128 and 1B rows
+    (profiler), then fwd+bwd interleaved on ROWS with cuDNN. (s29-1 ran it with the overlap
+    as the variant, before it was the default.)
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py dkv_overlap [OUT.json]
     """
     from benchmarks import _profile
-    tiles = HopperBwdTiles(dkv_overlap=True)
+    variants = {"overlapped": HopperBwdTiles(dkv_overlap=True),
+                "plain": HopperBwdTiles(dkv_overlap=False)}
     for i, (shape, opts) in enumerate(CASES):
-        _check_case(i, shape, opts, jnp.bfloat16, True, _tiles(shape[-1], tiles))
+        _check_case(i, shape, opts, jnp.bfloat16, True, _tiles(shape[-1], variants["plain"]))
     for label in ("B4 H32 T4096 D128 full", "1B B2 Hq32 Hkv8 T8192 D64 causal"):
         (b, t, hq, hkv, d), causal = ROWS[label]
         args = _inputs(jax.random.key(7), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]
         steps = {name: jax.jit(_fwd_bwd(functools.partial(
             jaxfuse.flash_attention, causal=causal,
             block_sizes=AttnBlocks(hopper=_tiles(d, bwd)))))
-            for name, bwd in (("plain", HopperBwdTiles()), ("overlapped", tiles))}
+            for name, bwd in variants.items()}
 
         def same(steps=steps, args=args, label=label):
-            a, b = (steps[n](*args)[1] for n in ("plain", "overlapped"))
+            a, b = (steps[n](*args)[1] for n in variants)
             eq = all(bool(jnp.array_equal(x, y)) for x, y in zip(a, b))
             record(S, f"{label} overlapped grads bitwise equal to plain", "jaxfuse",
                    equal=eq, status="ok" if eq else "FAIL")
@@ -669,9 +671,9 @@ def dkv_overlap(rounds: int = 5):
                     lambda step=step, name=name, label=label, args=args: _profile.report(
                         S, f"{label} {name}", step, args, top=6))
     for label, row in ROWS.items():                  # the forward's tiles depend on D
-        blocks = AttnBlocks(hopper=_tiles(row[0][-1], tiles))
-        _rows(rounds, {"dK/dV overlapped": (dict(block_sizes=blocks),
-                                            contextlib.nullcontext)}, {label: row})
+        blocks = AttnBlocks(hopper=_tiles(row[0][-1], variants["plain"]))
+        _rows(rounds, {"dK/dV plain steps": (dict(block_sizes=blocks),
+                                             contextlib.nullcontext)}, {label: row})
 
 
 def _quick():

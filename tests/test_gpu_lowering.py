@@ -289,17 +289,20 @@ def test_hopper_named_pingpong_lowers(opts, overlap, named, monkeypatch):
     assert ("bar.arrive" in module) == (overlap and named)
 
 
-@pytest.mark.parametrize("d,opts", [(128, dict(causal=True, sliding_window=200)),
-                                    (64, _WINDOW_CAP)])
-def test_hopper_dkv_overlap_lowers(d, opts):
-    """`HopperBwdTiles(dkv_overlap=True)`: the dK/dV kernel's S^T and dP^T issued together,
-    S^T read with `wgmma_accumulator_load(wait_n=1)` while dP^T runs, P^T and dS^T as register
-    operands issued between the reads; masked and unmasked steps, the soft cap."""
+# The overlapped steps (the default) are lowered with every mask set by
+# test_hopper_flash_attention_lowers; here the plain steps, which `dkv_overlap=False` keeps.
+@pytest.mark.parametrize("d,opts,overlap", [(128, dict(causal=True, sliding_window=200), False),
+                                            (64, _WINDOW_CAP, False)])
+def test_hopper_dkv_overlap_lowers(d, opts, overlap):
+    """`HopperBwdTiles(dkv_overlap=)`: the dK/dV kernel's plain steps (each product waited for
+    in turn) beside the default overlapped ones (S^T and dP^T issued together, S^T read with
+    `wgmma_accumulator_load(wait_n=1)` while dP^T runs, P^T and dS^T as register operands
+    issued between the reads); masked and unmasked steps, the soft cap."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
-    tiles = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=True))
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=overlap))
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()

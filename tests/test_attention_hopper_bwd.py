@@ -195,23 +195,6 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d):
         assert jnp.array_equal(a, b)
 
 
-def test_hopper_dq_operands_in_registers_add_the_same_products():
-    """`HopperBwdTiles(dq_regs=True)`: the dQ kernel's S and dP with Q and dO read from
-    registers (loaded once) instead of shared memory: the same products of the same operands,
-    so dq bitwise equal to the default's (dk, dv untouched), over 4 key steps of GQA."""
-    kq, kk, kv, kd = keys(12, 4)
-    q = randn(kq, (1, 128, 2, 128), jnp.bfloat16)
-    k = randn(kk, (1, 256, 1, 128), jnp.bfloat16)
-    v = randn(kv, (1, 256, 1, 128), jnp.bfloat16)
-    do = randn(kd, (1, 128, 2, 128), jnp.bfloat16)
-
-    def grads(**tiles):
-        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**tiles))
-        return jax.vjp(f, q, k, v)[1](do)
-    for a, b in zip(grads(dq_regs=True, **TWO), grads(**TWO)):
-        assert jnp.array_equal(a, b)
-
-
 @needs_cores
 def test_hopper_dkv_three_consumers():
     """The dK/dV kernel's three consumers (`HopperBwdTiles(consumers=3)`: CTAs of 192 keys,

@@ -25,8 +25,7 @@ _F32 = jnp.float32
 
 
 def nt(a, b):
-    """A B^T of shared-memory tiles a [m, d], b [n, d] -> [m, n] (a product for `_Mma.run`;
-    a may also be an array in registers, `_operand`)."""
+    """A B^T of shared-memory tiles a [m, d], b [n, d] -> [m, n] (a product for `_Mma.run`)."""
     return ("nt", None, a, b)
 
 
@@ -165,12 +164,6 @@ class _Mma:
         """Waits for the products `run_behind` left in flight."""
         if not self.interpret:
             plgpu.wgmma_wait(0)
-
-
-def _operand(ref, interpret: bool):
-    """A shared-memory tile loaded into registers in the layout of wgmma's A operand (a
-    product's `a` may be such an array instead of a ref: it is then read from registers)."""
-    return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
 
 
 def _transforms(dtype, d: int, rows: int) -> tuple:

@@ -213,11 +213,7 @@ class HopperBwdTiles:
     D128 4.546 -> 4.466, GQA 32/8 4.428 -> 4.446, 1B B2 T8192 D64 5.089 -> 5.095, D256 B2
     H16 T4096 2.834 -> 2.728; 19 compiled checks and the garbage cases ok).
     dkv_overlap: the dK/dV kernel's steps with their vector work under their own products
-    (`dkv_overlaps`).
-    dq_regs: the dQ kernel holds its consumer's Q and dO tiles in registers (64 a thread at
-    D = 128) as the A operands of S = Q K^T and dP = dO V^T, so a step's products read only
-    K and V from shared memory (48 KiB a consumer instead of 80: at N = 64 keys both
-    operands from shared memory ask 128 B a cycle, all the bandwidth it has)."""
+    (`dkv_overlaps`)."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -228,7 +224,6 @@ class HopperBwdTiles:
     exchange: bool = True
     clean: bool = True
     dkv_overlap: bool | None = None
-    dq_regs: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -467,8 +462,7 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
         body = functools.partial(DQ.dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,
                                  n_q_tiles=tq // (2 * _ROWS),
                                  overlap=tiles.dq_overlap(d) and stages >= 2,
-                                 pingpong=tiles.dq_pingpong(d), clean=clean,
-                                 regs=tiles.dq_regs)
+                                 pingpong=tiles.dq_pingpong(d), clean=clean)
         # Every head's heaviest query tile first (`_hopper.heavy_first`, module docstring).
         dq = _kernel(functools.partial(body, heads=_dq_heads(k, spec)),
                      jax.ShapeDtypeStruct(q.shape, q.dtype), (tq // (2 * _ROWS) * b * hq,),

@@ -16,13 +16,13 @@ from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _hopper_ring as R
 from jaxfuse.pallas import attention_hopper as AH
 from jaxfuse.pallas._attn import AttnSpec
-from jaxfuse.pallas._hopper_bwd import (_F32, _ROWS, _ds, _lse_c2, _Mma, _operand, _prev_slot,
-                                        _probs, _transforms, _vec, nt, rs)
+from jaxfuse.pallas._hopper_bwd import (_F32, _ROWS, _ds, _lse_c2, _Mma, _prev_slot, _probs,
+                                        _transforms, _vec, nt, rs)
 
 
 def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             spec: AttnSpec, bk: int, stages: int, n_q_tiles: int, overlap: bool,
-            pingpong: bool, heads: int, clean: bool = False, regs: bool = False):
+            pingpong: bool, heads: int, clean: bool = False):
     # As the forward (`attention_hopper`): a CTA per (batch * query head, 128 query rows),
     # consumer wg on rows wg * 64.., the producer streaming the K and V tiles its rows see;
     # launched in `_hopper.heavy_first` order.
@@ -67,11 +67,6 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             plgpu.copy_gmem_to_smem(delta_gmem.at[b, h, rows], delta_smem.at[wg],
                                     q_full.at[wg])
             plgpu.barrier_wait(q_full.at[wg])
-            # regs: Q and dO, the A operands of every step's S and dP, read from shared memory
-            # once into registers (`HopperBwdTiles.dq_regs`).
-            q_a, do_a = ((_operand(q_smem.at[wg], spec.interpret),
-                          _operand(do_smem.at[wg], spec.interpret)) if regs else
-                         (q_smem.at[wg], do_smem.at[wg]))
             lse = _vec(lse_smem.at[wg], 1, bk, spec.interpret, functools.partial(_lse_c2, spec))
             delta = _vec(delta_smem.at[wg], 1, bk, spec.interpret)
             q_pos = r0 + R.iota((_ROWS, bk), 0, spec.interpret)
@@ -88,8 +83,8 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             def products(slot):
                 plgpu.barrier_wait(k_full.at[slot])
                 plgpu.barrier_wait(v_full.at[slot])
-                return (nt(q_a, k_smem.at[slot]),                               # S [64, bk]
-                        nt(do_a, v_smem.at[slot]))                              # dP
+                return (nt(q_smem.at[wg], k_smem.at[slot]),                     # S [64, bk]
+                        nt(do_smem.at[wg], v_smem.at[slot]))                    # dP
 
             # Products and vector work alternate (S, dP | dS | dQ += dS K and the next S, dP):
             # a switch at each change hands the tensor cores to the other consumer.

@@ -636,44 +636,46 @@ def _checks():
     garbage()
 
 
-def dkv_overlap(rounds: int = 5):
-    """The dK/dV kernel's overlapped steps (`HopperBwdTiles.dkv_overlap`, the default since
-    s29: S^T and dP^T issued together, P formed under dP^T, dS under dV += P^T dO) against
-    its plain steps (`dkv_overlap=False`). Compiled checks (every CASES entry, bf16,
-    deterministic: bitwise repeat) of the variant, gradients of both bitwise equal (the same
-    products of the same operands), per-kernel times of both at the D128 and 1B rows
-    (profiler), then fwd+bwd interleaved on ROWS with cuDNN. (s29-1 ran it with the overlap
-    as the variant, before it was the default.)
+def variant(name: str, bwd: HopperBwdTiles, rounds: int = 5):
+    """A backward schedule that computes the same products of the same operands as the
+    default (`bwd`, named `name`): compiled checks of it (every CASES entry, bf16,
+    deterministic: bitwise repeat), its gradients bitwise equal to the default's, per-kernel
+    times of both at the D128 and 1B rows (profiler), then fwd+bwd of both interleaved on
+    ROWS with cuDNN.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py dkv_overlap [OUT.json]
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py dq_early_p [OUT.json]
+
+    dkv_overlap: the dK/dV kernel's plain steps (`dkv_overlap=False`) against its overlapped
+    ones (the default since s29; s29-1 ran them as the variant); dq_early_p: the dQ kernel's
+    P formed under dP (`HopperBwdTiles.dq_early_p`). (s29-2 ran `dq_regs`, the dQ kernel's Q
+    and dO held in registers: withdrawn, benchmarks/NOTES.md s29 item 2.)
     """
     from benchmarks import _profile
-    variants = {"overlapped": HopperBwdTiles(dkv_overlap=True),
-                "plain": HopperBwdTiles(dkv_overlap=False)}
+    variants = {"default": HopperBwdTiles(), name: bwd}
     for i, (shape, opts) in enumerate(CASES):
-        _check_case(i, shape, opts, jnp.bfloat16, True, _tiles(shape[-1], variants["plain"]))
+        _check_case(i, shape, opts, jnp.bfloat16, True, _tiles(shape[-1], bwd))
     for label in ("B4 H32 T4096 D128 full", "1B B2 Hq32 Hkv8 T8192 D64 causal"):
         (b, t, hq, hkv, d), causal = ROWS[label]
         args = _inputs(jax.random.key(7), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]
-        steps = {name: jax.jit(_fwd_bwd(functools.partial(
+        steps = {n: jax.jit(_fwd_bwd(functools.partial(
             jaxfuse.flash_attention, causal=causal,
-            block_sizes=AttnBlocks(hopper=_tiles(d, bwd)))))
-            for name, bwd in variants.items()}
+            block_sizes=AttnBlocks(hopper=_tiles(d, tiles)))))
+            for n, tiles in variants.items()}
 
         def same(steps=steps, args=args, label=label):
             a, b = (steps[n](*args)[1] for n in variants)
             eq = all(bool(jnp.array_equal(x, y)) for x, y in zip(a, b))
-            record(S, f"{label} overlapped grads bitwise equal to plain", "jaxfuse",
+            record(S, f"{label} [{name}] grads bitwise equal to the default's", "jaxfuse",
                    equal=eq, status="ok" if eq else "FAIL")
-        guarded(S, f"{label} overlapped grads bitwise equal to plain", "jaxfuse", same)
-        for name, step in steps.items():
-            guarded(S, f"{label} profile", name,
-                    lambda step=step, name=name, label=label, args=args: _profile.report(
-                        S, f"{label} {name}", step, args, top=6))
+        guarded(S, f"{label} [{name}] grads bitwise equal", "jaxfuse", same)
+        for n, step in steps.items():
+            guarded(S, f"{label} profile", n,
+                    lambda step=step, n=n, label=label, args=args: _profile.report(
+                        S, f"{label} {n}", step, args, top=6))
     for label, row in ROWS.items():                  # the forward's tiles depend on D
-        blocks = AttnBlocks(hopper=_tiles(row[0][-1], variants["plain"]))
-        _rows(rounds, {"dK/dV plain steps": (dict(block_sizes=blocks),
-                                             contextlib.nullcontext)}, {label: row})
+        blocks = AttnBlocks(hopper=_tiles(row[0][-1], bwd))
+        _rows(rounds, {name: (dict(block_sizes=blocks), contextlib.nullcontext)}, {label: row})
 
 
 def _quick():
@@ -693,7 +695,11 @@ if __name__ == "__main__":
     _timing.commands({
         "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
-        "quick": _quick, "profile": probe, "dkv_overlap": dkv_overlap,           # profile: probe's kernel times alone
+        "quick": _quick, "profile": probe,           # profile: probe's kernel times alone
+        "dkv_overlap": lambda rounds=5: variant(
+            "dK/dV plain steps", HopperBwdTiles(dkv_overlap=False), rounds),
+        "dq_early_p": lambda rounds=5: variant(
+            "dQ: P under dP", HopperBwdTiles(dq_early_p=True), rounds),
         "probe": _probe_sweep, "d256": d256, "d256x": d256_exchange, "clean": clean,
         "dq_overlap": dq_overlap, "d256ring": d256_ring, "d256prof": d256_profile,
         "repeat": repeatability, "f16": check_f16,

@@ -1,6 +1,7 @@
 """ptxas's report (registers, spills, wgmma serialization warnings) for the Hopper attention
-forward's schedules (or, with `bwd`, the backward's dK/dV kernel plain and overlapped,
-`HopperBwdTiles.dkv_overlap`), on the GPU: Mosaic GPU prints it when MOSAIC_GPU_DUMP_PTXAS is set (this
+forward's schedules (or, with `bwd`, the backward's kernels: the default and the
+`HopperBwdTiles` variants `dkv_overlap=False` and `dq_early_p=True`), on the GPU: Mosaic GPU
+prints it when MOSAIC_GPU_DUMP_PTXAS is set (this
 script sets it before jax is imported). A "wgmma ... serialized" warning means ptxas waits for
 each product before the next instruction, which undoes any overlap the schedule asks for.
 
@@ -51,8 +52,8 @@ def report_bwd(d: int, causal: bool, **kw):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["bwd"]:
         for d in [int(a) for a in sys.argv[2:]] or [128, 64]:
-            for overlap in (False, True):
-                report_bwd(d, True, dkv_overlap=overlap)
+            for kw in ({}, dict(dkv_overlap=False), dict(dq_early_p=True)):
+                report_bwd(d, True, **kw)
         sys.exit()
     for d in [int(a) for a in sys.argv[1:]] or [128]:
         for causal in (False, True):

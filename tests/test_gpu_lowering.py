@@ -289,20 +289,26 @@ def test_hopper_named_pingpong_lowers(opts, overlap, named, monkeypatch):
     assert ("bar.arrive" in module) == (overlap and named)
 
 
-# The overlapped steps (the default) are lowered with every mask set by
-# test_hopper_flash_attention_lowers; here the plain steps, which `dkv_overlap=False` keeps.
-@pytest.mark.parametrize("d,opts,overlap", [(128, dict(causal=True, sliding_window=200), False),
-                                            (64, _WINDOW_CAP, False)])
-def test_hopper_dkv_overlap_lowers(d, opts, overlap):
-    """`HopperBwdTiles(dkv_overlap=)`: the dK/dV kernel's plain steps (each product waited for
-    in turn) beside the default overlapped ones (S^T and dP^T issued together, S^T read with
-    `wgmma_accumulator_load(wait_n=1)` while dP^T runs, P^T and dS^T as register operands
-    issued between the reads); masked and unmasked steps, the soft cap."""
+# The defaults (the dK/dV kernel's overlapped steps, the dQ kernel's S and dP read together)
+# are lowered with every mask set by test_hopper_flash_attention_lowers; here the
+# variants, each with a mask set that is masked at D = 128 and capped at 64.
+@pytest.mark.parametrize("d,opts,bwd", [
+    (128, dict(causal=True, sliding_window=200), dict(dkv_overlap=False)),
+    (64, _WINDOW_CAP, dict(dkv_overlap=False)),
+    (128, dict(causal=True, sliding_window=200), dict(dq_early_p=True)),
+    (64, _WINDOW_CAP, dict(dq_early_p=True, pingpong=False))])
+def test_hopper_bwd_variants_lower(d, opts, bwd):
+    """`HopperBwdTiles(dkv_overlap=False)`: the dK/dV kernel's plain steps (each product
+    waited for in turn) beside the default overlapped ones (S^T and dP^T issued together,
+    S^T read with `wgmma_accumulator_load(wait_n=1)` while dP^T runs, P^T and dS^T as
+    register operands issued between the reads); `dq_early_p=True`: the dQ kernel's S read
+    with dP and dQ's product in flight, dP after P is formed (at D = 64 without the
+    consumers' ping-pong, which it does not take); masked and unmasked steps."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
-    tiles = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=overlap))
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(**bwd))
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()

@@ -644,12 +644,10 @@ def variant(name: str, bwd: HopperBwdTiles, rounds: int = 5):
     ROWS with cuDNN.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py dkv_overlap [OUT.json]
-        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py dq_early_p [OUT.json]
 
     dkv_overlap: the dK/dV kernel's plain steps (`dkv_overlap=False`) against its overlapped
-    ones (the default since s29; s29-1 ran them as the variant); dq_early_p: the dQ kernel's
-    P formed under dP (`HopperBwdTiles.dq_early_p`). (s29-2 ran `dq_regs`, the dQ kernel's Q
-    and dO held in registers: withdrawn, benchmarks/NOTES.md s29 item 2.)
+    ones (the default since s29; s29-1 ran them as the variant). s29-2 and s29-3 ran two
+    variants of the dQ kernel through it, both withdrawn (benchmarks/NOTES.md s29 items 2, 3).
     """
     from benchmarks import _profile
     variants = {"default": HopperBwdTiles(), name: bwd}
@@ -698,8 +696,6 @@ if __name__ == "__main__":
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone
         "dkv_overlap": lambda rounds=5: variant(
             "dK/dV plain steps", HopperBwdTiles(dkv_overlap=False), rounds),
-        "dq_early_p": lambda rounds=5: variant(
-            "dQ: P under dP", HopperBwdTiles(dq_early_p=True), rounds),
         "probe": _probe_sweep, "d256": d256, "d256x": d256_exchange, "clean": clean,
         "dq_overlap": dq_overlap, "d256ring": d256_ring, "d256prof": d256_profile,
         "repeat": repeatability, "f16": check_f16,

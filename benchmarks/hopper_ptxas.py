@@ -1,6 +1,6 @@
 """ptxas's report (registers, spills, wgmma serialization warnings) for the Hopper attention
 forward's schedules (or, with `bwd`, the backward's kernels: the default and the
-`HopperBwdTiles` variants `dkv_overlap=False` and `dq_early_p=True`), on the GPU: Mosaic GPU
+`HopperBwdTiles(dkv_overlap=False)` variant), on the GPU: Mosaic GPU
 prints it when MOSAIC_GPU_DUMP_PTXAS is set (this
 script sets it before jax is imported). A "wgmma ... serialized" warning means ptxas waits for
 each product before the next instruction, which undoes any overlap the schedule asks for.
@@ -52,7 +52,7 @@ def report_bwd(d: int, causal: bool, **kw):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["bwd"]:
         for d in [int(a) for a in sys.argv[2:]] or [128, 64]:
-            for kw in ({}, dict(dkv_overlap=False), dict(dq_early_p=True)):
+            for kw in ({}, dict(dkv_overlap=False)):
                 report_bwd(d, True, **kw)
         sys.exit()
     for d in [int(a) for a in sys.argv[1:]] or [128]:

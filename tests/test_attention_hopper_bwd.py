@@ -195,24 +195,6 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d):
         assert jnp.array_equal(a, b)
 
 
-def test_hopper_dq_early_p_adds_the_same_products():
-    """`HopperBwdTiles(dq_early_p=True)`: the dQ kernel's P formed from S while dP still
-    runs, the same products of the same operands in the same order: dq bitwise equal to the
-    default's, over 4 key steps of a 2-slot ring, GQA, soft cap (its tanh carried to dS)."""
-    kq, kk, kv, kd = keys(12, 4)
-    q = randn(kq, (1, 128, 2, 128), jnp.bfloat16)
-    k = randn(kk, (1, 256, 1, 128), jnp.bfloat16)
-    v = randn(kv, (1, 256, 1, 128), jnp.bfloat16)
-    do = randn(kd, (1, 128, 2, 128), jnp.bfloat16)
-
-    def grads(**tiles):
-        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, logits_soft_cap=5.0,
-                                                    block_sizes=_blocks(**tiles))
-        return jax.vjp(f, q, k, v)[1](do)
-    for a, b in zip(grads(dq_early_p=True, stages=2, **TWO), grads(stages=2, **TWO)):
-        assert jnp.array_equal(a, b)
-
-
 @needs_cores
 def test_hopper_dkv_three_consumers():
     """The dK/dV kernel's three consumers (`HopperBwdTiles(consumers=3)`: CTAs of 192 keys,

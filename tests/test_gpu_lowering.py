@@ -289,21 +289,17 @@ def test_hopper_named_pingpong_lowers(opts, overlap, named, monkeypatch):
     assert ("bar.arrive" in module) == (overlap and named)
 
 
-# The defaults (the dK/dV kernel's overlapped steps, the dQ kernel's S and dP read together)
-# are lowered with every mask set by test_hopper_flash_attention_lowers; here the
-# variants, each with a mask set that is masked at D = 128 and capped at 64.
+# The default (the dK/dV kernel's overlapped steps) is lowered with every mask set by
+# test_hopper_flash_attention_lowers; here the plain steps, masked at D = 128 and capped at 64.
 @pytest.mark.parametrize("d,opts,bwd", [
     (128, dict(causal=True, sliding_window=200), dict(dkv_overlap=False)),
-    (64, _WINDOW_CAP, dict(dkv_overlap=False)),
-    (128, dict(causal=True, sliding_window=200), dict(dq_early_p=True)),
-    (64, _WINDOW_CAP, dict(dq_early_p=True, pingpong=False))])
+    (64, _WINDOW_CAP, dict(dkv_overlap=False))])
 def test_hopper_bwd_variants_lower(d, opts, bwd):
     """`HopperBwdTiles(dkv_overlap=False)`: the dK/dV kernel's plain steps (each product
     waited for in turn) beside the default overlapped ones (S^T and dP^T issued together,
     S^T read with `wgmma_accumulator_load(wait_n=1)` while dP^T runs, P^T and dS^T as
-    register operands issued between the reads); `dq_early_p=True`: the dQ kernel's S read
-    with dP and dQ's product in flight, dP after P is formed (at D = 64 without the
-    consumers' ping-pong, which it does not take); masked and unmasked steps."""
+    register operands issued between the reads); masked and unmasked steps, the soft
+    cap."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)

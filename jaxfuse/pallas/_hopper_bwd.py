@@ -135,18 +135,15 @@ class _Mma:
             return
         pl.run_state(body)(plgpu.ACC.init(R.zeros(shape, False)))
 
-    def run_behind(self, products, behind, use=None):
+    def run_behind(self, products, behind):
         """The float32 results of `products` (`nt` forms), with the accumulations `behind`
         ((acc ref of `accumulate`, A [m, k] in registers, B [k, n] in shared memory): acc += A
         B) issued after them and left in flight: the caller's work until `drain` runs while
-        the tensor cores finish them. With `use`, use(load) instead: load(i) is the i-th
-        product's result, waited for only when asked (the later products still running), so
-        use's work on the first result runs under the others."""
+        the tensor cores finish them."""
         if self.interpret:
             for ref, a, b in behind:
                 ref[...] += A.dot(a, b[...], self._CONTRACT["rs"])
-            results = self.run(*products)
-            return results if use is None else use(lambda i: results[i])
+            return self.run(*products)
         assert all(form == "nt" for form, *_ in products)
 
         def body(*refs):
@@ -154,12 +151,9 @@ class _Mma:
                 plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
             for ref, a, b in behind:
                 plgpu.wgmma(ref, a, b)
-            if use is not None:   # each wgmma is one group, waited for in order
-                return use(lambda i: plgpu.wgmma_accumulator_load(
-                    refs[i], wait_n=len(refs) - 1 - i + len(behind)))
             if not refs:
                 return ()
-            plgpu.wgmma_wait(len(behind))
+            plgpu.wgmma_wait(len(behind))         # each wgmma is one group, waited in order
             return tuple(plgpu.wgmma_accumulator_load(r, wait_n=None) for r in refs)
         if not products:
             return body()

@@ -213,9 +213,7 @@ class HopperBwdTiles:
     D128 4.546 -> 4.466, GQA 32/8 4.428 -> 4.446, 1B B2 T8192 D64 5.089 -> 5.095, D256 B2
     H16 T4096 2.834 -> 2.728; 19 compiled checks and the garbage cases ok).
     dkv_overlap: the dK/dV kernel's steps with their vector work under their own products
-    (`dkv_overlaps`).
-    dq_early_p: the dQ kernel's overlapped steps read S as soon as it is done and form P
-    while dP (and the dQ product behind it) still run (`dq_stages_p`)."""
+    (`dkv_overlaps`)."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -226,7 +224,6 @@ class HopperBwdTiles:
     exchange: bool = True
     clean: bool = True
     dkv_overlap: bool | None = None
-    dq_early_p: bool | None = None
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -299,14 +296,6 @@ class HopperBwdTiles:
         8.069 -> 7.984 ms, causal 4.480 -> 4.360, the 157M model's GQA D64 0.833 -> 0.817."""
         return ((self.dkv_overlap is not False) and not fused_dq and not self.split_d(d)
                 and self.pingpong is not True)
-
-    def dq_stages_p(self, d: int) -> bool:
-        """Whether the dQ kernel's overlapped steps form P under dP (`dq_early_p`; None: no,
-        until measured): S read with dP and dQ += dS K still in flight, dP read after P, as
-        the dK/dV kernel's `dkv_overlaps` does, instead of both read once dQ's product is
-        the only one left. Not with the consumers' ping-pong (their turns change at the
-        reads) nor without the overlap."""
-        return (bool(self.dq_early_p) and self.dq_overlap(d) and not self.dq_pingpong(d))
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong
@@ -473,8 +462,7 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
         body = functools.partial(DQ.dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,
                                  n_q_tiles=tq // (2 * _ROWS),
                                  overlap=tiles.dq_overlap(d) and stages >= 2,
-                                 pingpong=tiles.dq_pingpong(d), clean=clean,
-                                 staged=tiles.dq_stages_p(d) and stages >= 2)
+                                 pingpong=tiles.dq_pingpong(d), clean=clean)
         # Every head's heaviest query tile first (`_hopper.heavy_first`, module docstring).
         dq = _kernel(functools.partial(body, heads=_dq_heads(k, spec)),
                      jax.ShapeDtypeStruct(q.shape, q.dtype), (tq // (2 * _ROWS) * b * hq,),

@@ -22,7 +22,7 @@ from jaxfuse.pallas._hopper_bwd import (_F32, _ROWS, _ds, _lse_c2, _Mma, _prev_s
 
 def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             spec: AttnSpec, bk: int, stages: int, n_q_tiles: int, overlap: bool,
-            pingpong: bool, heads: int, clean: bool = False, staged: bool = False):
+            pingpong: bool, heads: int, clean: bool = False):
     # As the forward (`attention_hopper`): a CTA per (batch * query head, 128 query rows),
     # consumer wg on rows wg * 64.., the producer streaming the K and V tiles its rows see;
     # launched in `_hopper.heavy_first` order.
@@ -71,26 +71,14 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             delta = _vec(delta_smem.at[wg], 1, bk, spec.interpret)
             q_pos = r0 + R.iota((_ROWS, bk), 0, spec.interpret)
 
-            def probs(s, j, masked):
-                """(P, t, keep) of key step j from its S."""
+            def grads(s, dp, j, masked):
+                """dS [64, bk] of key step j in the input dtype from its S and dP."""
                 keep = None
                 if masked:
                     k_pos = (lo + j) * bk + R.iota((_ROWS, bk), 1, spec.interpret)
                     keep = A.visible(spec, q_pos, k_pos, None, None)
                 u, t = A.transform(spec, s, keep)
-                return _probs(spec, u, lse), t, keep
-
-            def grads(s, dp, j, masked):
-                """dS [64, bk] of key step j in the input dtype from its S and dP."""
-                p, t, keep = probs(s, j, masked)
-                return _ds(spec, p, dp, delta, t, keep).astype(dtype)
-
-            def grads_staged(j, masked):
-                """`grads` as a `run_behind` use: P formed while dP is still running."""
-                def use(load):
-                    p, t, keep = probs(load(0), j, masked)
-                    return _ds(spec, p, load(1), delta, t, keep).astype(dtype)
-                return use
+                return _ds(spec, _probs(spec, u, lse), dp, delta, t, keep).astype(dtype)
 
             def products(slot):
                 plgpu.barrier_wait(k_full.at[slot])
@@ -101,7 +89,6 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             # Products and vector work alternate (S, dP | dS | dQ += dS K and the next S, dP):
             # a switch at each change hands the tensor cores to the other consumer.
             pp = R.PingPong(turns, wg, pingpong, stages)
-            assert not (staged and pingpong), "staged steps take no turns"
 
             def step(j, dq, masked):
                 slot = lax.rem(j, stages)
@@ -143,23 +130,16 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
                     slot, prev = lax.rem(j, stages), _prev_slot(j, stages)
                     with jax.named_scope("wait_kv"):
                         prods = products(slot)
-                    behind = ((dq_ref, ds, k_smem.at[prev]),)
-                    if staged:
-                        with jax.named_scope("s_dp_ds"):
-                            ds = mma.run_behind(prods, behind, grads_staged(j, masked))
-                        plgpu.barrier_arrive(v_empty.at[slot])
-                    else:
-                        with jax.named_scope("s_dp"):
-                            s, dp = mma.run_behind(prods, behind)
-                        plgpu.barrier_arrive(v_empty.at[slot])
-                        pp.switch()
-                        with jax.named_scope("ds"):
-                            ds = grads(s, dp, j, masked)
+                    with jax.named_scope("s_dp"):
+                        s, dp = mma.run_behind(prods, ((dq_ref, ds, k_smem.at[prev]),))
+                    plgpu.barrier_arrive(v_empty.at[slot])
+                    pp.switch()
+                    with jax.named_scope("ds"):
+                        ds = grads(s, dp, j, masked)
                     with jax.named_scope("drain"):
                         mma.drain()
                     pl.when(j > 0)(lambda: plgpu.barrier_arrive(k_empty.at[prev]))
-                    if not staged:
-                        pp.switch()
+                    pp.switch()
                     return ds
 
                 ds = loop(ostep, R.zeros((_ROWS, bk), spec.interpret).astype(dtype))

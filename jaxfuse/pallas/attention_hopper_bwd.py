@@ -100,7 +100,9 @@ held one step longer (released after the product behind the next step), so the o
 a ring of 2 slots or more; with one it runs the plain schedule. Kernel time (H200, profiler,
 two runs): 2.57 -> 2.48 ms at B4 H32 T4096 D128, 0.269 -> 0.256 ms at the 157M model's
 D = 64. The same schedule in the dK/dV kernel (dV and dK behind the next S^T and dP^T) was
-slower, 3.46 -> 4.64 ms and 0.368 -> 0.401 ms, so that kernel waits for each product in turn.
+slower, 3.46 -> 4.64 ms and 0.368 -> 0.401 ms; that kernel overlaps within a step instead
+(S^T and dP^T issued together, P formed under dP^T, dS under dV += P^T dO: nothing carried
+to the next step; `HopperBwdTiles.dkv_overlaps`, 3.318 -> 3.135 ms at B4 H32 T4096 D128).
 At D = 256 (32-key steps, S and dP [64, 32] against a [64, 256] dQ) the overlap loses: there a
 ring of two slots is all that fits beside Q and dO under `AH._SMEM_BYTES`, and with two K
 tiles held no copy runs ahead (each step's K waited for the step before to end); a third slot

@@ -703,4 +703,6 @@ if __name__ == "__main__":
             "GQA B4 Hq32 Hkv8 T4096 D128 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal",
             "1B B2 Hq32 Hkv8 T8192 D64 causal", *OTHER_ROWS)),
         "f16_256": lambda: check_f16(CASES_256),     # the D = 256 cases alone
-        "long": long_rows, "groups": groups})
+        "long": long_rows,
+        # OTHER_ROWS (T32768, D256) fwd+bwd interleaved against cuDNN, nothing else
+        "other_rows": lambda rounds=3: _rows(rounds, {}, OTHER_ROWS), "groups": groups})

@@ -291,10 +291,9 @@ def test_hopper_named_pingpong_lowers(opts, overlap, named, monkeypatch):
 
 # The default (the dK/dV kernel's overlapped steps) is lowered with every mask set by
 # test_hopper_flash_attention_lowers; here the plain steps, masked at D = 128 and capped at 64.
-@pytest.mark.parametrize("d,opts,bwd", [
-    (128, dict(causal=True, sliding_window=200), dict(dkv_overlap=False)),
-    (64, _WINDOW_CAP, dict(dkv_overlap=False))])
-def test_hopper_bwd_variants_lower(d, opts, bwd):
+@pytest.mark.parametrize("d,opts", [(128, dict(causal=True, sliding_window=200)),
+                                    (64, _WINDOW_CAP)])
+def test_hopper_dkv_plain_steps_lower(d, opts):
     """`HopperBwdTiles(dkv_overlap=False)`: the dK/dV kernel's plain steps (each product
     waited for in turn) beside the default overlapped ones (S^T and dP^T issued together,
     S^T read with `wgmma_accumulator_load(wait_n=1)` while dP^T runs, P^T and dS^T as
@@ -304,7 +303,7 @@ def test_hopper_bwd_variants_lower(d, opts, bwd):
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
-    tiles = HopperAttnTiles(backward=HopperBwdTiles(**bwd))
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=False))
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()

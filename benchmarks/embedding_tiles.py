@@ -3,7 +3,8 @@ dropout 0.1), on the GPU:
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/embedding_tiles.py fwd|bwd [OUT.json]
 
-fwd: forward tiles (`RowBlocks(rows, columns, warps)`, rows walked one by one per program):
+fwd: forward tiles (`RowBlocks(rows, columns, warps)`, rows walked one by one per program,
+each row's gather issued before the row before it is written):
 time, fraction of the copy rate on the bytes moved (gathered rows read, output written) and
 output bitwise equal to the default's. bwd: the backward's tile (`embedding._BWD_TILE`: table
 rows, columns, warps of a program): fwd+bwd time, dtable bitwise equal across tiles (each row
@@ -22,8 +23,9 @@ from benchmarks import _timing
 from benchmarks._timing import bench, record
 
 V, D, B, T = 128256, 4096, 8, 2048
+# Rows > 1: since s29 a program gathers its next row before it writes the current one.
 FWD_TILES = (None, (1, 4096, 4), (1, 2048, 4), (1, 1024, 2), (1, 2048, 8), (2, 4096, 8),
-             (4, 2048, 4))
+             (4, 2048, 4), (2, 4096, 4), (4, 4096, 8), (8, 2048, 4), (8, 4096, 8))
 BWD_TILES = ((16, 512, 4), (1, 4096, 8), (8, 1024, 4), (32, 512, 8), (64, 256, 4),
              (16, 1024, 8))
 

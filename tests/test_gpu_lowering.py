@@ -388,14 +388,17 @@ def test_hopper_swiglu_lowers():
         assert name in module
 
 
-@pytest.mark.parametrize("with_pos", [False, True])
-def test_embedding_lowers(with_pos):
+# blocks: the rule's (one token a program), and 4 tokens a program, each row's gather issued
+# before the row before it is written (with the position table's: both tables prefetched).
+@pytest.mark.parametrize("with_pos,blocks", [(False, None), (True, None),
+                                             (True, jaxfuse.RowBlocks(4, 256, 4))])
+def test_embedding_lowers(with_pos, blocks):
     table = jnp.zeros((1000, 256), jnp.bfloat16)
     tokens = jnp.zeros((4, 100), jnp.int32)
     pos_table = jnp.zeros((128, 256), jnp.bfloat16) if with_pos else None
     key = jax.random.key(0)
     _fwd_bwd(lambda t: jaxfuse.embedding(tokens, t, scale=2.0, pos_table=pos_table, rate=0.1,
-                                         key=key, interpret=False), table)
+                                         key=key, interpret=False, block_sizes=blocks), table)
 
 
 @pytest.mark.parametrize("hkv", [4, 1])

@@ -3,7 +3,10 @@
 Forward (LightSeq's embedding kernel, lecture 10 sec. 5.1): one kernel gathers the token's row
 and the position's row, scales, adds, drops (mask generated in the kernel) and writes the output
 row: unfused that is five kernels and four stored intermediates. Each program walks its rows one
-by one (a gather is a row load at a data-dependent offset).
+by one (a gather is a row load at a data-dependent offset); one of several rows issues the
+next row's gather (the token, then its row) before it computes and writes the current one, so
+a gather stays in flight under the dropout and the store (the GPU rule gives a program one
+row; `benchmarks/embedding_tiles.py fwd` times the multi-row tiles).
 
 Backward: d table[v] = sum over n with tokens[n] = v of scale * dropout'(d out[n]). LightSeq
 adds each row into the table's gradient with atomics, whose order (and so whose rounding) changes
@@ -71,27 +74,47 @@ def _forward(tok, pos, table, pos_table, key_w, st: _Static):
         # program ids read outside the loops (interpret mode cannot read them inside one)
         col0, row0 = pl.program_id(1) * bc, pl.program_id(0) * br
 
-        def row(r, carry):
-            n = row0 + r
-            n_in = jnp.minimum(n, n_rows - 1)               # rows past the end: read row N-1
+        def fetch(r):
+            """Row r's gathered operands: (in range, its table row [1, bc], its position's
+            row or None)."""
+            n_in = jnp.minimum(row0 + r, n_rows - 1)        # rows past the end: read row N-1
             v = tok_ref[n_in]
             ok = (v >= 0) & (v < n_vocab)
-            e, _, cols, _ = C.load_tile(t_ref, jnp.clip(v, 0, n_vocab - 1), col0, 1, bc,
-                                        n_vocab, d)
-            val = e.astype(jnp.float32) * st.scale                              # [1, bc]
+            e = C.load_tile(t_ref, jnp.clip(v, 0, n_vocab - 1), col0, 1, bc, n_vocab, d)[0]
+            pe = None
             if st.has_pos:
                 p = pos_ref[n_in]
                 n_pos = pos_table.shape[0]
                 ok = ok & (p >= 0) & (p < n_pos)
-                val = val + C.load_tile(p_ref, jnp.clip(p, 0, n_pos - 1), col0, 1, bc, n_pos,
-                                        d)[0].astype(jnp.float32)
+                pe = C.load_tile(p_ref, jnp.clip(p, 0, n_pos - 1), col0, 1, bc, n_pos, d)[0]
+            return ok, e, pe
+
+        cols = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, bc), 1)
+
+        def write(r, fetched):
+            ok, e, pe = fetched
+            n = row0 + r
+            val = e.astype(jnp.float32) * st.scale                              # [1, bc]
+            if st.has_pos:
+                val = val + pe.astype(jnp.float32)
             if st.rate:
                 val = _drop_row(val, key, n, col0, st)
             val = jnp.where(ok, val, jnp.nan)
             C.store_tile(o_ref, val, n, col0, n_rows, d, mask=cols < d)
-            return carry
 
-        jax.lax.fori_loop(0, br, row, 0)
+        if br == 1:
+            write(0, fetch(0))
+            return
+
+        def row(r, fetched):
+            # A program of several rows loads row r + 1 (token, then its row: two dependent
+            # loads) before it computes and stores row r, so a load is in flight under every
+            # row's dropout and store (the last row fetches itself again: a cached re-read).
+            ahead = fetch(jnp.minimum(r + 1, br - 1))
+            write(r, fetched)
+            return ahead
+
+        jax.lax.fori_loop(0, br, row, fetch(0))
 
     args = [tok] + ([pos] if st.has_pos else []) + [table] + ([pos_table] if st.has_pos else [])
     return C.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n_rows, d), table.dtype),

@@ -484,7 +484,8 @@ def _scheduled(rounds: int = 5):
 
 if __name__ == "__main__":
     _timing.commands({
-        "check": check, "check_hopper": _check_hopper, "check_windows": _check_windows, "d256": perf_d256, "guard": perf_guard,
+        "check": check, "check_hopper": _check_hopper, "check_windows": _check_windows,
+        "d256": perf_d256, "guard": perf_guard,
         "persistent": lambda: (check_persistent(), perf_persistent()),
         "named": _named, "scheduled": _scheduled,
         "l2_share": perf_l2_share, "fwd_order": perf_fwd_order,

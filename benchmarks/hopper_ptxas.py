@@ -1,8 +1,7 @@
 """ptxas's report (registers, spills, wgmma serialization warnings) for the Hopper attention
 forward's schedules (or, with `bwd`, the backward's kernels: the default and the
-`HopperBwdTiles(dkv_overlap=False)` variant), on the GPU: Mosaic GPU
-prints it when MOSAIC_GPU_DUMP_PTXAS is set (this
-script sets it before jax is imported). A "wgmma ... serialized" warning means ptxas waits for
+`HopperBwdTiles(dkv_overlap=False)` variant), on the GPU: Mosaic GPU prints it when
+MOSAIC_GPU_DUMP_PTXAS is set (this script sets it before jax is imported). A "wgmma ... serialized" warning means ptxas waits for
 each product before the next instruction, which undoes any overlap the schedule asks for.
 
     PYTHONPATH=. python benchmarks/hopper_ptxas.py [d ...] > ptxas.log 2>&1

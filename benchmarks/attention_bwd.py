@@ -306,13 +306,15 @@ def probe(sweep=None):
 def fused():
     """What the fused dQ's reducing stores cost: fwd+bwd of the fused dQ (deterministic=False,
     forced) against the same kernel whose dQ tiles go to shared memory but never leave
-    (diagnostic: its dq is wrong), the deterministic pair and cuDNN, at the D = 128 workloads.
+    (diagnostic: its dq is wrong), the deterministic pair and cuDNN, at the D = 128 workloads:
+    back-to-back time, then one call's kernels (profiler; s14-3 ran the times alone).
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fused [OUT.json]
     """
     import contextlib
     from unittest import mock
     import jax.experimental.pallas.mosaic_gpu as plgpu
+    from benchmarks import _profile
     from jaxfuse.pallas import attention_hopper_dkv as DKV
 
     def smem_only(dq, smem, *args):
@@ -337,6 +339,8 @@ def fused():
                 step = jax.jit(_fwd_bwd(f))
                 with context():                      # traced (and timed) under it
                     record(S, f"{label} fwd+bwd", name, bench(step, sets, reps=5, repeats=3))
+                    # One call's kernels (a cooler clock than back-to-back calls run at).
+                    _profile.report(S, f"{label} {name}", step, sets[0], top=6)
             guarded(S, f"{label} fwd+bwd", name, run)
 
 

@@ -10,7 +10,7 @@ in a fixed order, reading its peers' shared memory. This probe runs exactly that
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/dsmem_probe.py [OUT.json]
 
 Each row: time a step (one write of the partial, two cluster barriers, the C reads) and the
-bytes read a step and multiprocessor over it. Against the backward's step (~1.7 us at B4 H32
+bytes read a step and multiprocessor over it. Against the backward's step (~1.6 us at B4 H32
 T4096 D128, 128 keys x 64 queries a CTA, s29): a step of this probe well under that leaves
 room for the design; near it, the exchange alone would cost what recomputing S and dP does.
 The sums are checked against numpy's on the first call.

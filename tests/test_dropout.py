@@ -289,6 +289,33 @@ class DropoutOpsTest(chex.TestCase):
         assert_close(jaxfuse.bias_dropout_add(x, None, res), x.astype(jnp.float32) + res,
                      jnp.bfloat16)
 
+    def test_backward_keeps_only_what_it_reads(self):
+        """What the forward hands the backward (the vjp's residuals): dropout its key,
+        bias_dropout_add its key and bias (x and the residual are never read: the mask comes
+        from the key, d residual = dy), bias_act_dropout also x (act' needs it); with dropout
+        off, no key. Gradients against the reference with a random cotangent."""
+        kx, kr, kb, kd = keys(6, 4)
+        x = randn(kx, (33, 64), jnp.bfloat16)
+        res, b, dy = randn(kr, x.shape, x.dtype), randn(kb, (64,), x.dtype), randn(kd, x.shape)
+        key = jax.random.key(3)
+        cases = [(lambda x: jaxfuse.dropout(x, 0.1, key, impl=impl), (x,), [(2,)]),
+                 (lambda x, b, r: jaxfuse.bias_dropout_add(x, b, r, rate=0.1, key=key,
+                                                           impl=impl), (x, b, res),
+                  [(64,), (2,)]),
+                 (lambda x, b, r: jaxfuse.bias_dropout_add(x, b, r, impl=impl), (x, b, res),
+                  [(64,)]),
+                 (lambda x, b: jaxfuse.bias_act_dropout(x, b, rate=0.1, key=key, impl=impl),
+                  (x, b), [(33, 64), (64,), (2,)])]
+        for f, args, kept in cases:
+            impl = "pallas"
+            y, vjp = jax.vjp(f, *args)
+            self.assertEqual([a.shape for a in jax.tree.leaves(vjp)], kept)
+            grads = vjp(dy.astype(y.dtype))
+            impl = "reference"
+            want = jax.vjp(f, *[a.astype(jnp.float32) for a in args])[1](dy)
+            for g, w in zip(grads, want):
+                assert_close(g, w, jnp.bfloat16)
+
     def test_bad_input(self):
         x, key = jnp.ones((3, 8)), jax.random.key(0)
         for rate in (1.0, -0.1, 1.5):

@@ -70,13 +70,18 @@ def _row_splittable(rows, dropout: bool):
     return rows[:2] if dropout else rows
 
 
-def _vjp_local(local, n_args: int, diff, summed=()):
+def _vjp_local(local, n_args: int, diff, summed=(), shape_only=()):
     """A backward pass for `local(plan, *args) -> outputs`: its own jax.vjp on the shard (the
     kernels' custom_vjp; the recomputed forward is dead code where its residuals are inputs),
     the gradients of the operands in `summed` (shared by every row) psum'd over `summed[i]`.
-    Its operands are the args and the cotangents (the outputs are not saved)."""
+    Its operands are the args and the cotangents (the outputs are not saved), but for the args
+    in `shape_only`: the kernels' backward reads only their shape and dtype, which are the
+    first output's, so they are not kept and zeros of the first cotangent stand in."""
     def bwd(plan, *rest):
-        args, cts = rest[:n_args], rest[n_args:]
+        n_saved = n_args - len(shape_only)
+        saved, cts = iter(rest[:n_saved]), rest[n_saved:]
+        args = [jnp.zeros_like(cts[0]) if i in shape_only else next(saved)
+                for i in range(n_args)]
         idx = [i for i in range(n_args) if diff[i]]
 
         def f(*d):
@@ -91,14 +96,16 @@ def _vjp_local(local, n_args: int, diff, summed=()):
     return bwd
 
 
-def _simple_op(name, local, operands, results, splittable, diff, summed=()):
-    """A differentiable op whose backward is `_vjp_local` (no residuals but its inputs)."""
+def _simple_op(name, local, operands, results, splittable, diff, summed=(), shape_only=()):
+    """A differentiable op whose backward is `_vjp_local` (no residuals but its inputs, less
+    those in `shape_only`, which the backward reads for their shape only: see `_vjp_local`)."""
     n = len(operands)
     fwd = Layout(operands, results, splittable)
-    bwd = Layout((*operands, *results), tuple(d for d, ok in zip(operands, diff) if ok),
-                 splittable)
-    return vjp_op(local, _vjp_local(local, n, diff, summed), fwd, bwd, n_out=len(results),
-                  diff=diff, saved=(True,) * n + (False,) * len(results), name=name)
+    kept = tuple(i not in shape_only for i in range(n))
+    bwd = Layout((*(d for d, k in zip(operands, kept) if k), *results),
+                 tuple(d for d, ok in zip(operands, diff) if ok), splittable)
+    return vjp_op(local, _vjp_local(local, n, diff, summed, shape_only), fwd, bwd,
+                  n_out=len(results), diff=diff, saved=kept + (False,) * len(results), name=name)
 
 
 # ---- swiglu ----------------------------------------------------------------------------------
@@ -228,7 +235,13 @@ def _dropout_op(ndim: int, has_bias: bool, has_res: bool, activation, rate: floa
 
     diff = (True,) * (1 + has_bias + has_res) + ((False,) if rate else ())
     summed = ((), rows if has_bias else ()) + (((),) * (len(operands) - 2))
-    return _simple_op(name, local, operands, (x,), splittable, diff, summed[:len(operands)])
+    # Without an activation the backward regenerates the mask from the key and reads neither
+    # x nor the residual (dx = dy * mask / p, d residual = dy): they are not kept from the
+    # forward to the backward (a model would otherwise hold both, 2 x 134 MB a
+    # bias_dropout_add at [16384, 4096] bf16, and copy them into a scan's stacked residuals).
+    shape_only = () if activation else (0,) + ((1 + has_bias,) if has_res else ())
+    return _simple_op(name, local, operands, (x,), splittable, diff, summed[:len(operands)],
+                      shape_only)
 
 
 def _dropout_family(x, bias, residual, activation, rate, key, name, interpret, block_sizes):

@@ -140,6 +140,24 @@ class NormTest(chex.TestCase):
         gr = jax.grad(lambda w: jaxfuse.layer_norm(x, w, impl="reference").sum())(w)
         assert_close(g, gr, jnp.float32, scale=4.0)
 
+    def test_backward_keeps_x_and_row_statistics_not_y(self):
+        """What the forward hands the backward (the vjp's residuals): x, the parameters and the
+        float32 row statistics; not y, which the backward never reads (under `lax.scan` every
+        residual is copied into a stacked buffer). Gradients against the reference with a
+        random cotangent."""
+        kx, kw, kd = keys(10, 3)
+        x, w, dy = randn(kx, (5, 3, 40), jnp.bfloat16), randn(kw, (40,), jnp.bfloat16), randn(
+            kd, (5, 3, 40))
+        for norm in (lambda x, w, impl: jaxfuse.rms_norm(x, w, impl=impl),
+                     lambda x, w, impl: jaxfuse.layer_norm(x, w, w, impl=impl)):
+            y, vjp = jax.vjp(lambda x, w: norm(x, w, "pallas"), x, w)
+            self.assertEqual([a.shape for a in jax.tree.leaves(vjp)],
+                             [(5, 3, 40), (40,), (5, 3), (5, 3)])
+            want = jax.vjp(lambda x, w: norm(x, w, "reference"), x.astype(jnp.float32),
+                           w.astype(jnp.float32))[1](dy)
+            for g, r in zip(vjp(dy.astype(y.dtype)), want):
+                assert_close(g, r, jnp.bfloat16, scale=4.0)
+
     def test_bad_input(self):
         x = jnp.ones((3, 8))
         with self.assertRaisesRegex(ValueError, "weight.shape=\\(7,\\) must be \\(8,\\)"):

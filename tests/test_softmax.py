@@ -65,6 +65,18 @@ class SoftmaxTest(chex.TestCase):
         y = jax.vmap(lambda r: jaxfuse.softmax(r, causal=True))(x)
         assert_close(y, jaxfuse.softmax(x, causal=True, impl="reference"), jnp.float32)
 
+    def test_backward_keeps_y_alone(self):
+        """What the forward hands the backward: y (dx = y (dy - rowsum(dy y))), neither x nor
+        the mask. Gradient against the reference with a random cotangent."""
+        kx, kd = keys(5, 2)
+        x, dy = randn(kx, (4, 6, 33), jnp.bfloat16), randn(kd, (4, 6, 33))
+        f = lambda x, impl: jaxfuse.softmax(x, scale=0.7, mask=x > -1.0, causal=True, impl=impl)
+        y, vjp = jax.vjp(lambda x: f(x, "pallas"), x)
+        self.assertEqual([a.shape for a in jax.tree.leaves(vjp)], [(4, 6, 33)])
+        (g,) = vjp(dy.astype(y.dtype))
+        (r,) = jax.vjp(lambda x: f(x, "reference"), x.astype(jnp.float32))[1](dy)
+        assert_close(g, r, jnp.bfloat16)
+
     def test_bad_input(self):
         x = jnp.ones((3, 4))
         with self.assertRaisesRegex(ValueError, "x.dtype=int32"):

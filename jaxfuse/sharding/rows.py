@@ -62,7 +62,7 @@ def _welford_across(axes, state):
 
 def _norm_bwd(cfg, plan, x, *rest):
     n_params = int(cfg[0]) + int(cfg[1])
-    params, (_, mean, rstd, g) = rest[:n_params], rest[n_params:]
+    params, (mean, rstd, g) = rest[:n_params], rest[n_params:]
     st = _norm.static((x.size // x.shape[-1], x.shape[-1]), *cfg[:2], **cfg[2])
     w, _ = _params(cfg, params)
     axes = plan.get("d", ())
@@ -88,9 +88,11 @@ def _norm_op(ndim: int, has_weight: bool, has_bias: bool, center: bool, eps: flo
     x, row, vec = (*rows, "d"), rows, ("d",)
     params = (vec,) * (int(has_weight) + int(has_bias))
     fwd = Layout((x, *params), (x, row, row), (*rows, "d"))
-    bwd = Layout((x, *params, x, row, row, x), (x, *params), (*rows, "d"))
+    # The backward reads x, the parameters and the row statistics, not y.
+    bwd = Layout((x, *params, row, row, x), (x, *params), (*rows, "d"))
     return vjp_op(functools.partial(_norm_fwd, cfg), functools.partial(_norm_bwd, cfg), fwd, bwd,
                   n_out=1, diff=(True,) * (1 + len(params)),
+                  saved=(True,) * (1 + len(params)) + (False, True, True),
                   name="layer_norm" if center else "rms_norm")
 
 
@@ -131,12 +133,11 @@ def _merge_max_sum(axes, state):
     return m_all, jax.lax.psum(l * jnp.exp(m - safe), axes)
 
 
-def _sm_bwd(cfg, plan, x, *rest):
-    y, dy = rest[-2:]
+def _sm_bwd(cfg, plan, y, dy):
     axes = plan.get("k", ())
     merge = (lambda sums: jax.lax.psum(sums, axes)) if axes else None
-    return (_p_sm._backward(as_rows(y), as_rows(dy), _sm_static(cfg, x), merge).reshape(
-        x.shape),)
+    return (_p_sm._backward(as_rows(y), as_rows(dy), _sm_static(cfg, y), merge).reshape(
+        y.shape),)
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,9 +150,11 @@ def _softmax_op(ndim: int, has_mask: bool, scale: float, causal: bool, interpret
     x = (*rows, "k")
     masks = (x,) if has_mask else ()
     fwd = Layout((x, *masks), (x,), splittable)
-    bwd = Layout((x, *masks, x, x), (x,), splittable)
+    # dx = y (dy - rowsum(dy y)): the backward reads y alone (masked entries have y = 0).
+    bwd = Layout((x, x), (x,), splittable)
     return vjp_op(functools.partial(_sm_fwd, cfg), functools.partial(_sm_bwd, cfg), fwd, bwd,
-                  n_out=1, diff=(True, False)[:1 + has_mask], name="softmax")
+                  n_out=1, diff=(True, False)[:1 + has_mask],
+                  saved=(False,) * (1 + has_mask) + (True,), name="softmax")
 
 
 def softmax(x, *, scale=1.0, mask=None, causal=False, interpret=None, block_sizes=None):

@@ -454,19 +454,12 @@ def check_block_k():
             _check_case(i, c, jnp.bfloat16, blocks, f" hopper {blocks.hopper}")
 
 
-def _check_hopper():
-    """The Hopper path's cases alone, bf16 and f16."""
-    for dtype in (jnp.bfloat16, jnp.float16):
+def _check_hopper(dtypes=(jnp.bfloat16, jnp.float16), where=lambda case: True):
+    """The Hopper path's cases alone (those `where` takes), in each of `dtypes`."""
+    for dtype in dtypes:
         for i, c in enumerate(HOPPER_CASES):
-            _check_case(i, c, dtype, AttnBlocks(hopper=True), " hopper")
-
-
-def _check_windows():
-    """HOPPER_CASES with sliding windows, bf16, forward and backward on the Hopper path (the
-    cases of s28's hang: run under a kill timeout)."""
-    for i, c in enumerate(HOPPER_CASES):
-        if "sliding_window" in c:
-            _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper")
+            if where(c):
+                _check_case(i, c, dtype, AttnBlocks(hopper=True), " hopper")
 
 
 def _named(rounds: int = 7):
@@ -484,7 +477,10 @@ def _scheduled(rounds: int = 5):
 
 if __name__ == "__main__":
     _timing.commands({
-        "check": check, "check_hopper": _check_hopper, "check_windows": _check_windows,
+        "check": check, "check_hopper": _check_hopper, 
+        # the window cases, bf16 (s28's hang: run it under a kill timeout)
+        "check_windows": lambda: _check_hopper((jnp.bfloat16,),
+                                               lambda c: "sliding_window" in c),
         "d256": perf_d256, "guard": perf_guard,
         "persistent": lambda: (check_persistent(), perf_persistent()),
         "named": _named, "scheduled": _scheduled,

@@ -1,5 +1,7 @@
 """Dropout's counter-based generator and the three ops built on it: dropout, bias_dropout_add,
 bias_act_dropout (one kernel, `pallas/_dropout.py`)."""
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -298,21 +300,21 @@ class DropoutOpsTest(chex.TestCase):
         x = randn(kx, (33, 64), jnp.bfloat16)
         res, b, dy = randn(kr, x.shape, x.dtype), randn(kb, (64,), x.dtype), randn(kd, x.shape)
         key = jax.random.key(3)
-        cases = [(lambda x: jaxfuse.dropout(x, 0.1, key, impl=impl), (x,), [(2,)]),
-                 (lambda x, b, r: jaxfuse.bias_dropout_add(x, b, r, rate=0.1, key=key,
-                                                           impl=impl), (x, b, res),
+        cases = [(lambda impl, x: jaxfuse.dropout(x, 0.1, key, impl=impl), (x,), [(2,)]),
+                 (lambda impl, x, b, r: jaxfuse.bias_dropout_add(x, b, r, rate=0.1, key=key,
+                                                                 impl=impl), (x, b, res),
                   [(64,), (2,)]),
-                 (lambda x, b, r: jaxfuse.bias_dropout_add(x, b, r, impl=impl), (x, b, res),
-                  [(64,)]),
-                 (lambda x, b: jaxfuse.bias_act_dropout(x, b, rate=0.1, key=key, impl=impl),
+                 (lambda impl, x, b, r: jaxfuse.bias_dropout_add(x, b, r, impl=impl),
+                  (x, b, res), [(64,)]),
+                 (lambda impl, x, b: jaxfuse.bias_act_dropout(x, b, rate=0.1, key=key,
+                                                              impl=impl),
                   (x, b), [(33, 64), (64,), (2,)])]
         for f, args, kept in cases:
-            impl = "pallas"
-            y, vjp = jax.vjp(f, *args)
+            y, vjp = jax.vjp(functools.partial(f, "pallas"), *args)
             self.assertEqual([a.shape for a in jax.tree.leaves(vjp)], kept)
             grads = vjp(dy.astype(y.dtype))
-            impl = "reference"
-            want = jax.vjp(f, *[a.astype(jnp.float32) for a in args])[1](dy)
+            want = jax.vjp(functools.partial(f, "reference"),
+                           *[a.astype(jnp.float32) for a in args])[1](dy)
             for g, w in zip(grads, want):
                 assert_close(g, w, jnp.bfloat16)
 

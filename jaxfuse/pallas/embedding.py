@@ -102,7 +102,7 @@ def _forward(tok, pos, table, pos_table, key_w, st: _Static):
             val = jnp.where(ok, val, jnp.nan)
             C.store_tile(o_ref, val, n, col0, n_rows, d, mask=cols < d)
 
-        if br == 1:
+        if br == 1:                 # nothing to fetch ahead (the loop would load it twice)
             write(0, fetch(0))
             return
 

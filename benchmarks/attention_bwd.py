@@ -305,8 +305,9 @@ def probe(sweep=None):
 
 def fused():
     """What the fused dQ's reducing stores cost: fwd+bwd of the fused dQ (deterministic=False,
-    forced) against the same kernel whose dQ tiles go to shared memory but never leave
-    (diagnostic: its dq is wrong), the deterministic pair and cuDNN, at the D = 128 workloads:
+    forced; its plain steps and its overlapped ones) against the same kernels whose dQ tiles go
+    to shared memory but never leave (diagnostic: their dq is wrong), the deterministic pair
+    and cuDNN, at the D = 128 workloads:
     back-to-back time, then one call's kernels (profiler; s14-3 ran the times alone).
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fused [OUT.json]
@@ -320,18 +321,28 @@ def fused():
     def smem_only(dq, smem, *args):
         smem[...] = dq
         plgpu.commit_smem()
-    fused_tiles = AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True)))
+    def fused_tiles(**bwd):
+        return AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True, **bwd)))
+    no_stores = lambda: mock.patch.object(DKV, "add_dq", smem_only)
+    # The overlapped fused steps are new on the GPU: checked first (bf16, the D = 128 CASES).
+    for i, (shape, opts) in enumerate(CASES):
+        if shape[-1] == 128:
+            _check_case(i, shape, opts, jnp.bfloat16, False, HopperAttnTiles(
+                backward=HopperBwdTiles(fused_dq=True, dkv_overlap=True)))
     for label in ("D128 full", "D128 causal"):
         (b, t, h, d), causal = WORKLOADS[label]
         sets = [_inputs(jax.random.key(100 + i), b, t, t, h, h, d, jnp.bfloat16)[:4]
                 for i in range(2)]
-        fused_f = functools.partial(jaxfuse.flash_attention, causal=causal, deterministic=False,
-                                    block_sizes=fused_tiles)
+        fused_f, fused_o = (functools.partial(jaxfuse.flash_attention, causal=causal,
+                                              deterministic=False, block_sizes=fused_tiles(**o))
+                            for o in ({}, dict(dkv_overlap=True)))
+        # ("overlapped": the steps of `HopperBwdTiles.dkv_overlaps`, opt-in with the fused dQ.)
         fns = {"jaxfuse det": (functools.partial(jaxfuse.flash_attention, causal=causal),
                                contextlib.nullcontext),
                "jaxfuse nondet fused": (fused_f, contextlib.nullcontext),
-               "jaxfuse nondet fused [dq never stored]": (
-                   fused_f, lambda: mock.patch.object(DKV, "add_dq", smem_only)),
+               "jaxfuse nondet fused [dq never stored]": (fused_f, no_stores),
+               "jaxfuse nondet fused overlapped": (fused_o, contextlib.nullcontext),
+               "jaxfuse nondet fused overlapped [dq never stored]": (fused_o, no_stores),
                "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                            implementation="cudnn"), contextlib.nullcontext)}
         for name, (f, context) in fns.items():

@@ -175,12 +175,14 @@ def test_hopper_dq_overlap_adds_in_the_plain_order():
             assert jnp.array_equal(a, b)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_hopper_dkv_overlap_adds_in_the_plain_order(d):
+@pytest.mark.parametrize("d,fused", [(64, False), (128, False), (128, True)])
+def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
     """The dK/dV kernel's overlapped steps (the default, `HopperBwdTiles.dkv_overlap`: S^T and dP^T
     issued together, P and dS formed under the products) run the plain schedule's products on
     the same operands: dq, dk, dv bitwise equal to it, with GQA (two query heads walked by each
-    CTA: 4 steps through a 2-slot ring) and the soft cap (its tanh carried from P to dS)."""
+    CTA: 4 steps through a 2-slot ring) and the soft cap (its tanh carried from P to dS). With
+    the fused dQ (opt-in, `dkv_overlap=True`) the overlapped steps also hand dS^T to dQ's
+    product: its reducing adds (read-add-writes here) keep their order too."""
     kq, kk, kv, kd = keys(11, 4)
     q = randn(kq, (1, 128, 2, d), jnp.bfloat16)
     k = randn(kk, (1, 256, 1, d), jnp.bfloat16)
@@ -189,9 +191,14 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d):
 
     def grads(**tiles):
         f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, logits_soft_cap=5.0,
+                                                    deterministic=not fused,
                                                     block_sizes=_blocks(**tiles))
+        jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
+        assert (FUSED if fused else DET)[0] in jaxpr
         return jax.vjp(f, q, k, v)[1](do)
-    for a, b in zip(grads(stages=2, **TWO), grads(stages=2, dkv_overlap=False, **TWO)):
+    tiles = dict(stages=2, fused_dq=True) if fused else dict(stages=2, **TWO)
+    overlapped, plain = (True, None) if fused else (None, False)
+    for a, b in zip(grads(dkv_overlap=overlapped, **tiles), grads(dkv_overlap=plain, **tiles)):
         assert jnp.array_equal(a, b)
 
 

@@ -442,19 +442,22 @@ def test_reorder_beams_lowers():
 # D = 64 with causal is lowered there too, so the D = 64 case runs a variant of
 # test_hopper_overlap_lowers instead (the overlap with 2 consumers taking turns on a 2-slot
 # ring): a kernel of its own in the same lowering, the backward's kernel unchanged (checked).
-@pytest.mark.parametrize("d,opts,block_q,fwd", [
-    (128, dict(causal=True), 64, {}),
-    (64, dict(causal=True), 128, dict(overlap=True, consumers=2, stages=2, pingpong=True))])
-def test_hopper_fused_dq_lowers(d, opts, block_q, fwd):
+@pytest.mark.parametrize("d,opts,bwd,fwd", [
+    (128, dict(causal=True), dict(block_q=64), {}),
+    (64, dict(causal=True), dict(block_q=128),
+     dict(overlap=True, consumers=2, stages=2, pingpong=True)),
+    (128, dict(causal=True), dict(dkv_overlap=True), {})])
+def test_hopper_fused_dq_lowers(d, opts, bwd, fwd):
     """`HopperBwdTiles(fused_dq=True)` forces the fused dQ at D = 128 (by default the separate
     dQ kernel runs there, deterministic=False or not), with a mask (see above); at D = 64 with
     128-row query steps its shared memory (the [4, 64, 128] dS^T buffer) still fits: the
-    lowering checks the kernel's shared-memory total."""
+    lowering checks the kernel's shared-memory total. `dkv_overlap=True`: the fused kernel's
+    steps overlapped (dS^T written to shared memory while dV's product runs)."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
-    tiles = HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True, block_q=block_q), **fwd)
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True, **bwd), **fwd)
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, deterministic=False,
         block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts), q, k, k).mlir_module()

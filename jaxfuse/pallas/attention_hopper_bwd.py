@@ -215,7 +215,7 @@ class HopperBwdTiles:
     D128 4.546 -> 4.466, GQA 32/8 4.428 -> 4.446, 1B B2 T8192 D64 5.089 -> 5.095, D256 B2
     H16 T4096 2.834 -> 2.728; 19 compiled checks and the garbage cases ok).
     dkv_overlap: the dK/dV kernel's steps with their vector work under their own products
-    (`dkv_overlaps`)."""
+    (`dkv_overlaps`; None: on, except with the fused dQ; True: with it too)."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -295,9 +295,13 @@ class HopperBwdTiles:
         Measured (H200, s29-1, profiler, one fwd+bwd call): the dK/dV kernel 3.318 -> 3.135
         ms at B4 H32 T4096 D128 (701 TFLOP/s on its 4 products), 2.194 -> 2.192 at the 1B
         model's B2 Hq32 Hkv8 T8192 D64 causal; fwd+bwd interleaved (medians of 3) D128 full
-        8.069 -> 7.984 ms, causal 4.480 -> 4.360, the 157M model's GQA D64 0.833 -> 0.817."""
-        return ((self.dkv_overlap is not False) and not fused_dq and not self.split_d(d)
-                and self.pingpong is not True)
+        8.069 -> 7.984 ms, causal 4.480 -> 4.360, the 157M model's GQA D64 0.833 -> 0.817.
+        With the fused dQ only when asked (`dkv_overlap=True`): there dS^T also goes to shared
+        memory for dQ's product while dV's runs, and the kernel holds dQ's accumulator after
+        the step's; not yet timed (`attention_bwd.py fused`)."""
+        if self.split_d(d) or self.pingpong is True:
+            return False
+        return self.dkv_overlap is True or (self.dkv_overlap is None and not fused_dq)
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong

@@ -143,6 +143,47 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                                          functools.partial(_lse_c2, spec)))
                 return (p if keep is None else jnp.where(keep, p, 0.0)), t, keep
 
+            def share_ds(ds, j):
+                """The fused dQ: this consumer's dS^T [64 keys, bq] into step j's slot. Both
+                consumers' dS^T go to the step's two slots (steps alternate between two
+                pairs), and dQ = dS K is formed over the CTA's 128 keys (`add_dq_of_step`)."""
+                turn = lax.rem(j, 2)
+
+                @pl.when(j >= 2)
+                def _():             # the dQ of step j - 2 has read this slot
+                    plgpu.barrier_wait(ds_free.at[turn])
+                ds_smem[2 * turn + wg] = ds
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_full.at[turn])
+
+            def add_dq_of_step(gi, j, q0):
+                """The fused dQ of step j: [bq, D] float32 of reducing stores (two column
+                halves at D = 128, one tile by the consumer whose turn it is at 64), half the
+                bytes of a partial per consumer (FlashAttention-3 sec. 3.3's dQ)."""
+                turn = lax.rem(j, 2)
+
+                def dq_product(c0):
+                    """dQ[:, c0:c0 + cols] = dS K over both consumers' keys, added into
+                    dq_gmem from this consumer's shared-memory tile."""
+                    with jax.named_scope("wait_ds"):
+                        plgpu.barrier_wait(ds_full.at[turn])
+                    with jax.named_scope("dq"):
+                        (dq,) = mma.run(tn(ds_smem.at[pl.ds(2 * turn, 2)],
+                                           k_smem.at[:, :, pl.ds(c0, cols)]))
+                    plgpu.barrier_arrive(ds_free.at[turn])
+                    with jax.named_scope("dq_store"):
+                        add_dq(dq * spec.scale, dq_smem.at[wg], dq_gmem, wg, b, q0,
+                               hk * g + gi, c0, spec.interpret)
+                if split:
+                    # Both consumers every step, each its half of the columns: the same work
+                    # for both, so neither waits on the other's turn. (Two static branches:
+                    # the column offset of a swizzled tile must be static.)
+                    for w in range(2):
+                        pl.when(wg == w)(functools.partial(dq_product, w * cols))
+                else:
+                    # The consumer whose turn it is (steps alternate), all D columns.
+                    pl.when(turn == wg)(functools.partial(dq_product, 0))
+
             def step(gi, i, j, carry, masked):
                 dk, dv = carry
                 slot = lax.rem(j, stages)
@@ -168,45 +209,13 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                              t, keep)
                     ds = ds.astype(dtype)
                 if fused_dq:
-                    # Both consumers' dS^T go to this step's two [64 keys, bq] slots (steps
-                    # alternate between two pairs), and dQ = dS K is formed over the CTA's 128
-                    # keys: [bq, D] float32 of reducing stores per step (two column halves at
-                    # D = 128, one tile by the consumer whose turn it is at 64), half the
-                    # bytes of a partial per consumer (FlashAttention-3 sec. 3.3's dQ).
-                    turn = lax.rem(j, 2)
-
-                    @pl.when(j >= 2)
-                    def _():             # the dQ of step j - 2 has read this slot
-                        plgpu.barrier_wait(ds_free.at[turn])
-                    ds_smem[2 * turn + wg] = ds
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(ds_full.at[turn])
+                    share_ds(ds, j)
                 pp.switch()
                 with jax.named_scope("dk"):
                     (dk,) = mma.run(rs(dk, ds, q_cols(slot)))                  # += dS^T Q
                 plgpu.barrier_arrive(empty.at[slot])
                 if fused_dq:
-                    def dq_product(c0):
-                        """dQ[:, c0:c0 + cols] = dS K over both consumers' keys, added
-                        into dq_gmem from this consumer's shared-memory tile."""
-                        with jax.named_scope("wait_ds"):
-                            plgpu.barrier_wait(ds_full.at[turn])
-                        with jax.named_scope("dq"):
-                            (dq,) = mma.run(tn(ds_smem.at[pl.ds(2 * turn, 2)],
-                                               k_smem.at[:, :, pl.ds(c0, cols)]))
-                        plgpu.barrier_arrive(ds_free.at[turn])
-                        with jax.named_scope("dq_store"):
-                            add_dq(dq * spec.scale, dq_smem.at[wg], dq_gmem, wg, b, q0,
-                                    hk * g + gi, c0, spec.interpret)
-                    if split:
-                        # Both consumers every step, each its half of the columns: the same
-                        # work for both, so neither waits on the other's turn. (Two static
-                        # branches: the column offset of a swizzled tile must be static.)
-                        for w in range(2):
-                            pl.when(wg == w)(functools.partial(dq_product, w * cols))
-                    else:
-                        # The consumer whose turn it is (steps alternate), all D columns.
-                        pl.when(turn == wg)(functools.partial(dq_product, 0))
+                    add_dq_of_step(gi, j, q0)
                 return dk, dv
 
             def ostep(gi, i, j, carry, masked):
@@ -225,12 +234,17 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
 
                 def ds_of(p, dpt, aux):
                     ds = _ds(spec, p, dpt, _vec(delta, 0, _ROWS, spec.interpret), *aux)
-                    return ds.astype(dtype)
+                    ds = ds.astype(dtype)
+                    if fused_dq:      # written while dV's product runs, as dS is formed
+                        share_ds(ds, j)
+                    return ds
                 with jax.named_scope("products"):
                     dk, dv = mma.dkv_overlapped(
                         dk, dv, k_tile, q_smem.at[slot], v_tile, do_smem.at[slot],
                         lambda: plgpu.barrier_wait(do_full.at[slot]), p_of, ds_of)
                 plgpu.barrier_arrive(empty.at[slot])
+                if fused_dq:
+                    add_dq_of_step(gi, j, q0)
                 return dk, dv
 
             def xstep(gi, i, j, carry, masked):

@@ -56,6 +56,19 @@ def check_mask(mask, shape) -> None:
                          f"to a larger shape; the mask must broadcast to x")
 
 
+def is_int(value) -> bool:
+    """A Python or NumPy integer, not a bool (True is an int to Python, never a count or a
+    size here)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def integral(value):
+    """A NumPy integer as the Python int it holds (an option computed with NumPy, such as
+    `np.int64(k)`), anything else unchanged, for the checks to judge: static options are
+    Python ints from here on, hashable and usable as shapes."""
+    return int(value) if isinstance(value, np.integer) else value
+
+
 def check_positive(name: str, value, *, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
@@ -68,6 +81,8 @@ def check_finite(name: str, value, *, minimum: float | None = None) -> None:
     """A real number (not NaN or +-inf; >= minimum if given). A traced value is left to the
     caller: only the reference accepts one, and what it computes with it is its own."""
     try:
+        if isinstance(value, (str, bytes)):         # float("0.1") would take a string
+            raise TypeError
         v = float(value)
     except jax.errors.ConcretizationTypeError:
         return

@@ -10,6 +10,7 @@ import functools
 
 import jax
 
+from jaxfuse import _checks
 from jaxfuse._dispatch import route
 from jaxfuse.reference import add_norm as _r_an
 from jaxfuse.reference import add_norm_linear as _r_anl
@@ -145,7 +146,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     pallas = functools.partial(_s_attn.flash_attention, deterministic=deterministic)
     return route(impl, pallas, _r_attn.attention, q, k, v, causal=causal,
                  scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                 sliding_window=_checks.integral(sliding_window), logits_soft_cap=logits_soft_cap,
                  return_lse=return_lse, dropout_rate=dropout_rate, dropout_key=dropout_key,
                  interpret=interpret, block_sizes=block_sizes)
 
@@ -195,7 +196,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     ...                                                k_new=k, v_new=v)   # then lengths + 1
     """
     return route(impl, _s_attn.decode_attention, _r_dec.decode_attention, q, k_cache, v_cache,
-                 kv_lengths, scale=scale, num_splits=num_splits,
+                 kv_lengths, scale=scale, num_splits=_checks.integral(num_splits),
                  logits_soft_cap=logits_soft_cap, return_lse=return_lse, k_new=k_new,
                  v_new=v_new, packed_qkv=packed_qkv, partial_sums=partial_sums,
                  rope_base=rope_base, rope_interleaved=rope_interleaved, rms_input=rms_input,
@@ -231,7 +232,8 @@ def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *, impl: st
 
     >>> scores, parent, token = jaxfuse.beam_top_k(log_probs, beam_scores, beam_size)
     """
-    return route(impl, _s_blocks.beam_top_k, _r_topk.beam_top_k, log_probs, beam_scores, k,
+    return route(impl, _s_blocks.beam_top_k, _r_topk.beam_top_k, log_probs, beam_scores,
+                 _checks.integral(k),
                  interpret=interpret, block_sizes=block_sizes)
 
 

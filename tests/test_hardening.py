@@ -450,6 +450,36 @@ class TestZeroSize:
         assert [a.shape for a in out] == [(0, 2)] * 3
 
 
+class TestIntegerOptions:
+    """Class 3: an int option computed with NumPy (`np.int64(k)`) is the int it holds: the same
+    result as the Python int (it was refused as "must be an int in [1, 6]" with k = 2); a
+    bool is refused (True was taken as 1)."""
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    def test_numpy_ints_are_ints(self, impl):
+        lp = jax.nn.log_softmax(randn(keys(24, 1)[0], (2, 3, 5)))
+        for a, b in zip(jaxfuse.beam_top_k(lp, jnp.zeros((2, 3)), np.int64(4), impl=impl),
+                        jaxfuse.beam_top_k(lp, jnp.zeros((2, 3)), 4, impl=impl)):
+            np.testing.assert_array_equal(a, b)
+        q = randn(keys(25, 1)[0], (1, 9, 2, 8))
+        attn = lambda w: jaxfuse.flash_attention(q, q, q, causal=True, sliding_window=w,
+                                                 impl=impl)
+        np.testing.assert_array_equal(attn(np.int32(3)), attn(3))
+        dec = lambda n: jaxfuse.decode_attention(q[:, 0], q, q, jnp.array([7]), num_splits=n,
+                                                 impl=impl)
+        np.testing.assert_array_equal(dec(np.int64(2)), dec(2))
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    def test_bools_are_not_ints(self, impl):
+        q = jnp.zeros((1, 4, 2, 8))
+        with pytest.raises(ValueError, match="k=True must be an int"):
+            jaxfuse.beam_top_k(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2)), True, impl=impl)
+        with pytest.raises(ValueError, match="sliding_window=True must be a positive int"):
+            jaxfuse.flash_attention(q, q, q, sliding_window=True, impl=impl)
+        with pytest.raises(ValueError, match="num_splits=True must be an int"):
+            jaxfuse.decode_attention(q[:, 0], q, q, jnp.array([3]), num_splits=True, impl=impl)
+
+
 def _kernel_dot_precisions(jaxpr) -> list:
     """The `precision` of every dot_general inside the pallas_calls of a jaxpr."""
     found = []

@@ -104,6 +104,26 @@ class ModelTest(chex.TestCase):
             with self.assertRaisesRegex(ValueError, "steps_per_sync"):
                 M.greedy(params, CFG, prompts, lengths, steps_per_sync=bad, **kw)
 
+    def test_prompt_lengths_outside_the_prompts_are_refused_or_clipped(self):
+        """prompt_lengths lie in [1, P]: a known length outside raises, naming it (it read a
+        padding position or clamped an index, and decoded plausible tokens); a traced one,
+        which cannot be checked, is clipped to that range."""
+        params = _params(seed=7)
+        prompts = jax.random.randint(keys(7, 1)[0], (2, 4), 0, 11)
+        kw = dict(max_new_tokens=3, eos_id=2, impl="reference")
+        for bad, first in (([5, 2], "prompt_lengths\\[0\\]=5"),
+                           ([3, 0], "prompt_lengths\\[1\\]=0"),
+                           ([-1, 2], "prompt_lengths\\[0\\]=-1")):
+            for search, extra in ((M.greedy, {}), (M.beam_search, dict(beam_size=2))):
+                with self.assertRaisesRegex(ValueError, first + " must lie in \\[1, P=4\\]"):
+                    search(params, CFG, prompts, jnp.array(bad), **kw, **extra)
+            with self.assertRaisesRegex(ValueError, first):
+                M.prefill(params, M.init_cache(CFG, 2), prompts, jnp.array(bad), CFG,
+                          impl="reference")
+        traced = jax.jit(lambda n: M.greedy(params, CFG, prompts, n, **kw))
+        np.testing.assert_array_equal(traced(jnp.array([9, -3])),
+                                      M.greedy(params, CFG, prompts, jnp.array([4, 1]), **kw))
+
     def test_beam_search_matches_brute_force(self):
         cfg = M.Config(vocab_size=5, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=16,
                        max_len=8)

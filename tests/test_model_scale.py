@@ -340,6 +340,27 @@ class PresetTest(chex.TestCase):
         with self.assertRaisesRegex(ValueError, "preset 'huge'"):
             M.preset("huge")
         self.assertEqual(M.Config(dtype=jnp.bfloat16), M.Config(dtype="bfloat16"))
+        # Sizes are checked before the ratios that divide by them (n_heads=0 was a
+        # ZeroDivisionError; negative or float sizes failed later, in init), and the options'
+        # types before their ranges (None / a string were an AttributeError / a TypeError).
+        for bad in (dict(n_heads=0), dict(n_kv_heads=0), dict(n_heads=-4, n_kv_heads=-4),
+                    dict(n_heads=4.0), dict(d_model=0), dict(vocab_size=0), dict(n_layers=0),
+                    dict(d_ff=-5), dict(max_len=0), dict(n_layers=True)):
+            name, value = next(iter(bad.items()))
+            with self.assertRaisesRegex(ValueError, f"{name}={value!r} must be a positive int"):
+                M.Config(**bad)
+        for bad, message in ((dict(remat=None), "remat=None must be a string"),
+                             (dict(dropout="0.1"), "dropout='0.1' must be a real number"),
+                             (dict(dropout=float("nan")), "dropout=nan must be a finite"),
+                             (dict(label_smoothing=2.0), "label_smoothing=2.0 must lie"),
+                             (dict(rope_base=0.0), "rope_base=0.0 must be a positive")):
+            with self.assertRaisesRegex(ValueError, message):
+                M.Config(**bad)
+        # NumPy sizes are the ints they hold: the same (hashable, static) Config.
+        cfg = M.Config(n_layers=np.int64(2), d_model=np.int32(64))
+        self.assertEqual(cfg, M.Config())
+        self.assertIs(type(cfg.n_layers), int)
+        self.assertEqual(hash(cfg), hash(M.Config()))
 
 
 def test_decoding_steps_leave_row_ops_to_xla(monkeypatch):

@@ -6,10 +6,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxfuse import _checks
 from jaxfuse.pallas.linear_cross_entropy_slabs import check_token_slab
 from jaxfuse.sharding._core import residual_name
 
 _FLOAT_NAMES = ("float32", "bfloat16", "float16")
+_SIZES = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len")
 
 
 # The ops inside a block whose arrays carry a checkpoint name (`jaxfuse.residual_name`) that a
@@ -34,6 +36,9 @@ def remat_policy(remat: str):
     it saves a kernel's arrays only by name. "block+attention" recomputes the block but its attention forward
     (the costliest non-matmul part; q, k, v, o and the softmax statistics are kept).
     """
+    if not isinstance(remat, str):
+        raise ValueError(f"remat={remat!r} must be a string: 'none', 'block' or a "
+                         "jax.checkpoint_policies name, optionally followed by '+op'")
     base, *ops = remat.split("+")
     if base == "none":
         if ops:
@@ -91,6 +96,13 @@ class Config:
                                     # `jaxfuse.LCEBlocks(token_slab=n)`)
 
     def __post_init__(self):
+        # Sizes first (the ratios below divide by them): positive ints, NumPy ints taken as
+        # the ints they hold.
+        for field in _SIZES:
+            value = getattr(self, field)
+            if not (_checks.is_int(value) and value >= 1):
+                raise ValueError(f"{field}={value!r} must be a positive int")
+            object.__setattr__(self, field, int(value))
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -111,8 +123,11 @@ class Config:
             if name not in _FLOAT_NAMES:
                 raise ValueError(f"{field}={value!r} must be one of {_FLOAT_NAMES}")
             object.__setattr__(self, field, name)
+        _checks.check_finite("dropout", self.dropout)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        _checks.check_smoothing(self.label_smoothing)
+        _checks.check_positive("rope_base", self.rope_base, allow_none=False)
         remat_policy(self.remat)         # validates
         check_token_slab(self.loss_token_slab, "loss_token_slab")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxfuse
 from jaxfuse.model import _block_ops as ops
@@ -79,14 +80,35 @@ def _qkv_partials(y: jax.Array, w: jax.Array, cfg: Config) -> jax.Array:
     return out.reshape(parts, b, -1, cfg.head_dim)
 
 
+def check_prompt_lengths(prompt_lengths, p: int) -> None:
+    """Every prompt length in [1, P] (a prompt is at least the token that decoding continues),
+    checked where the lengths are known (not traced): a `ValueError` naming the first bad one.
+    Under `jax.jit` they cannot be read, and `prefill` clips them to [1, P] instead."""
+    if p < 1:
+        raise ValueError(f"prompts have width P={p}: each prompt needs at least one token")
+    if isinstance(prompt_lengths, jax.core.Tracer):
+        return
+    n = np.asarray(prompt_lengths)
+    bad = np.flatnonzero((n < 1) | (n > p))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"prompt_lengths[{i}]={n.flat[i]} must lie in [1, P={p}] (P = "
+                         "prompts.shape[1], the padded width; pad each prompt on the right "
+                         "and pass its own length)")
+
+
 def prefill(params: dict, cache: dict, prompts: jax.Array, prompt_lengths: jax.Array,
             cfg: Config, *, impl: str = "pallas"):
     """Runs the right-padded prompts [B, P] with causal flash attention, writes their K/V into
     the cache and returns (logits of each prompt's last token [B, V], cache).
 
     Padding sits after each prompt, so the causal mask keeps it out of every real position; its
-    K/V land in the cache beyond `lengths` and are overwritten by the first decoded tokens."""
+    K/V land in the cache beyond `lengths` and are overwritten by the first decoded tokens.
+    prompt_lengths [B] lie in [1, P]: a `ValueError` where they are known, clipped to that
+    range under `jax.jit` (`check_prompt_lengths`)."""
     p = prompts.shape[1]
+    check_prompt_lengths(prompt_lengths, p)
+    prompt_lengths = jnp.clip(prompt_lengths, 1, p)
     y, (_, k_all, v_all) = T.hidden(params, prompts, cfg, impl=impl, collect_qkv=True)
     last = jnp.take_along_axis(y, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, D]
     logits = last @ T.unembedding(T.cast(params, cfg), cfg)                  # [B, V]

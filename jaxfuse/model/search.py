@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxfuse
+from jaxfuse import _checks
 from jaxfuse.model import _block_ops as ops
 from jaxfuse.model import decoding
 from jaxfuse.model.config import Config
@@ -33,11 +34,25 @@ def _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg, steps_per_sync)
     if prompts.ndim != 2 or tuple(prompt_lengths.shape) != (prompts.shape[0],):
         raise ValueError(f"prompts.shape={prompts.shape} must be [B, P] and prompt_lengths.shape="
                          f"{prompt_lengths.shape} must be [B]")
+    decoding.check_prompt_lengths(prompt_lengths, prompts.shape[1])
     if prompts.shape[1] + max_new_tokens > cfg.max_len:
         raise ValueError(f"prompt width {prompts.shape[1]} + max_new_tokens={max_new_tokens} "
                          f"exceeds cfg.max_len={cfg.max_len}")
-    if not (isinstance(steps_per_sync, int) and steps_per_sync >= 1):
+    if not (_checks.is_int(steps_per_sync) and steps_per_sync >= 1):
         raise ValueError(f"steps_per_sync={steps_per_sync!r} must be an int >= 1")
+
+
+def _lengths_checked(search):
+    """`search` (greedy or beam search, jitted) with its prompt lengths checked first where
+    they are known (`decoding.check_prompt_lengths`): inside the jit they are traced, and only
+    clipped to [1, P]."""
+    @functools.wraps(search)
+    def call(params, cfg, prompts, prompt_lengths, **options):
+        if getattr(prompts, "ndim", None) == 2:        # else the search's own shape error
+            decoding.check_prompt_lengths(prompt_lengths, prompts.shape[1])
+        return search(params, cfg, prompts, prompt_lengths, **options)
+    call._clear_cache = search._clear_cache
+    return call
 
 
 def _loop(step, state, max_new_tokens: int, steps_per_sync: int):
@@ -51,12 +66,14 @@ def _loop(step, state, max_new_tokens: int, steps_per_sync: int):
     return repeat(max_new_tokens % steps_per_sync, state)
 
 
+@_lengths_checked
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_id", "impl",
                                              "steps_per_sync"))
 def greedy(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: jax.Array, *,
            max_new_tokens: int, eos_id: int, impl: str = "pallas",
            steps_per_sync: int = 8) -> jax.Array:
     """Generated tokens [B, max_new_tokens]; `eos_id` fills the rest once a sequence ended.
+    prompts [B, P] right-padded, prompt_lengths [B] in [1, P] (`decoding.prefill`).
     `steps_per_sync`: decoding steps between two checks of the early stop (see module doc)."""
     _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg, steps_per_sync)
     b = prompts.shape[0]
@@ -85,12 +102,14 @@ def _running(max_new_tokens: int):
     return lambda state: (state[0] < max_new_tokens) & ~jnp.all(state[-1])
 
 
+@_lengths_checked
 @functools.partial(jax.jit, static_argnames=("cfg", "beam_size", "max_new_tokens", "eos_id",
                                              "length_penalty", "impl", "steps_per_sync"))
 def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: jax.Array, *,
                 beam_size: int, max_new_tokens: int, eos_id: int, length_penalty: float = 0.0,
                 impl: str = "pallas", steps_per_sync: int = 8):
     """(tokens [B, beam_size, max_new_tokens], scores [B, beam_size]), best first.
+    prompts [B, P] right-padded, prompt_lengths [B] in [1, P] (`decoding.prefill`).
     `steps_per_sync`: decoding steps between two checks of the early stop (see module doc)."""
     _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg, steps_per_sync)
     b, k, v = prompts.shape[0], beam_size, cfg.vocab_size

@@ -56,7 +56,7 @@ def validate(q, k, v, q_segment_ids=None, kv_segment_ids=None, sliding_window=No
                 raise ValueError(f"{name}.shape={tuple(seg.shape)} must be ({b}, {t}) = "
                                  "[batch, sequence length]")
             _checks.check_int(name, seg)
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+    if sliding_window is not None and (not _checks.is_int(sliding_window) or sliding_window < 1):
         raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
     _checks.check_positive("logits_soft_cap", logits_soft_cap)
     _checks.check_positive("scale", scale)

@@ -22,7 +22,7 @@ def validate(log_probs, beam_scores, k) -> None:
     if n_beams * v == 0:
         raise ValueError(f"log_probs.shape={tuple(log_probs.shape)}: the beams and the "
                          "vocabulary (axes 1 and 2) must not be empty")
-    if not (isinstance(k, int) and 1 <= k <= n_beams * v):
+    if not (_checks.is_int(k) and 1 <= k <= n_beams * v):
         raise ValueError(f"k={k!r} must be an int in [1, beam_size * V = {n_beams * v}]")
 
 

@@ -66,7 +66,7 @@ def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=N
                          "length per sequence")
     check_lengths_dtype(kv_lengths)
     s = k_cache.shape[1]
-    if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= max(s, 1)):
+    if num_splits is not None and not (_checks.is_int(num_splits) and 1 <= num_splits <= max(s, 1)):
         raise ValueError(f"num_splits={num_splits!r} must be an int in [1, S={s}] or None")
     _checks.check_positive("logits_soft_cap", logits_soft_cap)
     _checks.check_positive("scale", scale)

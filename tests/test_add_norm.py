@@ -173,6 +173,33 @@ class AddNormLinearTest(chex.TestCase):
         np.testing.assert_array_equal(np.asarray(vjp(dout)[0][0], np.float32),
                                       y_kept[pick].T)
 
+    @parameterized.parameters("rms", "layer")
+    def test_vmap_over_projections_alone(self, norm):
+        """Mapped over a stack of projections with x, residual, the norm's weights and the key
+        shared (an ensemble of heads): h is the same for every member and the projections
+        differ. The gradients must equal the reference's and a loop's; they came out with dh
+        counted batch-size times (h unbatched beside batched outputs, `_batched_with`)."""
+        k = keys(9, 7)
+        x, res = randn(k[0], (5, 16)), randn(k[1], (5, 16), shift=0.5)
+        w, b = randn(k[2], (16,)), randn(k[3], (16,)) if norm == "layer" else None
+        ps = randn(k[4], (3, 16, 6))
+        cts = (randn(k[5], (3, 5, 16)), randn(k[6], (3, 5, 6)))
+        key = jax.random.key(2)
+
+        def f(impl, loop=False):
+            one = lambda x, res, w, b, p: (lambda h, outs: (h, outs[0]))(*jaxfuse.add_norm_linear(
+                x, res, w, b, projections=(p,), norm=norm, rate=0.2, key=key, impl=impl))
+            if loop:
+                return lambda x, res, w, b, ps: jax.tree.map(
+                    lambda *a: jnp.stack(a), *[one(x, res, w, b, p) for p in ps])
+            return jax.vmap(one, in_axes=(None, None, None, None, 0))
+        args = (x, res, w, b, ps)
+        out, vjp = jax.vjp(f("pallas"), *args)
+        for g in (f("reference"), f("pallas", loop=True)):
+            outr, vjpr = jax.vjp(g, *args)
+            assert_close(out, outr, jnp.float32)
+            assert_close(vjp(cts), vjpr(cts), jnp.float32, scale=2.0)
+
     def test_keeps_h_and_statistics_not_y(self):
         k = keys(8, 4)
         x, res, w = randn(k[0], (4, 24)), randn(k[1], (4, 24)), randn(k[2], (24,))

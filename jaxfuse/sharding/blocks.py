@@ -364,6 +364,23 @@ def add_norm(x, residual, weight, bias=None, *, norm="rms", eps=None, rate=0.0, 
 
 # ---- add_norm_linear -------------------------------------------------------------------------
 
+def _batched_with(h, outs):
+    """h, made batched under `jax.vmap` wherever some output in `outs` is, unchanged otherwise.
+
+    A custom_vjp whose outputs are batched unevenly gets wrong gradients: mapped over batched
+    projections with x, residual and the norm's weights shared, h comes out unbatched and the
+    projections batched; JAX sums h's cotangent over the batch before the backward, whose dx
+    (batched by the projections' cotangents) it then sums over the batch again, so dh counted
+    batch-size times (a plain 6-line custom_vjp shows it too, jax 0.10.2). The ops of `vjp_op`
+    escape it: one kernel's outputs are batched together. Here h takes the outputs' batch
+    through a select on a zero-size sum of them: no arithmetic on h (its bits, NaN and -0.0
+    included, pass unchanged), and without vmap XLA folds it away."""
+    if not outs:
+        return h
+    zero = functools.reduce(jnp.add, (jnp.ravel(o)[:0].sum() for o in outs))
+    return jnp.where(zero == 0, h, zero.astype(h.dtype))
+
+
 @functools.lru_cache(maxsize=None)
 def _add_norm_linear_op(ndim: int, cfg):
     fwd, bwd = _an_layouts(ndim, cfg)
@@ -374,7 +391,8 @@ def _add_norm_linear_op(ndim: int, cfg):
 
     def forward(args):
         h, y, mean, rstd = partitioned(functools.partial(_an_fwd, cfg), fwd, args[:n_in])
-        return h, y, mean, rstd, tuple(_project(y, p) for p in args[n_in:])
+        outs = tuple(_project(y, p) for p in args[n_in:])
+        return _batched_with(h, outs), y, mean, rstd, outs
 
     # As swiglu_linear: the kernels per shard, the projections XLA's (a projection split over
     # its output columns is Megatron's column-parallel matmul, nothing to sum).

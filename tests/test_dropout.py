@@ -337,6 +337,16 @@ class DropoutOpsTest(chex.TestCase):
             jaxfuse.bias_act_dropout(x, None, activation="tanh")
         with self.assertRaisesRegex(ValueError, "x.shape=\\(\\)"):
             jaxfuse.dropout(jnp.float32(1.0), 0.1, key)
+        with self.assertRaisesRegex(ValueError, "key=0 must be a JAX PRNG key"):   # not an
+            jaxfuse.dropout(x, 0.1, 0)                                  # AttributeError
+        # A legacy key is the default generator's raw data: [4] uint32 under "rbg" (it was
+        # refused), and its mask is the typed key's.
+        with jax.default_prng_impl("rbg"):
+            raw = jax.random.PRNGKey(3)
+            np.testing.assert_array_equal(jaxfuse.dropout(x, 0.5, raw),
+                                          jaxfuse.dropout(x, 0.5, jax.random.wrap_key_data(raw)))
+            with self.assertRaisesRegex(ValueError, "legacy uint32 key of shape \\(4,\\)"):
+                jaxfuse.dropout(x, 0.1, jnp.zeros((2,), jnp.uint32))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,40 @@ class EmbeddingTest(chex.TestCase):
             np.testing.assert_allclose(np.asarray(dt)[2],
                                        np.where(keep_mask(k[2], (10, d), 0.5)[2], 2.0, 0.0))
 
+    def test_wide_integer_ids_are_judged_before_their_cast(self):
+        """Under jax_enable_x64 an int64 token or position past int32's range (2^32 + 1) gave
+        row 1 (cast to int32 before the range check: tokens on the Pallas path, with their
+        gradient on row 1, positions on both); now a NaN row and no gradient, as any id
+        outside the table. uint32 ids past 2^31 likewise."""
+        k = keys(4, 2)
+        table, pos_table = randn(k[0], (5, 8)), randn(k[1], (4, 8))
+        with jax.enable_x64(True):
+            cases = ((jnp.array([1, 2 ** 32 + 1, 2]), jnp.array([0, 1, 2])),
+                     (jnp.array([1, 3, 2]), jnp.array([0, 2 ** 32 + 1, -2 ** 32 + 2])),
+                     (jnp.array([1, 2 ** 31 + 1, 2], jnp.uint32),
+                      jnp.array([0, 1, 2 ** 32 - 1], jnp.uint32)))
+            for tokens, positions in cases:
+                bad = np.array([t >= 5 or t < 0 or p >= 4 or p < 0
+                                for t, p in zip(tokens.tolist(), positions.tolist())])
+                for impl in ("pallas", "reference"):
+                    f = lambda t: jaxfuse.embedding(tokens, t, pos_table=pos_table,
+                                                    positions=positions, impl=impl)
+                    y, vjp = jax.vjp(f, table)
+                    np.testing.assert_array_equal(np.isnan(np.asarray(y)).any(-1), bad)
+                    (dt,) = vjp(jnp.ones_like(y))
+                    used = np.zeros(5)
+                    for t, b in zip(tokens.tolist(), bad):
+                        if not b:
+                            used[t] += 1
+                    np.testing.assert_array_equal(np.asarray(dt)[:, 0], used)
+
+    def test_0d_token_with_position_table(self):
+        k = keys(5, 2)
+        table, pos_table = randn(k[0], (5, 8)), randn(k[1], (4, 8))
+        for impl in ("pallas", "reference"):
+            y = jaxfuse.embedding(jnp.int32(3), table, pos_table=pos_table, impl=impl)
+            assert_close(y, table[3] + pos_table[0], jnp.float32)
+
     def test_default_positions_and_vmap(self):
         k = keys(3, 3)
         tokens = jax.random.randint(k[0], (2, 3, 5), 0, 7)
@@ -114,6 +148,16 @@ class EmbeddingTest(chex.TestCase):
             jaxfuse.embedding(tokens, table, positions=tokens)
         with self.assertRaisesRegex(ValueError, "rate=2"):
             jaxfuse.embedding(tokens, table, rate=2, key=jax.random.key(0))
+        # (an internal gather error or a silent inf/NaN output before)
+        with self.assertRaisesRegex(ValueError, "table.shape=\\(0, 8\\): the table must"):
+            jaxfuse.embedding(tokens, jnp.ones((0, 8)))
+        with self.assertRaisesRegex(ValueError, "pos_table.shape=\\(0, 8\\)"):
+            jaxfuse.embedding(tokens, table, pos_table=jnp.ones((0, 8)))
+        for scale in (float("inf"), float("nan")):
+            with self.assertRaisesRegex(ValueError, f"scale={scale} must be a finite"):
+                jaxfuse.embedding(tokens, table, scale=scale)
+        with self.assertRaisesRegex(ValueError, "key=0 must be a JAX PRNG key"):
+            jaxfuse.embedding(tokens, table, rate=0.1, key=0)
 
 
 if __name__ == "__main__":

@@ -357,6 +357,10 @@ def test_swiglu_and_rope_lower(interleaved):
         q = jnp.zeros(shape, dtype)
         pos = jnp.zeros(shape[:2], jnp.int32)
         _fwd_bwd(lambda q: jaxfuse.rope(q, pos, interleaved=interleaved, interpret=False), q)
+    # positions wider than int32 reach the kernels as float32 (`rope.kernel_positions`)
+    pos = jnp.zeros((2, 100), jnp.uint32)
+    _fwd_bwd(lambda q: jaxfuse.rope(q, pos, interleaved=interleaved, interpret=False),
+             jnp.zeros((2, 100, 4, 128), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])

@@ -77,6 +77,25 @@ class RopeTest(chex.TestCase):
             assert_close(jax.vmap(jaxfuse.rope)(x, pos), jaxfuse.rope(x, pos, impl="reference"),
                          dtype)
 
+    def test_wide_position_types(self):
+        """Positions of a type wider than int32 reach the kernel as the float32 the reference's
+        angles start from (`kernel_positions`): uint32 past 2^31 wrapped negative as int32
+        (another angle), and under jax_enable_x64 (int64 positions, int64 index literals)
+        the interpreted kernel failed to trace at all."""
+        k = keys(3, 2)
+        x = randn(k[0], (1, 5, 2, 8))
+        big = jnp.array([[0, 1, 2, 3, 2 ** 31 + 5]], jnp.uint32)
+        for interleaved in (True, False):
+            f = lambda x, p, impl: jaxfuse.rope(x, p, interleaved=interleaved, impl=impl)
+            cts = randn(k[1], x.shape)
+            for pos in (big, jnp.array([[0, 7, 2, 900, 5]])):
+                with jax.enable_x64(pos.dtype != jnp.uint32):
+                    pos = jnp.asarray(pos, pos.dtype if pos.dtype == jnp.uint32 else jnp.int64)
+                    y, vjp = jax.vjp(lambda x: f(x, pos, "pallas"), x)
+                    yr, vjpr = jax.vjp(lambda x: f(x, pos, "reference"), x)
+                    assert_close(y, yr, jnp.float32)
+                    assert_close(vjp(cts), vjpr(cts), jnp.float32)
+
     def test_bad_input(self):
         x = jnp.ones((2, 5, 3, 8))
         pos = jnp.zeros((2, 5), jnp.int32)

@@ -212,7 +212,7 @@ def embedding(tokens: jax.Array, table: jax.Array, *, scale: float = 1.0,
     interpret = C.resolve_interpret(interpret)
     rate = float(rate) if _philox.active(rate, key) else 0.0
     positions = ref.resolve_positions(tokens, pos_table, positions)
-    tok = tokens.reshape(-1).astype(jnp.int32)
+    tok = ref.table_index(tokens, table.shape[0]).reshape(-1)
     pos = None if positions is None else positions.reshape(-1)
     n_rows, d = tok.shape[0], table.shape[1]
     fwd_blocks = bwd_blocks = block_sizes

@@ -63,7 +63,8 @@ def _load_halves(ref, t0, full, valid, a0: int, b0: int, stride: int, half: int,
     whole [bt, H, D] tile is loaded (masked: it pads at the edge) and sliced."""
     bt, hp, w = full
     if interpret:
-        x = pltriton.load(ref.at[pl.ds(t0, bt), pl.ds(0, hp), pl.ds(0, w)], mask=valid,
+        z = t0 * 0     # starts of t0's integer type: a literal 0 is int64 under jax_enable_x64
+        x = pltriton.load(ref.at[pl.ds(t0, bt), pl.ds(z, hp), pl.ds(z, w)], mask=valid,
                           other=None if valid is None else 0.0).astype(jnp.float32)
         pick = lambda c0: jax.lax.slice_in_dim(x, c0, c0 + stride * (half - 1) + 1, stride, -1)
         return pick(a0), pick(b0)
@@ -86,7 +87,8 @@ def _store_halves(ref, t0, valid, a0: int, b0: int, stride: int, ya, yb, interpr
     if interpret:
         y = (jnp.stack([ya, yb], -1).reshape(bt, hp, 2 * w) if stride == 2
              else jnp.concatenate([ya, yb], -1))
-        pltriton.store(ref.at[pl.ds(t0, bt), pl.ds(0, hp), pl.ds(0, 2 * w)],
+        z = t0 * 0     # as in `_load_halves`
+        pltriton.store(ref.at[pl.ds(t0, bt), pl.ds(z, hp), pl.ds(z, 2 * w)],
                        y.astype(ref.dtype), mask=valid)
         return
     for c0, y in ((a0, ya), (b0, yb)):
@@ -115,7 +117,8 @@ def _store_pairs(ref, t0, valid, ya, yb, dtype):
 
 
 def _rotate(x3, pos, st: _Static, sign: float):
-    """x3 [N, H, D] rotated by +theta (sign 1) or -theta (sign -1); pos int32 [N]."""
+    """x3 [N, H, D] rotated by +theta (sign 1) or -theta (sign -1); pos [N] int32 or float32
+    (`kernel_positions`)."""
     n, h, d = x3.shape
     half = d // 2
     bt, hp, dh = st.tokens, C.next_pow2(h), C.next_pow2(half)
@@ -162,6 +165,16 @@ def _rotate(x3, pos, st: _Static, sign: float):
     return jax.lax.bitcast_convert_type(out, x3.dtype).reshape(n, h, d) if packed else out
 
 
+def kernel_positions(positions: jax.Array) -> jax.Array:
+    """Positions as the kernel reads them before its float32 conversion: int32 where their type
+    fits in it (exact), else (int64, uint32, uint64) float32, the value the reference's angles
+    start from; as int32 a position past its range would wrap to another angle."""
+    dtype = jnp.dtype(positions.dtype)
+    if dtype.itemsize < 4 or dtype == jnp.int32:
+        return positions.astype(jnp.int32)
+    return positions.astype(jnp.float32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _rope(x2, pos, st: _Static):
     return _rotate(x2, pos, st, 1.0)
@@ -172,7 +185,9 @@ def _rope_fwd(x2, pos, st):
 
 
 def _rope_bwd(st, pos, dy2):
-    return _rotate(dy2, pos, st, -1.0), jnp.zeros(pos.shape, jax.dtypes.float0)
+    no_ct = (jnp.zeros(pos.shape, jax.dtypes.float0) if jnp.issubdtype(pos.dtype, jnp.integer)
+             else jnp.zeros_like(pos))
+    return _rotate(dy2, pos, st, -1.0), no_ct
 
 
 _rope.defvjp(_rope_fwd, _rope_bwd)
@@ -192,6 +207,6 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleav
                              "(a program rotates whole heads; block_rows counts tokens)")
     x3 = x.reshape(-1, h, d)
     bt, warps = _tokens_per_program(x3.shape[0], h, d, interpret, block_sizes)
-    pos = positions.reshape(-1).astype(jnp.int32)          # one position per token
+    pos = kernel_positions(positions.reshape(-1))          # one position per token
     st = _Static(float(base), bool(interleaved), bt, interpret, warps)
     return _rope(x3, pos, st).reshape(x.shape)

@@ -22,10 +22,15 @@ from jaxfuse import _checks, _philox
 def check_key(key) -> None:
     if key is None:
         return
+    if not hasattr(key, "dtype"):
+        raise ValueError(f"key={key!r} must be a JAX PRNG key, e.g. jax.random.key(0)")
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    if not typed and not (key.dtype == jnp.uint32 and tuple(key.shape) == (2,)):
+    # A legacy key (`jax.random.PRNGKey`) is the raw uint32 data of the default generator's
+    # key: [2] for threefry, [4] for "rbg".
+    raw = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+    if not typed and not (key.dtype == jnp.uint32 and tuple(key.shape) == tuple(raw)):
         raise ValueError(f"key (dtype={key.dtype}, shape={tuple(key.shape)}) must be a JAX PRNG "
-                         "key, e.g. jax.random.key(0)")
+                         f"key, e.g. jax.random.key(0) (or a legacy uint32 key of shape {raw})")
     if typed and key.shape != ():
         raise ValueError(f"key.shape={tuple(key.shape)} must be () (one key); split keys are "
                          "passed one per call, or through jax.vmap")

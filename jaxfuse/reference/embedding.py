@@ -26,11 +26,18 @@ def validate(tokens, table, scale, pos_table, positions, rate, key) -> None:
     _checks.check_ndim("table", table, 2)
     if not isinstance(scale, (int, float)):
         raise ValueError(f"scale={scale!r} must be a Python number")
+    _checks.check_finite("scale", scale)
+    if table.shape[0] == 0:
+        raise ValueError(f"table.shape={tuple(table.shape)}: the table must have rows (a token "
+                         "indexes one)")
     if pos_table is not None:
         if pos_table.ndim != 2 or pos_table.shape[1] != table.shape[1] or \
                 pos_table.dtype != table.dtype:
             raise ValueError(f"pos_table (shape={tuple(pos_table.shape)}, dtype={pos_table.dtype})"
                              f" must be [P, {table.shape[1]}] of table's dtype {table.dtype}")
+        if pos_table.shape[0] == 0:
+            raise ValueError(f"pos_table.shape={tuple(pos_table.shape)}: the position table must "
+                             "have rows (a position indexes one)")
     if positions is not None:
         if pos_table is None:
             raise ValueError("positions were given without a pos_table")
@@ -42,14 +49,25 @@ def validate(tokens, table, scale, pos_table, positions, rate, key) -> None:
     _dropout.check_key(key)
 
 
+def table_index(idx, n: int):
+    """int32 row indices into a table of n rows: those in [0, n) as they are, every other value
+    -1 (a row of none). A wider type (int64 under jax_enable_x64, uint32, uint64) is judged
+    before its cast, where a value past int32's range would wrap to another row."""
+    dtype = jnp.dtype(idx.dtype)
+    if dtype.itemsize < 4 or dtype == jnp.int32:
+        return idx.astype(jnp.int32)
+    return jnp.where((idx >= 0) & (idx < n), idx, -1).astype(jnp.int32)
+
+
 def resolve_positions(tokens, pos_table, positions):
-    """int32 positions shaped like tokens (0..T-1 along the last axis by default), or None."""
+    """int32 positions shaped like tokens (0..T-1 along the last axis by default; 0 for a 0-d
+    token), out-of-range ones -1 (`table_index`), or None."""
     if pos_table is None:
         return None
     if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1] if tokens.ndim else 1),
-                                     tokens.shape)
-    return positions.astype(jnp.int32)
+        positions = (jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape) if tokens.ndim
+                     else jnp.zeros((), jnp.int32))
+    return table_index(positions, pos_table.shape[0])
 
 
 def _rows_of(table, idx):
@@ -63,7 +81,7 @@ def embedding(tokens: jax.Array, table: jax.Array, *, scale: float = 1.0,
               rate: float = 0.0, key=None) -> jax.Array:
     validate(tokens, table, scale, pos_table, positions, rate, key)
     positions = resolve_positions(tokens, pos_table, positions)
-    e, ok = _rows_of(table, tokens)
+    e, ok = _rows_of(table, table_index(tokens, table.shape[0]))
     v = e * jnp.float32(scale)
     if pos_table is not None:
         p, ok_p = _rows_of(pos_table, positions)

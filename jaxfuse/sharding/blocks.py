@@ -210,7 +210,7 @@ def rope(x, positions, *, base=10000.0, interleaved=True, interpret=None, block_
     _r_rope.validate(x, positions, base)
     positions = jnp.broadcast_to(positions, x.shape[:-2])
     return _rope_op(x.ndim, float(base), bool(interleaved), interpret, block_sizes)(
-        x, positions.astype(jnp.int32))[0]
+        x, positions)[0]
 
 
 # ---- dropout, bias_dropout_add, bias_act_dropout ---------------------------------------------
@@ -523,7 +523,8 @@ def embedding(tokens, table, *, scale=1.0, pos_table=None, positions=None, rate=
     cfg = (float(scale), rate, pos_table is not None, interpret, block_sizes)
     key_w = _philox.key_words(key) if rate else None
     op = _embedding_op(tokens.ndim, table.shape[0], cfg)
-    return op(*present(tokens.astype(jnp.int32), table, pos_table, positions, key_w))[0]
+    return op(*present(_r_emb.table_index(tokens, table.shape[0]), table, pos_table, positions,
+                       key_w))[0]
 
 
 # ---- beam_top_k ------------------------------------------------------------------------------

@@ -480,6 +480,86 @@ class TestIntegerOptions:
             jaxfuse.decode_attention(q[:, 0], q, q, jnp.array([3]), num_splits=True, impl=impl)
 
 
+def _x64_cases():
+    """(name, f(impl)) of every op, on inputs made under jax_enable_x64 (int64 ids and
+    positions, as `jnp.arange` gives there; float inputs float32, as the ops take)."""
+    k = jax.random.split(jax.random.key(26), 6)
+    x = randn(k[0], (5, 37))
+    w = jnp.ones(37, jnp.float32)
+    lab = jnp.arange(5) * 7                                   # int64
+    q = randn(k[1], (1, 9, 2, 8))
+    lp = jax.nn.log_softmax(randn(k[2], (2, 3, 5)))
+    cache = randn(k[3], (1, 9, 2, 8))
+    return [
+        ("softmax", lambda i: jaxfuse.softmax(x, causal=True, impl=i)),
+        ("norms", lambda i: jax.grad(lambda x: (jaxfuse.layer_norm(x, w, w, impl=i)
+                                                + jaxfuse.rms_norm(x, w, impl=i)).sum())(x)),
+        ("cross_entropy", lambda i: jax.grad(lambda x: jaxfuse.cross_entropy(x, lab,
+                                                                            impl=i))(x)),
+        ("linear_cross_entropy", lambda i: jax.grad(lambda x: jaxfuse.linear_cross_entropy(
+            x, jnp.full((37, 11), 0.1, jnp.float32), lab % 11, impl=i))(x)),
+        ("flash_attention", lambda i: jax.grad(lambda q: jaxfuse.flash_attention(
+            q, q, q, causal=True, sliding_window=4, dropout_rate=0.2, dropout_key=k[4],
+            impl=i).sum())(q)),
+        ("decode_attention", lambda i: jaxfuse.decode_attention(
+            q[:, 0], cache, cache, jnp.array([6]), k_new=q[:, 0, :2], v_new=q[:, 0, :2],
+            rope_base=100.0, impl=i)),
+        ("beam_top_k", lambda i: jaxfuse.beam_top_k(lp, jnp.zeros((2, 3), jnp.float32), 3,
+                                                    impl=i)),
+        ("reorder_beams", lambda i: jaxfuse.reorder_beams(
+            (jnp.arange(36.0, dtype=jnp.float32).reshape(2, 3, 6),), jnp.array([[2, 0, 1]] * 2),
+            jnp.array([1, 1]), jnp.array([3, 4]), impl=i)),
+        ("dropout family", lambda i: jax.grad(lambda x: (
+            jaxfuse.bias_dropout_add(x, w, x, rate=0.1, key=k[5], impl=i)
+            + jaxfuse.bias_act_dropout(x, w, rate=0.1, key=k[5], impl=i)).sum())(x)),
+        ("add_norm", lambda i: jax.grad(lambda x: jaxfuse.add_norm(
+            x, x, w, rate=0.1, key=k[5], impl=i)[1].sum())(x)),
+        ("swiglu", lambda i: jax.grad(lambda x: jaxfuse.swiglu(x, x, impl=i).sum())(x)),
+        ("rope", lambda i: jaxfuse.rope(q, jnp.arange(9)[None] * 3, impl=i)),
+        ("embedding", lambda i: jaxfuse.embedding(jnp.array([1, 2 ** 40, 4]), x,
+                                                  pos_table=x[:3], impl=i)),
+    ]
+
+
+class TestX64:
+    """Class 4: with jax_enable_x64 on every op runs as without it, kernel = reference: the
+    interpreted RoPE kernel failed to trace (int64 index literals beside int32 starts), and
+    int64 ids past int32's range read another row (`tests/test_embedding.py`)."""
+
+    def test_every_op_matches_its_reference(self):
+        with jax.enable_x64(True):
+            for name, f in _x64_cases():
+                out, ref = f("pallas"), f("reference")
+                for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+                    assert a.dtype == b.dtype, name
+                    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5,
+                                               atol=2e-5, err_msg=name)
+
+    def test_hopper_kernels_step_aside(self, monkeypatch):
+        """The Mosaic GPU kernels' index arithmetic is int32, and their sm90 lowering failed
+        under x64 (lax.rem of int32 and int64): on an sm90 GPU with x64 on they are not
+        picked (the portable kernels run), and forcing one raises, naming the fix."""
+        from jaxfuse.pallas import _hopper
+        sm90 = type("Dev", (), dict(platform="gpu", compute_capability="9.0"))()
+        monkeypatch.setattr(jax, "devices", lambda *a: [sm90])
+        assert _hopper.available()
+        x = jnp.zeros((128, 256), jnp.bfloat16)
+        with jax.enable_x64(True):
+            assert not _hopper.available()
+            with pytest.raises(ValueError, match="AttnBlocks\\(hopper=True\\): the Hopper "
+                                                 "kernels do not run with jax_enable_x64"):
+                jaxfuse.flash_attention(x[None, :, None, :128], x[None, :, None, :128],
+                                        x[None, :, None, :128], interpret=False,
+                                        block_sizes=jaxfuse.AttnBlocks(hopper=True))
+            with pytest.raises(ValueError, match="LCEBlocks\\(hopper=True\\)"):
+                jaxfuse.linear_cross_entropy(x, x.T, jnp.zeros(128, jnp.int32),
+                                             interpret=False,
+                                             block_sizes=jaxfuse.LCEBlocks(hopper=True))
+            with pytest.raises(ValueError, match="RowBlocks\\(hopper=True\\)"):
+                jaxfuse.swiglu(x, x, interpret=False,
+                               block_sizes=jaxfuse.RowBlocks(32, 128, hopper=True))
+
+
 def _kernel_dot_precisions(jaxpr) -> list:
     """The `precision` of every dot_general inside the pallas_calls of a jaxpr."""
     found = []

@@ -31,9 +31,27 @@ SMEM_BYTES = 227 * 1024 - 1024
 ROWS = 64
 
 
+def x64() -> bool:
+    """Whether jax_enable_x64 is on here (in this thread or context)."""
+    return jax.dtypes.canonicalize_dtype(np.int64) == np.int64
+
+
+def check_forced(what: str) -> None:
+    """A forced Hopper kernel (`what`, e.g. "AttnBlocks(hopper=True)") refused under
+    jax_enable_x64, where `available()` says no: the kernels' index arithmetic is int32 beside
+    the int64 that Python ints become there, which Mosaic GPU's lowering refuses."""
+    if x64():
+        raise ValueError(f"{what}: the Hopper kernels do not run with jax_enable_x64 on (their "
+                         "index arithmetic is int32); leave hopper=None, which takes the "
+                         "portable kernels there, or turn x64 off")
+
+
 def available() -> bool:
-    """The Hopper kernels can run here: a Hopper (sm90) GPU. wgmma is sm90-only (Blackwell has
-    tcgen05 instead), so newer GPUs take the other path."""
+    """The Hopper kernels can run here: a Hopper (sm90) GPU, and jax_enable_x64 off
+    (`check_forced`). wgmma is sm90-only (Blackwell has tcgen05 instead), so newer GPUs take
+    the other path."""
+    if x64():
+        return False
     try:
         dev = jax.devices()[0]
         return dev.platform == "gpu" and int(float(dev.compute_capability)) == 9  # "9.0"

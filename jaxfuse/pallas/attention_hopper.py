@@ -218,6 +218,8 @@ def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
     problem fits; True or tiles force it (also in the interpreter) and raise where it does not."""
     if hopper is False or (hopper is None and (spec.interpret or not H.available())):
         return None
+    if hopper is not None:
+        H.check_forced(f"AttnBlocks(hopper={hopper})")
     tiles = hopper if isinstance(hopper, HopperAttnTiles) else HopperAttnTiles.for_head_dim(
         spec.head_dim)
     tiles.check_head_dim(spec.head_dim)

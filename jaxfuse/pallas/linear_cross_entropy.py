@@ -470,6 +470,8 @@ def _hopper_tiles(hopper: bool | _hopper_gemm.Tiles | HopperTiles | None, x2, w,
     cuBLAS path."""
     if hopper is False or (hopper is None and (interpret or not _hopper.available())):
         return None
+    if hopper is not None:
+        _hopper.check_forced(f"LCEBlocks(hopper={hopper})")
     tiles = HopperTiles.of(hopper)
     t = tiles.fwd
     # Labels travel to the kernel as float32 (per-row values): exact below 2^24.

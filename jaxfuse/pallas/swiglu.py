@@ -32,7 +32,9 @@ def _static(blocks: RowBlocks | None, g2, interpret: bool) -> _Static:
     hopper = blocks.hopper
     if hopper is None:
         hopper = not interpret and _hopper.available() and swiglu_hopper.fits(g2)
-    elif hopper and not swiglu_hopper.fits(g2):
+    elif hopper:
+        _hopper.check_forced("RowBlocks(hopper=True)")
+    if hopper and not swiglu_hopper.fits(g2):
         raise ValueError(f"RowBlocks(hopper=True): the Hopper SwiGLU kernels take 16-bit "
                          f"[rows, cols] with rows a multiple of {swiglu_hopper.ROWS} and cols "
                          f"of {swiglu_hopper.COLS}, got {g2.dtype} {tuple(g2.shape)}; leave "

@@ -377,7 +377,8 @@ def _batched_with(h, outs):
     included, pass unchanged), and without vmap XLA folds it away."""
     if not outs:
         return h
-    zero = functools.reduce(jnp.add, (jnp.ravel(o)[:0].sum() for o in outs))
+    # (A slice, not a ravel: a reshape of an array on an Explicit mesh needs its sharding.)
+    zero = functools.reduce(jnp.add, (o[(slice(0, 0),) * o.ndim].sum() for o in outs))
     return jnp.where(zero == 0, h, zero.astype(h.dtype))
 
 

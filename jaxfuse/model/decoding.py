@@ -36,6 +36,14 @@ def init_cache(cfg: Config, batch: int, max_len: int | None = None, dtype=None) 
     return {"k": zeros(), "v": zeros(), "lengths": jnp.zeros((batch,), jnp.int32)}
 
 
+def constrain_cache(cache: dict) -> dict:
+    """The cache pinned to its layout on the current mesh (`init_cache`'s); a no-op without
+    one."""
+    kv = lambda cs: tuple(constrain(c, "batch", None, "kv_heads", None) for c in cs)
+    return dict(cache, k=kv(cache["k"]), v=kv(cache["v"]),
+                lengths=constrain(cache["lengths"], "batch"))
+
+
 def decode_params(params: dict, cfg: Config) -> dict:
     """The parameters as decoding reads them: in cfg.dtype, the stacked blocks split into a
     tuple of per-layer dicts, and each layer's q/k/v and gate/up projections concatenated (one

@@ -28,6 +28,7 @@ from jaxfuse import _checks
 from jaxfuse.model import _block_ops as ops
 from jaxfuse.model import decoding
 from jaxfuse.model.config import Config
+from jaxfuse.model.sharding import constrain
 
 
 def _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg, steps_per_sync):
@@ -118,6 +119,11 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
     logits, cache = decoding.prefill(params, cache, prompts, prompt_lengths, cfg, impl=impl)
     params = decoding.decode_params(params, cfg)         # cast and split once, not per step
     # Every beam starts as the prompt; only beam 0 is live at first, so the k first picks differ.
+    # The prompts' arrays keep their own layout first: a data axis that divides B x K but not
+    # B would otherwise reach back through the repeat and split the prefill's batch in parts
+    # no partitioning rule takes (its attention failed to partition).
+    cache = decoding.constrain_cache(cache)
+    logits = constrain(logits, "batch", None)
     cache = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), cache)
     logits = jnp.repeat(logits, k, axis=0)                                   # [B*K, V]
     raw = jnp.where(jnp.arange(k)[None] == 0, 0.0, -jnp.inf) * jnp.ones((b, 1))
@@ -130,13 +136,21 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
             return score
         return score / jnp.maximum(length, 1).astype(jnp.float32) ** length_penalty
 
+    # [B, K, ...] arrays pinned to a split of their B alone, as the ops' rules take them: a
+    # data axis that divides B x K but not B (B 2, K 2 on data 4) would otherwise reach them
+    # from the [B x K] rows of the decoding step as a split across both axes, which no
+    # partitioning rule takes (beam_top_k and reorder_beams failed to partition).
+    rows = lambda x: constrain(x, "batch", *(None,) * (x.ndim - 1))
+
     def step(state):
         t, logits, cache, tokens, raw, length, done = state
+        tokens, raw, length, done = map(rows, (tokens, raw, length, done))
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(b, k, v)
         logp = jnp.where(done[..., None], eos_only, logp)                    # finished: eos only
         new_len = length + jnp.where(done, 0, 1)                             # [B, K]
-        cand = norm(raw[..., None] + logp, new_len[..., None])               # [B, K, V]
-        _, parent, tok = jaxfuse.beam_top_k(cand, jnp.zeros((b, k)), k, impl=impl)
+        cand = rows(norm(raw[..., None] + logp, new_len[..., None]))
+        _, parent, tok = jaxfuse.beam_top_k(cand, rows(jnp.zeros((b, k))), k, impl=impl)
+        parent, tok = rows(parent), rows(tok)
         raw = jnp.take_along_axis(raw, parent, 1) + jnp.take_along_axis(
             logp.reshape(b, k * v), parent * v + tok, 1)
         length = jnp.take_along_axis(new_len, parent, 1)
@@ -145,8 +159,8 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
             jnp.take_along_axis(tokens, parent[..., None], 1), tok[..., None], (0, 0, t))
         # Each beam takes its parent's K/V at the positions decoded so far; the prompt's are the
         # same in every beam of a row (`reorder_beams`: in place, one launch for all layers).
-        n = cache["lengths"].reshape(b, k)[:, 0]                             # prompt + t
-        split = lambda cs: tuple(c.reshape(b, k, *c.shape[1:]) for c in cs)
+        n = rows(cache["lengths"].reshape(b, k)[:, 0])                       # prompt + t
+        split = lambda cs: tuple(rows(c.reshape(b, k, *c.shape[1:])) for c in cs)
         moved = ops.reorder_beams(split(cache["k"]) + split(cache["v"]), parent, n - t, n,
                                   impl=impl)
         join = lambda cs: tuple(c.reshape(b * k, *c.shape[2:]) for c in cs)

@@ -23,7 +23,7 @@ without a mesh, so the one-device model is unchanged). The jaxfuse ops' own part
 (`jaxfuse.sharding`) then run one kernel per shard. JAX's engine does everything else: `Mesh`,
 `NamedSharding`, `jax.jit` with in/out shardings, `with_sharding_constraint`.
 
-    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
     step = jaxfuse.model.sharded_train_step(cfg, opt, mesh)
     params, opt_state = shard_train_state(params, opt_state, cfg, opt, mesh)
     params, opt_state, loss = step(params, opt_state, *shard_batch((tokens, targets), mesh))
@@ -34,7 +34,7 @@ import math
 
 import jax
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxfuse.model.config import Config
 
@@ -66,7 +66,21 @@ def axis_sizes(mesh) -> dict[str, int]:
     unknown = set(shape) - set(AXES)
     if unknown:
         raise ValueError(f"mesh axes {sorted(unknown)} are not model axes; name them from {AXES}")
+    _check_auto(mesh)
     return {a: shape.get(a, 1) for a in AXES}
+
+
+def _check_auto(mesh) -> None:
+    """The model is partitioned by XLA from its sharding constraints (automatic mode), which
+    on Explicit axes only assert the layout an array already has (and its XLA matmuls would
+    each need their output sharding): a mesh of Explicit axes (`jax.make_mesh`'s default in
+    jax 0.10) is refused, naming the fix. The ops themselves take Explicit meshes."""
+    explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit]
+    if explicit:
+        raise ValueError(
+            f"mesh axes {explicit} are Explicit (jax.make_mesh's default): jaxfuse.model runs on "
+            f"Auto axes; make the mesh with axis_types=(jax.sharding.AxisType.Auto,) * "
+            f"{len(mesh.axis_names)}")
 
 
 def _mesh_axes(logical, sizes: dict[str, int]) -> tuple[str, ...]:
@@ -176,6 +190,7 @@ def _current_sizes():
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or not set(mesh.axis_names) & set(AXES):
         return None
+    _check_auto(mesh)
     return {a: dict(mesh.shape).get(a, 1) for a in AXES}
 
 

@@ -1,6 +1,7 @@
 """Dropout masks inside a kernel: `jaxfuse._philox` with the multiply that suits the regime.
 
-In interpret mode the kernel runs as XLA on the CPU and `lax.mulhi` is exact; Pallas's Triton
+In interpret mode the kernel runs as XLA on the CPU and takes `_philox.mulhi_u32`, the
+references' jax.numpy product (`lax.mulhi` does not lower inside a shard_map); Pallas's Triton
 lowering has no rule for `mulhi`, so a compiled kernel takes the high word of the product with
 one `mul.hi.u32` instruction (what cuRAND's and Triton's own Philox do). Both are exact integer
 arithmetic, so the bits, and the masks, are identical in every regime and in the reference.
@@ -28,10 +29,10 @@ def _mulhi_ptx(a, b):
 
 
 def mulhi(interpret: bool):
-    # Interpreted, a kernel always runs inside its op's partitioning rule (`jaxfuse.sharding`:
-    # on the local shard, no sharding annotations), where `lax.mulhi` lowers; the references
-    # take `_philox.mulhi_u32`, which also lowers in a computation XLA partitions.
-    return lax.mulhi if interpret else _mulhi_ptx
+    # Interpreted, `_philox.mulhi_u32` (jax.numpy): `lax.mulhi` fails to lower where the
+    # kernel runs inside a shard_map (an Explicit mesh's partitioning, a user's shard_map:
+    # "failed to legalize operation 'mhlo.unknown' {mhlo.sharding = "{manual}"}").
+    return _philox.mulhi_u32 if interpret else _mulhi_ptx
 
 
 def keep(key_w, rows, cols, rate: float, interpret: bool, stream=0):

@@ -131,6 +131,32 @@ def test_fused_projections_on_an_explicit_mesh(case):
         assert padded(grad.sharding.spec) == padded(spec), (case, grad.sharding, spec)
 
 
+def test_dropout_on_an_explicit_mesh_and_inside_shard_map():
+    """With dropout on, the interpreted kernels under a shard_map (Explicit mode runs each
+    op's shards through one; so does a user's own) failed to lower: `lax.mulhi` has no
+    lowering under the manual sharding ("failed to legalize 'mhlo.unknown'"), and the kernels
+    now take the references' jax.numpy product. The masks are the one-device ones."""
+    k = keys(46, 3)
+    x, bias, tok = randn(k[0], (8, 32)), randn(k[1], (32,)), jnp.arange(8) % 5
+    one = (jaxfuse.dropout(x, 0.3, KEY), jaxfuse.bias_dropout_add(x, bias, x, rate=0.3, key=KEY),
+           jaxfuse.embedding(tok, x[:5], rate=0.3, key=KEY))
+    rows = NamedSharding(EXPLICIT, P("data"))
+    with jax.set_mesh(EXPLICIT):
+        placed = [jax.device_put(a, rows) for a in (x, tok)]
+        table = jax.device_put(x[:5], NamedSharding(EXPLICIT, P()))
+        many = jax.jit(lambda x, t, table: (
+            jaxfuse.dropout(x, 0.3, KEY), jaxfuse.bias_dropout_add(x, bias, x, rate=0.3, key=KEY),
+            jaxfuse.embedding(t, table, rate=0.3, key=KEY)))(*placed, table)
+    for a, b in zip(one, many):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # in a user's shard_map each shard draws its local rows as an array of its own
+    local = jax.jit(jax.shard_map(lambda x: jaxfuse.dropout(x, 0.3, KEY), mesh=AUTO,
+                                  in_specs=P("data"), out_specs=P("data"), check_vma=False))(x)
+    half = x.shape[0] // 2
+    np.testing.assert_array_equal(np.asarray(local[:half]),
+                                  np.asarray(jaxfuse.dropout(x[:half], 0.3, KEY)))
+
+
 def test_embedding_vocab_parallel_with_dropout():
     """Table split over the vocabulary (tensor parallel): each device looks up its slice; a
     token out of range still gives a NaN row, and no gradient."""

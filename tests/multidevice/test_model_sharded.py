@@ -188,6 +188,38 @@ def test_decoding_on_a_mesh_equals_one_device():
     chex.assert_trees_all_close(np.asarray(many[2]), np.asarray(one[2]), **TOL)
 
 
+def test_beam_search_on_a_data_axis_that_divides_only_the_beams():
+    """data=4 with B=2 rows of K=2 beams: the decoding step's [B x K] rows split over data, and
+    that split reached the prefill (through the beams' repeat) and beam_top_k / reorder_beams
+    (through the [B, K] reshapes) as a split across two axes that no rule takes (an internal
+    partitioning error). The [B, K] arrays now keep their B split (whole here)."""
+    cfg = dataclasses.replace(CFG, n_layers=1)
+    params = M.init(jax.random.key(3), cfg)
+    prompts = jax.random.randint(jax.random.key(4), (2, 6), 1, cfg.vocab_size)
+    lengths = jnp.array([4, 6], jnp.int32)
+    kw = dict(beam_size=2, max_new_tokens=3, eos_id=0)
+    one = M.beam_search(params, cfg, prompts, lengths, **kw)
+    mesh = mesh_of(data=4)
+    with jax.set_mesh(mesh):
+        many = M.beam_search(M.sharding.shard_params(params, cfg, mesh), cfg, prompts, lengths,
+                             **kw)
+    chex.assert_trees_all_equal(np.asarray(many[0]), np.asarray(one[0]))
+    chex.assert_trees_all_close(np.asarray(many[1]), np.asarray(one[1]), **TOL)
+
+
+def test_explicit_mesh_is_refused_naming_the_fix():
+    """jax.make_mesh's default axes are Explicit in jax 0.10, where the model's sharding
+    constraints only assert (its README example failed with an AssertionError deep inside):
+    refused up front, naming AxisType.Auto."""
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"),
+                         axis_types=(AxisType.Explicit,) * 2)
+    with pytest.raises(ValueError, match="Explicit.*axis_types=\\(jax.sharding.AxisType.Auto,\\)"):
+        M.sharded_train_step(CFG, OPT, mesh)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="Auto"):
+        M.greedy(M.init(jax.random.key(0), CFG), CFG, jnp.ones((2, 3), jnp.int32),
+                 jnp.array([3, 2]), max_new_tokens=2, eos_id=0)
+
+
 @pytest.mark.parametrize("axes, cfg, message", [
     (dict(tensor=8), CFG, "tensor=8"),                                   # 4 heads
     (dict(fsdp=8), M.Config(d_model=20, n_heads=2, n_kv_heads=2), "fsdp=8"),

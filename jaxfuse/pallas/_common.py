@@ -161,12 +161,17 @@ def tiles_exactly(n, block: int) -> bool:
     return isinstance(n, int) and n % block == 0
 
 
+def x64() -> bool:
+    """Whether jax_enable_x64 is on here (in this thread or context)."""
+    return jax.dtypes.canonicalize_dtype(np.int64) == np.int64
+
+
 def _start(i):
     """A tile's start (or head) as an index. Under jax_enable_x64 Python ints (ours, and the
     interpreter's own for the axes a ref's `...` spans) become int64 while program ids are
     int32, and the interpreter's dynamic_slice refuses mixed index types: there every index
     is made int64. Without x64 it is left as it is (a literal stays static)."""
-    if i is None or jax.dtypes.canonicalize_dtype(np.int64) != np.int64:
+    if i is None or not x64():
         return i
     return jnp.asarray(i).astype(np.int64)
 

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jaxfuse.pallas import _common as C
+
 # Shared memory a CTA may use on an H100/H200 (227 KiB), less 1 KiB for the barriers and the
 # buffers' 1 KiB alignment (Mosaic GPU aligns every buffer; the sm90 lowering tests check the
 # tightest rings against it).
@@ -31,16 +33,11 @@ SMEM_BYTES = 227 * 1024 - 1024
 ROWS = 64
 
 
-def x64() -> bool:
-    """Whether jax_enable_x64 is on here (in this thread or context)."""
-    return jax.dtypes.canonicalize_dtype(np.int64) == np.int64
-
-
 def check_forced(what: str) -> None:
     """A forced Hopper kernel (`what`, e.g. "AttnBlocks(hopper=True)") refused under
     jax_enable_x64, where `available()` says no: the kernels' index arithmetic is int32 beside
     the int64 that Python ints become there, which Mosaic GPU's lowering refuses."""
-    if x64():
+    if C.x64():
         raise ValueError(f"{what}: the Hopper kernels do not run with jax_enable_x64 on (their "
                          "index arithmetic is int32); leave hopper=None, which takes the "
                          "portable kernels there, or turn x64 off")
@@ -50,7 +47,7 @@ def available() -> bool:
     """The Hopper kernels can run here: a Hopper (sm90) GPU, and jax_enable_x64 off
     (`check_forced`). wgmma is sm90-only (Blackwell has tcgen05 instead), so newer GPUs take
     the other path."""
-    if x64():
+    if C.x64():
         return False
     try:
         dev = jax.devices()[0]

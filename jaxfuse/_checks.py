@@ -70,10 +70,19 @@ def integral(value):
 
 
 def check_positive(name: str, value, *, allow_none: bool = True) -> None:
+    """A positive real number (a Python, NumPy or concrete jax scalar; not a bool); a traced
+    value is left to the caller, as in `check_finite`."""
     if value is None and allow_none:
         return
-    if not (isinstance(value, (int, float, np.integer, np.floating)) and value > 0
-            and math.isfinite(value)):
+    try:
+        if isinstance(value, (str, bytes, bool, np.bool_)) or value is None:
+            raise TypeError
+        v = float(value)
+    except jax.errors.ConcretizationTypeError:
+        return
+    except (TypeError, ValueError):
+        v = math.nan
+    if not (v > 0 and math.isfinite(v)):
         raise ValueError(f"{name}={value!r} must be a positive finite number")
 
 
@@ -93,6 +102,15 @@ def check_finite(name: str, value, *, minimum: float | None = None) -> None:
         raise ValueError(f"{name}={value!r} must be a finite number{bound}")
 
 
+def check_static(name: str, value) -> None:
+    """An option the computation branches on (both impls: which loss terms exist) cannot be
+    traced: a ValueError naming it and the fix."""
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{name} is a traced value ({value}): the op takes it as a constant; "
+                         "pass a Python number (under jax.jit, a static argument or a "
+                         "closed-over constant)")
+
+
 def check_impl(impl: str) -> None:
     if impl not in ("pallas", "reference"):
         raise ValueError(f"impl={impl!r} must be 'pallas' or 'reference'")
@@ -105,6 +123,7 @@ def check_reduction(reduction: str) -> None:
 
 def check_smoothing(label_smoothing: float) -> None:
     check_finite("label_smoothing", label_smoothing)
+    check_static("label_smoothing", label_smoothing)
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing!r} must lie in [0, 1]")
 

@@ -21,6 +21,12 @@ def has_zero_size(*args: Any, **kwargs: Any) -> bool:
                for a in jax.tree.leaves((args, kwargs)))
 
 
+# The ops' scalar options that a kernel bakes in as constants: a traced one cannot be (the
+# references take some traced: scale, eps).
+STATIC_OPTIONS = ("scale", "eps", "label_smoothing", "z_loss", "logits_soft_cap", "base",
+                  "rope_base", "rms_eps", "rate", "dropout_rate", "sliding_window")
+
+
 def route(impl: str, pallas_fn: Callable, reference_fn: Callable, *args: Any,
           interpret: bool | None = None, block_sizes: Any = None, **kwargs: Any) -> Any:
     """Calls the Pallas kernel (with its tuning knobs) or the plain jax.numpy reference (also
@@ -28,4 +34,6 @@ def route(impl: str, pallas_fn: Callable, reference_fn: Callable, *args: Any,
     _checks.check_impl(impl)
     if impl == "reference" or has_zero_size(*args, **kwargs):
         return reference_fn(*args, **kwargs)
+    for name in STATIC_OPTIONS:
+        _checks.check_static(name, kwargs.get(name))
     return pallas_fn(*args, interpret=interpret, block_sizes=block_sizes, **kwargs)

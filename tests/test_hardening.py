@@ -480,6 +480,42 @@ class TestIntegerOptions:
             jaxfuse.decode_attention(q[:, 0], q, q, jnp.array([3]), num_splits=True, impl=impl)
 
 
+class TestScalarOptions:
+    """Class 5: a scalar option given as a concrete jax scalar is the number it holds (a soft
+    cap of jnp.float32(5.0) was refused as "must be a positive finite number"); a traced one,
+    which the kernels cannot bake in, raises a ValueError naming it and the fix (it was a
+    ConcretizationTypeError from deep inside, or the same false message)."""
+
+    def test_concrete_jax_scalars(self):
+        x, w, lab = jnp.ones((3, 9)), jnp.ones((9, 20)) * 0.1, jnp.zeros((3,), jnp.int32)
+        for impl in IMPLS:
+            a = jaxfuse.linear_cross_entropy(x, w, lab, logits_soft_cap=jnp.float32(5.0),
+                                             impl=impl)
+            b = jaxfuse.linear_cross_entropy(x, w, lab, logits_soft_cap=5.0, impl=impl)
+            np.testing.assert_array_equal(a, b)
+
+    def test_traced_options_are_named(self):
+        x, lab = jnp.ones((2, 3)), jnp.zeros((2,), jnp.int32)
+        q = jnp.ones((1, 4, 2, 8))
+        cases = [("scale", lambda s: jaxfuse.softmax(x, scale=s)),
+                 ("eps", lambda s: jaxfuse.layer_norm(x, eps=s)),
+                 ("label_smoothing", lambda s: jaxfuse.cross_entropy(x, lab, label_smoothing=s)),
+                 ("z_loss", lambda s: jaxfuse.linear_cross_entropy(x, x.T, lab, z_loss=s)),
+                 ("logits_soft_cap", lambda s: jaxfuse.flash_attention(q, q, q,
+                                                                       logits_soft_cap=s)),
+                 # the references branch on these two as well
+                 ("label_smoothing", lambda s: jaxfuse.cross_entropy(
+                     x, lab, label_smoothing=s, impl="reference")),
+                 ("z_loss", lambda s: jaxfuse.linear_cross_entropy(x, x.T, lab, z_loss=s,
+                                                                   impl="reference"))]
+        for name, f in cases:
+            with pytest.raises(ValueError, match=f"{name} is a traced value.*Python number"):
+                jax.jit(f)(0.1)
+        # what the references compute with a traced value is still theirs to compute
+        y = jax.jit(lambda s: jaxfuse.softmax(x, scale=s, impl="reference"))(2.0)
+        np.testing.assert_allclose(y, jaxfuse.softmax(x, scale=2.0), rtol=1e-6)
+
+
 def _x64_cases():
     """(name, f(impl)) of every op, on inputs made under jax_enable_x64 (int64 ids and
     positions, as `jnp.arange` gives there; float inputs float32, as the ops take)."""

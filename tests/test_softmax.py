@@ -65,6 +65,24 @@ class SoftmaxTest(chex.TestCase):
         y = jax.vmap(lambda r: jaxfuse.softmax(r, causal=True))(x)
         assert_close(y, jaxfuse.softmax(x, causal=True, impl="reference"), jnp.float32)
 
+    @parameterized.parameters(None, RowBlocks(2, 16))
+    def test_rows_whose_max_is_infinite_match_the_reference(self, blocks):
+        """A row with an inf score, or whose scale * x overflows to inf, is NaN where the inf is
+        and 0 elsewhere, as in the reference (its shift is 0 where the max is not finite): the
+        kernel gave an all-zero row there (it looked masked) or an all-NaN one. One tile and
+        the multi-tile online (m, l) path; the other rows unchanged."""
+        x = jnp.array([[0.1, jnp.inf, -0.5, 0.2], [0.1, 1e30, -0.5, 0.2],
+                       [0.3, -1.0, 2.0, 0.0], [-jnp.inf] * 4])
+        x = jnp.concatenate([x, jnp.zeros((4, 30))], axis=1)
+        for scale in (1.0, 1e10):
+            y = jaxfuse.softmax(x, scale=scale, block_sizes=blocks)
+            r = jaxfuse.softmax(x, scale=scale, impl="reference")
+            np.testing.assert_array_equal(np.isnan(np.asarray(y)), np.isnan(np.asarray(r)))
+            np.testing.assert_allclose(np.nan_to_num(np.asarray(y)),
+                                       np.nan_to_num(np.asarray(r)), atol=1e-6)
+            if scale == 1.0:    # (at 1e10 the finite 0.1 overflows too: NaN in both)
+                self.assertTrue(np.isnan(np.asarray(y)[0, 1]) and np.asarray(y)[0, 0] == 0)
+
     def test_backward_keeps_y_alone(self):
         """What the forward hands the backward: y (dx = y (dy - rowsum(dy y))), neither x nor
         the mask. Gradient against the reference with a random cotangent."""

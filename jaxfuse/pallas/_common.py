@@ -125,20 +125,30 @@ def _sincos_ptx(x):
     return _mufu("cos", r), _mufu("sin", r)
 
 
-def online_max_sum(state, s):
+def online_max_sum(state, s, shift=None):
     """Folds scores `s` [..., n] into a running `(m, l)` = (max, sum of exp(s - m)) per row.
 
     `state=None` starts a fold. Entries of -inf contribute nothing, and a row that has seen only
     -inf keeps m = -inf and l = 0 rather than producing NaN (lecture 5, sec. 4.3-4.4).
+    `shift(m)` is what exp(s - .) subtracts (None: `safe_max`).
     """
+    shift = shift or safe_max
     m_tile = jnp.max(s, axis=-1, keepdims=True)
     if state is None:
         m_new, l_old = m_tile, 0.0
     else:
         m_old, l_old = state
         m_new = jnp.maximum(m_old, m_tile)
-        l_old = l_old * jnp.exp(m_old - safe_max(m_new))
-    return m_new, l_old + jnp.sum(jnp.exp(s - safe_max(m_new)), axis=-1, keepdims=True)
+        l_old = l_old * jnp.exp(m_old - shift(m_new))
+    return m_new, l_old + jnp.sum(jnp.exp(s - shift(m_new)), axis=-1, keepdims=True)
+
+
+def finite_shift(m):
+    """The shift softmax's reference takes (`reference.softmax`): m where it is finite, else
+    0. A row whose max is +inf (an inf score, or scale * x overflowing) then gives NaN where
+    the inf is and 0 elsewhere, as the reference does, where exp(s - inf) gave a row of zeros
+    that looked masked, or all NaN."""
+    return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
 def safe_max(m):

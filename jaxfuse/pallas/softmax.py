@@ -62,7 +62,8 @@ def _forward(x2, mask2, st: _Static, merge=None):
         init = lambda _: (jnp.full((br, 1), C.NEG_INF, jnp.float32),
                           jnp.zeros((br, 1), jnp.float32))
         per_row = tuple(_rows.reduce_pass(
-            init, lambda state, tile: C.online_max_sum(state, _scores(tile, st)),
+            init, lambda state, tile: C.online_max_sum(state, _scores(tile, st),
+                                                       C.finite_shift),
             lambda state, _: state, tiled=tiled, fills=fills,
             out_dtypes=(jnp.float32, jnp.float32), blocks=b, name="jaxfuse_softmax_stats",
             interpret=st.interpret))
@@ -73,9 +74,9 @@ def _forward(x2, mask2, st: _Static, merge=None):
         s = _scores(tile, st)
         if n_tiles > 1:
             m, l = tile.per_row
-            e = jnp.exp(s - C.safe_max(m))
+            e = jnp.exp(s - C.finite_shift(m))
         else:   # the whole row is this tile: its statistics come from the same exponentials
-            e = jnp.exp(s - C.safe_max(jnp.max(s, axis=-1, keepdims=True)))
+            e = jnp.exp(s - C.finite_shift(jnp.max(s, axis=-1, keepdims=True)))
             l = jnp.sum(e, axis=-1, keepdims=True)
         # Only an empty row (l == 0) gives zeros; a NaN anywhere in the row stays NaN.
         return (e * jnp.where(l == 0, 0.0, 1.0 / jnp.where(l == 0, 1.0, l)),), (), ()

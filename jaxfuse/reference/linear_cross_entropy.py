@@ -36,6 +36,7 @@ def validate(x, weight, labels, label_smoothing, reduction, z_loss, logits_soft_
         raise ValueError(f"x.shape={tuple(x.shape)}: the feature axis (last) is empty")
     _checks.check_labels(labels, x.shape[:-1], "x", label_smoothing, reduction, ignore_index)
     _checks.check_finite("z_loss", z_loss, minimum=0.0)
+    _checks.check_static("z_loss", z_loss)
     _checks.check_positive("logits_soft_cap", logits_soft_cap)
 
 

@@ -319,6 +319,17 @@ class PresetTest(chex.TestCase):
             self.assertIn("jaxfuse_cross_entropy_bwd", names, name)
             self.assertNotIn("jaxfuse_linear_cross_entropy_bwd", names, name)
 
+    def test_config_passes_through_jax_transforms(self):
+        """A Config given as a plain argument (not static_argnames, not a partial) goes through
+        jax.eval_shape and jax.jit unchanged: it has no leaves. (Its `dtype` field made jax
+        take it for a float32 scalar, and init failed on the tracer.)"""
+        shapes = jax.eval_shape(M.init, jax.random.key(0), M.preset("157m"))
+        self.assertEqual(shapes["embed"].shape, (32768, 1024))
+        cfg = M.Config()
+        self.assertEqual(jax.tree.leaves(cfg), [])
+        width = jax.jit(lambda c, x: x * c.d_model)(cfg, jnp.float32(2.0))
+        self.assertEqual(float(width), 2.0 * cfg.d_model)
+
     def test_bad_config(self):
         with self.assertRaisesRegex(ValueError, "dtype='int32'"):
             M.Config(dtype="int32")

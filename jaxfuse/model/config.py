@@ -61,6 +61,10 @@ def remat_policy(remat: str):
     return True, policy
 
 
+# A static pytree node (no leaves): passed as a plain argument to jax.jit or jax.eval_shape it
+# goes through as it is, where its `dtype` field made jax take it for a float32 scalar (an
+# AttributeError on a tracer followed). It is frozen and hashable, as a static node must be.
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class Config:
     """A Llama-style decoder (pre-norm, RoPE, SwiGLU, GQA)."""

@@ -153,6 +153,10 @@ class EmbeddingTest(chex.TestCase):
             jaxfuse.embedding(tokens, jnp.ones((0, 8)))
         with self.assertRaisesRegex(ValueError, "pos_table.shape=\\(0, 8\\)"):
             jaxfuse.embedding(tokens, table, pos_table=jnp.ones((0, 8)))
+        np.testing.assert_array_equal(jaxfuse.embedding(tokens, table, scale=np.float32(2.0)),
+                                      jaxfuse.embedding(tokens, table, scale=2.0))
+        with self.assertRaisesRegex(ValueError, "scale=True must be a Python"):
+            jaxfuse.embedding(tokens, table, scale=True)
         for scale in (float("inf"), float("nan")):
             with self.assertRaisesRegex(ValueError, f"scale={scale} must be a finite"):
                 jaxfuse.embedding(tokens, table, scale=scale)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxfuse import _checks, _philox
 from jaxfuse.reference import dropout as _dropout
@@ -24,8 +25,8 @@ def validate(tokens, table, scale, pos_table, positions, rate, key) -> None:
     _checks.check_int("tokens", tokens)
     _checks.check_float("table", table)
     _checks.check_ndim("table", table, 2)
-    if not isinstance(scale, (int, float)):
-        raise ValueError(f"scale={scale!r} must be a Python number")
+    if not isinstance(scale, (int, float, np.integer, np.floating)) or isinstance(scale, bool):
+        raise ValueError(f"scale={scale!r} must be a Python (or NumPy) number")
     _checks.check_finite("scale", scale)
     if table.shape[0] == 0:
         raise ValueError(f"table.shape={tuple(table.shape)}: the table must have rows (a token "

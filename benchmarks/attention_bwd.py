@@ -311,8 +311,10 @@ def fused():
     back-to-back time, then one call's kernels (profiler; s14-3 ran the times alone).
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fused [OUT.json]
+        LABELS="D128 causal" CHECKS=0 ... fused [OUT.json]      # the other workload alone
     """
     import contextlib
+    import os
     from unittest import mock
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from benchmarks import _profile
@@ -324,12 +326,16 @@ def fused():
     def fused_tiles(**bwd):
         return AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True, **bwd)))
     no_stores = lambda: mock.patch.object(DKV, "add_dq", smem_only)
-    # The overlapped fused steps are new on the GPU: checked first (bf16, the D = 128 CASES).
-    for i, (shape, opts) in enumerate(CASES):
-        if shape[-1] == 128:
-            _check_case(i, shape, opts, jnp.bfloat16, False, HopperAttnTiles(
-                backward=HopperBwdTiles(fused_dq=True, dkv_overlap=True)))
-    for label in ("D128 full", "D128 causal"):
+    # The overlapped fused steps are new on the GPU: checked first (bf16, the D = 128 CASES;
+    # CHECKS=0 skips them). LABELS (comma-separated WORKLOADS keys) picks the workloads: each
+    # takes ~3 minutes of compiles, timing and profiles, so one call of 10 minutes holds the
+    # checks and one or two of them.
+    if os.environ.get("CHECKS", "1") == "1":
+        for i, (shape, opts) in enumerate(CASES):
+            if shape[-1] == 128:
+                _check_case(i, shape, opts, jnp.bfloat16, False, HopperAttnTiles(
+                    backward=HopperBwdTiles(fused_dq=True, dkv_overlap=True)))
+    for label in os.environ.get("LABELS", "D128 full,D128 causal").split(","):
         (b, t, h, d), causal = WORKLOADS[label]
         sets = [_inputs(jax.random.key(100 + i), b, t, t, h, h, d, jnp.bfloat16)[:4]
                 for i in range(2)]

@@ -62,6 +62,12 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def fits_int32(dtype) -> bool:
+    """Whether every value of integer `dtype` is an int32 (an int32 cast keeps it)."""
+    dtype = np.dtype(dtype)
+    return dtype.itemsize < 4 or dtype == np.int32
+
+
 def integral(value):
     """A NumPy integer as the Python int it holds (an option computed with NumPy, such as
     `np.int64(k)`), anything else unchanged, for the checks to judge: static options are
@@ -69,34 +75,34 @@ def integral(value):
     return int(value) if isinstance(value, np.integer) else value
 
 
-def check_positive(name: str, value, *, allow_none: bool = True) -> None:
-    """A positive real number (a Python, NumPy or concrete jax scalar; not a bool); a traced
-    value is left to the caller, as in `check_finite`."""
-    if value is None and allow_none:
-        return
+def _number(name: str, value) -> float | None:
+    """A scalar option as a float: a Python, NumPy or concrete jax number (not a bool or a
+    string, which float() would also take); None for a traced value, which is left to the
+    caller (only the reference accepts one, and what it computes with it is its own)."""
     try:
         if isinstance(value, (str, bytes, bool, np.bool_)) or value is None:
             raise TypeError
-        v = float(value)
+        return float(value)
     except jax.errors.ConcretizationTypeError:
-        return
+        return None
     except (TypeError, ValueError):
-        v = math.nan
-    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{name}={value!r} must be a real number") from None
+
+
+def check_positive(name: str, value, *, allow_none: bool = True) -> None:
+    """A positive finite number (`_number`), or None where allowed."""
+    if value is None and allow_none:
+        return
+    v = _number(name, value)
+    if v is not None and not (v > 0 and math.isfinite(v)):
         raise ValueError(f"{name}={value!r} must be a positive finite number")
 
 
 def check_finite(name: str, value, *, minimum: float | None = None) -> None:
-    """A real number (not NaN or +-inf; >= minimum if given). A traced value is left to the
-    caller: only the reference accepts one, and what it computes with it is its own."""
-    try:
-        if isinstance(value, (str, bytes)):         # float("0.1") would take a string
-            raise TypeError
-        v = float(value)
-    except jax.errors.ConcretizationTypeError:
+    """A finite number (`_number`; >= minimum if given)."""
+    v = _number(name, value)
+    if v is None:
         return
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}={value!r} must be a real number") from None
     if not math.isfinite(v) or (minimum is not None and v < minimum):
         bound = "" if minimum is None else f" >= {minimum}"
         raise ValueError(f"{name}={value!r} must be a finite number{bound}")

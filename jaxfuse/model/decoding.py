@@ -30,15 +30,14 @@ def init_cache(cfg: Config, batch: int, max_len: int | None = None, dtype=None) 
     s = cfg.max_len if max_len is None else max_len
     dt = cfg.compute_dtype if dtype is None else jnp.dtype(dtype)
     shape = (batch, s, cfg.n_kv_heads, cfg.head_dim)
-    # on a mesh: rows over data x fsdp, KV heads over tensor (as the projections that fill it)
-    zeros = lambda: tuple(constrain(jnp.zeros(shape, dt), "batch", None, "kv_heads", None)
-                          for _ in range(cfg.n_layers))
-    return {"k": zeros(), "v": zeros(), "lengths": jnp.zeros((batch,), jnp.int32)}
+    zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(cfg.n_layers))
+    return constrain_cache({"k": zeros(), "v": zeros(),
+                            "lengths": jnp.zeros((batch,), jnp.int32)})
 
 
 def constrain_cache(cache: dict) -> dict:
-    """The cache pinned to its layout on the current mesh (`init_cache`'s); a no-op without
-    one."""
+    """The cache pinned to its layout on the current mesh, a no-op without one: rows over data
+    x fsdp, KV heads over tensor (as the projections that fill it)."""
     kv = lambda cs: tuple(constrain(c, "batch", None, "kv_heads", None) for c in cs)
     return dict(cache, k=kv(cache["k"]), v=kv(cache["v"]),
                 lengths=constrain(cache["lengths"], "batch"))

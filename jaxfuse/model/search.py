@@ -35,7 +35,6 @@ def _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg, steps_per_sync)
     if prompts.ndim != 2 or tuple(prompt_lengths.shape) != (prompts.shape[0],):
         raise ValueError(f"prompts.shape={prompts.shape} must be [B, P] and prompt_lengths.shape="
                          f"{prompt_lengths.shape} must be [B]")
-    decoding.check_prompt_lengths(prompt_lengths, prompts.shape[1])
     if prompts.shape[1] + max_new_tokens > cfg.max_len:
         raise ValueError(f"prompt width {prompts.shape[1]} + max_new_tokens={max_new_tokens} "
                          f"exceeds cfg.max_len={cfg.max_len}")

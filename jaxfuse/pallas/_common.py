@@ -176,7 +176,7 @@ def x64() -> bool:
     return jax.dtypes.canonicalize_dtype(np.int64) == np.int64
 
 
-def _start(i):
+def start(i):
     """A tile's start (or head) as an index. Under jax_enable_x64 Python ints (ours, and the
     interpreter's own for the axes a ref's `...` spans) become int64 while program ids are
     int32, and the interpreter's dynamic_slice refuses mixed index types: there every index
@@ -190,7 +190,7 @@ def _at(ref, row0, n: int, col0=None, n_cols: int | None = None, head=None):
     """`ref.at[...]` for rows [row0, row0+n) (and columns [col0, col0+n_cols)) over any leading
     axes, or at one `head` of a [rows, heads, cols] ref. One indexer per load: Triton's lowering
     does not compose `ref.at[...]` twice."""
-    row0, col0, head = _start(row0), _start(col0), _start(head)
+    row0, col0, head = start(row0), start(col0), start(head)
     idx = (pl.ds(row0, n),) if col0 is None else (pl.ds(row0, n), pl.ds(col0, n_cols))
     if head is None:
         return ref.at[(Ellipsis, *idx)]

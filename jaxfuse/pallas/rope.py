@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxfuse import _checks
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _rows
 from jaxfuse.pallas._rows import RowBlocks
@@ -63,7 +64,7 @@ def _load_halves(ref, t0, full, valid, a0: int, b0: int, stride: int, half: int,
     whole [bt, H, D] tile is loaded (masked: it pads at the edge) and sliced."""
     bt, hp, w = full
     if interpret:
-        z = t0 * 0     # starts of t0's integer type: a literal 0 is int64 under jax_enable_x64
+        t0, z = C.start(t0), C.start(0)     # one index type (jax_enable_x64)
         x = pltriton.load(ref.at[pl.ds(t0, bt), pl.ds(z, hp), pl.ds(z, w)], mask=valid,
                           other=None if valid is None else 0.0).astype(jnp.float32)
         pick = lambda c0: jax.lax.slice_in_dim(x, c0, c0 + stride * (half - 1) + 1, stride, -1)
@@ -87,7 +88,7 @@ def _store_halves(ref, t0, valid, a0: int, b0: int, stride: int, ya, yb, interpr
     if interpret:
         y = (jnp.stack([ya, yb], -1).reshape(bt, hp, 2 * w) if stride == 2
              else jnp.concatenate([ya, yb], -1))
-        z = t0 * 0     # as in `_load_halves`
+        t0, z = C.start(t0), C.start(0)     # as in `_load_halves`
         pltriton.store(ref.at[pl.ds(t0, bt), pl.ds(z, hp), pl.ds(z, 2 * w)],
                        y.astype(ref.dtype), mask=valid)
         return
@@ -169,8 +170,7 @@ def kernel_positions(positions: jax.Array) -> jax.Array:
     """Positions as the kernel reads them before its float32 conversion: int32 where their type
     fits in it (exact), else (int64, uint32, uint64) float32, the value the reference's angles
     start from; as int32 a position past its range would wrap to another angle."""
-    dtype = jnp.dtype(positions.dtype)
-    if dtype.itemsize < 4 or dtype == jnp.int32:
+    if _checks.fits_int32(positions.dtype):
         return positions.astype(jnp.int32)
     return positions.astype(jnp.float32)
 

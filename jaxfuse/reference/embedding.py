@@ -54,8 +54,7 @@ def table_index(idx, n: int):
     """int32 row indices into a table of n rows: those in [0, n) as they are, every other value
     -1 (a row of none). A wider type (int64 under jax_enable_x64, uint32, uint64) is judged
     before its cast, where a value past int32's range would wrap to another row."""
-    dtype = jnp.dtype(idx.dtype)
-    if dtype.itemsize < 4 or dtype == jnp.int32:
+    if _checks.fits_int32(idx.dtype):
         return idx.astype(jnp.int32)
     return jnp.where((idx >= 0) & (idx < n), idx, -1).astype(jnp.int32)
 

@@ -34,6 +34,8 @@ def main(argv=None) -> float:
                     help="axis=size pairs over data, fsdp, tensor, seq (default data=2,tensor=4)")
     ap.add_argument("--cpu-devices", type=int, default=None,
                     help="virtual CPU devices (default: the mesh's size)")
+    ap.add_argument("--axis-types", default="explicit", choices=["explicit", "auto"],
+                    help="the mesh's axis types (default explicit, jax.make_mesh's own)")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -64,7 +66,8 @@ def main(argv=None) -> float:
                          f"{jax.device_count()} ({jax.default_backend()}): on a CPU pass "
                          f"--cpu-devices {n_devices} (with JAX_PLATFORMS=cpu on a GPU host)")
     names = tuple(axes)
-    mesh = jax.make_mesh(tuple(axes.values()), names, axis_types=(AxisType.Auto,) * len(names),
+    kind = AxisType.Explicit if args.axis_types == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh(tuple(axes.values()), names, axis_types=(kind,) * len(names),
                          devices=jax.devices()[:n_devices])
 
     world, test_world = World(n_facts=4, n_questions=2), World(n_facts=4, n_questions=2)

@@ -21,10 +21,30 @@ import jaxfuse
 from jaxfuse.model import _block_ops as ops
 from jaxfuse.model import transformer as T
 from jaxfuse.model.config import Config
-from jaxfuse.model.sharding import constrain
+from jaxfuse.model.sharding import Out, constrain, on_auto_axes
 from jaxfuse.reference import add_norm as add_norm_ref
 
 
+# The cache's layout on a mesh: rows over data x fsdp, KV heads over tensor (as the projections
+# that fill it).
+KV_NAMES = ("batch", None, "kv_heads", None)
+
+
+def _layout_of(cache: dict) -> dict:
+    """The cache's `Out` layout (for `on_auto_axes`), from its arrays or their shapes."""
+    kv = lambda cs: tuple(Out(tuple(c.shape), KV_NAMES) for c in cs)
+    return {"k": kv(cache["k"]), "v": kv(cache["v"]),
+            "lengths": Out(tuple(cache["lengths"].shape), ("batch",))}
+
+
+def _new_cache_layout(cfg: Config, batch: int, max_len=None, **_) -> dict:
+    s = cfg.max_len if max_len is None else max_len
+    kv = (jax.ShapeDtypeStruct((batch, s, cfg.n_kv_heads, cfg.head_dim), jnp.float32),
+          ) * cfg.n_layers
+    return _layout_of({"k": kv, "v": kv, "lengths": jax.ShapeDtypeStruct((batch,), jnp.int32)})
+
+
+@on_auto_axes(_new_cache_layout)
 def init_cache(cfg: Config, batch: int, max_len: int | None = None, dtype=None) -> dict:
     """An empty cache; `dtype` defaults to cfg.dtype (the dtype of the keys and values)."""
     s = cfg.max_len if max_len is None else max_len
@@ -36,9 +56,8 @@ def init_cache(cfg: Config, batch: int, max_len: int | None = None, dtype=None) 
 
 
 def constrain_cache(cache: dict) -> dict:
-    """The cache pinned to its layout on the current mesh, a no-op without one: rows over data
-    x fsdp, KV heads over tensor (as the projections that fill it)."""
-    kv = lambda cs: tuple(constrain(c, "batch", None, "kv_heads", None) for c in cs)
+    """The cache pinned to its layout on the current mesh (`KV_NAMES`), a no-op without one."""
+    kv = lambda cs: tuple(constrain(c, *KV_NAMES) for c in cs)
     return dict(cache, k=kv(cache["k"]), v=kv(cache["v"]),
                 lengths=constrain(cache["lengths"], "batch"))
 
@@ -104,6 +123,13 @@ def check_prompt_lengths(prompt_lengths, p: int) -> None:
                          "and pass its own length)")
 
 
+def _logits_and_cache(cache, cfg, **_):
+    """prefill's and decode_step's layout: logits [B, V] and the cache."""
+    b = cache["lengths"].shape[0]
+    return Out((b, cfg.vocab_size), ("batch", "vocab")), _layout_of(cache)
+
+
+@on_auto_axes(_logits_and_cache)
 def prefill(params: dict, cache: dict, prompts: jax.Array, prompt_lengths: jax.Array,
             cfg: Config, *, impl: str = "pallas"):
     """Runs the right-padded prompts [B, P] with causal flash attention, writes their K/V into
@@ -126,6 +152,7 @@ def prefill(params: dict, cache: dict, prompts: jax.Array, prompt_lengths: jax.A
     return logits, cache
 
 
+@on_auto_axes(_logits_and_cache)
 def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
                 impl: str = "pallas", head_mask: jax.Array | None = None):
     """Appends one token per sequence (tokens [B]) and returns (next-token logits [B, V], cache).

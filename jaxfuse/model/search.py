@@ -28,7 +28,7 @@ from jaxfuse import _checks
 from jaxfuse.model import _block_ops as ops
 from jaxfuse.model import decoding
 from jaxfuse.model.config import Config
-from jaxfuse.model.sharding import constrain
+from jaxfuse.model.sharding import Out, constrain, on_auto_axes
 
 
 def _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg, steps_per_sync):
@@ -69,6 +69,8 @@ def _loop(step, state, max_new_tokens: int, steps_per_sync: int):
 @_lengths_checked
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_id", "impl",
                                              "steps_per_sync"))
+@on_auto_axes(lambda prompts, max_new_tokens, **_: Out(
+    (prompts.shape[0], max_new_tokens), ("batch", None)))
 def greedy(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: jax.Array, *,
            max_new_tokens: int, eos_id: int, impl: str = "pallas",
            steps_per_sync: int = 8) -> jax.Array:
@@ -105,6 +107,9 @@ def _running(max_new_tokens: int):
 @_lengths_checked
 @functools.partial(jax.jit, static_argnames=("cfg", "beam_size", "max_new_tokens", "eos_id",
                                              "length_penalty", "impl", "steps_per_sync"))
+@on_auto_axes(lambda prompts, beam_size, max_new_tokens, **_: (
+    Out((prompts.shape[0], beam_size, max_new_tokens), ("batch", None, None)),
+    Out((prompts.shape[0], beam_size), ("batch", None))))
 def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: jax.Array, *,
                 beam_size: int, max_new_tokens: int, eos_id: int, length_penalty: float = 0.0,
                 impl: str = "pallas", steps_per_sync: int = 8):

@@ -21,15 +21,20 @@ Logical names of dimensions map to mesh axes through `RULES`; `param_specs` name
 parameter's dimensions, `constrain` pins an activation's sharding inside the model (a no-op
 without a mesh, so the one-device model is unchanged). The jaxfuse ops' own partitioning rules
 (`jaxfuse.sharding`) then run one kernel per shard. JAX's engine does everything else: `Mesh`,
-`NamedSharding`, `jax.jit` with in/out shardings, `with_sharding_constraint`.
+`NamedSharding`, `jax.jit` with in/out shardings, `with_sharding_constraint`. On a mesh of
+Explicit axes each public model function runs its body on Auto axes (`on_auto_axes`).
 
-    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))    # Explicit axes or Auto: both run
     step = jaxfuse.model.sharded_train_step(cfg, opt, mesh)
     params, opt_state = shard_train_state(params, opt_state, cfg, opt, mesh)
     params, opt_state, loss = step(params, opt_state, *shard_batch((tokens, targets), mesh))
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import inspect
 import math
 
 import jax
@@ -66,21 +71,7 @@ def axis_sizes(mesh) -> dict[str, int]:
     unknown = set(shape) - set(AXES)
     if unknown:
         raise ValueError(f"mesh axes {sorted(unknown)} are not model axes; name them from {AXES}")
-    _check_auto(mesh)
     return {a: shape.get(a, 1) for a in AXES}
-
-
-def _check_auto(mesh) -> None:
-    """The model is partitioned by XLA from its sharding constraints (automatic mode), which
-    on Explicit axes only assert the layout an array already has (and its XLA matmuls would
-    each need their output sharding): a mesh of Explicit axes (`jax.make_mesh`'s default in
-    jax 0.10) is refused, naming the fix. The ops themselves take Explicit meshes."""
-    explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit]
-    if explicit:
-        raise ValueError(
-            f"mesh axes {explicit} are Explicit (jax.make_mesh's default): jaxfuse.model runs on "
-            f"Auto axes; make the mesh with axis_types=(jax.sharding.AxisType.Auto,) * "
-            f"{len(mesh.axis_names)}")
 
 
 def _mesh_axes(logical, sizes: dict[str, int]) -> tuple[str, ...]:
@@ -190,23 +181,94 @@ def _current_sizes():
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or not set(mesh.axis_names) & set(AXES):
         return None
-    _check_auto(mesh)
     return {a: dict(mesh.shape).get(a, 1) for a in AXES}
 
 
-def constrain(x: jax.Array, *names) -> jax.Array:
-    """x pinned to the logical layout `names` (one per dimension) on the current mesh; a mesh
-    axis that does not divide its dimension (a decoding batch of 1; a time axis that causal
-    ring attention cannot cut into 2 x seq chunks) leaves it whole. A no-op without a mesh."""
-    sizes = _current_sizes()
-    if sizes is None:
-        return x
+def spec_for(shape, names, sizes: dict[str, int]) -> P:
+    """The PartitionSpec of an array of `shape` in the logical layout `names` (one per
+    dimension): a mesh axis that does not divide its dimension (a decoding batch of 1; a time
+    axis that causal ring attention cannot cut into 2 x seq chunks) leaves it whole."""
     entries = []
-    for n, d in zip(names, x.shape):
+    for n, d in zip(names, shape):
         axes = _mesh_axes(n, sizes)
         k = math.prod(sizes[a] for a in axes) * (2 if n == "seq" else 1)
         entries.append(_entry(axes) if axes and d % k == 0 else None)
-    return jax.lax.with_sharding_constraint(x, P(*entries))
+    return P(*entries)
+
+
+def constrain(x: jax.Array, *names) -> jax.Array:
+    """x pinned to the logical layout `names` (one per dimension, `spec_for`) on the current
+    mesh. A no-op without a mesh, so the one-device model is unchanged."""
+    sizes = _current_sizes()
+    if sizes is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec_for(x.shape, names, sizes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Out:
+    """A model function's result as `on_auto_axes` lays it out: its shape and the logical name
+    of each dimension (a pytree leaf)."""
+    shape: tuple
+    names: tuple
+
+
+def on_auto_axes(out_layout):
+    """Runs a model function on Auto axes when the current mesh has Explicit ones.
+
+    The model is partitioned by XLA from its sharding constraints (`constrain`), JAX's
+    automatic mode. On Explicit axes (`jax.make_mesh`'s default since jax 0.10) every value is
+    typed with its sharding, a sharding constraint only asserts the layout a value already has,
+    and each XLA matmul that contracts a split axis would need its output sharding spelled out.
+    So the function's body runs under `jax.sharding.auto_axes`: its arguments are typed Auto on
+    the way in, its results typed Explicit again on the way out, laid out by
+    `out_layout(**arguments)` (the call's arguments by name, defaults included; a pytree of
+    `Out` shaped like the result); its transpose does the same for gradients. Without a mesh
+    or on Auto axes it is a plain call. Without `jax.set_mesh`, the mesh is read off the
+    explicitly sharded arguments."""
+    def wrap(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            found = _explicit_mesh_of(args, kwargs)
+            if found is None:
+                return fn(*args, **kwargs)
+            mesh, context = found
+            sizes = {a: dict(mesh.shape).get(a, 1) for a in AXES}
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            specs = jax.tree.map(lambda o: spec_for(o.shape, o.names, sizes),
+                                 out_layout(**bound.arguments))
+            with context():
+                return jax.sharding.auto_axes(fn, out_sharding=specs)(*args, **kwargs)
+        return call
+    return wrap
+
+
+def _explicit_mesh_of(args, kwargs):
+    """(mesh, a function returning a context that sets it) for a model call on a mesh with
+    Explicit axes: the one set with `jax.set_mesh` (already in force), else the mesh of an
+    explicitly sharded argument (a concrete array's `Mesh`, set for an eager call; a tracer's
+    abstract mesh under jit); None if there is none."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is not None and not mesh.empty:
+        context = contextlib.nullcontext
+    else:
+        mesh = context = None
+        for a in jax.tree.leaves((args, kwargs)):
+            if isinstance(a, jax.core.Tracer):
+                m = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+                set_it = jax.sharding.use_abstract_mesh
+            else:
+                m = getattr(getattr(a, "sharding", None), "mesh", None)
+                set_it = jax.set_mesh
+            if m is not None and not m.empty:
+                mesh, context = m, functools.partial(set_it, m)
+                break
+    if mesh is None or AxisType.Explicit not in mesh.axis_types:
+        return None
+    return mesh, context
 
 
 def gather_layer(blk: dict) -> dict:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 import jaxfuse
 from jaxfuse.model import _block_ops as ops
-from jaxfuse.model.sharding import constrain, gather_layer
+from jaxfuse.model.sharding import Out, constrain, gather_layer, on_auto_axes
 from jaxfuse.model.config import Config, remat_policy
 
 
@@ -188,6 +188,16 @@ def _remat(fn, cfg: Config):
     return jax.checkpoint(fn, policy=policy, prevent_cse=not cfg.scan_layers)
 
 
+def _hidden_layout(tokens, cfg, collect_qkv, **_):
+    """hidden's layout on a mesh (`on_auto_axes`): y [B, T, D] and the stacked q, k, v."""
+    (b, t), hd = tokens.shape, cfg.head_dim
+    heads = lambda n, name: Out((cfg.n_layers, b, t, n, hd), (None, "batch", "seq", name, None))
+    kv = heads(cfg.n_kv_heads, "kv_heads")
+    qkvs = (heads(cfg.n_heads, "heads"), kv, kv) if collect_qkv else None
+    return Out((b, t, cfg.d_model), ("batch", "seq", None)), qkvs
+
+
+@on_auto_axes(_hidden_layout)
 def hidden(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas",
            key: jax.Array | None = None, head_mask: jax.Array | None = None,
            collect_qkv: bool = False):
@@ -229,6 +239,8 @@ def hidden(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas"
     return _stream(y), qkvs
 
 
+@on_auto_axes(lambda tokens, cfg, **_: Out((*tokens.shape, cfg.vocab_size),
+                                                  ("batch", "seq", "vocab")))
 def apply(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas",
           head_mask: jax.Array | None = None, key: jax.Array | None = None) -> jax.Array:
     """Logits [B, T, V] (cfg.dtype) of tokens [B, T] (causal). `head_mask` [n_layers, n_heads]
@@ -238,6 +250,7 @@ def apply(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas",
     return y @ unembedding(cast(params, cfg), cfg)
 
 
+@on_auto_axes(lambda *_, **__: Out((), ()))
 def loss(params: dict, tokens: jax.Array, targets: jax.Array, cfg: Config, *,
          impl: str = "pallas", key: jax.Array | None = None) -> jax.Array:
     """Mean cross-entropy over targeted positions. tokens, targets [B, T]: the caller shifts
@@ -254,6 +267,9 @@ def loss(params: dict, tokens: jax.Array, targets: jax.Array, cfg: Config, *,
                                         impl=impl, block_sizes=blocks)
 
 
+@on_auto_axes(lambda tokens, cfg, **_: Out(
+    (cfg.n_layers, tokens.shape[0], cfg.n_heads, tokens.shape[1], tokens.shape[1]),
+    (None, "batch", "heads", None, None)))
 def attention_maps(params: dict, tokens: jax.Array, cfg: Config) -> jax.Array:
     """Attention probabilities [n_layers, B, H, T, T] (for plots), via `jaxfuse.softmax`."""
     g = cfg.n_heads // cfg.n_kv_heads

@@ -27,9 +27,8 @@ OPT = M.optimizer(1e-2, 10, warmup_steps=1)
 TOL = dict(atol=2e-5, rtol=2e-5)
 
 
-def mesh_of(data=1, fsdp=1, tensor=1, seq=1):
-    return jax.make_mesh((data, fsdp, tensor, seq), M.sharding.AXES,
-                         axis_types=(AxisType.Auto,) * 4)
+def mesh_of(data=1, fsdp=1, tensor=1, seq=1, kind=AxisType.Auto):
+    return jax.make_mesh((data, fsdp, tensor, seq), M.sharding.AXES, axis_types=(kind,) * 4)
 
 
 def batches():
@@ -166,7 +165,8 @@ def test_dropout_training_on_a_mesh_equals_one_device():
                                 **TOL)
 
 
-def test_decoding_on_a_mesh_equals_one_device():
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_decoding_on_a_mesh_equals_one_device(kind):
     params = M.init(jax.random.key(3), CFG)
     prompts = jax.random.randint(jax.random.key(4), (4, 6), 1, CFG.vocab_size)
     lengths = jnp.array([6, 3, 5, 1], jnp.int32)
@@ -178,7 +178,7 @@ def test_decoding_on_a_mesh_equals_one_device():
         return g, tokens, scores
 
     one = decode(params, prompts, lengths)
-    mesh = mesh_of(data=2, tensor=4)
+    mesh = mesh_of(data=2, tensor=4, kind=kind)
     with jax.set_mesh(mesh):
         placed = M.sharding.shard_params(params, CFG, mesh)
         rows = NamedSharding(mesh, P("data"))
@@ -186,6 +186,8 @@ def test_decoding_on_a_mesh_equals_one_device():
     chex.assert_trees_all_equal(np.asarray(many[0]), np.asarray(one[0]))
     chex.assert_trees_all_equal(np.asarray(many[1]), np.asarray(one[1]))
     chex.assert_trees_all_close(np.asarray(many[2]), np.asarray(one[2]), **TOL)
+    if kind == AxisType.Explicit:            # typed with their rows over data
+        assert [jax.typeof(x).sharding.spec[0] for x in many] == ["data"] * 3
 
 
 def test_beam_search_on_a_data_axis_that_divides_only_the_beams():
@@ -207,17 +209,45 @@ def test_beam_search_on_a_data_axis_that_divides_only_the_beams():
     chex.assert_trees_all_close(np.asarray(many[1]), np.asarray(one[1]), **TOL)
 
 
-def test_explicit_mesh_is_refused_naming_the_fix():
-    """jax.make_mesh's default axes are Explicit in jax 0.10, where the model's sharding
-    constraints only assert (its README example failed with an AssertionError deep inside):
-    refused up front, naming AxisType.Auto."""
-    mesh = jax.make_mesh((2, 4), ("data", "tensor"),
-                         axis_types=(AxisType.Explicit,) * 2)
-    with pytest.raises(ValueError, match="Explicit.*axis_types=\\(jax.sharding.AxisType.Auto,\\)"):
-        M.sharded_train_step(CFG, OPT, mesh)
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match="Auto"):
-        M.greedy(M.init(jax.random.key(0), CFG), CFG, jnp.ones((2, 3), jnp.int32),
-                 jnp.array([3, 2]), max_new_tokens=2, eos_id=0)
+@pytest.mark.parametrize("axes", [dict(data=2, fsdp=2, tensor=2), dict(data=2, seq=4)],
+                         ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()))
+def test_explicit_mesh_steps_equal_one_device(axes, one_device):
+    """On Explicit axes (`jax.make_mesh`'s default in jax 0.10) the model runs its body on
+    Auto axes (`sharding.on_auto_axes`): the steps equal the one-device run, and what they
+    return is typed with the rules' shardings. (Before, sharding constraints only asserted
+    there, and the model refused such meshes.)"""
+    mesh = mesh_of(**axes, kind=AxisType.Explicit)
+    step = M.sharded_train_step(CFG, OPT, mesh, batch=B, seq_len=T)
+    many = train(lambda p, s, a, b: step(p, s, *M.sharding.shard_batch((a, b), mesh)),
+                 lambda p, s: M.sharding.shard_train_state(p, s, CFG, OPT, mesh))
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, many),
+                                jax.tree.map(np.asarray, one_device), **TOL)
+    specs = M.sharding.param_specs(CFG, mesh)
+    jax.tree.map(lambda x, s: chex.assert_equal(jax.typeof(x).sharding.spec, s), many[1], specs,
+                 is_leaf=lambda x: isinstance(x, P))
+
+
+def test_explicit_mesh_read_off_the_arguments():
+    """Without `jax.set_mesh`, model functions on explicitly sharded arguments take the mesh
+    from them: the loss (jitted and eager), its gradients (typed like the parameters) and the
+    logits (typed batch x vocabulary) equal the one-device ones."""
+    mesh = mesh_of(data=2, tensor=4, kind=AxisType.Explicit)
+    params = M.init(jax.random.key(0), CFG)
+    tokens, targets = (a[0] for a in batches())
+    placed = M.sharding.shard_params(params, CFG, mesh)
+    rows = M.sharding.shard_batch((tokens, targets), mesh)
+    grad = jax.jit(jax.value_and_grad(M.loss), static_argnames="cfg")
+    (l1, g1), (l2, g2) = grad(params, tokens, targets, cfg=CFG), grad(placed, *rows, cfg=CFG)
+    chex.assert_trees_all_close((np.asarray(l2), jax.tree.map(np.asarray, g2)),
+                                (np.asarray(l1), jax.tree.map(np.asarray, g1)), **TOL)
+    jax.tree.map(lambda x, s: chex.assert_equal(jax.typeof(x).sharding.spec, s), g2,
+                 M.sharding.param_specs(CFG, mesh), is_leaf=lambda x: isinstance(x, P))
+    chex.assert_trees_all_close(np.asarray(M.loss(placed, *rows, CFG)), np.asarray(l1), **TOL)
+    assert jax.sharding.get_abstract_mesh().empty       # the call set its mesh for itself only
+    logits = jax.jit(M.apply, static_argnames="cfg")(placed, rows[0], cfg=CFG)
+    assert logits.sharding.spec == P("data", None, "tensor")
+    chex.assert_trees_all_close(np.asarray(logits), np.asarray(M.apply(params, tokens, CFG)),
+                                **TOL)
 
 
 @pytest.mark.parametrize("axes, cfg, message", [

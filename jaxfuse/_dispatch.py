@@ -8,11 +8,12 @@ There is nothing for a kernel to do on an empty grid, and block rules divide by 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
 
-from jaxfuse import _checks
+from jaxfuse import _auto_axes, _checks
 
 
 def has_zero_size(*args: Any, **kwargs: Any) -> bool:
@@ -32,8 +33,40 @@ def route(impl: str, pallas_fn: Callable, reference_fn: Callable, *args: Any,
     """Calls the Pallas kernel (with its tuning knobs) or the plain jax.numpy reference (also
     for zero-size inputs, see the module docstring)."""
     _checks.check_impl(impl)
-    if impl == "reference" or has_zero_size(*args, **kwargs):
+    if has_zero_size(*args, **kwargs):
         return reference_fn(*args, **kwargs)
+    if impl == "reference":
+        found = _auto_axes.explicit_mesh((args, kwargs))
+        if found is None or any(isinstance(kwargs.get(n), jax.core.Tracer)
+                                for n in STATIC_OPTIONS):
+            return reference_fn(*args, **kwargs)
+        return _reference_on_auto_axes(found, pallas_fn, reference_fn, args, kwargs,
+                                       interpret, block_sizes)
     for name in STATIC_OPTIONS:
         _checks.check_static(name, kwargs.get(name))
     return pallas_fn(*args, interpret=interpret, block_sizes=block_sizes, **kwargs)
+
+
+def _reference_on_auto_axes(found, pallas_fn, reference_fn, args, kwargs, interpret,
+                            block_sizes):
+    """The reference on a mesh with Explicit axes: its jax.numpy runs on Auto axes, where XLA
+    partitions it as on an Auto mesh (a gather from a split table, a contraction over a split
+    axis need no output sharding there; `jaxfuse._auto_axes`), and its results are typed as
+    the kernel's would be (the op's partitioning rule, traced abstractly), so that both impls
+    give the same types. (With a traced option, which the kernels refuse, the reference runs
+    as it is.)"""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    where = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
+
+    def with_arrays(fn, *arrays, **extra):
+        full = list(leaves)
+        for i, a in zip(where, arrays):
+            full[i] = a
+        a, k = jax.tree.unflatten(tree, full)
+        return fn(*a, **k, **extra)
+
+    arrays = [leaves[i] for i in where]
+    like = jax.eval_shape(functools.partial(with_arrays, pallas_fn, interpret=interpret,
+                                            block_sizes=block_sizes), *arrays)
+    specs = jax.tree.map(lambda s: s.sharding.spec, like)
+    return _auto_axes.call(found, functools.partial(with_arrays, reference_fn), specs, *arrays)

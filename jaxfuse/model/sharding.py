@@ -31,7 +31,6 @@ Explicit axes each public model function runs its body on Auto axes (`on_auto_ax
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -39,8 +38,9 @@ import math
 
 import jax
 import optax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxfuse import _auto_axes
 from jaxfuse.model.config import Config
 
 AXES = ("data", "fsdp", "tensor", "seq")
@@ -214,61 +214,31 @@ class Out:
 
 
 def on_auto_axes(out_layout):
-    """Runs a model function on Auto axes when the current mesh has Explicit ones.
+    """Runs a model function on Auto axes when its mesh has Explicit ones (`jaxfuse._auto_axes`).
 
     The model is partitioned by XLA from its sharding constraints (`constrain`), JAX's
-    automatic mode. On Explicit axes (`jax.make_mesh`'s default since jax 0.10) every value is
-    typed with its sharding, a sharding constraint only asserts the layout a value already has,
-    and each XLA matmul that contracts a split axis would need its output sharding spelled out.
-    So the function's body runs under `jax.sharding.auto_axes`: its arguments are typed Auto on
-    the way in, its results typed Explicit again on the way out, laid out by
-    `out_layout(**arguments)` (the call's arguments by name, defaults included; a pytree of
-    `Out` shaped like the result); its transpose does the same for gradients. Without a mesh
-    or on Auto axes it is a plain call. Without `jax.set_mesh`, the mesh is read off the
-    explicitly sharded arguments."""
+    automatic mode; on Explicit axes (`jax.make_mesh`'s default since jax 0.10) a sharding
+    constraint only asserts the layout a value already has, and each XLA matmul that contracts
+    a split axis would need its output sharding spelled out. So the body runs on Auto axes and
+    its results leave typed by `out_layout(**arguments)` (the call's arguments by name,
+    defaults included; a pytree of `Out` shaped like the result). Without a mesh or on Auto
+    axes it is a plain call."""
     def wrap(fn):
         signature = inspect.signature(fn)
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            found = _explicit_mesh_of(args, kwargs)
+            found = _auto_axes.explicit_mesh((args, kwargs))
             if found is None:
                 return fn(*args, **kwargs)
-            mesh, context = found
-            sizes = {a: dict(mesh.shape).get(a, 1) for a in AXES}
+            sizes = {a: dict(found[0].shape).get(a, 1) for a in AXES}
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             specs = jax.tree.map(lambda o: spec_for(o.shape, o.names, sizes),
                                  out_layout(**bound.arguments))
-            with context():
-                return jax.sharding.auto_axes(fn, out_sharding=specs)(*args, **kwargs)
+            return _auto_axes.call(found, fn, specs, *args, **kwargs)
         return call
     return wrap
-
-
-def _explicit_mesh_of(args, kwargs):
-    """(mesh, a function returning a context that sets it) for a model call on a mesh with
-    Explicit axes: the one set with `jax.set_mesh` (already in force), else the mesh of an
-    explicitly sharded argument (a concrete array's `Mesh`, set for an eager call; a tracer's
-    abstract mesh under jit); None if there is none."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is not None and not mesh.empty:
-        context = contextlib.nullcontext
-    else:
-        mesh = context = None
-        for a in jax.tree.leaves((args, kwargs)):
-            if isinstance(a, jax.core.Tracer):
-                m = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
-                set_it = jax.sharding.use_abstract_mesh
-            else:
-                m = getattr(getattr(a, "sharding", None), "mesh", None)
-                set_it = jax.set_mesh
-            if m is not None and not m.empty:
-                mesh, context = m, functools.partial(set_it, m)
-                break
-    if mesh is None or AxisType.Explicit not in mesh.axis_types:
-        return None
-    return mesh, context
 
 
 def gather_layer(blk: dict) -> dict:

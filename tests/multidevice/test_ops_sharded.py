@@ -344,6 +344,64 @@ def test_explicit_mesh():
     assert_same(one, many)
 
 
+def _reference_cases():
+    """name -> (op(impl) -> function, args, specs, diff): ops whose jax.numpy reference gathers
+    from a split table, contracts a split axis or scatters into a split cache, which Explicit
+    axes type-check."""
+    k = keys(50, 8)
+    x, w, tab = randn(k[0], (8, 32)), randn(k[1], (32, 16), scale=0.3), randn(k[2], (16, 32))
+    labels = jax.random.randint(k[3], (8,), 0, 16)
+    q, cache = randn(k[4], (4, 4, 16)), randn(k[5], (4, 16, 4, 16))
+    beams = randn(k[6], (4, 2, 8, 4, 16))
+    return {
+        "embedding": (
+            lambda impl: lambda t, e, p: jaxfuse.embedding(t, e, pos_table=p, impl=impl),
+            (jnp.arange(16).reshape(2, 8) % 16, tab, randn(k[7], (8, 32))),
+            [P("data", "seq"), P("tensor"), P(None, "tensor")], (1, 2)),
+        "linear_cross_entropy": (
+            lambda impl: lambda x, w, y: jaxfuse.linear_cross_entropy(
+                x, w, y, label_smoothing=0.1, impl=impl),
+            (x, w, labels), [P("data"), P(None, "tensor"), P("data")], (0, 1)),
+        "cross_entropy": (
+            lambda impl: lambda z, y: jaxfuse.cross_entropy(z, y, impl=impl),
+            (x[:, :16], labels), [P("data", "tensor"), P("data")], (0,)),
+        "swiglu_linear": (
+            lambda impl: lambda g, u, w: jaxfuse.swiglu_linear(g, u, w, impl=impl),
+            (x, x[::-1], randn(keys(51, 1)[0], (32, 8), scale=0.3)), [P("data", "tensor"),
+             P("data", "tensor"), P("tensor")], (0, 1, 2)),
+        "decode_attention": (
+            lambda impl: lambda q, kc, vc, n: jaxfuse.decode_attention(
+                q, kc, vc, n, k_new=q, v_new=-q, impl=impl),
+            (q, cache, cache[::-1], jnp.array([3, 15, 1, 9])),
+            [P("data", "tensor"), P("data", "seq", "tensor"), P("data", "seq", "tensor"),
+             P("data")], ()),
+        "reorder_beams": (
+            lambda impl: lambda c, p: jaxfuse.reorder_beams(
+                (c,), p, jnp.full(4, 2), jnp.full(4, 5), impl=impl),
+            (beams, jnp.array([[1, 0]] * 4, jnp.int32)),
+            [P("data", None, None, "tensor"), P("data")], ()),
+    }
+
+
+@pytest.mark.parametrize("name", list(_reference_cases()))
+def test_references_on_an_explicit_mesh(name):
+    """`impl="reference"` on a mesh with Explicit axes: the jax.numpy reference runs on Auto
+    axes (`_dispatch._reference_on_auto_axes`) and equals its one-device run, gradients too,
+    its results typed as the kernel's. (Each raised a ShardingTypeError before: a gather from
+    a split table or logits row, a contraction over a split axis, a scatter into a split
+    cache.)"""
+    op, args, specs, diff = _reference_cases()[name]
+    mesh = jax.make_mesh((2, 2, 2), ("data", "tensor", "seq"),
+                         axis_types=(AxisType.Explicit,) * 3)
+    one, many, _ = run_both(op("reference"), args, specs, diff=diff, mesh=mesh)
+    assert_same(one, many)
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+        want = jax.eval_shape(op("pallas"), *placed)
+    spec = lambda a: jax.typeof(a).sharding.spec
+    assert jax.tree.map(spec, many[0]) == jax.tree.map(lambda s: s.sharding.spec, want)
+
+
 @pytest.mark.parametrize("token_slab", [None, 5])
 def test_explicit_mesh_with_shardings_the_op_cannot_split(token_slab):
     """Explicit mode types every value with its sharding, and a custom_vjp's backward must type

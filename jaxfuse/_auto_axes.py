@@ -1,0 +1,55 @@
+"""Whole-array jax.numpy code on meshes with Explicit axes, run on Auto axes.
+
+jaxfuse's references and its model are whole-array jax.numpy programs that XLA partitions from
+their operands' shardings (automatic mode). On a mesh with Explicit axes (`jax.make_mesh`'s
+default in jax 0.10) every value is typed with its sharding and JAX types each op's result:
+a gather from a split table, a contraction over a split axis or a scatter into a split cache
+must each be given their output sharding, else a `ShardingTypeError`. `call` runs such a
+function under `jax.sharding.auto_axes` instead: its arguments enter typed Auto, XLA
+partitions its body as on an Auto mesh, and its results leave typed Explicit with the given
+shardings (gradients take the transpose). The Pallas kernels need none of this: their rules
+run through `jax.shard_map` there (`jaxfuse.sharding._core`).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable
+
+import jax
+from jax.sharding import AxisType
+
+
+def explicit_mesh(tree: Any):
+    """(mesh, enter) for a call on arrays `tree` on a mesh with Explicit axes, else None.
+
+    The mesh is the one set with `jax.set_mesh` (`enter` is then a no-op), else that of an
+    explicitly sharded argument: a tracer's abstract mesh under `jax.jit`, a concrete array's
+    `Mesh` for an eager call. `enter()` returns the context that sets it for the call alone."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is not None and not mesh.empty:
+        enter = contextlib.nullcontext
+    else:
+        mesh = enter = None
+        for a in jax.tree.leaves(tree):
+            if isinstance(a, jax.core.Tracer):
+                m, set_it = getattr(jax.typeof(a).sharding, "mesh", None), jax.sharding.use_abstract_mesh
+            elif isinstance(a, jax.Array):
+                m, set_it = getattr(a.sharding, "mesh", None), jax.set_mesh
+            else:
+                continue
+            if m is not None and not m.empty:
+                mesh, enter = m, functools.partial(set_it, m)
+                break
+    if mesh is None or AxisType.Explicit not in mesh.axis_types:
+        return None
+    return mesh, enter
+
+
+def call(found, fn: Callable, out_specs: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` on Auto axes, its results typed with `out_specs` (a pytree of
+    PartitionSpecs shaped like them); `found` is `explicit_mesh`'s answer. Positional `args`
+    are pytrees of arrays (their shardings are retyped); `kwargs` pass through as they are."""
+    _, enter = found
+    with enter():
+        return jax.sharding.auto_axes(fn, out_sharding=out_specs)(*args, **kwargs)

@@ -33,7 +33,8 @@ def explicit_mesh(tree: Any):
         mesh = enter = None
         for a in jax.tree.leaves(tree):
             if isinstance(a, jax.core.Tracer):
-                m, set_it = getattr(jax.typeof(a).sharding, "mesh", None), jax.sharding.use_abstract_mesh
+                m = getattr(jax.typeof(a).sharding, "mesh", None)
+                set_it = jax.sharding.use_abstract_mesh
             elif isinstance(a, jax.Array):
                 m, set_it = getattr(a.sharding, "mesh", None), jax.set_mesh
             else:
@@ -46,10 +47,27 @@ def explicit_mesh(tree: Any):
     return mesh, enter
 
 
+def on_arrays(fn: Callable, args: tuple, kwargs: dict):
+    """(g, arrays): `fn(*args, **kwargs)` as a function `g(*arrays)` of the jax arrays among
+    the arguments alone, the rest (Python numbers, dtypes, strings, None) closed over. What
+    `auto_axes` and `eval_shape` take as arguments must be arrays."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    where = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
+
+    def g(*arrays):
+        full = list(leaves)
+        for i, a in zip(where, arrays):
+            full[i] = a
+        a, k = jax.tree.unflatten(tree, full)
+        return fn(*a, **k)
+
+    return g, [leaves[i] for i in where]
+
+
 def call(found, fn: Callable, out_specs: Any, *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` on Auto axes, its results typed with `out_specs` (a pytree of
-    PartitionSpecs shaped like them); `found` is `explicit_mesh`'s answer. Positional `args`
-    are pytrees of arrays (their shardings are retyped); `kwargs` pass through as they are."""
+    PartitionSpecs shaped like them); `found` is `explicit_mesh`'s answer."""
     _, enter = found
+    g, arrays = on_arrays(fn, args, kwargs)
     with enter():
-        return jax.sharding.auto_axes(fn, out_sharding=out_specs)(*args, **kwargs)
+        return jax.sharding.auto_axes(g, out_sharding=out_specs)(*arrays)

@@ -55,18 +55,7 @@ def _reference_on_auto_axes(found, pallas_fn, reference_fn, args, kwargs, interp
     the kernel's would be (the op's partitioning rule, traced abstractly), so that both impls
     give the same types. (With a traced option, which the kernels refuse, the reference runs
     as it is.)"""
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    where = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
-
-    def with_arrays(fn, *arrays, **extra):
-        full = list(leaves)
-        for i, a in zip(where, arrays):
-            full[i] = a
-        a, k = jax.tree.unflatten(tree, full)
-        return fn(*a, **k, **extra)
-
-    arrays = [leaves[i] for i in where]
-    like = jax.eval_shape(functools.partial(with_arrays, pallas_fn, interpret=interpret,
-                                            block_sizes=block_sizes), *arrays)
-    specs = jax.tree.map(lambda s: s.sharding.spec, like)
-    return _auto_axes.call(found, functools.partial(with_arrays, reference_fn), specs, *arrays)
+    kernel = functools.partial(pallas_fn, interpret=interpret, block_sizes=block_sizes)
+    g, arrays = _auto_axes.on_arrays(kernel, args, kwargs)
+    specs = jax.tree.map(lambda s: s.sharding.spec, jax.eval_shape(g, *arrays))
+    return _auto_axes.call(found, reference_fn, specs, *args, **kwargs)

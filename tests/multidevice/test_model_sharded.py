@@ -250,6 +250,17 @@ def test_explicit_mesh_read_off_the_arguments():
                                 **TOL)
 
 
+def test_init_cache_on_an_explicit_mesh_takes_its_options_positionally():
+    """Only arrays pass through `auto_axes`: sizes and a dtype given positionally (a JAX scalar
+    type is no array) are closed over."""
+    mesh = mesh_of(data=2, fsdp=2, tensor=2, kind=AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        cache = M.init_cache(CFG, 4, 12, jnp.bfloat16)
+    assert cache["k"][0].shape == (4, 12, CFG.n_kv_heads, CFG.head_dim)
+    assert cache["k"][0].dtype == jnp.bfloat16
+    assert jax.typeof(cache["k"][0]).sharding.spec == P(("data", "fsdp"), None, "tensor", None)
+
+
 @pytest.mark.parametrize("axes, cfg, message", [
     (dict(tensor=8), CFG, "tensor=8"),                                   # 4 heads
     (dict(fsdp=8), M.Config(d_model=20, n_heads=2, n_kv_heads=2), "fsdp=8"),

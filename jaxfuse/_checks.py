@@ -27,7 +27,16 @@ def check_ndim(name: str, x, ndim: int | None = None, min_ndim: int = 1) -> None
         raise ValueError(f"{name}.shape={tuple(x.shape)} must have at least {min_ndim} axes")
 
 
+def check_array(name: str, x) -> None:
+    """An array (jax or NumPy), not a list: as jax.numpy's own functions, the ops take no
+    Python sequences for array arguments."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an array, got {type(x).__name__} (pass "
+                         f"jnp.asarray({name}))")
+
+
 def check_int(name: str, x) -> None:
+    check_array(name, x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise ValueError(f"{name}.dtype={x.dtype} must be an integer type (e.g. "
                          f"{name}.astype(jnp.int32))")
@@ -115,6 +124,25 @@ def check_static(name: str, value) -> None:
         raise ValueError(f"{name} is a traced value ({value}): the op takes it as a constant; "
                          "pass a Python number (under jax.jit, a static argument or a "
                          "closed-over constant)")
+
+
+def check_bool(name: str, value) -> bool:
+    """A flag the op branches on (causal, return_lse, ...) as a Python bool: True/False or a
+    NumPy bool; anything else (a string, a number, a traced bool) is a ValueError naming it."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    traced = " (traced: pass a Python bool, under jax.jit a static argument)" if isinstance(
+        value, jax.core.Tracer) else ""
+    raise ValueError(f"{name}={value!r} must be True or False{traced}")
+
+
+def python_scalar(value):
+    """A concrete jax or NumPy scalar option as the Python number it holds (the kernels bake
+    their options into cached, hashed closures), anything else unchanged."""
+    if isinstance(value, (jax.Array, np.generic)) and not isinstance(value, jax.core.Tracer) \
+            and getattr(value, "ndim", 0) == 0 and not isinstance(value, np.bool_):
+        return value.item()
+    return value
 
 
 def check_impl(impl: str) -> None:

@@ -26,6 +26,9 @@ def has_zero_size(*args: Any, **kwargs: Any) -> bool:
 # references take some traced: scale, eps).
 STATIC_OPTIONS = ("scale", "eps", "label_smoothing", "z_loss", "logits_soft_cap", "base",
                   "rope_base", "rms_eps", "rate", "dropout_rate", "sliding_window")
+# The ops' flags: Python bools on both paths (a string "False" is truthy; a traced bool cannot
+# choose a branch).
+BOOL_OPTIONS = ("causal", "return_lse", "partial_sums", "rope_interleaved", "interleaved")
 
 
 def route(impl: str, pallas_fn: Callable, reference_fn: Callable, *args: Any,
@@ -33,6 +36,12 @@ def route(impl: str, pallas_fn: Callable, reference_fn: Callable, *args: Any,
     """Calls the Pallas kernel (with its tuning knobs) or the plain jax.numpy reference (also
     for zero-size inputs, see the module docstring)."""
     _checks.check_impl(impl)
+    for name in BOOL_OPTIONS:
+        if name in kwargs:
+            kwargs[name] = _checks.check_bool(name, kwargs[name])
+    for name in STATIC_OPTIONS:
+        if name in kwargs:
+            kwargs[name] = _checks.python_scalar(kwargs[name])
     if has_zero_size(*args, **kwargs):
         return reference_fn(*args, **kwargs)
     if impl == "reference":

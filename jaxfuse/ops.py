@@ -143,10 +143,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 
     >>> o = jaxfuse.flash_attention(q, k, v, causal=True)
     """
-    pallas = functools.partial(_s_attn.flash_attention, deterministic=deterministic)
+    pallas = functools.partial(_s_attn.flash_attention,
+                               deterministic=_checks.check_bool("deterministic", deterministic))
     return route(impl, pallas, _r_attn.attention, q, k, v, causal=causal,
                  scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                 sliding_window=_checks.integral(sliding_window), logits_soft_cap=logits_soft_cap,
+                 sliding_window=_r_attn.effective_window(_checks.python_scalar(sliding_window), k),
+                 logits_soft_cap=logits_soft_cap,
                  return_lse=return_lse, dropout_rate=dropout_rate, dropout_key=dropout_key,
                  interpret=interpret, block_sizes=block_sizes)
 

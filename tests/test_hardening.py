@@ -516,6 +516,112 @@ class TestScalarOptions:
         np.testing.assert_allclose(y, jaxfuse.softmax(x, scale=2.0), rtol=1e-6)
 
 
+class TestAttentionOptions:
+    """Class 6 (s31 audit of the attention family): options the kernels bake in or branch on."""
+
+    @pytest.mark.parametrize("window", [2 ** 31 - 1, 2 ** 31 - 5, 2 ** 31, 7])
+    @pytest.mark.parametrize("layout", ["folded", "gpu"])
+    def test_a_window_wider_than_the_keys_is_none(self, window, layout):
+        # Tq 12 > Tk 7: a window of w >= Tk hides no key. Near int32's largest value the masks'
+        # int32 bounds overflowed: 2^31 - 1 hid every key (zeros, lse -inf) in both impls,
+        # 2^31 - 5 gave wrong dk/dv in the GPU layout, 2^31 an OverflowError.
+        k = keys(61, 4)
+        q, kv = randn(k[0], (1, 12, 2, 16)), randn(k[1], (1, 7, 1, 16))
+        blocks = (jaxfuse.AttnBlocks(16, 16, 16, 16, 16, 16, folded=False)
+                  if layout == "gpu" else None)
+        ct = (randn(k[2], (1, 12, 2, 16)), randn(k[3], (1, 2, 12)))
+        for impl in IMPLS:
+            def run(w):
+                f = lambda q, kv: jaxfuse.flash_attention(
+                    q, kv, kv * 0.5, sliding_window=w, return_lse=True, impl=impl,
+                    block_sizes=blocks if impl == "pallas" else None)
+                out, vjp = jax.vjp(f, q, kv)
+                return out, vjp(ct)
+            np.testing.assert_allclose(np.asarray(run(window)[0][0]), np.asarray(run(None)[0][0]),
+                                       rtol=1e-6, atol=1e-6)
+            chex_close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                                 rtol=1e-5, atol=1e-5)
+            jax.tree.map(chex_close, run(window), run(None))
+
+    def test_concrete_jax_scalars(self):
+        # flash_attention's scale and soft cap and decode_attention's rope_base as concrete jax
+        # scalars: a TypeError (unhashable, the kernels' cache key) and a bare AssertionError
+        # (a constant closed over by custom_partitioning), the reference took them.
+        q = randn(keys(62, 1)[0], (1, 8, 2, 16))
+        for impl in IMPLS:
+            a = jaxfuse.flash_attention(q, q, q, scale=jnp.float32(0.5),
+                                        logits_soft_cap=jnp.float32(2.0), impl=impl)
+            b = jaxfuse.flash_attention(q, q, q, scale=0.5, logits_soft_cap=2.0, impl=impl)
+            np.testing.assert_array_equal(a, b)
+        qd, kc = randn(keys(63, 1)[0], (2, 2, 16)), randn(keys(64, 1)[0], (2, 9, 1, 16))
+        kn = qd[:, :1]
+        for impl in IMPLS:
+            a = jaxfuse.decode_attention(qd, kc, kc, jnp.array([3, 8]), k_new=kn, v_new=kn,
+                                         rope_base=jnp.float32(100.0), impl=impl)
+            b = jaxfuse.decode_attention(qd, kc, kc, jnp.array([3, 8]), k_new=kn, v_new=kn,
+                                         rope_base=100.0, impl=impl)
+            jax.tree.map(np.testing.assert_array_equal, a, b)
+
+    def test_traced_scale_in_the_reference(self):
+        q = randn(keys(65, 1)[0], (1, 5, 2, 8))
+        f = jax.jit(lambda s: jaxfuse.flash_attention(q, q, q, scale=s, impl="reference"))
+        np.testing.assert_allclose(f(0.3), jaxfuse.flash_attention(q, q, q, scale=0.3),
+                                   rtol=1e-5, atol=1e-6)
+
+    def test_a_nan_key_seen_by_one_query(self):
+        # Causal, a NaN in key 5: only query 5 sees it. The kernel's gradients are NaN where
+        # the maths puts them (dq of row 5, dk and dv of every key row 5 sees); the
+        # reference's dq row 5 was 0 (a select cut its scores' gradient) and dk of key 5 too.
+        k = keys(66, 4)
+        q, kk, v = (randn(kx, (1, 6, 1, 16)) for kx in k[:3])
+        kk = kk.at[0, 5].set(jnp.nan)
+        ct = randn(k[3], (1, 6, 1, 16))
+        pattern = {}
+        for impl in IMPLS:
+            o, vjp = jax.vjp(lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True,
+                                                                     impl=impl), q, kk, v)
+            pattern[impl] = [np.isnan(np.asarray(a)).any(axis=(0, 2, 3)).tolist()
+                             for a in (o, *vjp(ct))]
+        assert pattern["reference"] == pattern["pallas"], pattern
+        assert pattern["reference"][:2] == [[False] * 5 + [True]] * 2     # o and dq: row 5
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    def test_flags_are_bools(self, impl):
+        # causal="False" was causal (a truthy string), a traced flag a TracerBoolConversionError
+        q = jnp.ones((1, 4, 2, 8))
+        qd, kc, n = jnp.ones((1, 2, 8)), jnp.ones((1, 5, 1, 8)), jnp.array([3])
+        cases = [("causal", lambda f: jaxfuse.flash_attention(q, q, q, causal=f, impl=impl)),
+                 ("return_lse", lambda f: jaxfuse.flash_attention(q, q, q, return_lse=f,
+                                                                  impl=impl)),
+                 ("deterministic", lambda f: jaxfuse.flash_attention(q, q, q, deterministic=f,
+                                                                     impl=impl)),
+                 ("causal", lambda f: jaxfuse.softmax(q, causal=f, impl=impl)),
+                 ("partial_sums", lambda f: jaxfuse.decode_attention(
+                     qd, kc, kc, n, partial_sums=f, impl=impl)),
+                 ("rope_interleaved", lambda f: jaxfuse.decode_attention(
+                     qd, kc, kc, n, k_new=qd[:, :1], v_new=qd[:, :1], rope_base=10.0,
+                     rope_interleaved=f, impl=impl)),
+                 ("interleaved", lambda f: jaxfuse.rope(q, jnp.arange(4)[None], interleaved=f,
+                                                        impl=impl))]
+        for name, f in cases:
+            with pytest.raises(ValueError, match=f"{name}='False' must be True or False"):
+                f("False")
+            with pytest.raises(ValueError, match=f"{name}=.*must be True or False.*traced"):
+                jax.jit(f)(True)
+            f(np.bool_(False))                                  # NumPy bools are bools
+
+    def test_arrays_not_lists(self):
+        q, kc = jnp.ones((2, 2, 8)), jnp.ones((2, 5, 1, 8))
+        with pytest.raises(ValueError, match="kv_lengths must be an array, got list"):
+            jaxfuse.decode_attention(q, kc, kc, [3, 4])
+        qq = jnp.ones((1, 4, 2, 8))
+        with pytest.raises(ValueError, match="q_segment_ids must be an array, got list"):
+            jaxfuse.flash_attention(qq, qq, qq, q_segment_ids=[[0, 0, 1, 1]],
+                                    kv_segment_ids=jnp.zeros((1, 4), jnp.int32))
+        with pytest.raises(ValueError, match=r"AttnBlocks\(block_k=8.0\).*positive int"):
+            jaxfuse.flash_attention(qq, qq, qq, block_sizes=jaxfuse.AttnBlocks(block_k=8.0))
+
+
 def _x64_cases():
     """(name, f(impl)) of every op, on inputs made under jax_enable_x64 (int64 ids and
     positions, as `jnp.arange` gives there; float inputs float32, as the ops take)."""

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxfuse import _philox
+from jaxfuse import _checks, _philox
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _rng
 
@@ -158,7 +158,9 @@ class AttnBlocks:
             v = getattr(self, f.name)
             if f.name in ("folded", "hopper"):
                 continue
-            if v < 1 or (not folded and f.name.startswith("block") and v != C.next_pow2(v)):
+            if not (_checks.is_int(v) and v >= 1):
+                raise ValueError(f"AttnBlocks({f.name}={v!r}): {f.name} must be a positive int")
+            if not folded and f.name.startswith("block") and v != C.next_pow2(v):
                 raise ValueError(f"{f.name}={v} must be a positive power of two on the GPU")
 
 

@@ -52,6 +52,7 @@ def validate(q, k, v, q_segment_ids=None, kv_segment_ids=None, sliding_window=No
     if q_segment_ids is not None:
         for name, seg, t in (("q_segment_ids", q_segment_ids, q.shape[1]),
                              ("kv_segment_ids", kv_segment_ids, k.shape[1])):
+            _checks.check_array(name, seg)
             if tuple(seg.shape) != (b, t):
                 raise ValueError(f"{name}.shape={tuple(seg.shape)} must be ({b}, {t}) = "
                                  "[batch, sequence length]")
@@ -65,6 +66,17 @@ def validate(q, k, v, q_segment_ids=None, kv_segment_ids=None, sliding_window=No
     except ValueError as e:
         raise ValueError(f"dropout_{e}") from None
     _dropout.check_key(dropout_key)
+
+
+def effective_window(sliding_window, k):
+    """The window as the masks take it: None where it hides no key. A window of w drops keys
+    j < i + (Tk - Tq) - w + 1, none of which exist once w >= Tk; and a window near int32's
+    largest value would overflow the masks' int32 bounds (a window of 2^31 - 1 hid every
+    key). Anything that is not such a window is returned for `validate` to judge."""
+    if (_checks.is_int(sliding_window) and getattr(k, "ndim", 0) == 4
+            and sliding_window >= k.shape[1]):
+        return None
+    return sliding_window
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -82,7 +94,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale      # may be traced here
     qf = q.astype(jnp.float32).reshape(b, tq, hkv, g, d)
     keep = keep_mask(jnp.arange(tq)[:, None], jnp.arange(tk)[None, :], n_q=tq, n_k=tk,
                      causal=causal, window=sliding_window)[None, None, None]
@@ -100,7 +112,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     sees = lambda bad: jnp.any(keep & bad.transpose(0, 2, 1)[:, :, None, None, :], axis=-1,
                                keepdims=True)                                # [B, Hkv, 1, Tq, 1]
-    s = jnp.where(sees(bad_k), jnp.nan, s)
+    # The NaN added, not selected: a select would cut the gradient of such a row's scores, and
+    # its dq and its keys' dk would read 0 where the kernels (and the maths) give NaN.
+    s = s + jnp.where(sees(bad_k), jnp.nan, 0.0)
     s = jnp.where(keep, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)   # initial: Tk may be 0
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
@@ -122,8 +136,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
 
 def _finite_rows(x):
     """(x [B, T, H, D] with non-finite entries zeroed, [B, T, H]: rows that held one)."""
-    ok = jnp.isfinite(x)
-    return jnp.where(ok, x, 0.0), ~jnp.all(ok, axis=-1)
+    return _zeroed(x), ~jnp.all(jnp.isfinite(x), axis=-1)
+
+
+@jax.custom_jvp
+def _zeroed(x):
+    """x with its non-finite entries zeroed, whose gradient passes as it comes (a select's would
+    be 0 there): a key that some query sees gets the NaN gradient that query's row sends it,
+    as in the kernels; a key no query sees gets 0, as there."""
+    return jnp.where(jnp.isfinite(x), x, 0.0)
+
+
+_zeroed.defjvp(lambda primals, tangents: (_zeroed(*primals), tangents[0]))
 
 
 def merge_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array):

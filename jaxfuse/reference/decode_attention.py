@@ -61,6 +61,7 @@ def validate(q, k_cache, v_cache, kv_lengths, num_splits=None, logits_soft_cap=N
     if hq % hkv:
         raise ValueError(f"the number of query heads {hq} (q.shape[1]) must be a multiple of "
                          f"the number of KV heads {hkv} (k_cache.shape[2])")
+    _checks.check_array("kv_lengths", kv_lengths)
     if tuple(kv_lengths.shape) != (b,):
         raise ValueError(f"kv_lengths.shape={tuple(kv_lengths.shape)} must be ({b},), one "
                          "length per sequence")

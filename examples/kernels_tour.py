@@ -65,6 +65,12 @@ def _extra_cases(k):
         sc = jax.random.normal(k[10], (4, 5))
         yield "beam_top_k (HARS)", lp, lambda impl: jax.jit(
             lambda lp, sc: jaxfuse.beam_top_k(lp, sc, 5, impl=impl)), (lp, sc)
+    if hasattr(jaxfuse, "reorder_beams"):
+        cache = jax.random.normal(k[11], (4, 5, 64, 2, 32), jnp.bfloat16)
+        parent = jax.random.randint(k[9], (4, 5), 0, 5)
+        start, stop = jnp.array([3, 3, 10, 0]), jnp.array([9, 20, 11, 64])
+        yield "reorder_beams", cache, lambda impl: jax.jit(
+            lambda c: jaxfuse.reorder_beams((c,), parent, start, stop, impl=impl)), (cache,)
     if hasattr(jaxfuse, "embedding"):
         yield from _block_cases(k)
 
@@ -74,6 +80,8 @@ def _block_cases(k):
     x = jax.random.normal(k[0], (64, 512), jnp.bfloat16)
     b = jax.random.normal(k[1], (512,), jnp.bfloat16)
     key = jax.random.key(1)
+    yield "dropout (p=0.1)", x, lambda impl: jax.jit(
+        lambda x: jaxfuse.dropout(x, 0.1, key, impl=impl)), (x,)
     yield "bias_dropout_add (p=0.1)", x, lambda impl: jax.jit(
         lambda x, b: jaxfuse.bias_dropout_add(x, b, x, rate=0.1, key=key, impl=impl)), (x, b)
     yield "bias_act_dropout (gelu, p=0.1)", x, lambda impl: jax.jit(

@@ -2,7 +2,7 @@
 interpret mode; then probe it (head ablations, attention maps) and decode with greedy and beam
 search. The package's main job:
 
-    python examples/likesworld.py            # about 3 minutes on 2 CPU cores
+    python examples/likesworld.py            # 1-2 minutes on 2 CPU cores
 
 Episodes (lecture 5, sec. 2.2):
 

@@ -23,28 +23,37 @@ from jax.sharding import AxisType
 def explicit_mesh(tree: Any):
     """(mesh, enter) for a call on arrays `tree` on a mesh with Explicit axes, else None.
 
-    The mesh is the one set with `jax.set_mesh` (`enter` is then a no-op), else that of an
-    explicitly sharded argument: a tracer's abstract mesh under `jax.jit`, a concrete array's
-    `Mesh` for an eager call. `enter()` returns the context that sets it for the call alone."""
+    The mesh is the one set with `jax.set_mesh` (`enter` is then a no-op), else that of the
+    explicitly sharded arguments: under a trace (jit, grad) a tracer's abstract mesh, in an
+    eager call a concrete array's `Mesh`. `enter()` returns the context that sets it for the
+    call alone."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is not None and not mesh.empty:
         enter = contextlib.nullcontext
     else:
-        mesh = enter = None
-        for a in jax.tree.leaves(tree):
-            if isinstance(a, jax.core.Tracer):
-                m = getattr(jax.typeof(a).sharding, "mesh", None)
-                set_it = jax.sharding.use_abstract_mesh
-            elif isinstance(a, jax.Array):
-                m, set_it = getattr(a.sharding, "mesh", None), jax.set_mesh
-            else:
-                continue
-            if m is not None and not m.empty:
-                mesh, enter = m, functools.partial(set_it, m)
-                break
+        leaves = [a for a in jax.tree.leaves(tree) if isinstance(a, jax.Array)]
+        tracers = [a for a in leaves if isinstance(a, jax.core.Tracer)]
+        meshes = [getattr(jax.typeof(a).sharding, "mesh", None) for a in tracers] or [
+            getattr(a.sharding, "mesh", None) for a in leaves]
+        mesh = next((m for m in meshes if m is not None and not m.empty), None)
+        enter = functools.partial(jax.sharding.use_abstract_mesh if tracers else _set_mesh, mesh)
     if mesh is None or AxisType.Explicit not in mesh.axis_types:
         return None
     return mesh, enter
+
+
+@contextlib.contextmanager
+def _set_mesh(mesh):
+    """`jax.set_mesh(mesh)` for an eager call. Under jax.jit with closed-over constants alone
+    (no tracer among the arguments) JAX refuses it; there its abstract mesh is set, and JAX's
+    own error asks the caller for `jax.set_mesh`, as it does for any computation on such
+    constants."""
+    try:
+        context = jax.set_mesh(mesh)
+    except ValueError:
+        context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+    with context:
+        yield
 
 
 def on_arrays(fn: Callable, args: tuple, kwargs: dict):
@@ -64,10 +73,9 @@ def on_arrays(fn: Callable, args: tuple, kwargs: dict):
     return g, [leaves[i] for i in where]
 
 
-def call(found, fn: Callable, out_specs: Any, *args: Any, **kwargs: Any) -> Any:
+def call(fn: Callable, out_specs: Any, *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` on Auto axes, its results typed with `out_specs` (a pytree of
-    PartitionSpecs shaped like them); `found` is `explicit_mesh`'s answer."""
-    _, enter = found
+    PartitionSpecs shaped like them); the mesh must be in context (`explicit_mesh`'s
+    `enter()`)."""
     g, arrays = on_arrays(fn, args, kwargs)
-    with enter():
-        return jax.sharding.auto_axes(g, out_sharding=out_specs)(*arrays)
+    return jax.sharding.auto_axes(g, out_sharding=out_specs)(*arrays)

@@ -8,6 +8,7 @@ There is nothing for a kernel to do on an empty grid, and block rules divide by 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -44,20 +45,22 @@ def route(impl: str, pallas_fn: Callable, reference_fn: Callable, *args: Any,
             kwargs[name] = _checks.python_scalar(kwargs[name])
     if has_zero_size(*args, **kwargs):
         return reference_fn(*args, **kwargs)
-    if impl == "reference":
-        found = _auto_axes.explicit_mesh((args, kwargs))
-        if found is None or any(isinstance(kwargs.get(n), jax.core.Tracer)
-                                for n in STATIC_OPTIONS):
-            return reference_fn(*args, **kwargs)
-        return _reference_on_auto_axes(found, pallas_fn, reference_fn, args, kwargs,
-                                       interpret, block_sizes)
-    for name in STATIC_OPTIONS:
-        _checks.check_static(name, kwargs.get(name))
-    return pallas_fn(*args, interpret=interpret, block_sizes=block_sizes, **kwargs)
+    # On a mesh with Explicit axes the rules reshard and shard_map by PartitionSpecs, which
+    # need the mesh in context: the one set with `jax.set_mesh`, else the arguments' own.
+    found = _auto_axes.explicit_mesh((args, kwargs))
+    with found[1]() if found else contextlib.nullcontext():
+        if impl == "reference":
+            if found is None or any(isinstance(kwargs.get(n), jax.core.Tracer)
+                                    for n in STATIC_OPTIONS):
+                return reference_fn(*args, **kwargs)
+            return _reference_on_auto_axes(pallas_fn, reference_fn, args, kwargs, interpret,
+                                           block_sizes)
+        for name in STATIC_OPTIONS:
+            _checks.check_static(name, kwargs.get(name))
+        return pallas_fn(*args, interpret=interpret, block_sizes=block_sizes, **kwargs)
 
 
-def _reference_on_auto_axes(found, pallas_fn, reference_fn, args, kwargs, interpret,
-                            block_sizes):
+def _reference_on_auto_axes(pallas_fn, reference_fn, args, kwargs, interpret, block_sizes):
     """The reference on a mesh with Explicit axes: its jax.numpy runs on Auto axes, where XLA
     partitions it as on an Auto mesh (a gather from a split table, a contraction over a split
     axis need no output sharding there; `jaxfuse._auto_axes`), and its results are typed as
@@ -67,4 +70,4 @@ def _reference_on_auto_axes(found, pallas_fn, reference_fn, args, kwargs, interp
     kernel = functools.partial(pallas_fn, interpret=interpret, block_sizes=block_sizes)
     g, arrays = _auto_axes.on_arrays(kernel, args, kwargs)
     specs = jax.tree.map(lambda s: s.sharding.spec, jax.eval_shape(g, *arrays))
-    return _auto_axes.call(found, reference_fn, specs, *args, **kwargs)
+    return _auto_axes.call(reference_fn, specs, *args, **kwargs)

@@ -236,7 +236,8 @@ def on_auto_axes(out_layout):
             bound.apply_defaults()
             specs = jax.tree.map(lambda o: spec_for(o.shape, o.names, sizes),
                                  out_layout(**bound.arguments))
-            return _auto_axes.call(found, fn, specs, *args, **kwargs)
+            with found[1]():
+                return _auto_axes.call(fn, specs, *args, **kwargs)
         return call
     return wrap
 

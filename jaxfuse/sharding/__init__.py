@@ -2,8 +2,9 @@
 
 `_core` holds the mechanism (custom_partitioning in automatic mode, shard_map in explicit mode,
 a custom_vjp joining the partitioned forward and backward, custom_vmap for jax.vmap); `rows`,
-`attention`, `ring`, `linear_cross_entropy` and `blocks` (add_norm, swiglu, rope, the dropout
-family, embedding) hold the per-op rules. `jaxfuse.<op>`
+`attention`, `ring`, `linear_cross_entropy` and `blocks` (add_norm, add_norm_linear, swiglu,
+swiglu_linear, rope, the dropout family, embedding, beam_top_k, reorder_beams) hold the per-op
+rules. `jaxfuse.<op>`
 (impl="pallas") goes through them; `jaxfuse.pallas.<op>` is the bare kernel.
 
 A rule for a new op is a few lines: name each dimension of each operand and result by a factor

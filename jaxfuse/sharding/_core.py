@@ -33,6 +33,8 @@ from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, 
                                                   custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxfuse import _auto_axes
+
 Dims = tuple  # one entry per dimension: a factor name, or a tuple of names (major first)
 Plan = dict   # factor name -> tuple of mesh axis names it is sharded over (absent: whole)
 
@@ -102,14 +104,11 @@ def spec_of(dims: Dims, plan: Plan) -> P:
 
 
 def _explicit_mesh(args):
-    """The abstract mesh of operands typed with Explicit axes (explicit sharding mode), else None."""
-    for a in args:
-        sharding = getattr(jax.typeof(a), "sharding", None)
-        mesh = getattr(sharding, "mesh", None)
-        if mesh is not None and not mesh.empty and any(
-                t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-            return mesh
-    return None
+    """(mesh, enter) of operands on a mesh with Explicit axes (explicit sharding mode), else
+    None: `jaxfuse._auto_axes.explicit_mesh`. `enter()` sets the mesh for what follows (the
+    reshards and shard_map name PartitionSpecs of it) where `jax.set_mesh` has not: an op's
+    backward runs after its caller's context is gone."""
+    return _auto_axes.explicit_mesh(tuple(args))
 
 
 def _explicit_plan(layout: Layout, args, mesh):
@@ -127,24 +126,28 @@ def placed_for(layout: Layout, args: Sequence[jax.Array]) -> tuple:
     d_model, a dimension on the wrong axis) would not get back; resharded outside the op, the
     reshard's own transpose returns the cotangent to the caller's sharding."""
     args = tuple(args)
-    mesh = _explicit_mesh(args)
-    if mesh is None:
+    found = _explicit_mesh(args)
+    if found is None:
         return args
-    _, in_specs = _explicit_plan(layout, args, mesh)
-    return tuple(jax.sharding.reshard(a, s) for a, s in zip(args, in_specs))
+    mesh, enter = found
+    with enter():
+        _, in_specs = _explicit_plan(layout, args, mesh)
+        return tuple(jax.sharding.reshard(a, s) for a, s in zip(args, in_specs))
 
 
 def partitioned(local: Callable, layout: Layout, args: Sequence[jax.Array]) -> tuple:
     """`local(plan, *args)` (a tuple of arrays) run per shard; see the module docstring."""
     args = tuple(args)
-    mesh = _explicit_mesh(args)
-    if mesh is not None:
+    found = _explicit_mesh(args)
+    if found is None:
+        return _auto(local, layout)(*args)
+    mesh, enter = found
+    with enter():
         plan, in_specs = _explicit_plan(layout, args, mesh)
         args = [jax.sharding.reshard(a, s) for a, s in zip(args, in_specs)]
         return tuple(jax.shard_map(functools.partial(local, plan), mesh=mesh, in_specs=in_specs,
                                    out_specs=tuple(spec_of(d, plan) for d in layout.results),
                                    check_vma=False)(*args))
-    return _auto(local, layout)(*args)
 
 
 def _auto(local: Callable, layout: Layout):

@@ -130,11 +130,13 @@ def _project(s, w):
     """s @ w ([..., F] by [F, N]). In explicit sharding mode the result's sharding is named
     (rows as s's, columns as w's): with F split over devices the product is a sum of partial
     products, which JAX will not guess."""
-    if _explicit_mesh((s, w)) is None:
+    found = _explicit_mesh((s, w))
+    if found is None:
         return s @ w
     lead = tuple(jax.typeof(s).sharding.spec) + (None,) * s.ndim
     cols = tuple(jax.typeof(w).sharding.spec) + (None,) * 2
-    return jnp.matmul(s, w, out_sharding=P(*lead[:s.ndim - 1], cols[1]))
+    with found[1]():
+        return jnp.matmul(s, w, out_sharding=P(*lead[:s.ndim - 1], cols[1]))
 
 
 def _project_input_grad(dout, w, like):

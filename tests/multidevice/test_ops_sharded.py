@@ -402,6 +402,35 @@ def test_references_on_an_explicit_mesh(name):
     assert jax.tree.map(spec, many[0]) == jax.tree.map(lambda s: s.sharding.spec, want)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_explicit_arrays_without_set_mesh(impl):
+    """Arrays placed on an Explicit mesh, no `jax.set_mesh`: the ops take the mesh from their
+    arguments (the rules' reshards and shard_map name PartitionSpecs, which need it in
+    context: "Using PartitionSpec when you are not under a mesh context" before), eager and
+    under jit, gradients under jit (an eager gradient of explicitly sharded arrays needs
+    `jax.set_mesh` in JAX itself)."""
+    mesh = jax.make_mesh((2, 2, 2), ("data", "tensor", "seq"),
+                         axis_types=(AxisType.Explicit,) * 3)
+    k = keys(70, 4)
+    x, w = randn(k[0], (8, 32)), randn(k[1], (32, 16), scale=0.2)
+    labels = jnp.arange(8) % 16
+    q = randn(k[2], (2, 8, 4, 16))
+    f = lambda x, w, q: (jaxfuse.linear_cross_entropy(jaxfuse.layer_norm(x, impl=impl), w,
+                                                      labels, impl=impl)
+                         + jaxfuse.swiglu_linear(x, x, w, impl=impl).sum() * 1e-2
+                         + jaxfuse.flash_attention(q, q, q, causal=True, impl=impl).sum())
+    put = lambda a, *s: jax.device_put(a, NamedSharding(mesh, P(*s)))
+    placed = (put(x, "data", "tensor"), put(w, "tensor"), put(q, "data", None, "tensor"))
+    want = f(x, w, q), jax.grad(f, argnums=(0, 1, 2))(x, w, q)
+    assert jax.sharding.get_abstract_mesh().empty
+    got = f(*placed), jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(*placed)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, (got[0], got[1][1])),
+                                jax.tree.map(np.asarray, want), **TOL)
+    np.testing.assert_allclose(got[1][0], want[0], **TOL)
+    for g, p in zip(got[1][1], placed):              # gradients typed like their arguments
+        assert jax.typeof(g).sharding.spec == jax.typeof(p).sharding.spec
+
+
 @pytest.mark.parametrize("token_slab", [None, 5])
 def test_explicit_mesh_with_shardings_the_op_cannot_split(token_slab):
     """Explicit mode types every value with its sharding, and a custom_vjp's backward must type

@@ -24,6 +24,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxfuse
+from jaxfuse.model.sharding import constrain
 from jaxfuse.pallas import _common
 
 dropout = jaxfuse.dropout            # (x, rate, key): inverted dropout
@@ -92,8 +93,14 @@ def embedding(tokens: jax.Array, table: jax.Array, *, scale: float = 1.0,
               pos_table: jax.Array | None = None, positions: jax.Array | None = None,
               rate: float = 0.0, key: jax.Array | None = None, impl: str = "pallas") -> jax.Array:
     """dropout(scale * table[tokens] + pos_table[positions]) (`jaxfuse.embedding`)."""
+    impl = _unless_interpreted(impl)
+    if impl == "reference":
+        # XLA's gather cannot take rows of a table whose d_model is split over fsdp to tokens
+        # split over fsdp too (it replicated the table with a warning): gathered first, as FSDP
+        # gathers every weight where it is used. The kernel's rule splits d_model itself.
+        table = constrain(table, "vocab", None)
     return jaxfuse.embedding(tokens, table, scale=scale, pos_table=pos_table, positions=positions,
-                             rate=rate, key=key, impl=_unless_interpreted(impl))
+                             rate=rate, key=key, impl=impl)
 
 
 def reorder_beams(caches, parent: jax.Array, start: jax.Array, stop: jax.Array, *,

@@ -145,6 +145,23 @@ def python_scalar(value):
     return value
 
 
+def check_ids(name: str, ids, n: int, what: str, *, ignore: int | None = None) -> None:
+    """Integer ids in [0, n) (or `ignore`), judged where they are known: a ValueError naming
+    the first bad one. Traced ids (under jax.jit) cannot be read and pass; what the ops then do
+    with an out-of-range id is theirs (a NaN row or loss)."""
+    if isinstance(ids, jax.core.Tracer):
+        return
+    a = np.asarray(ids)
+    bad = (a < 0) | (a >= n)
+    if ignore is not None:
+        bad &= a != ignore
+    if bad.any():
+        i = np.unravel_index(int(np.flatnonzero(bad)[0]), a.shape)
+        extra = f" or {ignore}" if ignore is not None else ""
+        raise ValueError(f"{name}[{', '.join(map(str, i))}]={a[i]} is outside [0, {n}){extra}: "
+                         f"{what}")
+
+
 def check_impl(impl: str) -> None:
     if impl not in ("pallas", "reference"):
         raise ValueError(f"impl={impl!r} must be 'pallas' or 'reference'")

@@ -360,7 +360,10 @@ class PresetTest(chex.TestCase):
             name, value = next(iter(bad.items()))
             with self.assertRaisesRegex(ValueError, f"{name}={value!r} must be a positive int"):
                 M.Config(**bad)
-        for bad, message in ((dict(remat=None), "remat=None must be a string"),
+        for bad, message in ((dict(tie_embeddings="False"), "tie_embeddings='False' must be"),
+                             (dict(scan_layers="no"), "scan_layers='no' must be True or"),
+                             (dict(deterministic_attention=1), "deterministic_attention=1"),
+                             (dict(remat=None), "remat=None must be a string"),
                              (dict(dropout="0.1"), "dropout='0.1' must be a real number"),
                              (dict(dropout=float("nan")), "dropout=nan must be a finite"),
                              (dict(label_smoothing=2.0), "label_smoothing=2.0 must lie"),
@@ -372,6 +375,74 @@ class PresetTest(chex.TestCase):
         self.assertEqual(cfg, M.Config())
         self.assertIs(type(cfg.n_layers), int)
         self.assertEqual(hash(cfg), hash(M.Config()))
+
+
+class ModelInputsTest(chex.TestCase):
+    """Bad inputs to the model functions: a ValueError naming the value and the fix (s31
+    audit). Before, out-of-range tokens and targets gave NaN losses and logits (on a mesh,
+    NaN parameters), a full cache wrong logits, an eos outside the vocabulary a search that
+    never ends, and the rest internal errors (unpacking, broadcasting, dtypes)."""
+
+    def setUp(self):
+        super().setUp()
+        self.params = M.init(jax.random.key(0), CFG)
+        self.tokens, self.targets = _batch(40)
+
+    def test_ids_are_judged_where_known(self):
+        p, tok, tgt = self.params, self.tokens, self.targets
+        with self.assertRaisesRegex(ValueError, r"targets\[0, 4\]=13 is outside \[0, 13\) or -100"):
+            M.loss(p, tok, tgt.at[0, 4].set(13), CFG)
+        with self.assertRaisesRegex(ValueError, r"tokens\[1, 0\]=-1 is outside \[0, 13\)"):
+            M.apply(p, tok.at[1, 0].set(-1), CFG)
+        with self.assertRaisesRegex(ValueError, r"prompts\[0, 2\]=13 is outside"):
+            M.greedy(p, CFG, tok[:, :4].at[0, 2].set(13), jnp.array([4, 4]),
+                     max_new_tokens=2, eos_id=0)
+        # under the caller's jit they cannot be read: the NaN the ops document
+        loss = jax.jit(M.loss, static_argnames="cfg")(p, tok, tgt.at[0, 4].set(13), cfg=CFG)
+        self.assertTrue(np.isnan(float(loss)))
+
+    def test_shapes_and_options(self):
+        p, tok = self.params, self.tokens
+        lengths = jnp.array([4, 1])
+        cases = [
+            (lambda: M.apply(p, tok[0], CFG), r"tokens.shape=\(9,\) must be \[B, T\]"),
+            (lambda: M.apply(p, tok, CFG, head_mask=jnp.ones(4)),
+             r"head_mask.shape=\(4,\) must be \[n_layers, n_heads\] = \(2, 4\)"),
+            (lambda: M.greedy(p, CFG, tok[:, :4], [4, 1], max_new_tokens=2, eos_id=0),
+             "prompt_lengths must be an array, got list"),
+            (lambda: M.greedy(p, CFG, tok[:, :4], lengths.astype(jnp.float32),
+                              max_new_tokens=2, eos_id=0), "prompt_lengths.dtype=float32"),
+            (lambda: M.greedy(p, CFG, tok[:, :4], lengths, max_new_tokens=-1, eos_id=0),
+             "max_new_tokens=-1 must be a positive int"),
+            (lambda: M.greedy(p, CFG, tok[:, :4], lengths, max_new_tokens=2, eos_id=13),
+             r"eos_id=13 must be a token id in \[0, cfg.vocab_size=13\)"),
+            (lambda: M.greedy(p, CFG, tok[:, :4], lengths, max_new_tokens=2, eos_id=2.0),
+             "eos_id=2.0 must be a token id"),
+            (lambda: M.beam_search(p, CFG, tok[:, :4], lengths, beam_size=0, max_new_tokens=2,
+                                   eos_id=0), "beam_size=0 must be a positive int"),
+            (lambda: M.beam_search(p, CFG, tok[:, :4], lengths, beam_size=2, max_new_tokens=2,
+                                   eos_id=0, length_penalty=float("nan")),
+             "length_penalty=nan must be a finite number"),
+            (lambda: M.init_cache(CFG, 0, 8), "batch=0 must be a positive int"),
+            (lambda: M.init_cache(CFG, 2, 8, dtype=jnp.int32), "must be a float dtype"),
+            (lambda: M.prefill(p, M.init_cache(CFG, 2, 3), tok[:, :4], lengths, CFG),
+             "the cache is too short: 3 positions, and the call writes 4"),
+            (lambda: M.prefill(p, M.init_cache(CFG, 3, 8), tok[:, :4], lengths, CFG),
+             "the cache holds 3 sequences .* and the call has 2"),
+        ]
+        for call, message in cases:
+            with self.assertRaisesRegex(ValueError, message):
+                call()
+
+    def test_a_full_cache(self):
+        p, tok = self.params, self.tokens
+        _, cache = M.prefill(p, M.init_cache(CFG, 2, 4), tok[:, :4], jnp.array([4, 2]), CFG)
+        with self.assertRaisesRegex(ValueError, "lengths up to 4 of 4 positions"):
+            M.decode_step(p, cache, jnp.array([1, 2]), CFG)
+        with self.assertRaisesRegex(ValueError, r"tokens.shape=\(2, 1\) must be \[B\]"):
+            M.decode_step(p, cache, jnp.array([[1], [2]]), CFG)
+        _, cache = M.prefill(p, M.init_cache(CFG, 2, 5), tok[:, :4], jnp.array([4, 2]), CFG)
+        M.decode_step(p, cache, jnp.array([1, 2]), CFG)        # the last position is free
 
 
 def test_decoding_steps_leave_row_ops_to_xla(monkeypatch):

@@ -116,6 +116,8 @@ class Config:
             raise ValueError(f"head_dim={self.d_model // self.n_heads} must be even for RoPE")
         if self.norm not in ("rms", "layer"):
             raise ValueError(f"norm={self.norm!r} must be 'rms' or 'layer'")
+        for field in ("scan_layers", "tie_embeddings", "deterministic_attention"):
+            object.__setattr__(self, field, _checks.check_bool(field, getattr(self, field)))
         # dtypes are kept as names so that a Config stays hashable (a static jit argument) and
         # prints readably; jnp.bfloat16 and "bfloat16" give the same Config.
         for field in ("dtype", "param_dtype"):

@@ -19,6 +19,7 @@ import numpy as np
 
 import jaxfuse
 from jaxfuse.model import _block_ops as ops
+from jaxfuse.model import _inputs
 from jaxfuse.model import transformer as T
 from jaxfuse.model.config import Config
 from jaxfuse.model.sharding import Out, constrain, on_auto_axes
@@ -47,6 +48,7 @@ def _new_cache_layout(cfg: Config, batch: int, max_len=None, **_) -> dict:
 @on_auto_axes(_new_cache_layout)
 def init_cache(cfg: Config, batch: int, max_len: int | None = None, dtype=None) -> dict:
     """An empty cache; `dtype` defaults to cfg.dtype (the dtype of the keys and values)."""
+    _inputs.new_cache(batch, max_len, dtype)
     s = cfg.max_len if max_len is None else max_len
     dt = cfg.compute_dtype if dtype is None else jnp.dtype(dtype)
     shape = (batch, s, cfg.n_kv_heads, cfg.head_dim)
@@ -139,7 +141,9 @@ def prefill(params: dict, cache: dict, prompts: jax.Array, prompt_lengths: jax.A
     K/V land in the cache beyond `lengths` and are overwritten by the first decoded tokens.
     prompt_lengths [B] lie in [1, P]: a `ValueError` where they are known, clipped to that
     range under `jax.jit` (`check_prompt_lengths`)."""
+    _inputs.tokens(prompts, cfg, "prompts")
     p = prompts.shape[1]
+    _inputs.cache(cache, prompts.shape[0], p, after_lengths=False)
     check_prompt_lengths(prompt_lengths, p)
     prompt_lengths = jnp.clip(prompt_lengths, 1, p)
     y, (_, k_all, v_all) = T.hidden(params, prompts, cfg, impl=impl, collect_qkv=True)
@@ -160,6 +164,9 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
     Sequence b's token sits at position lengths[b]; attention covers positions <= lengths[b].
     Called step by step, `jax.jit(decode_step, static_argnames=("cfg", "impl"),
     donate_argnums=1)` updates the cache in place (greedy and beam search do it in their loop)."""
+    _inputs.tokens(tokens, cfg, ndim=1)
+    _inputs.head_mask(head_mask, cfg)
+    _inputs.cache(cache, tokens.shape[0], 1, after_lengths=True)
     p = decode_params(params, cfg)
     lengths = cache["lengths"]                              # [B], the same for every layer
     h = ops.embedding(tokens[:, None], p["embed"], impl=impl)                # [B, 1, D]

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import jaxfuse
 from jaxfuse import _checks
 from jaxfuse.model import _block_ops as ops
-from jaxfuse.model import decoding
+from jaxfuse.model import _inputs, decoding
 from jaxfuse.model.config import Config
 from jaxfuse.model.sharding import Out, constrain, on_auto_axes
 
@@ -43,13 +43,17 @@ def _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg, steps_per_sync)
 
 
 def _lengths_checked(search):
-    """`search` (greedy or beam search, jitted) with its prompt lengths checked first where
-    they are known (`decoding.check_prompt_lengths`): inside the jit they are traced, and only
+    """`search` (greedy or beam search, jitted) with its options checked and its prompts and
+    prompt lengths judged first, where they are known (`_inputs`,
+    `decoding.check_prompt_lengths`): inside the jit they are traced, and the lengths only
     clipped to [1, P]."""
     @functools.wraps(search)
     def call(params, cfg, prompts, prompt_lengths, **options):
-        if getattr(prompts, "ndim", None) == 2:        # else the search's own shape error
-            decoding.check_prompt_lengths(prompt_lengths, prompts.shape[1])
+        _inputs.search(prompt_lengths, cfg, options.get("max_new_tokens"),
+                       options.get("eos_id"), options.get("beam_size", 1),
+                       options.get("length_penalty", 0.0))
+        _inputs.tokens(prompts, cfg, "prompts")
+        decoding.check_prompt_lengths(prompt_lengths, prompts.shape[1])
         return search(params, cfg, prompts, prompt_lengths, **options)
     call._clear_cache = search._clear_cache
     return call

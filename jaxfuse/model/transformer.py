@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 import jaxfuse
 from jaxfuse.model import _block_ops as ops
+from jaxfuse.model import _inputs
 from jaxfuse.model.sharding import Out, constrain, gather_layer, on_auto_axes
 from jaxfuse.model.config import Config, remat_policy
 
@@ -205,6 +206,8 @@ def hidden(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas"
     stacked [n_layers, ...] or None) for tokens [B, T], causal.
 
     `key` turns dropout on (cfg.dropout > 0); without it the pass is deterministic."""
+    _inputs.tokens(tokens, cfg)
+    _inputs.head_mask(head_mask, cfg)
     p = cast(params, cfg)
     b, t = tokens.shape
     positions = constrain(jnp.broadcast_to(jnp.arange(t), (b, t)), "batch", "seq")
@@ -254,11 +257,14 @@ def apply(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas",
 def loss(params: dict, tokens: jax.Array, targets: jax.Array, cfg: Config, *,
          impl: str = "pallas", key: jax.Array | None = None) -> jax.Array:
     """Mean cross-entropy over targeted positions. tokens, targets [B, T]: the caller shifts
-    (targets[t] is the token after tokens[t]); -100 marks positions without a target.
+    (targets[t] is the token after tokens[t]); -100 marks positions without a target. An id
+    outside the vocabulary raises a ValueError where the ids are known (an eager call); under
+    `jax.jit` (as in `train_step`) it cannot be read, and the loss is NaN (`model._inputs`).
 
     Through `jaxfuse.linear_cross_entropy`: the [B, T, V] logits are never materialized
     (with `cfg.loss_token_slab`, one [n, V] slab of them at a time; on a mesh, of each
     device's tokens and slice of the vocabulary)."""
+    _inputs.targets(targets, cfg)
     y, _ = hidden(params, tokens, cfg, impl=impl, key=key)
     blocks = (None if cfg.loss_token_slab is None
               else jaxfuse.LCEBlocks(token_slab=cfg.loss_token_slab))

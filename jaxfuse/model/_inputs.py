@@ -1,0 +1,78 @@
+"""The model functions' input checks (a ValueError naming the value and the fix), in one place.
+
+Shapes, dtypes and static options are checked always. Token and target ids are judged where
+their values are known (an eager call; `greedy` and `beam_search` read their prompts before
+their jit): under the caller's `jax.jit` (as in `train_step`) they cannot be read, and an
+out-of-range id gives what the ops give it, a NaN row or loss.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse import _checks
+from jaxfuse.model.config import Config
+
+
+def tokens(x, cfg: Config, name: str = "tokens", ndim: int = 2) -> None:
+    """Integer token ids, `ndim` axes ([B, T]; [B] for a decoding step), in [0, vocab)."""
+    _checks.check_int(name, x)
+    if x.ndim != ndim:
+        shape = "[B, T]" if ndim == 2 else "[B]"
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must be {shape}")
+    _checks.check_ids(name, x, cfg.vocab_size, f"token ids index the vocabulary of "
+                      f"cfg.vocab_size={cfg.vocab_size}")
+
+
+def targets(y, cfg: Config) -> None:
+    """Target ids in [0, vocab) or -100 (no target)."""
+    _checks.check_int("targets", y)
+    _checks.check_ids("targets", y, cfg.vocab_size, f"targets index the vocabulary of "
+                      f"cfg.vocab_size={cfg.vocab_size} (-100: no target)", ignore=-100)
+
+
+def head_mask(mask, cfg: Config) -> None:
+    if mask is not None and tuple(mask.shape) != (cfg.n_layers, cfg.n_heads):
+        raise ValueError(f"head_mask.shape={tuple(mask.shape)} must be [n_layers, n_heads] = "
+                         f"({cfg.n_layers}, {cfg.n_heads}) (1 keeps a head, 0 ablates it)")
+
+
+def cache(c: dict, batch: int, width: int, *, after_lengths: bool) -> None:
+    """A cache of `batch` sequences with room for `width` positions: from 0 (prefill), or past
+    each sequence's `lengths` where they are known (a decoding step past the end would drop
+    its token's K/V and attend without it)."""
+    if not c["k"]:
+        return
+    b, s = c["k"][0].shape[:2]
+    if b != batch:
+        raise ValueError(f"the cache holds {b} sequences (init_cache(cfg, batch={b}, ...)) and "
+                         f"the call has {batch}: make the cache for this batch")
+    used = 0
+    if after_lengths and not isinstance(c["lengths"], jax.core.Tracer):
+        used = int(jnp.max(c["lengths"]))
+    if used + width > s:
+        full = f"lengths up to {used} of " if after_lengths else ""
+        raise ValueError(f"the cache is too short: {full}{s} positions, and the call writes "
+                         f"{width}; make it longer (init_cache(cfg, batch, max_len=...))")
+
+
+def new_cache(batch, max_len, dtype) -> None:
+    for name, v in (("batch", batch), ("max_len", max_len)):
+        if not (_checks.is_int(v) and v >= 1):
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"dtype={dtype!r} must be a float dtype (the keys' and values'; "
+                         "default cfg.dtype)")
+
+
+def search(prompt_lengths, cfg: Config, max_new_tokens, eos_id, beam_size=1,
+           length_penalty=0.0) -> None:
+    """greedy's and beam_search's options."""
+    _checks.check_int("prompt_lengths", prompt_lengths)
+    for name, v in (("max_new_tokens", max_new_tokens), ("beam_size", beam_size)):
+        if not (_checks.is_int(v) and v >= 1):
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    if not (_checks.is_int(eos_id) and 0 <= eos_id < cfg.vocab_size):
+        raise ValueError(f"eos_id={eos_id!r} must be a token id in [0, cfg.vocab_size="
+                         f"{cfg.vocab_size})")
+    _checks.check_finite("length_penalty", length_penalty)

@@ -36,24 +36,11 @@ def explicit_mesh(tree: Any):
         meshes = [getattr(jax.typeof(a).sharding, "mesh", None) for a in tracers] or [
             getattr(a.sharding, "mesh", None) for a in leaves]
         mesh = next((m for m in meshes if m is not None and not m.empty), None)
-        enter = functools.partial(jax.sharding.use_abstract_mesh if tracers else _set_mesh, mesh)
+        enter = functools.partial(jax.sharding.use_abstract_mesh if tracers else jax.set_mesh,
+                                  mesh)
     if mesh is None or AxisType.Explicit not in mesh.axis_types:
         return None
     return mesh, enter
-
-
-@contextlib.contextmanager
-def _set_mesh(mesh):
-    """`jax.set_mesh(mesh)` for an eager call. Under jax.jit with closed-over constants alone
-    (no tracer among the arguments) JAX refuses it; there its abstract mesh is set, and JAX's
-    own error asks the caller for `jax.set_mesh`, as it does for any computation on such
-    constants."""
-    try:
-        context = jax.set_mesh(mesh)
-    except ValueError:
-        context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
-    with context:
-        yield
 
 
 def on_arrays(fn: Callable, args: tuple, kwargs: dict):

@@ -127,13 +127,17 @@ def check_static(name: str, value) -> None:
 
 
 def check_bool(name: str, value) -> bool:
-    """A flag the op branches on (causal, return_lse, ...) as a Python bool: True/False or a
-    NumPy bool; anything else (a string, a number, a traced bool) is a ValueError naming it."""
-    if isinstance(value, (bool, np.bool_)):
+    """A flag the op branches on (causal, return_lse, ...) as a Python bool: a Python, NumPy or
+    concrete jax bool, or the ints 0 and 1; anything else (a string, which is truthy; another
+    number; a traced bool, which cannot choose a branch) is a ValueError naming it."""
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{name}={value!r} must be True or False (traced: pass a Python bool, "
+                         "under jax.jit a static argument)")
+    if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or (is_int(value) and value in (0, 1)):
         return bool(value)
-    traced = " (traced: pass a Python bool, under jax.jit a static argument)" if isinstance(
-        value, jax.core.Tracer) else ""
-    raise ValueError(f"{name}={value!r} must be True or False{traced}")
+    raise ValueError(f"{name}={value!r} must be True or False")
 
 
 def python_scalar(value):

@@ -53,21 +53,26 @@ def route(impl: str, pallas_fn: Callable, reference_fn: Callable, *args: Any,
             if found is None or any(isinstance(kwargs.get(n), jax.core.Tracer)
                                     for n in STATIC_OPTIONS):
                 return reference_fn(*args, **kwargs)
-            return _reference_on_auto_axes(pallas_fn, reference_fn, args, kwargs, interpret,
-                                           block_sizes)
+            return _reference_on_auto_axes(pallas_fn, reference_fn, args, kwargs, interpret)
         for name in STATIC_OPTIONS:
             _checks.check_static(name, kwargs.get(name))
         return pallas_fn(*args, interpret=interpret, block_sizes=block_sizes, **kwargs)
 
 
-def _reference_on_auto_axes(pallas_fn, reference_fn, args, kwargs, interpret, block_sizes):
+def _reference_on_auto_axes(pallas_fn, reference_fn, args, kwargs, interpret):
     """The reference on a mesh with Explicit axes: its jax.numpy runs on Auto axes, where XLA
     partitions it as on an Auto mesh (a gather from a split table, a contraction over a split
     axis need no output sharding there; `jaxfuse._auto_axes`), and its results are typed as
-    the kernel's would be (the op's partitioning rule, traced abstractly), so that both impls
-    give the same types. (With a traced option, which the kernels refuse, the reference runs
-    as it is.)"""
-    kernel = functools.partial(pallas_fn, interpret=interpret, block_sizes=block_sizes)
-    g, arrays = _auto_axes.on_arrays(kernel, args, kwargs)
-    specs = jax.tree.map(lambda s: s.sharding.spec, jax.eval_shape(g, *arrays))
+    the kernel's would be (the op's partitioning rule traced abstractly, with its default
+    tiles), so that both impls give the same types. (With a traced option, or inputs only the
+    reference takes, the reference runs as it is.)"""
+    g, arrays = _auto_axes.on_arrays(functools.partial(pallas_fn, interpret=interpret), args,
+                                     kwargs)
+    try:
+        like = jax.eval_shape(g, *arrays)
+    except ValueError:
+        # inputs the kernels do not take (a head dim they have no tiles for), which the
+        # reference does: it runs as it is, as it did before this path existed
+        return reference_fn(*args, **kwargs)
+    specs = jax.tree.map(lambda s: s.sharding.spec, like)
     return _auto_axes.call(reference_fn, specs, *args, **kwargs)

@@ -608,7 +608,11 @@ class TestAttentionOptions:
                 f("False")
             with pytest.raises(ValueError, match=f"{name}=.*must be True or False.*traced"):
                 jax.jit(f)(True)
-            f(np.bool_(False))                                  # NumPy bools are bools
+            f(np.bool_(False))                                  # NumPy and jax bools,
+            f(jnp.array(False))                                 # 0 and 1, are bools
+            f(0)
+        with pytest.raises(ValueError, match="causal=2 must be True or False"):
+            jaxfuse.flash_attention(q, q, q, causal=2, impl=impl)
 
     def test_arrays_not_lists(self):
         q, kc = jnp.ones((2, 2, 8)), jnp.ones((2, 5, 1, 8))

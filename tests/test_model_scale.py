@@ -362,7 +362,7 @@ class PresetTest(chex.TestCase):
                 M.Config(**bad)
         for bad, message in ((dict(tie_embeddings="False"), "tie_embeddings='False' must be"),
                              (dict(scan_layers="no"), "scan_layers='no' must be True or"),
-                             (dict(deterministic_attention=1), "deterministic_attention=1"),
+                             (dict(deterministic_attention=2), "deterministic_attention=2"),
                              (dict(remat=None), "remat=None must be a string"),
                              (dict(dropout="0.1"), "dropout='0.1' must be a real number"),
                              (dict(dropout=float("nan")), "dropout=nan must be a finite"),
@@ -380,8 +380,9 @@ class PresetTest(chex.TestCase):
 class ModelInputsTest(chex.TestCase):
     """Bad inputs to the model functions: a ValueError naming the value and the fix (s31
     audit). Before, out-of-range tokens and targets gave NaN losses and logits (on a mesh,
-    NaN parameters), a full cache wrong logits, an eos outside the vocabulary a search that
-    never ends, and the rest internal errors (unpacking, broadcasting, dtypes)."""
+    NaN parameters), a full cache wrong logits, and the rest internal errors (unpacking,
+    broadcasting, dtypes). (An eos_id outside the vocabulary is valid: no sequence ends
+    early.)"""
 
     def setUp(self):
         super().setUp()
@@ -414,10 +415,8 @@ class ModelInputsTest(chex.TestCase):
                               max_new_tokens=2, eos_id=0), "prompt_lengths.dtype=float32"),
             (lambda: M.greedy(p, CFG, tok[:, :4], lengths, max_new_tokens=-1, eos_id=0),
              "max_new_tokens=-1 must be a positive int"),
-            (lambda: M.greedy(p, CFG, tok[:, :4], lengths, max_new_tokens=2, eos_id=13),
-             r"eos_id=13 must be a token id in \[0, cfg.vocab_size=13\)"),
             (lambda: M.greedy(p, CFG, tok[:, :4], lengths, max_new_tokens=2, eos_id=2.0),
-             "eos_id=2.0 must be a token id"),
+             "eos_id=2.0 must be an int"),
             (lambda: M.beam_search(p, CFG, tok[:, :4], lengths, beam_size=0, max_new_tokens=2,
                                    eos_id=0), "beam_size=0 must be a positive int"),
             (lambda: M.beam_search(p, CFG, tok[:, :4], lengths, beam_size=2, max_new_tokens=2,

@@ -58,7 +58,7 @@ def cache(c: dict, batch: int, width: int, *, after_lengths: bool) -> None:
 
 def new_cache(batch, max_len, dtype) -> None:
     for name, v in (("batch", batch), ("max_len", max_len)):
-        if not (_checks.is_int(v) and v >= 1):
+        if not (_checks.is_int(v) and v >= 1) and not (name == "max_len" and v is None):
             raise ValueError(f"{name}={v!r} must be a positive int")
     if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"dtype={dtype!r} must be a float dtype (the keys' and values'; "
@@ -72,7 +72,7 @@ def search(prompt_lengths, cfg: Config, max_new_tokens, eos_id, beam_size=1,
     for name, v in (("max_new_tokens", max_new_tokens), ("beam_size", beam_size)):
         if not (_checks.is_int(v) and v >= 1):
             raise ValueError(f"{name}={v!r} must be a positive int")
-    if not (_checks.is_int(eos_id) and 0 <= eos_id < cfg.vocab_size):
-        raise ValueError(f"eos_id={eos_id!r} must be a token id in [0, cfg.vocab_size="
-                         f"{cfg.vocab_size})")
+    if not _checks.is_int(eos_id):      # outside [0, vocab): no sequence ends before the last
+        raise ValueError(f"eos_id={eos_id!r} must be an int (a token id; one outside the "
+                         "vocabulary ends no sequence early)")
     _checks.check_finite("length_penalty", length_penalty)

@@ -78,7 +78,8 @@ def _loop(step, state, max_new_tokens: int, steps_per_sync: int):
 def greedy(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: jax.Array, *,
            max_new_tokens: int, eos_id: int, impl: str = "pallas",
            steps_per_sync: int = 8) -> jax.Array:
-    """Generated tokens [B, max_new_tokens]; `eos_id` fills the rest once a sequence ended.
+    """Generated tokens [B, max_new_tokens]; `eos_id` fills the rest once a sequence ended (an
+    eos_id outside the vocabulary ends none: every sequence runs max_new_tokens).
     prompts [B, P] right-padded, prompt_lengths [B] in [1, P] (`decoding.prefill`).
     `steps_per_sync`: decoding steps between two checks of the early stop (see module doc)."""
     _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg, steps_per_sync)

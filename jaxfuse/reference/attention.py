@@ -126,6 +126,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     if _philox.active(dropout_rate, dropout_key):
         pn = _dropout.apply(pn.reshape(b, hq, tq, tk), dropout_rate, dropout_key).reshape(pn.shape)
     o = jnp.einsum("bhgqk,bkhd->bhgqd", pn, vf)
+    # (Selected, so the gradients of a row that sees a non-finite value differ from the
+    # kernels': there dq and dk take NaN through dP = dO V^T, here 0; its output is NaN in both.)
     o = jnp.where(sees(bad_v), jnp.nan, o).transpose(0, 3, 1, 2, 4)
     o = o.reshape(b, tq, hq, d).astype(q.dtype)
     if not return_lse:

@@ -402,6 +402,21 @@ def test_references_on_an_explicit_mesh(name):
     assert jax.tree.map(spec, many[0]) == jax.tree.map(lambda s: s.sharding.spec, want)
 
 
+def test_reference_on_an_explicit_mesh_takes_what_only_it_takes():
+    """A head dim of 4 has no kernel tiles; the reference takes it (it did before its results
+    were typed by the kernel's rule, whose trace then refused it). Custom tiles do not reach
+    that trace either."""
+    mesh = jax.make_mesh((2, 2, 2), ("data", "tensor", "seq"),
+                         axis_types=(AxisType.Explicit,) * 3)
+    q = randn(keys(71, 1)[0], (2, 8, 2, 4))
+    want = jaxfuse.flash_attention(q, q, q, causal=True, impl="reference")
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(q, NamedSharding(mesh, P("data", None, "tensor")))
+        got = jaxfuse.flash_attention(placed, placed, placed, causal=True, impl="reference",
+                                      block_sizes=jaxfuse.AttnBlocks(block_q=1024))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
 @pytest.mark.parametrize("impl", ["pallas", "reference"])
 def test_explicit_arrays_without_set_mesh(impl):
     """Arrays placed on an Explicit mesh, no `jax.set_mesh`: the ops take the mesh from their

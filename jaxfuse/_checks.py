@@ -77,13 +77,6 @@ def fits_int32(dtype) -> bool:
     return dtype.itemsize < 4 or dtype == np.int32
 
 
-def integral(value):
-    """A NumPy integer as the Python int it holds (an option computed with NumPy, such as
-    `np.int64(k)`), anything else unchanged, for the checks to judge: static options are
-    Python ints from here on, hashable and usable as shapes."""
-    return int(value) if isinstance(value, np.integer) else value
-
-
 def _number(name: str, value) -> float | None:
     """A scalar option as a float: a Python, NumPy or concrete jax number (not a bool or a
     string, which float() would also take); None for a traced value, which is left to the
@@ -141,8 +134,9 @@ def check_bool(name: str, value) -> bool:
 
 
 def python_scalar(value):
-    """A concrete jax or NumPy scalar option as the Python number it holds (the kernels bake
-    their options into cached, hashed closures), anything else unchanged."""
+    """A concrete jax or NumPy scalar option as the Python number it holds (an option computed
+    with NumPy, such as `np.int64(k)`; the kernels bake their options into cached, hashed
+    closures, and the checks judge Python ints), anything else unchanged."""
     if isinstance(value, (jax.Array, np.generic)) and not isinstance(value, jax.core.Tracer) \
             and getattr(value, "ndim", 0) == 0 and not isinstance(value, np.bool_):
         return value.item()

@@ -199,7 +199,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     ...                                                k_new=k, v_new=v)   # then lengths + 1
     """
     return route(impl, _s_attn.decode_attention, _r_dec.decode_attention, q, k_cache, v_cache,
-                 kv_lengths, scale=scale, num_splits=_checks.integral(num_splits),
+                 kv_lengths, scale=scale, num_splits=_checks.python_scalar(num_splits),
                  logits_soft_cap=logits_soft_cap, return_lse=return_lse, k_new=k_new,
                  v_new=v_new, packed_qkv=packed_qkv, partial_sums=partial_sums,
                  rope_base=rope_base, rope_interleaved=rope_interleaved, rms_input=rms_input,
@@ -236,7 +236,7 @@ def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *, impl: st
     >>> scores, parent, token = jaxfuse.beam_top_k(log_probs, beam_scores, beam_size)
     """
     return route(impl, _s_blocks.beam_top_k, _r_topk.beam_top_k, log_probs, beam_scores,
-                 _checks.integral(k),
+                 _checks.python_scalar(k),
                  interpret=interpret, block_sizes=block_sizes)
 
 

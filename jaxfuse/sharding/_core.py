@@ -103,14 +103,6 @@ def spec_of(dims: Dims, plan: Plan) -> P:
     return P(*entries)
 
 
-def _explicit_mesh(args):
-    """(mesh, enter) of operands on a mesh with Explicit axes (explicit sharding mode), else
-    None: `jaxfuse._auto_axes.explicit_mesh`. `enter()` sets the mesh for what follows (the
-    reshards and shard_map name PartitionSpecs of it) where `jax.set_mesh` has not: an op's
-    backward runs after its caller's context is gone."""
-    return _auto_axes.explicit_mesh(tuple(args))
-
-
 def _explicit_plan(layout: Layout, args, mesh):
     """(plan, operand specs) of `layout` for explicitly typed `args` on `mesh`."""
     specs = [jax.typeof(a).sharding.spec for a in args]
@@ -126,11 +118,11 @@ def placed_for(layout: Layout, args: Sequence[jax.Array]) -> tuple:
     d_model, a dimension on the wrong axis) would not get back; resharded outside the op, the
     reshard's own transpose returns the cotangent to the caller's sharding."""
     args = tuple(args)
-    found = _explicit_mesh(args)
+    found = _auto_axes.explicit_mesh(args)
     if found is None:
         return args
     mesh, enter = found
-    with enter():
+    with enter():     # the mesh set where jax.set_mesh has not (a backward runs late)
         _, in_specs = _explicit_plan(layout, args, mesh)
         return tuple(jax.sharding.reshard(a, s) for a, s in zip(args, in_specs))
 
@@ -138,7 +130,7 @@ def placed_for(layout: Layout, args: Sequence[jax.Array]) -> tuple:
 def partitioned(local: Callable, layout: Layout, args: Sequence[jax.Array]) -> tuple:
     """`local(plan, *args)` (a tuple of arrays) run per shard; see the module docstring."""
     args = tuple(args)
-    found = _explicit_mesh(args)
+    found = _auto_axes.explicit_mesh(args)
     if found is None:
         return _auto(local, layout)(*args)
     mesh, enter = found

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxfuse import _philox
+from jaxfuse import _auto_axes, _philox
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _dropout, _norm, _rng, _rows
 from jaxfuse.pallas import add_norm as _p_an
@@ -48,7 +48,7 @@ from jaxfuse.reference import reorder_beams as _r_reo
 from jaxfuse.reference import rope as _r_rope
 from jaxfuse.reference import swiglu as _r_swiglu
 from jaxfuse.reference import swiglu_linear as _r_swl
-from jaxfuse.sharding._core import (Layout, _explicit_mesh, lead, partitioned, placed_for,
+from jaxfuse.sharding._core import (Layout, lead, partitioned, placed_for,
                                    present, residual_name, vjp_op)
 from jaxfuse.sharding.rows import psum_over, size
 
@@ -130,7 +130,7 @@ def _project(s, w):
     """s @ w ([..., F] by [F, N]). In explicit sharding mode the result's sharding is named
     (rows as s's, columns as w's): with F split over devices the product is a sum of partial
     products, which JAX will not guess."""
-    found = _explicit_mesh((s, w))
+    found = _auto_axes.explicit_mesh((s, w))
     if found is None:
         return s @ w
     lead = tuple(jax.typeof(s).sharding.spec) + (None,) * s.ndim

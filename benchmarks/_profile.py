@@ -53,6 +53,25 @@ def kernel_times(fn, args, reps: int = 3, ops: dict | None = None
     return sorted(rows, key=lambda r: -r[2])
 
 
+# What each kernel is, for a call's breakdown (first pattern that matches the name wins): the
+# products and attention are the floor that every implementation of a model pays; the rest is
+# what fusion can remove (cuDNN runs only attention in these programs).
+CATEGORIES = (("attention", r"flash|sdpa|fmha|attention|cudnn"),
+              ("loss", r"lce|cross_entropy"),
+              ("matmul", r"nvjet|gemm|cutlass|xmma|cublas|dot"),
+              ("copy", r"memcpy|memset|copy"),
+              ("jaxfuse rows", r"^jaxfuse_"),
+              ("XLA fusions", r""))
+
+
+def categories(rows) -> dict[str, float]:
+    """ms per call in each of `CATEGORIES`, from `kernel_times`' rows."""
+    out = dict.fromkeys((c for c, _ in CATEGORIES), 0.0)
+    for name, _, ms in rows:
+        out[next(c for c, pat in CATEGORIES if re.search(pat, name, re.I))] += ms
+    return out
+
+
 def report(section: str, workload: str, fn, args, top: int = 14, reps: int = 3,
            explain: tuple[str, ...] = ()) -> None:
     """Prints the `top` kernels by time; for kernels whose name contains one of `explain`, also
@@ -61,6 +80,7 @@ def report(section: str, workload: str, fn, args, top: int = 14, reps: int = 3,
     rows = kernel_times(fn, args, reps, ops)
     busy = sum(r[2] for r in rows)
     print(f"{section:10s} {workload}: {busy:.3f} ms of kernels per call, {len(rows)} kinds")
+    print(f"{'':12s}by kind: " + ", ".join(f"{c} {ms:.3f}" for c, ms in categories(rows).items()))
     for name, n, ms in rows[:top]:
         print(f"{'':12s}{ms:8.3f} ms  x{n:<5d} {name}")
     for name, n, ms in rows:

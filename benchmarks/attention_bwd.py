@@ -525,6 +525,51 @@ def _interleaved(label, sets, fns, rounds: int):
     guarded(S, f"{label} fwd+bwd", "all", run)
 
 
+RAGGED_CASES = [   # lengths that are not whole tiles: the Hopper kernels run them padded (s32)
+    ((1, 200, 333, 4, 2, 64), dict(causal=True)),
+    ((2, 1000, 1000, 4, 4, 128), dict()),
+    ((1, 257, 129, 2, 1, 128), dict(causal=True, sliding_window=100)),
+    ((1, 130, 450, 4, 1, 64), dict(logits_soft_cap=20.0)),
+    ((1, 300, 450, 2, 1, 256), dict(causal=True)),
+]
+
+
+def ragged(rounds: int = 3):
+    """Lengths that are not whole tiles on the Hopper kernels (padded with zeros up to them,
+    the masks keeping the true lengths; before s32 they ran the portable kernels): RAGGED_CASES
+    checked against the float32 reference (bf16, both `deterministic` settings below D = 256,
+    bitwise repeat; CHECKS=0 skips them), then fwd+bwd at B4 H32 D128 T = 4000 (causal and
+    not) interleaved: jaxfuse (padded), the portable kernels (`hopper=False`, what ran there
+    before), cuDNN, and jaxfuse at T = 4096 (whole tiles: what the padding's copies cost).
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py ragged [OUT.json]
+    """
+    import os
+    if os.environ.get("CHECKS", "1") == "1":
+        for i, (shape, opts) in enumerate(RAGGED_CASES):
+            for det in ((True,) if shape[-1] > 128 else (True, False)):
+                _check_case(300 + i, shape, opts, jnp.bfloat16, det,
+                            True if det else None)
+    for causal in (False, True):
+        label = f"B4 H32 T4000 D128 {'causal' if causal else 'full'}"
+        sets = [_inputs(jax.random.key(300 + i), 4, 4000, 4000, 32, 32, 128,
+                        jnp.bfloat16)[:4] for i in range(2)]
+        whole = [_inputs(jax.random.key(300 + i), 4, 4096, 4096, 32, 32, 128,
+                         jnp.bfloat16)[:4] for i in range(2)]
+        attn = functools.partial(jaxfuse.flash_attention, causal=causal)
+        null = contextlib.nullcontext
+        _interleaved(label, sets, {
+            "jaxfuse (padded Hopper)": (attn, null),
+            "jaxfuse portable": (functools.partial(attn, block_sizes=AttnBlocks(hopper=False)),
+                                 null),
+            "cudnn": (lambda q, k, v, causal=causal: jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal, implementation="cudnn"), null)}, rounds)
+        step = jax.jit(_fwd_bwd(attn))
+        guarded(S, f"{label} fwd+bwd", "jaxfuse T4096",
+                lambda: record(S, f"{label} fwd+bwd", "jaxfuse T4096 (whole tiles)",
+                               bench(step, whole, reps=5, repeats=3)))
+
+
 def d256(rounds: int = 5, variants: dict | None = None):
     """The Hopper backward at D = 256 (`HopperBwdTiles.split_d`): compiled checks of the
     default against the float32 reference (bf16 both `deterministic` settings, f16; bitwise
@@ -726,4 +771,5 @@ if __name__ == "__main__":
         "f16_256": lambda: check_f16(CASES_256),     # the D = 256 cases alone
         "long": long_rows,
         # OTHER_ROWS (T32768, D256) fwd+bwd interleaved against cuDNN, nothing else
-        "other_rows": lambda rounds=3: _rows(rounds, {}, OTHER_ROWS), "groups": groups})
+        "other_rows": lambda rounds=3: _rows(rounds, {}, OTHER_ROWS), "groups": groups,
+        "ragged": ragged})

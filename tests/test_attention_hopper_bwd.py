@@ -123,20 +123,47 @@ def test_d256_refuses_dq_steps_that_failed_on_the_gpu():
     assert HopperBwdTiles(block_k_dq=128).k_dq(128) == 128     # other head dims: as asked
 
 
-def test_hopper_backward_falls_back_where_it_does_not_fit():
-    """Tk not a multiple of 128 runs the portable backward after the Hopper forward; so does
-    backward=False."""
+def test_hopper_backward_off_runs_the_portable_one():
+    """backward=False runs the portable backward after the Hopper forward."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
-    cases = [((1, 128, 2, 64), 192, True), ((1, 128, 2, 256), 192, True),
-             ((1, 128, 2, 64), 128, HopperAttnTiles(backward=False))]
-    for shape, tk, hopper in cases:
-        q = jnp.zeros(shape, jnp.bfloat16)
-        k = jnp.zeros((1, tk, 2, shape[-1]), jnp.bfloat16)
-        hopper = HopperAttnTiles(block_k=64) if tk % 128 else hopper
-        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=AttnBlocks(hopper=hopper))
-        jaxpr = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, k))
-        assert "jaxfuse_flash_fwd_hopper" in jaxpr
-        assert "jaxfuse_flash_bwd_dkv" in jaxpr and not any(n in jaxpr for n in DET + FUSED)
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    f = lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, block_sizes=AttnBlocks(hopper=HopperAttnTiles(backward=False)))
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, q, q))
+    assert "jaxfuse_flash_fwd_hopper" in jaxpr
+    assert "jaxfuse_flash_bwd_dkv" in jaxpr and not any(n in jaxpr for n in DET + FUSED)
+
+
+@pytest.mark.parametrize("tq,tk,hq,hkv,d,deterministic,opts", [
+    (100, 150, 2, 1, 64, True, dict()),                     # GQA, both lengths ragged
+    (70, 200, 2, 1, 64, False, dict(scale=0.3)),            # the fused dQ
+    (130, 130, 2, 2, 128, True, dict(causal=True)),         # the causal edge and the tails
+])
+def test_lengths_that_are_not_whole_tiles(tq, tk, hq, hkv, d, deterministic, opts):
+    """Tq and Tk that are not whole tiles run on the Hopper kernels, forward and backward,
+    padded with zeros up to whole tiles while the masks keep the true lengths
+    (`_attn.pad_length`): o, lse, and dq, dk, dv through jax.vjp with random cotangents of o
+    and lse, against the float32 reference. Masks that took the padded lengths would give
+    the zero keys probability and fail it."""
+    kq, kk, kv, kd, kl = keys(11, 5)
+    q, do = (randn(kk_, (1, tq, hq, d), jnp.bfloat16) for kk_ in (kq, kd))
+    k, v = (randn(kk_, (1, tk, hkv, d), jnp.bfloat16) for kk_ in (kk, kv))
+    dlse = randn(kl, (1, hq, tq))
+    f = lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, return_lse=True, deterministic=deterministic, block_sizes=_blocks(), **opts)
+    jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1]((do, dlse)))(q, k, v))
+    for name in ("jaxfuse_flash_fwd_hopper",) + (DET if deterministic else FUSED):
+        assert name in jaxpr
+    (o, lse), vjp = jax.vjp(f, q, k, v)
+    (ro, rlse), rvjp = jax.vjp(lambda q, k, v: ref.attention(q, k, v, return_lse=True, **opts),
+                               F32(q), F32(k), F32(v))
+    assert o.shape == q.shape and lse.shape == (1, hq, tq)
+    assert float(jnp.abs(F32(o) - ro).max()) < 2e-2
+    assert float(jnp.abs(lse - rlse).max()) < 1e-4
+    for name, a, b in zip("qkv", vjp((do, dlse)), rvjp((F32(do), dlse))):
+        assert a.shape == b.shape
+        err = float(jnp.abs(F32(a) - b).max() / jnp.abs(b).max())
+        assert err < 4e-2, (name, err)
 
 
 def test_deterministic_is_a_keyword_of_every_path():

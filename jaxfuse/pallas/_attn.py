@@ -286,6 +286,24 @@ def clean_keys(k, v):
             jnp.where(ok, v, jnp.array(jnp.nan, v.dtype)))
 
 
+def pad_length(x, multiple: int, axis: int = 1):
+    """x with zeros appended along `axis` (the sequence axis, 1 in the GPU layout) up to a
+    multiple of `multiple`; x itself where it already is one.
+
+    The Hopper kernels move whole tiles with TMA, so their arrays come in whole tiles; the
+    masks keep their true lengths (`AttnSpec.n_q`, `n_k`): a padded key sits in the last,
+    partial key tile, which is always a masked tile (`key_blocks`, `query_blocks`), and
+    `keep_mask` hides keys >= n_k, so it gets probability 0; a padded query row's output is
+    sliced off, and in the backward its dO, O and dlse are the zeros appended here, so its P
+    meets dO = 0 and dS = P (dP - delta) = 0: it adds nothing to dK or dV."""
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
 def sees(keep, bad):
     """[..., rows, 1]: whether a query row sees a key whose row is flagged in `bad` [..., keys]."""
     return jnp.max(jnp.where(keep & bad[..., None, :], 1, 0), axis=-1, keepdims=True) > 0

@@ -61,10 +61,11 @@ edge tile, as before s15: 0.229; s14-5 measured it at +16%), B4 H32 T4096 D128 1
 1.086 (1.123), D = 256 0.545 against 0.529 (0.544); an XLA pass over K and V before the kernel
 had cost 12% (s12-3).
 
-What it takes (`fits`): bf16/f16, D in {64, 128, 256}, Tq a multiple of 2 * block_q and Tk of
-block_k; no segment ids. Anything else runs the portable Triton kernels (`attention.py`).
-The backward is `attention_hopper_bwd` where it takes the problem (D 64 or 128, Tk a multiple
-of 128), else the portable one.
+What it takes (`fits`): bf16/f16, D in {64, 128, 256}; no segment ids. Anything else runs the
+portable Triton kernels (`attention.py`). Lengths that are not whole tiles (Tq of 2 * 64 rows,
+Tk of block_k) are padded with zeros up to them (`_attn.pad_length`: a copy of q, k and v in
+XLA, which whole tiles skip) while the masks keep the true lengths. The backward is
+`attention_hopper_bwd` where it takes the problem, else the portable one.
 
 Regimes: compiled by Mosaic GPU on an sm90 GPU. On a CPU the same body runs in Mosaic GPU's
 interpreter (threads, TMA, barriers simulated), except the two matrix products, which that
@@ -206,9 +207,9 @@ class HopperAttnTiles:
 def fits(dtype, spec: AttnSpec, tiles: HopperAttnTiles) -> bool:
     """Whether the Hopper forward takes this problem (q, k, v of `dtype`) as it is (see the
     module docstring)."""
+    del tiles      # any lengths: `forward` pads them to whole tiles
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and spec.head_dim in (64, 128, 256) and not spec.segments
-            and spec.n_q % (2 * _ROWS) == 0 and spec.n_k % tiles.block_k == 0
             and spec.n_q > 0 and spec.n_k > 0)
 
 
@@ -228,10 +229,9 @@ def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
     if hopper is not None:
         raise ValueError(
             f"AttnBlocks(hopper={hopper}) needs bf16/f16 q, k, v of one dtype, head_dim in (64, "
-            f"128, 256), no segment ids, Tq a multiple of {2 * _ROWS} and Tk of "
-            f"{tiles.block_k}; got q {tuple(q_shape)} {jnp.dtype(dtype).name}, Tk={spec.n_k}, "
-            f"segment ids {spec.segments}. Use hopper=None to fall back to the portable kernel "
-            f"where it does not fit")
+            f"128, 256) and no segment ids; got q {tuple(q_shape)} {jnp.dtype(dtype).name}, "
+            f"Tk={spec.n_k}, segment ids {spec.segments}. Use hopper=None to fall back to the "
+            f"portable kernel where it does not fit")
     return None
 
 
@@ -621,6 +621,11 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
     """(o [B, Tq, Hq, D], lse_u [B, Hq, Tq] float32 in the scores' units, see `_attn`) of
     q [B, Tq, Hq, D] over k, v
     [B, Tk, Hkv, D]; the problem must `fit`."""
+    n_q = q.shape[1]
+    # Lengths that are not whole tiles run padded (`_attn.pad_length`): the masks keep the
+    # true ones, the padded query rows are sliced off.
+    q = A.pad_length(q, 2 * _ROWS)
+    k, v = (A.pad_length(x, tiles.block_k) for x in (k, v))
     b, tq, hq, d = q.shape
     persistent = tiles.persists(spec)
     stages = tiles.stages_for(d, q.dtype.itemsize, persistent)
@@ -650,7 +655,8 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
     # cloned the custom call into a fusion that writes the residual stack, keeping the
     # original for the other user: measured on the H200, 16 forward launches for 8 layers
     # (0.235 ms each, 157M model). Behind the barrier the stack takes a copy of o instead.
-    return jax.lax.optimization_barrier(f(q, k, v, *sched))
+    o, lse_u = jax.lax.optimization_barrier(f(q, k, v, *sched))
+    return (o, lse_u) if tq == n_q else (o[:, :n_q], lse_u[..., :n_q])
 
 
 # K and V bytes that the CTAs of a persistent walk share at a time (`work_schedule`): a slice

@@ -137,9 +137,10 @@ s18-4, causal 3.229 ms with the exchange against 3.496 without (cuDNN 2.503: 0.7
 2.582); no mask 6.428 / 6.511 / 6.935 / 9.658 (4.917). What is left against cuDNN: the dQ
 kernel's recomputed S and dP (7 products a tile pair against cuDNN's 5) and 32-key dQ steps.
 
-What it takes (`fits`): what the Hopper forward takes (bf16/f16, no segment ids, Tq a multiple
-of 128) with D in {64, 128, 256} and Tk a multiple of 128; anything else (and dropout,
-float32) runs the portable kernels of `attention_bwd`. Garbage in masked keys: scores and dS
+What it takes (`fits`): what the Hopper forward takes (bf16/f16, no segment ids, D in {64,
+128, 256}); anything else (and dropout, float32) runs the portable kernels of
+`attention_bwd`. Lengths that are not whole tiles (Tq of 128 rows, Tk of 128 keys) run
+padded with zeros, the masks keeping the true lengths, as in the forward. Garbage in masked keys: scores and dS
 of masked pairs are selected away on edge tiles (and P of a NaN row, which saw garbage);
 the K rows that multiply a zero dS in dQ = dS K come cleaned by the dQ kernel's producer,
 on its edge tiles, as the forward's producer cleans its own (`HopperBwdTiles.cleans`); the
@@ -162,6 +163,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -380,9 +382,7 @@ def fits(dtype, spec: AttnSpec, tiles: HopperBwdTiles = HopperBwdTiles()) -> boo
     """Whether the Hopper backward takes this problem (its forward ran on `attention_hopper`)."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and spec.head_dim in (64, 128, 256) and not spec.segments and not spec.dropout
-            and not spec.folded and spec.n_q > 0 and spec.n_k > 0
-            and spec.n_q % _KEYS == 0 and spec.n_q % tiles.bq(spec.head_dim) == 0
-            and spec.n_k % _KEYS == 0 and spec.n_k % tiles.k_dq(spec.head_dim) == 0)
+            and not spec.folded and spec.n_q > 0 and spec.n_k > 0)
 
 
 def _kernel(body, out_type, grid, names, name: str, spec: AttnSpec, batchable: bool = True,
@@ -457,8 +457,26 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
     [B, Hq, Tq] (its score units, `_attn`) and the cotangents do and dlse (of the natural lse,
     or None); the problem must `fit`. `spec.deterministic` and `tiles.fused_dq` pick the dQ
     scheme (module docstring)."""
+    n_q, n_k = q.shape[1], k.shape[1]
+    # Lengths that are not whole tiles run padded with zeros (`_attn.pad_length`: the padded
+    # rows' dO, O and dlse are 0, so they add nothing to dK and dV), the masks keep the true
+    # ones; the padded rows of dq, dk and dv are sliced off.
+    q_tile = math.lcm(_KEYS, tiles.bq(spec.head_dim))
+    k_tile = math.lcm(_KEYS, tiles.k_dq(spec.head_dim))
+    q, o, do = (A.pad_length(x, q_tile) for x in (q, o, do))
+    lse_u, dlse = (None if x is None else A.pad_length(x, q_tile, axis=2) for x in (lse_u, dlse))
+    k, v = (A.pad_length(x, k_tile) for x in (k, v))
     delta = attention_bwd.delta(o, do, dlse, spec)                     # [B, Hq, Tq] float32
     args = (q, k, v, do, lse_u.astype(_F32), delta)
+    dq, dk, dv = _grads(args, spec, tiles)
+    if q.shape[1] != n_q or k.shape[1] != n_k:
+        dq, dk, dv = dq[:, :n_q], dk[:, :n_k], dv[:, :n_k]
+    return dq, dk, dv
+
+
+def _grads(args, spec: AttnSpec, tiles: HopperBwdTiles):
+    """(dq, dk, dv) of `backward`'s whole-tile operands (q, k, v, do, lse_u, delta)."""
+    q, k = args[:2]
     if not tiles.fuse(spec.head_dim, spec.deterministic):
         dk, dv = _dkv(q, k, spec, tiles, False)(*args)
         b, tq, hq, d = q.shape

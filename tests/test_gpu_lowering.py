@@ -191,6 +191,26 @@ def test_hopper_consumers_lower(opts):
         assert name in module, name
 
 
+# The forward's segment ids at each head dim's default schedule (D = 64: three consumers, D = 128:
+# two taking turns, persistent; D = 256: 64-key tiles, the consumers running free and
+# overlapped) and on the overlapped D = 128 schedule; the backward after it is the portable one.
+@pytest.mark.parametrize("d,tiles", [(64, {}), (128, {}), (256, {}),
+                                     (128, dict(overlap=True, pingpong=False))])
+def test_hopper_forward_with_segment_ids_lowers(d, tiles):
+    """The Hopper forward with segment ids: the rows' ids copied with Q and loaded as a row
+    vector of the wgmma layout, each key block's copied into a ring slot of their own and
+    loaded as a column vector, both broadcast to S's tile and compared, causal."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    q = jnp.zeros((2, 256, 4, d), jnp.bfloat16)
+    k = jnp.zeros((2, 384, 2, d), jnp.bfloat16)
+    qs, ks = jnp.zeros((2, 256), jnp.int32), jnp.zeros((2, 384), jnp.int32)
+    hopper = dataclasses.replace(HopperAttnTiles.for_head_dim(d), backward=False, **tiles)
+    module = _lower(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, q_segment_ids=qs, kv_segment_ids=ks, causal=True, interpret=False,
+        block_sizes=jaxfuse.AttnBlocks(hopper=hopper)), q, k, k).mlir_module()
+    assert "jaxfuse_flash_fwd_hopper" in module
+
+
 _CAUSAL = dict(causal=True)
 _WINDOW_CAP = dict(sliding_window=100, logits_soft_cap=20.0)
 

@@ -185,11 +185,7 @@ def _prev_slot(j, stages: int):
 def _vec(smem, axis: int, n: int, interpret: bool, f=lambda x: x):
     """f of a float32 [64] vector from shared memory as a [64, n] tile: constant along `axis`
     (1: one value per row, 0: one per column), in the wgmma layout when compiled."""
-    if interpret:
-        x = smem[...]
-    else:
-        x = plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(axis))
-    x = f(x)
+    x = f(R.load_vec(smem, axis, interpret))
     return lax.broadcast_in_dim(x, (x.shape[0], n) if axis == 1 else (n, x.shape[0]),
                                 (0,) if axis == 1 else (1,))
 

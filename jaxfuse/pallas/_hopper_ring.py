@@ -175,7 +175,7 @@ REGISTERS = {2: (40, 232), 3: (32, 160)}
 def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full, empty,
                registers: int | None = 40, edges=None, interpret: bool = False, held: int = 0,
                base=0, drain: bool = True, swap: bool = False, minor: int | None = None,
-               coupled: bool = True):
+               coupled: bool = True, segments=None):
     """The producer warpgroup of a kernel that walks n key blocks from block lo: K and V of
     (b, h_kv) through a ring of `stages` shared-memory slots, (k, v) pairs of smem refs,
     'full' barriers it arrives on and 'empty' barriers the consumers release.
@@ -205,7 +205,10 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
     whose dQ += dS K multiplies a hidden key's zero dS by its K row. minor: the row width
     the tiles' swizzle was chosen for (`_hopper._tma_transforms`; None: D). coupled: the
     consumers take turns (`PingPong`, `Turns`), so that one's release of a slot can wait for
-    the other's start on a later block (`deferrable`)."""
+    the other's start on a later block (`deferrable`). segments=(ks_gmem, smem, full): the key
+    segment ids [B, Tk] (int32), each block's copied into its slot of smem [stages, bk] with
+    its own 'full' barrier, issued after V's copy: a slot's ids are overwritten only once its
+    V is released, which the consumers do after their masks are formed."""
     if registers is not None:
         plgpu.set_max_registers(registers, action="decrease")
     kv = lambda ref, j: ref.at[b, pl.ds((lo + j) * bk, bk), h_kv]
@@ -216,6 +219,10 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
             def _():
                 plgpu.barrier_wait(e.at[slot])
             plgpu.copy_gmem_to_smem(kv(src, j), dst.at[slot], f.at[slot])
+        if segments is not None:     # never garbage: not cleaned, so straight to its barrier
+            ks_gmem, seg_smem, seg_full = segments
+            plgpu.copy_gmem_to_smem(ks_gmem.at[b, pl.ds((lo + j) * bk, bk)], seg_smem.at[slot],
+                                    seg_full.at[slot])
 
     if edges is not None:
         e_lo, e_hi, landed = edges
@@ -347,6 +354,14 @@ def hide_masked_garbage(k_tile, v_tile, interpret: bool, minor: int | None = Non
             v_tile[r, :] = jnp.where(v_ok, v, jnp.zeros_like(v))
             k_tile[r, :] = jnp.where(ok, k, jnp.full_like(k, jnp.nan))
         plgpu.commit_smem()                 # the consumers' wgmma reads through the async proxy
+
+
+def load_vec(smem, axis: int, interpret: bool):
+    """A [n] vector from shared memory, laid out for a wgmma tile it is broadcast along
+    `axis` of (1: one value a row of S, 0: one a column) when compiled."""
+    if interpret:
+        return smem[...]
+    return plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(axis))
 
 
 def iota(shape, dim, interpret):

@@ -84,7 +84,7 @@ def _key_spec(spec: AttnSpec, key):
 
 def _forward(q, k, v, qs, ks, spec: AttnSpec, blocks: AttnBlocks, key=None):
     if isinstance(blocks.hopper, attention_hopper.HopperAttnTiles):   # resolved by `plan`
-        return attention_hopper.forward(q, k, v, spec, blocks.hopper)
+        return attention_hopper.forward(q, k, v, spec, blocks.hopper, qs, ks)
     bq, bk = blocks.block_q, blocks.block_k
     dp, g = spec.head_dim_pad, spec.groups
     kernel = functools.partial(_fwd_kernel, spec=spec, bq=bq, bk=bk)

@@ -61,11 +61,15 @@ edge tile, as before s15: 0.229; s14-5 measured it at +16%), B4 H32 T4096 D128 1
 1.086 (1.123), D = 256 0.545 against 0.529 (0.544); an XLA pass over K and V before the kernel
 had cost 12% (s12-3).
 
-What it takes (`fits`): bf16/f16, D in {64, 128, 256}; no segment ids. Anything else runs the
-portable Triton kernels (`attention.py`). Lengths that are not whole tiles (Tq of 2 * 64 rows,
+What it takes (`fits`): bf16/f16, D in {64, 128, 256}. Anything else runs the portable Triton
+kernels (`attention.py`). Segment ids: each consumer copies its rows' with its Q and holds them
+in registers, the producer copies each key block's into a ring slot of their own (released with
+the block's V), and every key block is masked (no block is skipped for them, as in the
+portable kernels). Lengths that are not whole tiles (Tq of 2 * 64 rows,
 Tk of block_k) are padded with zeros up to them (`_attn.pad_length`: a copy of q, k and v in
 XLA, which whole tiles skip) while the masks keep the true lengths. The backward is
-`attention_hopper_bwd` where it takes the problem, else the portable one.
+`attention_hopper_bwd` where it takes the problem (not yet with segment ids), else the
+portable one.
 
 Regimes: compiled by Mosaic GPU on an sm90 GPU. On a CPU the same body runs in Mosaic GPU's
 interpreter (threads, TMA, barriers simulated), except the two matrix products, which that
@@ -209,8 +213,7 @@ def fits(dtype, spec: AttnSpec, tiles: HopperAttnTiles) -> bool:
     module docstring)."""
     del tiles      # any lengths: `forward` pads them to whole tiles
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and spec.head_dim in (64, 128, 256) and not spec.segments
-            and spec.n_q > 0 and spec.n_k > 0)
+            and spec.head_dim in (64, 128, 256) and spec.n_q > 0 and spec.n_k > 0)
 
 
 def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
@@ -228,10 +231,9 @@ def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
         return tiles
     if hopper is not None:
         raise ValueError(
-            f"AttnBlocks(hopper={hopper}) needs bf16/f16 q, k, v of one dtype, head_dim in (64, "
-            f"128, 256) and no segment ids; got q {tuple(q_shape)} {jnp.dtype(dtype).name}, "
-            f"Tk={spec.n_k}, segment ids {spec.segments}. Use hopper=None to fall back to the "
-            f"portable kernel where it does not fit")
+            f"AttnBlocks(hopper={hopper}) needs bf16/f16 q, k, v of one dtype and head_dim in "
+            f"(64, 128, 256); got q {tuple(q_shape)} {jnp.dtype(dtype).name}, Tk={spec.n_k}. "
+            f"Use hopper=None to fall back to the portable kernel where it does not fit")
     return None
 
 
@@ -344,7 +346,12 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
     """ctas: None, a CTA a work tile (grid ("cta",), in `launch_groups` order); else a
     persistent grid ("sm",) of `ctas` CTAs walking the work tiles that `refs[0]`
     (`work_schedule`) deals them (`HopperAttnTiles.persistent`)."""
-    sched_gmem, (o_gmem, lse_gmem) = (refs[0], refs[1:]) if ctas is not None else (None, refs)
+    refs = list(refs)
+    sched_gmem = refs.pop(0) if ctas is not None else None
+    # Segment ids (int32 [B, Tq] and [B, Tk]): each consumer reads its rows' once per work
+    # tile with its Q, the producer streams each key block's beside its V.
+    qs_gmem, ks_gmem = (refs.pop(0), refs.pop(0)) if spec.segments else (None, None)
+    o_gmem, lse_gmem = refs
     bk, d, g = tiles.block_k, spec.head_dim, spec.groups
     nc = tiles.n_consumers(d)
     mma = _Mma(spec.interpret)
@@ -371,6 +378,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         landed = rest[:1] if A.hides_keys(spec) else ()
         takes_turns = tiles.pingpong and nc == 2 and stages >= 2   # the consumers' turns
         rest = rest[len(landed):]
+        if spec.segments:     # allocated last (`pl.run_scoped` below)
+            rest, (qseg_smem, kseg_smem, seg_full) = rest[:-3], rest[-3:]
         o_smem = rest[0] if ctas is not None else q_smem     # O leaves through here
         o_scratch = rest[1:] if ctas is not None else rest
         wg = lax.axis_index("wg")
@@ -386,7 +395,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                 R.produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
                            (k_full, v_full), (k_empty, v_empty), None, edges, spec.interpret,
                            held=int(tiles.overlap), base=base, drain=False,
-                           coupled=takes_turns)
+                           coupled=takes_turns,
+                           segments=(ks_gmem, kseg_smem, seg_full) if spec.segments else None)
                 return base + n
             R.drain_ring((k_empty, v_empty), stages, walk(item_kv, jnp.int32(0)))
 
@@ -408,8 +418,14 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
 
             def load_q(item):
                 b, h, r0, active, _ = my_rows(item)
-                pl.when(active)(lambda: plgpu.copy_gmem_to_smem(
-                    q_gmem.at[b, pl.ds(r0, _ROWS), h], q_smem.at[wg], q_full.at[wg]))
+
+                @pl.when(active)
+                def _():
+                    plgpu.copy_gmem_to_smem(q_gmem.at[b, pl.ds(r0, _ROWS), h], q_smem.at[wg],
+                                            q_full.at[wg])
+                    if spec.segments:
+                        plgpu.copy_gmem_to_smem(qs_gmem.at[b, pl.ds(r0, _ROWS)],
+                                                qseg_smem.at[wg], q_full.at[wg])
 
             def item_o(i, item, next_item, has_next, base):
                 b, h, r0, active, (lo, _, _, hi) = my_rows(item)
@@ -419,6 +435,10 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                 else:
                     pl.when(i == 0)(lambda: load_q(item))
                 pl.when(active)(lambda: plgpu.barrier_wait(q_full.at[wg]))
+                # The rows' segment ids, held in registers through the walk (the next work
+                # tile's land in the buffer while this one's last blocks run).
+                q_seg = R.load_vec(qseg_smem.at[wg], 1, spec.interpret) if spec.segments \
+                    else None
                 # A persistent consumer loads its next Q once its last S is formed (has_next
                 # is False, not traced, without persistence: then nothing calls this).
                 load_next_q = lambda: load_q(next_item())
@@ -434,13 +454,23 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     if has_next is not False:
                         pl.when((j == c_hi - 1) & has_next)(load_next_q)
 
-                def softmax(j, s, m, l, masked):
+                def segments_of(slot):
+                    """The key block's segment ids ([bk], waited for) beside the rows' (both
+                    as [64, bk] tiles), or (None, None) without segment ids."""
+                    if not spec.segments:
+                        return None, None
+                    plgpu.barrier_wait(seg_full.at[slot])
+                    k_seg = R.load_vec(kseg_smem.at[slot], 0, spec.interpret)
+                    return (R.row_vec(q_seg, bk),
+                            lax.broadcast_in_dim(k_seg, (_ROWS, bk), (1,)))
+
+                def softmax(j, s, m, l, masked, segs=(None, None)):
                     """(p in the input dtype, alpha, m, l) of raw scores s of key block j."""
                     keep = None
                     if masked:   # positions made here, not held across the loop (registers)
                         q_pos = r0 + R.iota((_ROWS, bk), 0, spec.interpret)
                         k_pos = (lo + j) * bk + R.iota((_ROWS, bk), 1, spec.interpret)
-                        keep = A.visible(spec, q_pos, k_pos, None, None)
+                        keep = A.visible(spec, q_pos, k_pos, *segs)
                     u, _ = A.transform(spec, s, keep)
                     m_new = jnp.maximum(m, jnp.max(R.fold_columns(u, jnp.maximum), axis=1))
                     shift = C.safe_max(m_new) * spec.c2
@@ -462,7 +492,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     plgpu.barrier_arrive(k_empty.at[slot])
                     s_done(j)
                     with jax.named_scope("softmax"):
-                        p, alpha, m, l = softmax(j, s, m, l, masked)
+                        p, alpha, m, l = softmax(j, s, m, l, masked, segments_of(slot))
                         acc = acc * R.row_vec(alpha, d)
                     with jax.named_scope("wait_v"):
                         pp.arrive()                           # my softmax is done
@@ -499,7 +529,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     plgpu.barrier_arrive(k_empty.at[slot])
                     s_done(j)
                     with jax.named_scope("softmax"):
-                        p, alpha, m, l = softmax(j, s, m, l, masked)
+                        p, alpha, m, l = softmax(j, s, m, l, masked, segments_of(slot))
                     with jax.named_scope("pv"):            # waits for P_{j-1} V_{j-1}
                         o_ref[...] = o_ref[...] * R.row_vec(alpha, d)
                     pl.when(j > c_lo)(lambda: plgpu.barrier_arrive(v_empty.at[prev]))
@@ -520,6 +550,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     (and keep the ping-pong's count of switches)."""
                     slot = ring(j)
                     plgpu.barrier_wait(k_full.at[slot])
+                    if spec.segments:
+                        plgpu.barrier_wait(seg_full.at[slot])
                     turns.take()
                     turns.give()
                     pp.switch()
@@ -598,7 +630,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         plgpu.SMEM((nc, _ROWS), jnp.float32),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=nc),
+        plgpu.Barrier(num_arrivals=1 + spec.segments, num_barriers=nc),   # Q (segment ids)
         plgpu.Barrier(num_arrivals=nc, num_barriers=stages),
         plgpu.Barrier(num_arrivals=nc, num_barriers=stages),
         # The consumers' turns: a rendezvous of two (`PingPong`), or one barrier each that
@@ -614,18 +646,24 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         # interpreter (jax 0.10.2) on every forward.
         *([plgpu.SMEM((nc, _ROWS, d), jnp.float32)] if tiles.overlap and spec.interpret
           else []),
+        # Segment ids: the rows' of each consumer, a key block's a ring slot, and the slots'
+        # barriers (a block's ids are released with its V: `_hopper_ring.produce_kv`).
+        *([plgpu.SMEM((nc, _ROWS), jnp.int32), plgpu.SMEM((stages, bk), jnp.int32),
+           plgpu.Barrier(num_barriers=stages)] if spec.segments else []),
         collective_axes="wg")
 
 
-def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
+def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
     """(o [B, Tq, Hq, D], lse_u [B, Hq, Tq] float32 in the scores' units, see `_attn`) of
-    q [B, Tq, Hq, D] over k, v
-    [B, Tk, Hkv, D]; the problem must `fit`."""
+    q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D], with `spec.segments` the segment ids qs
+    [B, Tq] and ks [B, Tk] (int32); the problem must `fit`."""
     n_q = q.shape[1]
     # Lengths that are not whole tiles run padded (`_attn.pad_length`): the masks keep the
     # true ones, the padded query rows are sliced off.
     q = A.pad_length(q, 2 * _ROWS)
     k, v = (A.pad_length(x, tiles.block_k) for x in (k, v))
+    segs = (A.pad_length(qs, 2 * _ROWS), A.pad_length(ks, tiles.block_k)) if spec.segments \
+        else ()
     b, tq, hq, d = q.shape
     persistent = tiles.persists(spec)
     stages = tiles.stages_for(d, q.dtype.itemsize, persistent)
@@ -655,7 +693,7 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles):
     # cloned the custom call into a fusion that writes the residual stack, keeping the
     # original for the other user: measured on the H200, 16 forward launches for 8 layers
     # (0.235 ms each, 157M model). Behind the barrier the stack takes a copy of o instead.
-    o, lse_u = jax.lax.optimization_barrier(f(q, k, v, *sched))
+    o, lse_u = jax.lax.optimization_barrier(f(q, k, v, *sched, *segs))
     return (o, lse_u) if tq == n_q else (o[:, :n_q], lse_u[..., :n_q])
 
 

@@ -137,9 +137,9 @@ s18-4, causal 3.229 ms with the exchange against 3.496 without (cuDNN 2.503: 0.7
 2.582); no mask 6.428 / 6.511 / 6.935 / 9.658 (4.917). What is left against cuDNN: the dQ
 kernel's recomputed S and dP (7 products a tile pair against cuDNN's 5) and 32-key dQ steps.
 
-What it takes (`fits`): what the Hopper forward takes (bf16/f16, no segment ids, D in {64,
-128, 256}); anything else (and dropout, float32) runs the portable kernels of
-`attention_bwd`. Lengths that are not whole tiles (Tq of 128 rows, Tk of 128 keys) run
+What it takes (`fits`): what the Hopper forward takes (bf16/f16, D in {64, 128, 256}) without
+segment ids; anything else (segment ids, dropout, float32) runs the portable kernels of
+`attention_bwd`, fed by the Hopper forward's o and lse where that ran. Lengths that are not whole tiles (Tq of 128 rows, Tk of 128 keys) run
 padded with zeros, the masks keeping the true lengths, as in the forward. Garbage in masked keys: scores and dS
 of masked pairs are selected away on edge tiles (and P of a NaN row, which saw garbage);
 the K rows that multiply a zero dS in dQ = dS K come cleaned by the dQ kernel's producer,

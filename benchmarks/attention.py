@@ -56,6 +56,12 @@ HOPPER_CASES = [
     # The same at D = 64, where the dQ kernel's consumers take turns (its producer shares the
     # deferral's rule).
     dict(b=1, tq=1024, tk=1024, hq=2, hkv=1, d=64, causal=True, sliding_window=300),
+    # Since s32: segment ids (the forward's; the portable backward follows) and lengths that
+    # are not whole tiles (padded).
+    dict(b=2, tq=384, tk=512, hq=4, hkv=2, d=128, causal=True, segments=True),
+    dict(b=1, tq=200, tk=333, hq=4, hkv=1, d=64, causal=False, segments=True),
+    dict(b=1, tq=300, tk=300, hq=2, hkv=1, d=256, causal=True, segments=True),
+    dict(b=2, tq=1000, tk=1000, hq=4, hkv=2, d=128, causal=True),
 ]
 
 

@@ -303,3 +303,20 @@ def test_segment_ids_on_the_hopper_forward(tq, tk, d, opts, tiles):
     assert float(jnp.abs(jnp.where(seen, lse - rlse, 0.0)).max()) < 1e-4
     for a, b in zip(vjp((do, jnp.zeros_like(lse))), rvjp((F32(do), jnp.zeros_like(rlse)))):
         assert float(jnp.abs(F32(a) - b).max() / jnp.abs(b).max()) < 4e-2
+
+
+def test_segment_ids_keep_the_other_documents_garbage_out():
+    """Keys of another document holding NaN and inf (the padding of packed sequences) on the
+    Hopper forward with segment ids: the rows of the first document keep their outputs bit
+    for bit (its producer cleans every block, each one masked), the rows of the dirty one
+    get NaN."""
+    kq, kk, kv = keys(17, 3)
+    q = randn(kq, (1, 256, 2, 64), jnp.bfloat16)
+    k, v = (randn(x, (1, 256, 1, 64), jnp.bfloat16) for x in (kk, kv))
+    seg = jnp.where(jnp.arange(256) < 200, 0, 1)[None]
+    f = lambda k, v: jaxfuse.flash_attention(
+        q, k, v, q_segment_ids=seg, kv_segment_ids=seg,
+        block_sizes=AttnBlocks(hopper=HopperAttnTiles(consumers=2, backward=False)))
+    clean, dirty = f(k, v), f(k.at[:, 200:].set(jnp.nan), v.at[:, 200:].set(jnp.inf))
+    assert bool(jnp.array_equal(clean[:, :200], dirty[:, :200]))
+    assert bool(jnp.isnan(F32(dirty[:, 200:])).all())

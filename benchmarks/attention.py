@@ -487,6 +487,9 @@ if __name__ == "__main__":
         # the window cases, bf16 (s28's hang: run it under a kill timeout)
         "check_windows": lambda: _check_hopper((jnp.bfloat16,),
                                                lambda c: "sliding_window" in c),
+        # s32's segment ids and ragged lengths, bf16
+        "check_s32": lambda: _check_hopper((jnp.bfloat16,), lambda c: c.get("segments") or (
+            c["tq"] % 128 or c["tk"] % 128)),
         "d256": perf_d256, "guard": perf_guard,
         "persistent": lambda: (check_persistent(), perf_persistent()),
         "named": _named, "scheduled": _scheduled,

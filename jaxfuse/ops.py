@@ -116,10 +116,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 
     On a Hopper GPU (sm90) with bf16/f16 inputs and head_dim 64/128/256, the forward runs a
     FlashAttention-3 style Mosaic GPU kernel (TMA ring, wgmma, ping-ponging warpgroups), and
-    the backward a Mosaic GPU dK/dV kernel (plus a dQ kernel; with segment ids the portable
-    backward follows the Mosaic GPU forward); lengths that
-    are not multiples of their 128-row tiles run padded with zeros (a copy of the inputs in
-    XLA; the masks keep the true lengths). Everything else runs the portable Triton kernels.
+    the backward a Mosaic GPU dK/dV kernel (plus a dQ kernel), segment ids included; lengths
+    that are not multiples of their 128-row tiles run padded with zeros (a copy of the inputs
+    in XLA; the masks keep the true lengths). Everything else runs the portable Triton kernels.
     `block_sizes=AttnBlocks(hopper=False)` turns both off, `hopper=True` forces them (also in
     Mosaic GPU's interpreter on a CPU; it raises where it does not fit). With a causal mask
     or a window the Hopper forward cleans the tiles the masks cut in shared memory, and so does the backward's dQ kernel (the fused

@@ -191,24 +191,30 @@ def test_hopper_consumers_lower(opts):
         assert name in module, name
 
 
-# The forward's segment ids at each head dim's default schedule (D = 64: three consumers, D = 128:
-# two taking turns, persistent; D = 256: 64-key tiles, the consumers running free and
-# overlapped) and on the overlapped D = 128 schedule; the backward after it is the portable one.
-@pytest.mark.parametrize("d,tiles", [(64, {}), (128, {}), (256, {}),
-                                     (128, dict(overlap=True, pingpong=False))])
-def test_hopper_forward_with_segment_ids_lowers(d, tiles):
-    """The Hopper forward with segment ids: the rows' ids copied with Q and loaded as a row
-    vector of the wgmma layout, each key block's copied into a ring slot of their own and
-    loaded as a column vector, both broadcast to S's tile and compared, causal."""
+# Segment ids at each head dim's default schedules (forward: D = 64 three consumers, D = 128
+# two taking turns, persistent, D = 256 64-key tiles, the consumers free and overlapped;
+# backward: D = 64 the fused dQ with deterministic=False, D = 128 the kernel pair with the
+# overlapped dK/dV steps, D = 256 the exchange and 32-key dQ steps) and on the overlapped
+# D = 128 forward.
+@pytest.mark.parametrize("d,tiles,det", [(64, {}, False), (128, {}, True), (256, {}, True),
+                                         (128, dict(overlap=True, pingpong=False), True)])
+def test_hopper_attention_with_segment_ids_lowers(d, tiles, det):
+    """The Hopper kernels with segment ids: the rows' ids copied with Q (the dK/dV kernel's
+    with each step's Q) and loaded as a vector of the wgmma layout, the keys' copied into a
+    ring slot of their own beside K and V (the dK/dV kernel's once, with its K), both
+    broadcast to the score tile and compared, causal."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     q = jnp.zeros((2, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((2, 384, 2, d), jnp.bfloat16)
     qs, ks = jnp.zeros((2, 256), jnp.int32), jnp.zeros((2, 384), jnp.int32)
-    hopper = dataclasses.replace(HopperAttnTiles.for_head_dim(d), backward=False, **tiles)
-    module = _lower(lambda q, k, v: jaxfuse.flash_attention(
+    hopper = dataclasses.replace(HopperAttnTiles.for_head_dim(d), **tiles)
+    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, q_segment_ids=qs, kv_segment_ids=ks, causal=True, interpret=False,
-        block_sizes=jaxfuse.AttnBlocks(hopper=hopper)), q, k, k).mlir_module()
+        deterministic=det, block_sizes=jaxfuse.AttnBlocks(hopper=hopper)), q, k, k
+    ).mlir_module()
     assert "jaxfuse_flash_fwd_hopper" in module
+    for name in _HOPPER_BWD[det or d > 64]:
+        assert name in module, name
 
 
 _CAUSAL = dict(causal=True)

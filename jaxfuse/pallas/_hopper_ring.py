@@ -207,8 +207,9 @@ def produce_kv(k_gmem, v_gmem, b, h_kv, lo, n, bk: int, stages: int, smem, full,
     consumers take turns (`PingPong`, `Turns`), so that one's release of a slot can wait for
     the other's start on a later block (`deferrable`). segments=(ks_gmem, smem, full): the key
     segment ids [B, Tk] (int32), each block's copied into its slot of smem [stages, bk] with
-    its own 'full' barrier, issued after V's copy: a slot's ids are overwritten only once its
-    V is released, which the consumers do after their masks are formed."""
+    its own 'full' barrier, issued after V's copy: a slot's ids are overwritten only once both
+    its K and V are released, and each kernel's consumers release one of them only after
+    their masks are formed (the forward V, the dQ kernel K)."""
     if registers is not None:
         plgpu.set_max_registers(registers, action="decrease")
     kv = lambda ref, j: ref.at[b, pl.ds((lo + j) * bk, bk), h_kv]

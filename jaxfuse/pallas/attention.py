@@ -156,7 +156,7 @@ def _backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec: AttnSpec, blocks: AttnB
             # kernel cleans its edge tiles itself (`HopperBwdTiles.cleans`).
             if A.hides_keys(spec) and not bt.cleans(spec):
                 k, v = A.clean_keys(k, v)
-            return attention_hopper_bwd.backward(q, k, v, o, lse_u, do, dlse, spec, bt)
+            return attention_hopper_bwd.backward(q, k, v, o, lse_u, do, dlse, spec, bt, qs, ks)
     return attention_bwd.backward(q, k, v, qs, ks, o, lse_u, do, dlse, spec, blocks, key)
 
 

@@ -63,13 +63,12 @@ had cost 12% (s12-3).
 
 What it takes (`fits`): bf16/f16, D in {64, 128, 256}. Anything else runs the portable Triton
 kernels (`attention.py`). Segment ids: each consumer copies its rows' with its Q and holds them
-in registers, the producer copies each key block's into a ring slot of their own (released with
-the block's V), and every key block is masked (no block is skipped for them, as in the
+in registers, the producer copies each key block's into a ring slot of their own (overwritten
+only once the block's K and V are released), and every key block is masked (no block is skipped for them, as in the
 portable kernels). Lengths that are not whole tiles (Tq of 2 * 64 rows,
 Tk of block_k) are padded with zeros up to them (`_attn.pad_length`: a copy of q, k and v in
 XLA, which whole tiles skip) while the masks keep the true lengths. The backward is
-`attention_hopper_bwd` where it takes the problem (not yet with segment ids), else the
-portable one.
+`attention_hopper_bwd` where it takes the problem, else the portable one.
 
 Regimes: compiled by Mosaic GPU on an sm90 GPU. On a CPU the same body runs in Mosaic GPU's
 interpreter (threads, TMA, barriers simulated), except the two matrix products, which that

@@ -137,9 +137,11 @@ s18-4, causal 3.229 ms with the exchange against 3.496 without (cuDNN 2.503: 0.7
 2.582); no mask 6.428 / 6.511 / 6.935 / 9.658 (4.917). What is left against cuDNN: the dQ
 kernel's recomputed S and dP (7 products a tile pair against cuDNN's 5) and 32-key dQ steps.
 
-What it takes (`fits`): what the Hopper forward takes (bf16/f16, D in {64, 128, 256}) without
-segment ids; anything else (segment ids, dropout, float32) runs the portable kernels of
-`attention_bwd`, fed by the Hopper forward's o and lse where that ran. Lengths that are not whole tiles (Tq of 128 rows, Tk of 128 keys) run
+What it takes (`fits`): what the Hopper forward takes (bf16/f16, D in {64, 128, 256}); anything
+else (dropout, float32) runs the portable kernels of `attention_bwd`. Segment ids: the dK/dV
+kernel's producer streams each step's queries' ids beside its Q and lse, each consumer copies
+its keys' once with its K; the dQ kernel takes them as the forward does (rows' with Q, each key
+block's through a ring slot of their own); every tile is masked. Lengths that are not whole tiles (Tq of 128 rows, Tk of 128 keys) run
 padded with zeros, the masks keeping the true lengths, as in the forward. Garbage in masked keys: scores and dS
 of masked pairs are selected away on edge tiles (and P of a NaN row, which saw garbage);
 the K rows that multiply a zero dS in dQ = dS K come cleaned by the dQ kernel's producer,
@@ -381,7 +383,7 @@ class HopperBwdTiles:
 def fits(dtype, spec: AttnSpec, tiles: HopperBwdTiles = HopperBwdTiles()) -> bool:
     """Whether the Hopper backward takes this problem (its forward ran on `attention_hopper`)."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and spec.head_dim in (64, 128, 256) and not spec.segments and not spec.dropout
+            and spec.head_dim in (64, 128, 256) and not spec.dropout
             and not spec.folded and spec.n_q > 0 and spec.n_k > 0)
 
 
@@ -434,28 +436,31 @@ def _dkv_heads(q, k) -> int:
                             _BWD_GROUP_BYTES)
 
 
-def _fused(q, k, v, do, lse_u, delta, *, spec: AttnSpec, tiles: HopperBwdTiles):
-    """(dq, dk, dv) by the dK/dV kernel with the fused dQ (deterministic=False)."""
+def _fused(*args, spec: AttnSpec, tiles: HopperBwdTiles):
+    """(dq, dk, dv) by the dK/dV kernel with the fused dQ (deterministic=False) of `_grads`'
+    operands."""
     # A ref with a memory space (the interpreter's) only lives inside a jit.
     @jax.jit
-    def run(q, k, v, do, lse_u, delta):
+    def run(*args):
+        q, k = args[:2]
         if spec.interpret:     # one buffer per consumer (module docstring)
             dq_ref = jax.new_ref(jnp.zeros((2,) + q.shape, _F32), memory_space=plgpu.GMEM)
         else:
             dq_ref = jax.new_ref(jnp.zeros(q.shape, _F32))
-        dk, dv = _dkv(q, k, spec, tiles, True)(q, k, v, do, lse_u, delta, dq_ref)
+        dk, dv = _dkv(q, k, spec, tiles, True)(*args, dq_ref)
         dq = dq_ref[...]
         if spec.interpret:
             dq = dq[0] + dq[1]
         return dq.astype(q.dtype), dk, dv
-    return run(q, k, v, do, lse_u, delta)
+    return run(*args)
 
 
 def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
-             tiles: HopperBwdTiles = HopperBwdTiles()):
+             tiles: HopperBwdTiles = HopperBwdTiles(), qs=None, ks=None):
     """(dq, dk, dv) of q [B, Tq, Hq, D], k, v [B, Tk, Hkv, D] from the forward's o and lse_u
     [B, Hq, Tq] (its score units, `_attn`) and the cotangents do and dlse (of the natural lse,
-    or None); the problem must `fit`. `spec.deterministic` and `tiles.fused_dq` pick the dQ
+    or None), with `spec.segments` the segment ids qs [B, Tq] and ks [B, Tk] (int32); the
+    problem must `fit`. `spec.deterministic` and `tiles.fused_dq` pick the dQ
     scheme (module docstring)."""
     n_q, n_k = q.shape[1], k.shape[1]
     # Lengths that are not whole tiles run padded with zeros (`_attn.pad_length`: the padded
@@ -468,6 +473,8 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
     k, v = (A.pad_length(x, k_tile) for x in (k, v))
     delta = attention_bwd.delta(o, do, dlse, spec)                     # [B, Hq, Tq] float32
     args = (q, k, v, do, lse_u.astype(_F32), delta)
+    if spec.segments:
+        args += (A.pad_length(qs, q_tile), A.pad_length(ks, k_tile))
     dq, dk, dv = _grads(args, spec, tiles)
     if q.shape[1] != n_q or k.shape[1] != n_k:
         dq, dk, dv = dq[:, :n_q], dk[:, :n_k], dv[:, :n_k]
@@ -475,7 +482,8 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
 
 
 def _grads(args, spec: AttnSpec, tiles: HopperBwdTiles):
-    """(dq, dk, dv) of `backward`'s whole-tile operands (q, k, v, do, lse_u, delta)."""
+    """(dq, dk, dv) of `backward`'s whole-tile operands (q, k, v, do, lse_u, delta, and the
+    segment ids qs, ks with spec.segments)."""
     q, k = args[:2]
     if not tiles.fuse(spec.head_dim, spec.deterministic):
         dk, dv = _dkv(q, k, spec, tiles, False)(*args)

@@ -28,9 +28,12 @@ if TYPE_CHECKING:
 
 def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec: AttnSpec,
              tiles: HopperBwdTiles, stages: int, fused_dq: bool, n_k_tiles: int, heads: int):
-    # q/do [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], lse/delta [B, Hq, Tq]; refs: (dq float32
-    # [B, Tq, Hq, D] added into; [2, ...] one per consumer in the interpreter) if fused_dq,
-    # then the outputs dk, dv [B, Tk, Hkv, D].
+    # q/do [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], lse/delta [B, Hq, Tq]; refs: the segment ids
+    # qs [B, Tq] and ks [B, Tk] (int32) if spec.segments, (dq float32 [B, Tq, Hq, D] added
+    # into; [2, ...] one per consumer in the interpreter) if fused_dq, then the outputs dk, dv
+    # [B, Tk, Hkv, D].
+    refs = list(refs)
+    qs_gmem, ks_gmem = (refs.pop(0), refs.pop(0)) if spec.segments else (None, None)
     dq_gmem, (dk_gmem, dv_gmem) = (refs[0], refs[1:]) if fused_dq else (None, refs)
     d, g = spec.head_dim, spec.groups
     bq, nc, key_rows = tiles.bq(d), tiles.dkv_consumers(d, fused_dq), tiles.key_rows(d, fused_dq)
@@ -52,7 +55,9 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
 
     def scoped(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                pt_x, ds_x, kv_full, q_full, do_full, empty, ds_full, ds_free, turns, kv_read,
-               halves_in, x_full, x_free):
+               halves_in, x_full, x_free, *segs):
+        # Segment ids: each step's queries' beside its Q and lse, each consumer's keys' once.
+        qseg_smem, kseg_smem, kseg_full = segs if spec.segments else (None,) * 3
         k_tile, bh = H.heavy_first(lax.axis_index("cta"), n_k_tiles, k_gmem.shape[0] * hkv,
                                    heads)
         b, hk = bh // hkv, bh % hkv
@@ -78,6 +83,9 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 plgpu.copy_gmem_to_smem(q_gmem.at[b, rows, h], q_smem.at[slot], q_full.at[slot])
                 plgpu.copy_gmem_to_smem(lse_gmem.at[b, h, rows], lse_smem.at[slot],
                                         q_full.at[slot])
+                if spec.segments:
+                    plgpu.copy_gmem_to_smem(qs_gmem.at[b, rows], qseg_smem.at[slot],
+                                            q_full.at[slot])
                 plgpu.copy_gmem_to_smem(do_gmem.at[b, rows, h], do_smem.at[slot],
                                         do_full.at[slot])
                 plgpu.copy_gmem_to_smem(delta_gmem.at[b, h, rows], delta_smem.at[slot],
@@ -115,6 +123,12 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     plgpu.copy_gmem_to_smem(k_gmem.at[b, keys, hk], k_tile, kv_bar)
                     plgpu.copy_gmem_to_smem(v_gmem.at[b, keys, hk], v_tile, kv_bar)
                 plgpu.barrier_wait(kv_bar)
+                if spec.segments:
+                    plgpu.copy_gmem_to_smem(ks_gmem.at[b, keys], kseg_smem.at[wg],
+                                            kseg_full.at[wg])
+                    plgpu.barrier_wait(kseg_full.at[wg])
+            # The keys' segment ids, held in registers (one a row of S^T).
+            k_seg = R.load_vec(kseg_smem.at[wg], 1, spec.interpret) if spec.segments else None
             if fused_dq:       # dQ = dS K reads the other consumer's K rows too
                 plgpu.barrier_wait(kv_full.at[1 - wg])
                 bounds = (lo, f_lo, f_hi, hi)   # both consumers form their dS^T every step
@@ -129,19 +143,30 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
             # the next S^T): a switch at each change hands the tensor cores to the other.
             pp = R.PingPong(turns, wg, tiles.pingpong is True and nc == 2, stages)
 
-            def probs(st, q0, lse, masked):
+            def probs(st, q0, lse, masked, q_seg=None):
                 """(P^T, t, keep) of S^T [64 keys, n queries from q0]; lse: the queries' [n]
-                lse_u in shared memory. A NaN row (it saw garbage) leaks nothing into hidden
-                keys."""
+                lse_u in shared memory, q_seg their segment ids there (with spec.segments).
+                A NaN row (it saw garbage) leaks nothing into hidden keys."""
                 n, keep = st.shape[1], None
                 if masked:   # positions made here, not held across the loop (registers)
                     q_pos = q0 + R.iota((_ROWS, n), 1, spec.interpret)
                     k_pos = kr + R.iota((_ROWS, n), 0, spec.interpret)
-                    keep = A.visible(spec, q_pos, k_pos, None, None)
+                    segs = (None, None)
+                    if spec.segments:
+                        segs = (lax.broadcast_in_dim(R.load_vec(q_seg, 0, spec.interpret),
+                                                     (_ROWS, n), (1,)),
+                                R.row_vec(k_seg, n))
+                    keep = A.visible(spec, q_pos, k_pos, *segs)
                 u, t = A.transform(spec, st, keep)
                 p = _probs(spec, u, _vec(lse, 0, _ROWS, spec.interpret,
                                          functools.partial(_lse_c2, spec)))
                 return (p if keep is None else jnp.where(keep, p, 0.0)), t, keep
+
+            def qseg(slot, cols=None):
+                """The step's queries' segment ids in shared memory (None without them)."""
+                if not spec.segments:
+                    return None
+                return qseg_smem.at[slot] if cols is None else qseg_smem.at[slot, cols]
 
             def share_ds(ds, j):
                 """The fused dQ: this consumer's dS^T [64 keys, bq] into step j's slot. Both
@@ -195,7 +220,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     (st,) = mma.run(nt(k_tile, q_smem.at[slot]))               # S^T [64, bq]
                 pp.switch()
                 with jax.named_scope("p"):
-                    p, t, keep = probs(st, q0, lse_smem.at[slot], masked)
+                    p, t, keep = probs(st, q0, lse_smem.at[slot], masked, qseg(slot))
                     pt = p.astype(dtype)
                 pp.switch()
                 with jax.named_scope("wait_do"):
@@ -229,7 +254,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     plgpu.barrier_wait(q_full.at[slot])
 
                 def p_of(st):
-                    p, t, keep = probs(st, q0, lse_smem.at[slot], masked)
+                    p, t, keep = probs(st, q0, lse_smem.at[slot], masked, qseg(slot))
                     return p, p.astype(dtype), (t, keep)
 
                 def ds_of(p, dpt, aux):
@@ -261,7 +286,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 plgpu.barrier_wait(do_full.at[slot])
                 st, dpt = mma.run(nt(k_tile, q_smem.at[slot, mine]),          # S^T [64, xq]
                                   nt(v_tile, do_smem.at[slot, mine]))         # dP^T [64, xq]
-                p, t, keep = probs(st, q0, lse_smem.at[slot, mine], masked)
+                p, t, keep = probs(st, q0, lse_smem.at[slot, mine], masked, qseg(slot, mine))
                 ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot, mine], 0, _ROWS,
                                             spec.interpret), t, keep)
                 # The other consumer's products of the last step have read the tiles.
@@ -369,7 +394,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
         *[plgpu.SMEM((_ROWS, bq) if exchange else (1, 8), dtype if exchange else _F32,
                      transforms=transforms if exchange else ()) for _ in "pd"],  # P^T, dS^T
         plgpu.Barrier(num_arrivals=2, **({} if split_d else dict(num_barriers=nc))),  # K, V
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # Q and lse copies
+        plgpu.Barrier(num_arrivals=2 + spec.segments, num_barriers=stages),  # Q, lse (ids)
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # dO and delta copies
         plgpu.Barrier(num_arrivals=nc, num_barriers=stages),        # every consumer done
         plgpu.Barrier(num_arrivals=2, num_barriers=2),              # both dS^T halves written
@@ -379,6 +404,9 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
         plgpu.Barrier(num_arrivals=2),             # split_d: both halves of dK and dV in
         plgpu.Barrier(num_arrivals=2),             # exchange: both halves of P^T, dS^T in
         plgpu.Barrier(num_arrivals=2),             # exchange: both consumers' products read them
+        # Segment ids: the steps' queries', each consumer's keys' and their barrier.
+        *([plgpu.SMEM((stages, bq), jnp.int32), plgpu.SMEM((nc, _ROWS), jnp.int32),
+           plgpu.Barrier(num_barriers=nc)] if spec.segments else []),
         collective_axes="wg")
 
 

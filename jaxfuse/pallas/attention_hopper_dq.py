@@ -9,6 +9,7 @@ import functools
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -20,12 +21,15 @@ from jaxfuse.pallas._hopper_bwd import (_F32, _ROWS, _ds, _lse_c2, _Mma, _prev_s
                                         _transforms, _vec, nt, rs)
 
 
-def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
+def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs,
             spec: AttnSpec, bk: int, stages: int, n_q_tiles: int, overlap: bool,
             pingpong: bool, heads: int, clean: bool = False):
     # As the forward (`attention_hopper`): a CTA per (batch * query head, 128 query rows),
     # consumer wg on rows wg * 64.., the producer streaming the K and V tiles its rows see;
-    # launched in `_hopper.heavy_first` order.
+    # launched in `_hopper.heavy_first` order. refs: the segment ids qs [B, Tq] and ks [B, Tk]
+    # (int32) if spec.segments, then the output dq. As in the forward, each consumer copies
+    # its rows' ids with its Q, the producer each key block's into a ring slot of their own.
+    qs_gmem, ks_gmem, dq_gmem = refs if spec.segments else (None, None) + tuple(refs)
     d, g = spec.head_dim, spec.groups
     dtype = q_gmem.dtype
     mma = _Mma(spec.interpret)
@@ -39,7 +43,9 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
     def scoped(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_full, k_full, v_full,
                k_empty, v_empty, turns, *optional):
         acc_scratch = optional[0] if scratch else None
-        landed = optional[scratch:]
+        landed = optional[scratch:scratch + clean]
+        qseg_smem, kseg_smem, seg_full = optional[scratch + clean:] if spec.segments \
+            else (None,) * 3
         b, h, row0, (lo, f_lo, f_hi, hi) = AH.query_tile(
             spec, q_gmem.shape[2], n_q_tiles, bk, groups=(q_gmem.shape[0] * q_gmem.shape[2],
                                                           heads))
@@ -54,7 +60,8 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             R.produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
                           (k_full, v_full), (k_empty, v_empty), edges=edges,
                           interpret=spec.interpret, held=int(overlap), swap=True,
-                          minor=min(d, bk), coupled=pingpong and stages >= 2)
+                          minor=min(d, bk), coupled=pingpong and stages >= 2,
+                          segments=(ks_gmem, kseg_smem, seg_full) if spec.segments else None)
 
         @pl.when(wg < 2)
         def _consumer():
@@ -66,7 +73,10 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
             plgpu.copy_gmem_to_smem(lse_gmem.at[b, h, rows], lse_smem.at[wg], q_full.at[wg])
             plgpu.copy_gmem_to_smem(delta_gmem.at[b, h, rows], delta_smem.at[wg],
                                     q_full.at[wg])
+            if spec.segments:
+                plgpu.copy_gmem_to_smem(qs_gmem.at[b, rows], qseg_smem.at[wg], q_full.at[wg])
             plgpu.barrier_wait(q_full.at[wg])
+            q_seg = R.load_vec(qseg_smem.at[wg], 1, spec.interpret) if spec.segments else None
             lse = _vec(lse_smem.at[wg], 1, bk, spec.interpret, functools.partial(_lse_c2, spec))
             delta = _vec(delta_smem.at[wg], 1, bk, spec.interpret)
             q_pos = r0 + R.iota((_ROWS, bk), 0, spec.interpret)
@@ -76,7 +86,14 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
                 keep = None
                 if masked:
                     k_pos = (lo + j) * bk + R.iota((_ROWS, bk), 1, spec.interpret)
-                    keep = A.visible(spec, q_pos, k_pos, None, None)
+                    segs = (None, None)
+                    if spec.segments:     # the key block's ids, in the slot of its K and V
+                        slot = lax.rem(j, stages)
+                        plgpu.barrier_wait(seg_full.at[slot])
+                        segs = (R.row_vec(q_seg, bk), lax.broadcast_in_dim(
+                            R.load_vec(kseg_smem.at[slot], 0, spec.interpret), (_ROWS, bk),
+                            (1,)))
+                    keep = A.visible(spec, q_pos, k_pos, *segs)
                 u, t = A.transform(spec, s, keep)
                 return _ds(spec, _probs(spec, u, lse), dp, delta, t, keep).astype(dtype)
 
@@ -163,7 +180,7 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
         plgpu.SMEM((2, _ROWS), _F32),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
-        plgpu.Barrier(num_arrivals=4, num_barriers=2),         # Q, dO, lse, delta copies
+        plgpu.Barrier(num_arrivals=4 + spec.segments, num_barriers=2),   # Q, dO, lse, delta (ids)
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -171,4 +188,7 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dq_gmem, *,
         plgpu.Barrier(num_arrivals=2),                         # the consumers' turns
         *([plgpu.SMEM((2, _ROWS, d), _F32)] if scratch else []),
         *([plgpu.Barrier(num_arrivals=2, num_barriers=stages)] if clean else []),   # landed
+        # Segment ids: the consumers' rows', a key block's a ring slot, the slots' barriers.
+        *([plgpu.SMEM((2, _ROWS), jnp.int32), plgpu.SMEM((stages, bk), jnp.int32),
+           plgpu.Barrier(num_barriers=stages)] if spec.segments else []),
         collective_axes="wg")

@@ -138,6 +138,10 @@ def test_hopper_backward_off_runs_the_portable_one():
     (100, 150, 2, 1, 64, True, dict()),                     # GQA, both lengths ragged
     (70, 200, 2, 1, 64, False, dict(scale=0.3)),            # the fused dQ
     (130, 130, 2, 2, 128, True, dict(causal=True)),         # the causal edge and the tails
+    # Tk % 128 <= 64: a 64-key consumer whose keys are all padding (it must still work them:
+    # the fused dQ reads its K, the D = 256 exchange needs its steps; both hung before)
+    (64, 150, 2, 1, 64, False, dict()),
+    (64, 150, 2, 1, 256, True, dict()),
 ])
 def test_lengths_that_are_not_whole_tiles(tq, tk, hq, hkv, d, deterministic, opts):
     """Tq and Tk that are not whole tiles run on the Hopper kernels, forward and backward,

@@ -469,7 +469,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     if masked:   # positions made here, not held across the loop (registers)
                         q_pos = r0 + R.iota((_ROWS, bk), 0, spec.interpret)
                         k_pos = (lo + j) * bk + R.iota((_ROWS, bk), 1, spec.interpret)
-                        keep = A.visible(spec, q_pos, k_pos, *segs)
+                        keep = A.visible(spec, q_pos, k_pos, *segs, tiled=True)
                     u, _ = A.transform(spec, s, keep)
                     m_new = jnp.maximum(m, jnp.max(R.fold_columns(u, jnp.maximum), axis=1))
                     shift = C.safe_max(m_new) * spec.c2

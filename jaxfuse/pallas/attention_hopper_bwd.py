@@ -507,7 +507,8 @@ def _grads(args, spec: AttnSpec, tiles: HopperBwdTiles):
 
     @run.def_vmap
     def _folded(axis_size, in_batched, *args):
-        # Every operand has the batch first ([B, T, H, D] or [B, H, T]): [n, B, ...] -> [n B, ...].
+        # Every operand has the batch first ([B, T, H, D], [B, H, T], segment ids [B, T]):
+        # [n, B, ...] -> [n B, ...].
         args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
                 for a, b in zip(args, in_batched)]
         outs = run(*[a.reshape((-1,) + a.shape[2:]) for a in args])

@@ -106,9 +106,12 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
             k_tile, v_tile, kv_bar = ((k_smem, v_smem, kv_full) if split_d else
                                       (k_smem.at[wg], v_smem.at[wg], kv_full.at[wg]))
             kr = k0 if split_d else k0 + wg * _ROWS
-            # A consumer past the last key (the last CTA when Tk is not a multiple of its
-            # keys) only releases the ring's slots.
-            active = kr < spec.n_k
+            # A consumer past the last key row of the (padded) arrays (the last CTA of three
+            # 64-key consumers, when Tk is not a multiple of 192) only releases the ring's
+            # slots. Keys of the padding (`attention_hopper_bwd.backward`) are worked like any
+            # other, all masked: the fused dQ reads both consumers' K, and the exchange's
+            # barriers need both consumers' steps.
+            active = kr < k_gmem.shape[1]
             own = pl.ds(c0, half)         # this consumer's columns of dK and dV
             do_cols = lambda slot: do_smem.at[slot, :, own] if split_d else do_smem.at[slot]
             q_cols = lambda slot: q_smem.at[slot, :, own] if split_d else q_smem.at[slot]
@@ -156,7 +159,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                         segs = (lax.broadcast_in_dim(R.load_vec(q_seg, 0, spec.interpret),
                                                      (_ROWS, n), (1,)),
                                 R.row_vec(k_seg, n))
-                    keep = A.visible(spec, q_pos, k_pos, *segs)
+                    keep = A.visible(spec, q_pos, k_pos, *segs, tiled=True)
                 u, t = A.transform(spec, st, keep)
                 p = _probs(spec, u, _vec(lse, 0, _ROWS, spec.interpret,
                                          functools.partial(_lse_c2, spec)))

@@ -93,7 +93,7 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs,
                         segs = (R.row_vec(q_seg, bk), lax.broadcast_in_dim(
                             R.load_vec(kseg_smem.at[slot], 0, spec.interpret), (_ROWS, bk),
                             (1,)))
-                    keep = A.visible(spec, q_pos, k_pos, *segs)
+                    keep = A.visible(spec, q_pos, k_pos, *segs, tiled=True)
                 u, t = A.transform(spec, s, keep)
                 return _ds(spec, _probs(spec, u, lse), dp, delta, t, keep).astype(dtype)
 

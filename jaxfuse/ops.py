@@ -121,9 +121,10 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     in XLA; the masks keep the true lengths). Everything else runs the portable Triton kernels.
     `block_sizes=AttnBlocks(hopper=False)` turns both off, `hopper=True` forces them (also in
     Mosaic GPU's interpreter on a CPU; it raises where it does not fit). With a causal mask
-    or a window the Hopper forward cleans the tiles the masks cut in shared memory, and so does the backward's dQ kernel (the fused
-    dQ of `deterministic=False` at head_dim 64 passes K and V through one elementwise XLA pass
-    instead): masked keys may hold garbage there too.
+    or a window the Hopper forward cleans the tiles the masks cut in shared memory, and so
+    does the backward's dQ kernel (the fused dQ of `deterministic=False` at head_dim 64
+    passes K and V through one elementwise XLA pass instead): masked keys may hold garbage
+    there too.
     `deterministic=True` (default): gradients are bitwise identical across runs. `False` lets
     the Hopper backward fold dQ into its dK/dV kernel and add the partial dQ of each key tile
     into a float32 buffer with reducing (atomic) TMA stores, in whatever order the tiles

@@ -239,16 +239,14 @@ def transform(spec: AttnSpec, s, keep=None):
     return u, t
 
 
-def visible(spec: AttnSpec, q_pos, k_pos, q_seg, k_seg, tiled: bool = False):
+def visible(spec: AttnSpec, q_pos, k_pos, q_seg=None, k_seg=None, same=None):
     """Which (query, key) pairs of a tile are kept by the masks (causal, window, segments).
-    Segment ids come as a vector of the rows' and one of the keys', or with `tiled` (the
-    Hopper kernels, whose vectors have a layout of their own) already broadcast to the tile."""
+    Segment ids come as a vector of the rows' and one of the keys', or as `same`, the tile's
+    pairs in one segment (the Hopper kernels: `_hopper_ring.outer_equal`)."""
     keep = C.keep_mask(q_pos, k_pos, n_q=spec.n_q, n_k=spec.n_k, causal=spec.causal,
                        window=spec.window)
     if spec.segments:
-        if not tiled:
-            q_seg, k_seg = q_seg[..., :, None], k_seg[..., None, :]
-        keep = keep & (q_seg == k_seg)
+        keep = keep & (q_seg[..., :, None] == k_seg[..., None, :] if same is None else same)
     return keep
 
 

@@ -20,7 +20,7 @@ _ROWS = H.ROWS               # rows of one wgmma M: keys (dK/dV) or queries (dQ)
 # Shared memory for a ring that only fits closer to the hardware's 227 KiB than
 # `attention_hopper._SMEM_BYTES` (which leaves 8 KiB): all of `_hopper.SMEM_BYTES`.
 _SMEM_TIGHT = H.SMEM_BYTES
-_KEYS = 2 * _ROWS            # Tq and Tk run padded to multiples of this (the dQ kernel's CTA rows)
+_KEYS = 2 * _ROWS            # Tq and Tk run padded to multiples of this (dQ kernel CTA rows)
 _F32 = jnp.float32
 
 

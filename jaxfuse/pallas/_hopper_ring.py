@@ -365,6 +365,13 @@ def load_vec(smem, axis: int, interpret: bool):
     return plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(axis))
 
 
+def outer_equal(rows, cols):
+    """[n, m] bool: rows[i] == cols[j], of a per-row vector [n] and a per-column one [m]
+    (`load_vec` with axis 1 and 0): which pairs of a tile share a segment id."""
+    return row_vec(rows, cols.shape[0]) == lax.broadcast_in_dim(
+        cols, (rows.shape[0], cols.shape[0]), (1,))
+
+
 def iota(shape, dim, interpret):
     if interpret:
         return jax.lax.broadcasted_iota(jnp.int32, shape, dim)

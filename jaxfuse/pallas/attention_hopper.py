@@ -64,10 +64,10 @@ had cost 12% (s12-3).
 What it takes (`fits`): bf16/f16, D in {64, 128, 256}. Anything else runs the portable Triton
 kernels (`attention.py`). Segment ids: each consumer copies its rows' with its Q and holds them
 in registers, the producer copies each key block's into a ring slot of their own (overwritten
-only once the block's K and V are released), and every key block is masked (no block is skipped for them, as in the
-portable kernels). Lengths that are not whole tiles (Tq of 2 * 64 rows,
-Tk of block_k) are padded with zeros up to them (`_attn.pad_length`: a copy of q, k and v in
-XLA, which whole tiles skip) while the masks keep the true lengths. The backward is
+only once the block's K and V are released), and every key block is masked (no block is
+skipped for them, as in the portable kernels). Lengths that are not whole tiles (Tq of 2 * 64
+rows, Tk of block_k) are padded with zeros up to them (`_attn.pad_length`: a copy of q, k and
+v in XLA, which whole tiles skip) while the masks keep the true lengths. The backward is
 `attention_hopper_bwd` where it takes the problem, else the portable one.
 
 Regimes: compiled by Mosaic GPU on an sm90 GPU. On a CPU the same body runs in Mosaic GPU's
@@ -454,22 +454,21 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                         pl.when((j == c_hi - 1) & has_next)(load_next_q)
 
                 def segments_of(slot):
-                    """The key block's segment ids ([bk], waited for) beside the rows' (both
-                    as [64, bk] tiles), or (None, None) without segment ids."""
+                    """[64, bk] bool: which of the rows and the key block's keys share a
+                    segment (the block's ids waited for), or None without segment ids."""
                     if not spec.segments:
-                        return None, None
+                        return None
                     plgpu.barrier_wait(seg_full.at[slot])
-                    k_seg = R.load_vec(kseg_smem.at[slot], 0, spec.interpret)
-                    return (R.row_vec(q_seg, bk),
-                            lax.broadcast_in_dim(k_seg, (_ROWS, bk), (1,)))
+                    return R.outer_equal(q_seg, R.load_vec(kseg_smem.at[slot], 0,
+                                                           spec.interpret))
 
-                def softmax(j, s, m, l, masked, segs=(None, None)):
+                def softmax(j, s, m, l, masked, same=None):
                     """(p in the input dtype, alpha, m, l) of raw scores s of key block j."""
                     keep = None
                     if masked:   # positions made here, not held across the loop (registers)
                         q_pos = r0 + R.iota((_ROWS, bk), 0, spec.interpret)
                         k_pos = (lo + j) * bk + R.iota((_ROWS, bk), 1, spec.interpret)
-                        keep = A.visible(spec, q_pos, k_pos, *segs, tiled=True)
+                        keep = A.visible(spec, q_pos, k_pos, same=same)
                     u, _ = A.transform(spec, s, keep)
                     m_new = jnp.maximum(m, jnp.max(R.fold_columns(u, jnp.maximum), axis=1))
                     shift = C.safe_max(m_new) * spec.c2

@@ -154,12 +154,9 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 if masked:   # positions made here, not held across the loop (registers)
                     q_pos = q0 + R.iota((_ROWS, n), 1, spec.interpret)
                     k_pos = kr + R.iota((_ROWS, n), 0, spec.interpret)
-                    segs = (None, None)
-                    if spec.segments:
-                        segs = (lax.broadcast_in_dim(R.load_vec(q_seg, 0, spec.interpret),
-                                                     (_ROWS, n), (1,)),
-                                R.row_vec(k_seg, n))
-                    keep = A.visible(spec, q_pos, k_pos, *segs, tiled=True)
+                    same = (R.outer_equal(k_seg, R.load_vec(q_seg, 0, spec.interpret))
+                            if spec.segments else None)          # S^T: keys x queries
+                    keep = A.visible(spec, q_pos, k_pos, same=same)
                 u, t = A.transform(spec, st, keep)
                 p = _probs(spec, u, _vec(lse, 0, _ROWS, spec.interpret,
                                          functools.partial(_lse_c2, spec)))

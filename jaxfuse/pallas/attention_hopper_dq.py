@@ -86,14 +86,13 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs,
                 keep = None
                 if masked:
                     k_pos = (lo + j) * bk + R.iota((_ROWS, bk), 1, spec.interpret)
-                    segs = (None, None)
+                    same = None
                     if spec.segments:     # the key block's ids, in the slot of its K and V
                         slot = lax.rem(j, stages)
                         plgpu.barrier_wait(seg_full.at[slot])
-                        segs = (R.row_vec(q_seg, bk), lax.broadcast_in_dim(
-                            R.load_vec(kseg_smem.at[slot], 0, spec.interpret), (_ROWS, bk),
-                            (1,)))
-                    keep = A.visible(spec, q_pos, k_pos, *segs, tiled=True)
+                        same = R.outer_equal(q_seg, R.load_vec(kseg_smem.at[slot], 0,
+                                                               spec.interpret))
+                    keep = A.visible(spec, q_pos, k_pos, same=same)
                 u, t = A.transform(spec, s, keep)
                 return _ds(spec, _probs(spec, u, lse), dp, delta, t, keep).astype(dtype)
 

@@ -143,8 +143,8 @@ kernel's producer streams each step's queries' ids beside its Q and lse, each co
 its keys' once with its K; the dQ kernel takes them as the forward does (rows' with Q, each key
 block's through a ring slot of their own); every tile is masked. Lengths that are not whole
 tiles (Tq of 128 rows, Tk of 128 keys) run padded with zeros, the masks keeping the true
-lengths, as in the forward. Garbage in masked keys: scores and dS of masked pairs are selected away on edge tiles (and P of a NaN row, which saw garbage);
-the K rows that multiply a zero dS in dQ = dS K come cleaned by the dQ kernel's producer,
+lengths, as in the forward. Garbage in masked keys: scores and dS of masked pairs are
+selected away on edge tiles (and P of a NaN row, which saw garbage); the K rows that multiply a zero dS in dQ = dS K come cleaned by the dQ kernel's producer,
 on its edge tiles, as the forward's producer cleans its own (`HopperBwdTiles.cleans`); the
 dK/dV kernel reads raw K and V (its products contract over queries). The fused dQ, and
 `HopperBwdTiles(clean=False)`, take an XLA pass over K and V instead (`_attn.clean_keys`,

@@ -518,3 +518,20 @@ def test_hopper_d256_variants_lower():
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()
     assert "jaxfuse_flash_bwd_dkv_hopper" in module and "jaxfuse_flash_bwd_dq_hopper" in module
+
+
+def test_hopper_dq_ring_counts_the_segment_ids():
+    """The dQ kernel's third ring slot (D = 256 with the overlap forced) is taken only where
+    it fits: with segment ids and no cleaning, their two 1 KiB buffers leave no room for it
+    (3 slots asked 233,616 bytes of the 232,448 before `dq_stages` counted them)."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    q = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
+    qs = jnp.zeros((1, 256), jnp.int32)
+    bwd = HopperBwdTiles(overlap=True, clean=False)
+    assert bwd.dq_stages(256, 2) == 3          # where the slot fits, it is still taken
+    hopper = dataclasses.replace(HopperAttnTiles.for_head_dim(256), backward=bwd)
+    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, q_segment_ids=qs, kv_segment_ids=qs, interpret=False,
+        block_sizes=jaxfuse.AttnBlocks(hopper=hopper)), q, q, q).mlir_module()
+    assert "jaxfuse_flash_bwd_dq_hopper" in module

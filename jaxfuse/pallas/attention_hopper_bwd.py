@@ -356,15 +356,20 @@ class HopperBwdTiles:
             return min(2, fit)
         return fit
 
-    def dq_stages(self, d: int, itemsize: int, clean: bool = False) -> int:
+    def dq_stages(self, d: int, itemsize: int, clean: bool = False,
+                  segments: bool = False) -> int:
         """The dQ kernel's ring depth: as many K/V slots as fit, at most 4. The overlapped
         schedule holds two K tiles (dQ += dS K of the step before runs behind this step's S
         and dP), so with two slots the next tile's copy waits for the end of a step and its
         landing for the start of the next: where a third slot fits closer to the 227 KiB
         (D = 256 with the overlap forced: Q and dO take 128 KiB, a slot 32 KiB), it gets
         one. Without the overlap two slots measured faster than three at D = 256 (module
-        docstring, "Overlap")."""
+        docstring, "Overlap"). With segment ids the rows' and the slots' ids take two more
+        buffers, 1 KiB each as Mosaic GPU aligns them: at D = 256 the third slot then does
+        not fit."""
         fixed = 2 * 2 * _ROWS * d * itemsize + 2 * 2 * _ROWS * 4   # Q, dO, lse, delta
+        if segments:
+            fixed += 2 * 1024
         stage = 2 * self.k_dq(d) * d * itemsize
         fit = self._fit(fixed, stage)
         # The cleaning's count is a warpgroup reduction: Mosaic GPU keeps scratch for it.
@@ -489,7 +494,7 @@ def _grads(args, spec: AttnSpec, tiles: HopperBwdTiles):
         dk, dv = _dkv(q, k, spec, tiles, False)(*args)
         b, tq, hq, d = q.shape
         clean = tiles.cleans(spec)
-        stages = tiles.dq_stages(d, q.dtype.itemsize, clean)
+        stages = tiles.dq_stages(d, q.dtype.itemsize, clean, spec.segments)
         # The overlap holds two K tiles at once: with a one-slot ring it would wait forever.
         body = functools.partial(DQ.dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,
                                  n_q_tiles=tq // (2 * _ROWS),

@@ -98,7 +98,9 @@ def plain_loss(params, tokens, targets, cfg, attn_impl="cudnn"):
                             residual_name("attention"))
         x = x + o.reshape(b, t, -1) @ blk["wo"]
         y = _plain_norm(x, blk["mlp_norm"], cfg)
-        x = x + (jax.nn.silu(y @ blk["w1"]) * (y @ blk["w3"])) @ blk["w2"]
+        # Named like jaxfuse's SwiGLU inputs, so that remat="...+swiglu" keeps them here too.
+        gate, up = (checkpoint_name(y @ blk[w], residual_name("swiglu")) for w in ("w1", "w3"))
+        x = x + (jax.nn.silu(gate) * up) @ blk["w2"]
         return x, None
 
     enabled, policy = remat_policy(cfg.remat)

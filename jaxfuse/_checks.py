@@ -71,6 +71,14 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def clip_int32(x, lo: int, hi: int):
+    """Integer x of any dtype clipped to [lo, hi] in its own dtype, then int32. A cast first
+    would wrap (uint32 values >= 2^31 to negative ones), and a bound past the dtype's range
+    would wrap too (300 as a uint8 is 44): the bounds are taken within the dtype's range."""
+    info = jnp.iinfo(x.dtype)
+    return jnp.clip(x, max(lo, info.min), min(hi, info.max)).astype(jnp.int32)
+
+
 def fits_int32(dtype) -> bool:
     """Whether every value of integer `dtype` is an int32 (an int32 cast keeps it)."""
     dtype = np.dtype(dtype)

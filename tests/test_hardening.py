@@ -149,6 +149,38 @@ class TestDecodeBlocksAndLengths:
         np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
 
 
+class TestNarrowIndexDtypes:
+    """Class 8 (s33's randomized run): integer index arrays of any dtype are clipped within
+    their dtype's range: S = 300 taken as a uint8 bound is 44, which moved 44 positions of the
+    caches instead of 100 (`_checks.clip_int32`)."""
+
+    @pytest.mark.parametrize("impl", IMPLS)
+    @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8])
+    def test_reorder_beams_positions(self, impl, dtype):
+        c = jnp.arange(2 * 2 * 300, dtype=jnp.float32).reshape(2, 2, 300)
+        parent = jnp.array([[1, 1], [0, 0]], dtype)
+        start, stop = jnp.array([0, 7], dtype), jnp.array([100, 120], dtype)
+        (got,) = jaxfuse.reorder_beams((c,), parent, start, stop, impl=impl)
+        (want,) = jaxfuse.reorder_beams((c,), parent.astype(jnp.int32), start.astype(jnp.int32),
+                                        stop.astype(jnp.int32), impl="reference")
+        np.testing.assert_array_equal(got, want)
+        assert int((want[0, 0] != c[0, 0]).sum()) == 100     # beam 0 took beam 1's [0, 100)
+        assert int((want[1, 1] != c[1, 1]).sum()) == 113     # beam 1 took beam 0's [7, 120)
+
+    def test_prefill_prompt_lengths(self):
+        from jaxfuse import model as M
+        cfg = M.Config(vocab_size=11, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=16,
+                       max_len=300)
+        params = M.init(jax.random.key(0), cfg)
+        prompts = jax.random.randint(jax.random.key(1), (2, 300), 0, 11)
+        run = lambda n: M.prefill(params, M.init_cache(cfg, 2, 300), prompts, n, cfg,
+                                  impl="reference")
+        logits, cache = run(jnp.array([200, 3], jnp.uint8))
+        want_logits, _ = run(jnp.array([200, 3]))
+        np.testing.assert_array_equal(cache["lengths"], [200, 3])
+        np.testing.assert_array_equal(logits, want_logits)
+
+
 class TestNonFinite:
     """Class 8: non-finite parameters raise `ValueError`; a NaN in the data gives NaN in its
     row (and only there) in both implementations."""
@@ -636,6 +668,8 @@ def _x64_cases():
     q = randn(k[1], (1, 9, 2, 8))
     lp = jax.nn.log_softmax(randn(k[2], (2, 3, 5)))
     cache = randn(k[3], (1, 9, 2, 8))
+    seg = jnp.array([[0, 0, 1, 1, 1, 2, 2, 2, 2]])             # int64
+    kv_seg = seg + (seg == 0) * 2 ** 32
     return [
         ("softmax", lambda i: jaxfuse.softmax(x, causal=True, impl=i)),
         ("norms", lambda i: jax.grad(lambda x: (jaxfuse.layer_norm(x, w, w, impl=i)
@@ -647,6 +681,13 @@ def _x64_cases():
         ("flash_attention", lambda i: jax.grad(lambda q: jaxfuse.flash_attention(
             q, q, q, causal=True, sliding_window=4, dropout_rate=0.2, dropout_key=k[4],
             impl=i).sum())(q)),
+        # int64 ids differing by 2^32 are different segments (an int32 cast made them one):
+        # rows 0 and 1 see no key, which the kernels once let them see.
+        ("flash_attention segment ids", lambda i: (
+            jaxfuse.flash_attention(q, q, q, q_segment_ids=seg, kv_segment_ids=kv_seg,
+                                    return_lse=True, impl=i),
+            jax.grad(lambda q: jaxfuse.flash_attention(
+                q, q, q, q_segment_ids=seg, kv_segment_ids=kv_seg, impl=i).sum())(q))),
         ("decode_attention", lambda i: jaxfuse.decode_attention(
             q[:, 0], cache, cache, jnp.array([6]), k_new=q[:, 0, :2], v_new=q[:, 0, :2],
             rope_base=100.0, impl=i)),

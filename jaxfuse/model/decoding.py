@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxfuse
+from jaxfuse import _checks
 from jaxfuse.model import _block_ops as ops
 from jaxfuse.model import _inputs
 from jaxfuse.model import transformer as T
@@ -145,14 +146,14 @@ def prefill(params: dict, cache: dict, prompts: jax.Array, prompt_lengths: jax.A
     p = prompts.shape[1]
     _inputs.cache(cache, prompts.shape[0], p, after_lengths=False)
     check_prompt_lengths(prompt_lengths, p)
-    prompt_lengths = jnp.clip(prompt_lengths, 1, p)
+    prompt_lengths = _checks.clip_int32(prompt_lengths, 1, p)
     y, (_, k_all, v_all) = T.hidden(params, prompts, cfg, impl=impl, collect_qkv=True)
     last = jnp.take_along_axis(y, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, D]
     logits = last @ T.unembedding(T.cast(params, cfg), cfg)                  # [B, V]
     put = lambda c, new: c.at[:, :p].set(new.astype(c.dtype))
     cache = {"k": tuple(put(c, k_all[i]) for i, c in enumerate(cache["k"])),
              "v": tuple(put(c, v_all[i]) for i, c in enumerate(cache["v"])),
-             "lengths": prompt_lengths.astype(jnp.int32)}
+             "lengths": prompt_lengths}
     return logits, cache
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxfuse import _philox
+from jaxfuse import _checks, _philox
 from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import attention_bwd, attention_hopper, attention_hopper_bwd
@@ -220,10 +220,28 @@ def plan(q_shape, k_shape, dtype, *, causal, scale, segments, sliding_window, lo
     return spec, dataclasses.replace(blocks, hopper=hopper or False)
 
 
+def segment_ids_int32(q_segment_ids, kv_segment_ids):
+    """The kernels' int32 segment ids: equal exactly where the given ids are equal (as the
+    reference compares them, in their promoted dtype). A plain cast where it keeps every value
+    (ids of at most 32 bits that fit int32) or maps one dtype one-to-one (uint32 on both
+    sides); otherwise, e.g. int64 ids that differ by a multiple of 2^32, which a cast would make
+    equal, each row's ids become their ranks among the row's q and kv ids (one sort a row)."""
+    qs, ks = q_segment_ids, kv_segment_ids
+    if (_checks.fits_int32(qs.dtype) and _checks.fits_int32(ks.dtype)) or (
+            qs.dtype == ks.dtype and qs.dtype.itemsize == 4):
+        return qs.astype(jnp.int32), ks.astype(jnp.int32)
+    common = jax.dtypes.canonicalize_dtype(jnp.promote_types(qs.dtype, ks.dtype))
+    both = jnp.concatenate([qs.astype(common), ks.astype(common)], axis=-1)     # [B, Tq + Tk]
+    flat = both.reshape(-1, both.shape[-1])
+    rank = jax.vmap(lambda row: jnp.searchsorted(jnp.sort(row), row))(flat)
+    rank = rank.astype(jnp.int32).reshape(both.shape)
+    return rank[..., :qs.shape[-1]], rank[..., qs.shape[-1]:]
+
+
 def _segs(q_segment_ids, kv_segment_ids):
     if q_segment_ids is None:
         return None, None
-    return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+    return segment_ids_int32(q_segment_ids, kv_segment_ids)
 
 
 class _Layout:

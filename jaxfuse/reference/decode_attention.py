@@ -179,10 +179,9 @@ def unpack_qkv(qkv, k_cache, k_new, v_new, layout=True):
 
 
 def clip_lengths(kv_lengths: jax.Array, s_len: int) -> jax.Array:
-    """kv_lengths of any integer dtype clipped to [0, S] in their own dtype, then int32: a
-    cast first would wrap uint32 lengths >= 2^31 to negative ones (zeros instead of S)."""
-    info = jnp.iinfo(kv_lengths.dtype)
-    return jnp.clip(kv_lengths, 0, min(s_len, info.max)).astype(jnp.int32)
+    """kv_lengths of any integer dtype clipped to [0, S], as int32 (`_checks.clip_int32`: a
+    cast first would wrap uint32 lengths >= 2^31 to negative ones, zeros instead of S)."""
+    return _checks.clip_int32(kv_lengths, 0, s_len)
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,

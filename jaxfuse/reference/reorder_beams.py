@@ -41,9 +41,10 @@ def validate(caches, parent, start, stop) -> None:
 
 
 def clip(parent, start, stop, k: int, s: int):
-    """parent clipped to [0, K), start and stop to [0, S], all int32."""
-    return (jnp.clip(parent, 0, k - 1).astype(jnp.int32), jnp.clip(start, 0, s).astype(jnp.int32),
-            jnp.clip(stop, 0, s).astype(jnp.int32))
+    """parent clipped to [0, K), start and stop to [0, S], all int32, whatever their integer
+    dtypes (`_checks.clip_int32`: S = 300 taken as a uint8 bound would be 44)."""
+    return (_checks.clip_int32(parent, 0, k - 1), _checks.clip_int32(start, 0, s),
+            _checks.clip_int32(stop, 0, s))
 
 
 def reorder_beams(caches, parent: jax.Array, start: jax.Array, stop: jax.Array) -> tuple:

@@ -144,8 +144,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
                      scale, dropout_rate, dropout_key)
     rate = float(dropout_rate) if _philox.active(dropout_rate, dropout_key) else 0.0
     _p_attn.check_head_dim(q.shape[-1])
-    segs = () if q_segment_ids is None else (q_segment_ids.astype(jnp.int32),
-                                             kv_segment_ids.astype(jnp.int32))
+    segs = () if q_segment_ids is None else _p_attn.segment_ids_int32(q_segment_ids,
+                                                                       kv_segment_ids)
     keys = (_philox.key_words(dropout_key),) if rate else ()
     op = _flash_op(k.shape[2], q.shape[2] // k.shape[2], q.shape[1] == k.shape[1], bool(segs),
                    bool(causal), scale, sliding_window, logits_soft_cap, interpret, block_sizes,

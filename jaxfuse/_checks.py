@@ -15,12 +15,14 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def check_float(name: str, x) -> None:
+    check_array(name, x)
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise ValueError(f"{name}.dtype={x.dtype} is not supported: pass float32, bfloat16 or "
                          f"float16 (e.g. {name}.astype(jnp.float32))")
 
 
 def check_ndim(name: str, x, ndim: int | None = None, min_ndim: int = 1) -> None:
+    check_array(name, x)
     if ndim is not None and x.ndim != ndim:
         raise ValueError(f"{name}.shape={tuple(x.shape)} must have {ndim} axes")
     if x.ndim < min_ndim:
@@ -45,6 +47,7 @@ def check_int(name: str, x) -> None:
 def check_vector(name: str, w, n: int, what: str = "the last axis of x") -> None:
     if w is None:
         return
+    check_array(name, w)
     if tuple(w.shape) != (n,):
         raise ValueError(f"{name}.shape={tuple(w.shape)} must be ({n},), the length of {what}")
     check_float(name, w)
@@ -53,6 +56,7 @@ def check_vector(name: str, w, n: int, what: str = "the last axis of x") -> None
 def check_mask(mask, shape) -> None:
     if mask is None:
         return
+    check_array("mask", mask)
     if mask.dtype != jnp.bool_:
         raise ValueError(f"mask.dtype={mask.dtype} must be bool (True = keep); pass mask.astype(bool)")
     try:

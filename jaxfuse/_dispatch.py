@@ -33,10 +33,15 @@ BOOL_OPTIONS = ("causal", "return_lse", "partial_sums", "rope_interleaved", "int
 
 
 def route(impl: str, pallas_fn: Callable, reference_fn: Callable, *args: Any,
-          interpret: bool | None = None, block_sizes: Any = None, **kwargs: Any) -> Any:
+          block_type: type, interpret: bool | None = None, block_sizes: Any = None,
+          **kwargs: Any) -> Any:
     """Calls the Pallas kernel (with its tuning knobs) or the plain jax.numpy reference (also
-    for zero-size inputs, see the module docstring)."""
+    for zero-size inputs, see the module docstring). `block_type`: the class of the op's
+    `block_sizes` (another class's tiles mean nothing to its kernels)."""
     _checks.check_impl(impl)
+    if block_sizes is not None and not isinstance(block_sizes, block_type):
+        raise ValueError(f"block_sizes is a {type(block_sizes).__name__}: this op takes a "
+                         f"jaxfuse.{block_type.__name__} (or None for the tile rule)")
     for name in BOOL_OPTIONS:
         if name in kwargs:
             kwargs[name] = _checks.check_bool(name, kwargs[name])

@@ -12,6 +12,10 @@ import jax
 
 from jaxfuse import _checks
 from jaxfuse._dispatch import route
+from jaxfuse.pallas._attn import AttnBlocks
+from jaxfuse.pallas._rows import RowBlocks
+from jaxfuse.pallas.decode_attention import DecodeBlocks
+from jaxfuse.pallas.linear_cross_entropy import LCEBlocks
 from jaxfuse.reference import add_norm as _r_an
 from jaxfuse.reference import add_norm_linear as _r_anl
 from jaxfuse.reference import attention as _r_attn
@@ -48,7 +52,7 @@ def softmax(x: jax.Array, *, scale: float = 1.0, mask: jax.Array | None = None,
     >>> y = jaxfuse.softmax(scores, scale=0.125, causal=True)
     """
     return route(impl, _s_rows.softmax, _r_softmax.softmax, x, scale=scale, mask=mask,
-                 causal=causal, interpret=interpret, block_sizes=block_sizes)
+                 causal=causal, block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | None = None, *,
@@ -59,7 +63,7 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
     >>> y = jaxfuse.layer_norm(x, w, b)          # x [..., D], w and b [D]
     """
     return route(impl, _s_rows.layer_norm, _r_ln.layer_norm, x, weight, bias, eps=eps,
-                 interpret=interpret, block_sizes=block_sizes)
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None = None, *, eps: float = 1e-6,
@@ -69,7 +73,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, *, eps: float = 1e-6
     >>> y = jaxfuse.rms_norm(x, w)
     """
     return route(impl, _s_rows.rms_norm, _r_rms.rms_norm, x, weight, eps=eps,
-                 interpret=interpret, block_sizes=block_sizes)
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: float = 0.0,
@@ -88,7 +92,8 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: floa
     """
     return route(impl, _s_rows.cross_entropy, _r_ce.cross_entropy, logits, labels,
                  label_smoothing=label_smoothing, ignore_index=ignore_index,
-                 reduction=reduction, interpret=interpret, block_sizes=block_sizes)
+                 reduction=reduction,
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -151,7 +156,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                  sliding_window=_r_attn.effective_window(_checks.python_scalar(sliding_window), k),
                  logits_soft_cap=logits_soft_cap,
                  return_lse=return_lse, dropout_rate=dropout_rate, dropout_key=dropout_key,
-                 interpret=interpret, block_sizes=block_sizes)
+                 block_type=AttnBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -203,7 +208,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                  logits_soft_cap=logits_soft_cap, return_lse=return_lse, k_new=k_new,
                  v_new=v_new, packed_qkv=packed_qkv, partial_sums=partial_sums,
                  rope_base=rope_base, rope_interleaved=rope_interleaved, rms_input=rms_input,
-                 rms_eps=rms_eps, interpret=interpret,
+                 rms_eps=rms_eps, block_type=DecodeBlocks, interpret=interpret,
                  block_sizes=block_sizes)
 
 
@@ -222,7 +227,7 @@ def linear_cross_entropy(x: jax.Array, weight: jax.Array, labels: jax.Array, *,
     return route(impl, _s_lce.linear_cross_entropy, _r_lce.linear_cross_entropy, x, weight,
                  labels, label_smoothing=label_smoothing, ignore_index=ignore_index,
                  z_loss=z_loss, logits_soft_cap=logits_soft_cap, reduction=reduction,
-                 interpret=interpret, block_sizes=block_sizes)
+                 block_type=LCEBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *, impl: str = "pallas",
@@ -237,7 +242,7 @@ def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *, impl: st
     """
     return route(impl, _s_blocks.beam_top_k, _r_topk.beam_top_k, log_probs, beam_scores,
                  _checks.python_scalar(k),
-                 interpret=interpret, block_sizes=block_sizes)
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def reorder_beams(caches, parent: jax.Array, start: jax.Array, stop: jax.Array, *,
@@ -255,7 +260,7 @@ def reorder_beams(caches, parent: jax.Array, start: jax.Array, stop: jax.Array, 
     >>> k_caches = jaxfuse.reorder_beams(k_caches, parent, prompt_lengths, prompt_lengths + t)
     """
     return route(impl, _s_blocks.reorder_beams, _r_reo.reorder_beams, caches, parent, start,
-                 stop, interpret=interpret, block_sizes=block_sizes)
+                 stop, block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def dropout(x: jax.Array, rate: float, key, *, impl: str = "pallas",
@@ -266,8 +271,8 @@ def dropout(x: jax.Array, rate: float, key, *, impl: str = "pallas",
 
     >>> y = jaxfuse.dropout(x, 0.1, jax.random.fold_in(key, step))
     """
-    return route(impl, _s_blocks.dropout, _r_drop.dropout, x, rate, key, interpret=interpret,
-                 block_sizes=block_sizes)
+    return route(impl, _s_blocks.dropout, _r_drop.dropout, x, rate, key,
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def bias_dropout_add(x: jax.Array, bias: jax.Array | None, residual: jax.Array, *,
@@ -278,7 +283,8 @@ def bias_dropout_add(x: jax.Array, bias: jax.Array | None, residual: jax.Array, 
     >>> h = jaxfuse.bias_dropout_add(attn_out, b_o, h, rate=0.1, key=k)
     """
     return route(impl, _s_blocks.bias_dropout_add, _r_bda.bias_dropout_add, x, bias, residual,
-                 rate=rate, key=key, interpret=interpret, block_sizes=block_sizes)
+                 rate=rate, key=key,
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def bias_act_dropout(x: jax.Array, bias: jax.Array | None, *, activation: str = "gelu",
@@ -295,8 +301,8 @@ def bias_act_dropout(x: jax.Array, bias: jax.Array | None, *, activation: str = 
     >>> a = jaxfuse.bias_act_dropout(x @ w1, b1, activation="gelu", rate=0.1, key=k)
     """
     return route(impl, _s_blocks.bias_act_dropout, _r_bad.bias_act_dropout, x, bias,
-                 activation=activation, rate=rate, key=key, interpret=interpret,
-                 block_sizes=block_sizes)
+                 activation=activation, rate=rate, key=key,
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def add_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | None,
@@ -311,7 +317,8 @@ def add_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | None,
     >>> h, y = jaxfuse.add_norm(attn_out, h, w_norm, rate=0.1, key=k)   # then mlp(y)
     """
     return route(impl, _s_blocks.add_norm, _r_an.add_norm, x, residual, weight, bias, norm=norm,
-                 eps=eps, rate=rate, key=key, interpret=interpret, block_sizes=block_sizes)
+                 eps=eps, rate=rate, key=key,
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def add_norm_linear(x: jax.Array, residual: jax.Array, weight: jax.Array | None,
@@ -333,7 +340,7 @@ def add_norm_linear(x: jax.Array, residual: jax.Array, weight: jax.Array | None,
     return route(impl, _s_blocks.add_norm_linear, _r_anl.add_norm_linear, x, residual, weight,
                  bias, projections=tuple(projections) if isinstance(projections, list)
                  else projections, norm=norm, eps=eps, rate=rate, key=key,
-                 interpret=interpret, block_sizes=block_sizes)
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def swiglu(gate: jax.Array, up: jax.Array, *, impl: str = "pallas",
@@ -343,8 +350,8 @@ def swiglu(gate: jax.Array, up: jax.Array, *, impl: str = "pallas",
 
     >>> a = jaxfuse.swiglu(x @ w_gate, x @ w_up)
     """
-    return route(impl, _s_blocks.swiglu, _r_swiglu.swiglu, gate, up, interpret=interpret,
-                 block_sizes=block_sizes)
+    return route(impl, _s_blocks.swiglu, _r_swiglu.swiglu, gate, up,
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def swiglu_linear(gate: jax.Array, up: jax.Array, weight: jax.Array, *, impl: str = "pallas",
@@ -361,7 +368,7 @@ def swiglu_linear(gate: jax.Array, up: jax.Array, weight: jax.Array, *, impl: st
     >>> out = jaxfuse.swiglu_linear(x @ w_gate, x @ w_up, w_down)   # the MLP of a block
     """
     return route(impl, _s_blocks.swiglu_linear, _r_swl.swiglu_linear, gate, up, weight,
-                 interpret=interpret, block_sizes=block_sizes)
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleaved: bool = True,
@@ -374,7 +381,8 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleav
     >>> q = jaxfuse.rope(q, positions)
     """
     return route(impl, _s_blocks.rope, _r_rope.rope, x, positions, base=base,
-                 interleaved=interleaved, interpret=interpret, block_sizes=block_sizes)
+                 interleaved=interleaved,
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def embedding(tokens: jax.Array, table: jax.Array, *, scale: float = 1.0,
@@ -390,4 +398,4 @@ def embedding(tokens: jax.Array, table: jax.Array, *, scale: float = 1.0,
     """
     return route(impl, _s_blocks.embedding, _r_emb.embedding, tokens, table, scale=scale,
                  pos_table=pos_table, positions=positions, rate=rate, key=key,
-                 interpret=interpret, block_sizes=block_sizes)
+                 block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)

@@ -658,6 +658,47 @@ class TestAttentionOptions:
             jaxfuse.flash_attention(qq, qq, qq, block_sizes=jaxfuse.AttnBlocks(block_k=8.0))
 
 
+class TestArgumentTypes:
+    """Class 9 (s33's randomized run): a list where an array belongs, another op's tiles, or a
+    tile size that is not a positive int raised AttributeError, TypeError or Pallas's own
+    "Grid must be a tuple of integers": now a ValueError naming the argument and the fix."""
+
+    @pytest.mark.parametrize("call,name", [
+        (lambda x: jaxfuse.softmax(x.tolist()), "x"),
+        (lambda x: jaxfuse.softmax(x, mask=[[True] * 8] * 4), "mask"),
+        (lambda x: jaxfuse.layer_norm(x.tolist()), "x"),
+        (lambda x: jaxfuse.rms_norm(x, [1.0] * 8), "weight"),
+        (lambda x: jaxfuse.cross_entropy(x.tolist(), jnp.zeros(4, jnp.int32)), "logits"),
+        (lambda x: jaxfuse.swiglu(x.tolist(), x), "gate"),
+        (lambda x: jaxfuse.bias_dropout_add(x, None, x.tolist()), "residual"),
+        (lambda x: jaxfuse.beam_top_k(x[None].tolist(), jnp.zeros((1, 4)), 2), "log_probs"),
+    ])
+    def test_lists_are_not_arrays(self, call, name):
+        with pytest.raises(ValueError, match=rf"{name} must be an array, got list \(pass "
+                                             rf"jnp.asarray\({name}\)\)"):
+            call(jnp.ones((4, 8)))
+
+    def test_another_ops_tiles(self):
+        x, q = jnp.ones((4, 8)), jnp.ones((1, 4, 1, 8))
+        with pytest.raises(ValueError, match="block_sizes is a AttnBlocks: this op takes a "
+                                             "jaxfuse.RowBlocks"):
+            jaxfuse.softmax(x, block_sizes=jaxfuse.AttnBlocks())
+        with pytest.raises(ValueError, match="block_sizes is a RowBlocks: this op takes a "
+                                             "jaxfuse.AttnBlocks"):
+            jaxfuse.flash_attention(q, q, q, block_sizes=jaxfuse.RowBlocks(8, 8))
+        with pytest.raises(ValueError, match="block_sizes is a tuple: this op takes a "
+                                             "jaxfuse.LCEBlocks"):
+            jaxfuse.linear_cross_entropy(x, x.T, jnp.zeros(4, jnp.int32), block_sizes=(8, 8))
+
+    @pytest.mark.parametrize("kw,bad", [(dict(block_rows=2.5), "block_rows=2.5"),
+                                        (dict(block_cols=8.0), "block_cols=8.0"),
+                                        (dict(num_warps=0), "num_warps=0"),
+                                        (dict(rows_per_program=0), "rows_per_program=0")])
+    def test_row_tiles_are_positive_ints(self, kw, bad):
+        with pytest.raises(ValueError, match=rf"RowBlocks\({bad}\): \w+ must be a positive int"):
+            jaxfuse.RowBlocks(**{**dict(block_rows=2, block_cols=8), **kw})
+
+
 def _x64_cases():
     """(name, f(impl)) of every op, on inputs made under jax_enable_x64 (int64 ids and
     positions, as `jnp.arange` gives there; float inputs float32, as the ops take)."""

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxfuse import _checks
 from jaxfuse.pallas import _common as C
 
 _GPU_MAX_TILE_COLS = 16384      # longest row held in registers at once
@@ -48,6 +49,14 @@ class RowBlocks:
     num_warps: int = 4
     rows_per_program: int | None = None
     hopper: bool | None = None
+
+    def __post_init__(self):
+        # Sizes become grids and slices: a float or a zero would fail deep inside Pallas.
+        for name in ("block_rows", "block_cols", "num_warps", "rows_per_program"):
+            v = getattr(self, name)
+            if not (v is None and name == "rows_per_program") and not (
+                    _checks.is_int(v) and v >= 1):
+                raise ValueError(f"RowBlocks({name}={v!r}): {name} must be a positive int")
 
     @classmethod
     def for_shape(cls, n_rows: int, n_cols: int, *, interpret: bool,
@@ -83,7 +92,7 @@ class RowBlocks:
                              "swiglu_linear do); leave hopper=None")
         for name in ("block_rows", "block_cols"):
             v = getattr(self, name)
-            if v < 1 or (not interpret and v != C.next_pow2(v)):
+            if not interpret and v != C.next_pow2(v):
                 raise ValueError(f"{name}={v} must be a power of two on the GPU (any positive "
                                  "size in interpret mode)")
         if self.rows_per_program is not None and self.rows_per_program % self.block_rows:

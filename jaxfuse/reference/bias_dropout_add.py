@@ -17,6 +17,8 @@ from jaxfuse.reference import dropout as _dropout
 def validate(x, bias, residual, rate, key) -> None:
     _dropout.validate(x, rate, key)
     _checks.check_vector("bias", bias, x.shape[-1])
+    if residual is not None:
+        _checks.check_array("residual", residual)
     if residual is None or tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype:
         got = None if residual is None else (tuple(residual.shape), residual.dtype)
         raise ValueError(f"residual (shape, dtype)={got} must match x (shape={tuple(x.shape)}, "

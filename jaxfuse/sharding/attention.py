@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from jaxfuse import _philox
 from jaxfuse.pallas import _attn

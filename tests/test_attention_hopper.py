@@ -14,6 +14,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import AttnBlocks
+from jaxfuse.pallas._attn import AttnSpec
 from jaxfuse.pallas.attention_hopper import HopperAttnTiles
 from jaxfuse.reference import attention as ref
 
@@ -176,6 +177,37 @@ def test_overlap_needs_two_slots():
     tiles = HopperAttnTiles(overlap=True, stages=1, backward=False)
     with pytest.raises(ValueError, match="overlap=True, stages=1"):
         jaxfuse.flash_attention(q, q, q, block_sizes=AttnBlocks(hopper=tiles))
+
+
+# Tiles whose shared memory the chip does not have were once left to Mosaic GPU's lowering
+# ("kernel exceeds available shared memory") or to the interpreter (a ring of 0 slots): each is
+# now refused when the call is planned, naming the tiles and what would fit (s33's sweep of the
+# options' sm90 lowering).
+@pytest.mark.parametrize("d,kw,message", [
+    (64, dict(stages=0), r"HopperAttnTiles.stages=0 must be a positive int"),
+    (128, dict(stages=3), r"HopperAttnTiles\(stages=3, backward=False\) at head_dim 128 "
+     r"\(2 consumers\): stages=3 of 65536 bytes .* \(2 slots would\); pass stages=None or "
+     r"block_k=64"),
+    (256, dict(block_k=64, consumers=3, pingpong=False, persistent=True),
+     r"one slot of 65536 bytes .* \(0 slots would\); pass consumers=2 or persistent=False"),
+    (256, dict(overlap=True, pingpong=False), r"overlap=True, stages=1\) at head_dim 256: .* "
+     r"only 1 fits .* pass block_k=64, or overlap=False"),
+])
+def test_tiles_that_do_not_fit_are_refused_by_name(d, kw, message):
+    q = jnp.zeros((1, 128, 2, d), jnp.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        tiles = HopperAttnTiles(backward=False, **kw)
+        jaxfuse.flash_attention(q, q, q, block_sizes=AttnBlocks(hopper=tiles))
+
+
+def test_persistence_needs_two_slots_beside_o():
+    """By default a CTA persists where its O buffer leaves room for two ring slots: at
+    head_dim 128 with two consumers, not with three (which before took a one-slot ring)."""
+    spec = AttnSpec.make(n_q=1024, n_k=1024, head_dim=128, groups=1, dtype=jnp.bfloat16,
+                         scale=None, interpret=False)
+    assert HopperAttnTiles().persists(spec)
+    assert not HopperAttnTiles(consumers=3).persists(spec)
+    assert HopperAttnTiles(consumers=3).stages_for(128, 2, False) == 2
 
 
 def test_float32_rejected_when_forced_and_not_taken_by_default():

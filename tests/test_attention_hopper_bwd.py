@@ -123,6 +123,29 @@ def test_d256_refuses_dq_steps_that_failed_on_the_gpu():
     assert HopperBwdTiles(block_k_dq=128).k_dq(128) == 128     # other head dims: as asked
 
 
+# Backward tiles the chip or the kernels cannot take, refused by name when the call is
+# planned (before, Mosaic GPU's lowering refused them: "kernel exceeds available shared
+# memory", a wgmma tiling error, a TMA copy of 64 bytes; s33's sweep of the options).
+@pytest.mark.parametrize("d,deterministic,kw,message", [
+    (64, True, dict(stages=0), r"HopperBwdTiles.stages=0 must be a positive int"),
+    (64, True, dict(block_q=48), r"HopperBwdTiles.block_q=48 must be 32, 64 or 128"),
+    (128, True, dict(block_k_dq=96), r"HopperBwdTiles.block_k_dq=96 must be 32, 64 or 128"),
+    (256, True, dict(block_q=128), r"HopperBwdTiles\(block_q=128\), dK/dV kernel at head_dim "
+     r"256: one slot of \d+ bytes .* \(0 slots would\); pass block_q=None"),
+    (128, True, dict(stages=5), r"HopperBwdTiles\(stages=5\), dK/dV kernel at head_dim 128: "
+     r"stages=5 .* \(4 slots would\); pass stages=None"),
+    (128, False, dict(fused_dq=True, block_q=128), r"dK/dV kernel with the fused dQ at "
+     r"head_dim 128: one slot .* pass block_q=None or fused_dq=False"),
+    (64, False, dict(fused_dq=True, block_q=32), r"the fused dQ takes block_q 64 or 128, not "
+     r"32; pass block_q=None or fused_dq=False"),
+])
+def test_backward_tiles_that_cannot_run_are_refused_by_name(d, deterministic, kw, message):
+    q = jnp.zeros((1, 128, 2, d), jnp.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        jaxfuse.flash_attention(q, q, q, deterministic=deterministic,
+                                block_sizes=_blocks(**kw))
+
+
 def test_hopper_backward_off_runs_the_portable_one():
     """backward=False runs the portable backward after the Hopper forward."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles

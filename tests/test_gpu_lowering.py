@@ -535,3 +535,19 @@ def test_hopper_dq_ring_counts_the_segment_ids():
         q, k, v, q_segment_ids=qs, kv_segment_ids=qs, interpret=False,
         block_sizes=jaxfuse.AttnBlocks(hopper=hopper)), q, q, q).mlir_module()
     assert "jaxfuse_flash_bwd_dq_hopper" in module
+
+
+def test_hopper_tiles_at_the_edge_of_shared_memory_lower():
+    """Tiles the plan now takes where it once lowered a kernel past the 227 KiB: three
+    consumers with the overlap at D = 128 (persistent by default before, with a one-slot ring
+    the overlap cannot run: now a CTA a tile, two slots) and 128-row dK/dV steps at D = 128
+    (two slots)."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    tiles = HopperAttnTiles(consumers=3, overlap=True, backward=HopperBwdTiles(block_q=128))
+    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, causal=True, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles)),
+        q, q, q).mlir_module()
+    for name in ("jaxfuse_flash_fwd_hopper",) + _HOPPER_BWD[True]:
+        assert name in module, name

@@ -17,6 +17,8 @@ import contextlib
 import heapq
 from collections.abc import Callable
 
+import dataclasses
+
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -31,6 +33,32 @@ from jaxfuse.pallas import _common as C
 SMEM_BYTES = 227 * 1024 - 1024
 # Rows of one wgmma M (a warpgroup's accumulator): the attention kernels' rows per consumer.
 ROWS = 64
+
+
+def tiles_repr(tiles) -> str:
+    """`tiles` (a frozen dataclass) as its class and the fields that differ from their
+    defaults: what a user asked for, for error messages."""
+    changed = [f"{f.name}={getattr(tiles, f.name)!r}" for f in dataclasses.fields(tiles)
+               if getattr(tiles, f.name) != f.default]
+    return f"{type(tiles).__name__}({', '.join(changed)})"
+
+
+def ring_depth(owner: str, stages: int | None, fixed: int, stage: int, budget: int,
+               hint: str, cap: int = 4) -> int:
+    """The depth of a kernel's shared-memory ring: `stages` slots of `stage` bytes beside
+    `fixed` bytes within `budget`; None: as many as fit, at most `cap`. Raises a ValueError
+    naming `owner` (the tiles that asked) and `hint` (what else fits) where none fits or more
+    were asked than fit: past the 227 KiB, Mosaic GPU's lowering would refuse the kernel."""
+    fit = (budget - fixed) // stage
+    if stages is None and fit >= 1:
+        return min(fit, cap)
+    if stages is not None and stages <= fit:
+        return stages
+    asked = "one slot" if stages is None else f"stages={stages}"
+    fit = max(fit, 0)
+    raise ValueError(f"{owner}: {asked} of {stage} bytes beside {fixed} bytes of other buffers "
+                     f"does not fit the {budget} bytes of shared memory a CTA has "
+                     f"({fit} slot{'' if fit == 1 else 's'} would); {hint}")
 
 
 def check_forced(what: str) -> None:

@@ -172,6 +172,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxfuse import _checks
 from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _hopper as H
 from jaxfuse.pallas import _hopper_ring as R
@@ -235,6 +236,24 @@ class HopperBwdTiles:
         if self.consumers is not None and self.consumers not in R.REGISTERS:
             raise ValueError(f"HopperBwdTiles.consumers={self.consumers} must be one of "
                              f"{tuple(R.REGISTERS)} (consumer warpgroups of 64 keys a CTA)")
+        if self.stages is not None and not (_checks.is_int(self.stages) and self.stages >= 1):
+            raise ValueError(f"HopperBwdTiles.stages={self.stages!r} must be a positive int "
+                             f"(ring slots), or None for as many as fit")
+        # A step's float32 statistics and int32 segment ids travel by TMA in whole 128-byte
+        # rows (32 entries), and a wgmma's K at head_dim 64 is a multiple of 64 keys.
+        for name in ("block_q", "block_k_dq"):
+            v = getattr(self, name)
+            if v is not None and v not in (32, 64, 128):
+                raise ValueError(f"HopperBwdTiles.{name}={v!r} must be 32, 64 or 128, or None "
+                                 f"for the default")
+
+    def check(self, spec: AttnSpec) -> None:
+        """Raises a ValueError where these tiles cannot run `spec`'s backward (the rings'
+        depths, the fused dQ's rows): at plan time, before any kernel is traced."""
+        d, fused = spec.head_dim, self.fuse(spec.head_dim, spec.deterministic)
+        self.dkv_stages(d, spec.itemsize, fused, spec.segments)
+        if not fused:
+            self.dq_stages(d, spec.itemsize, self.cleans(spec), spec.segments)
 
     def dkv_consumers(self, d: int, fused_dq: bool) -> int:
         if fused_dq or self.split_d(d):
@@ -334,8 +353,12 @@ class HopperBwdTiles:
         """Columns of the float32 dQ tile one consumer stores at a time."""
         return d // 2 if self.dq_split(d) else d
 
-    def dkv_stages(self, d: int, itemsize: int, fused_dq: bool) -> int:
+    def dkv_stages(self, d: int, itemsize: int, fused_dq: bool, segments: bool = False) -> int:
         bq = self.bq(d)
+        if fused_dq and bq % _ROWS:
+            # dQ += dS K has the step's query rows as its M, whole wgmma tiles of 64.
+            raise ValueError(f"{H.tiles_repr(self)} at head_dim {d}: the fused dQ takes "
+                             f"block_q 64 or 128, not {bq}; pass block_q=None or fused_dq=False")
         fixed = 2 * self.key_rows(d, fused_dq) * d * itemsize   # K, V
         if self.exchanges(d):
             fixed += 2 * _ROWS * bq * itemsize         # P^T, dS^T [64 keys, bq]
@@ -345,7 +368,11 @@ class HopperBwdTiles:
             # with D = 64, 64 KiB: the ring then gets one stage and the ping-pong is off).
             fixed += 2 * bq * self.dq_cols(d) * 4
         stage = 2 * bq * d * itemsize + 2 * bq * 4
-        fit = self._fit(fixed, stage)
+        if segments:       # each step's query ids; the consumers' keys' ids once
+            stage, fixed = stage + bq * 4, fixed + 1024
+        fit = self._fit(f"dK/dV kernel{' with the fused dQ' if fused_dq else ''}", d, fixed,
+                        stage, ["block_q=None"] * (self.block_q is not None)
+                        + ["fused_dq=False"] * fused_dq)
         if self.stages is None and (d <= 64 or self.split_d(d)) and not fused_dq:
             # Measured (H200, profiler, benchmarks/attention_d64_tiles.py): 2 stages instead of
             # the 4 that fit take the kernel from 2.385 to 2.262 ms at the 1B model's attention
@@ -367,11 +394,13 @@ class HopperBwdTiles:
         docstring, "Overlap"). With segment ids the rows' and the slots' ids take two more
         buffers, 1 KiB each as Mosaic GPU aligns them: at D = 256 the third slot then does
         not fit."""
-        fixed = 2 * 2 * _ROWS * d * itemsize + 2 * 2 * _ROWS * 4   # Q, dO, lse, delta
+        # Q, dO, and lse, delta (512 bytes each, 1 KiB as Mosaic GPU aligns every buffer).
+        fixed = 2 * 2 * _ROWS * d * itemsize + 2 * 1024
         if segments:
             fixed += 2 * 1024
         stage = 2 * self.k_dq(d) * d * itemsize
-        fit = self._fit(fixed, stage)
+        fit = self._fit("dQ kernel", d, fixed, stage,
+                        ["block_k_dq=None"] * (self.block_k_dq is not None))
         # The cleaning's count is a warpgroup reduction: Mosaic GPU keeps scratch for it.
         tight = _SMEM_TIGHT - (plgpu.CompilerParams().reduction_scratch_bytes if clean else 0)
         if (self.stages is None and self.dq_overlap(d) and fit == 2
@@ -379,10 +408,12 @@ class HopperBwdTiles:
             return 3
         return fit
 
-    def _fit(self, fixed: int, stage: int) -> int:
-        if self.stages is not None:
-            return self.stages
-        return max(1, min(4, (AH._SMEM_BYTES - fixed) // stage))
+    def _fit(self, kernel: str, d: int, fixed: int, stage: int, fixes: list) -> int:
+        fixes = ["stages=None"] * (self.stages is not None) + fixes
+        return H.ring_depth(f"{H.tiles_repr(self)}, {kernel} at head_dim {d}", self.stages,
+                            fixed, stage, AH._SMEM_BYTES,
+                            "pass " + " or ".join(fixes) if fixes
+                            else "leave the tiles at their defaults")
 
 
 def fits(dtype, spec: AttnSpec, tiles: HopperBwdTiles = HopperBwdTiles()) -> bool:
@@ -412,7 +443,7 @@ def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
     """The dK/dV kernel (with the fused dQ: taking the dQ ref last) for q's and k's shapes."""
     b, _, _, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
-    stages = tiles.dkv_stages(d, q.dtype.itemsize, fused_dq)
+    stages = tiles.dkv_stages(d, q.dtype.itemsize, fused_dq, spec.segments)
     body = functools.partial(DKV.dkv_body, spec=spec, tiles=tiles, stages=stages,
                              fused_dq=fused_dq)
     name = "jaxfuse_flash_bwd_dkv_dq_hopper" if fused_dq else "jaxfuse_flash_bwd_dkv_hopper"

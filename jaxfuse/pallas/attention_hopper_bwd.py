@@ -186,12 +186,12 @@ from jaxfuse.pallas._attn import AttnSpec
 
 @dataclasses.dataclass(frozen=True)
 class HopperBwdTiles:
-    """block_q: query rows per dK/dV step (the N of S^T; None: 64, 32 at D = 256 without the
-    exchange);
-    block_k_dq: keys per dQ-kernel step (None: 128 at D = 64, 64 at 128, 32 at 256, for
-    registers; at 256 only 32 is taken, `k_dq`); stages: ring depth (None: as many as
+    """block_q: query rows per dK/dV step, 32, 64 or 128 (the N of S^T; None: 64, 32 at D =
+    256 without the exchange; the fused dQ takes 64 or 128);
+    block_k_dq: keys per dQ-kernel step, 32, 64 or 128 (None: 128 at D = 64, 64 at 128, 32 at
+    256, for registers; at 256 only 32 is taken, `k_dq`); stages: ring depth (None: as many as
     shared memory holds, at most 4, but 2 in the dK/dV kernel at D = 64 without the fused dQ
-    and at D = 256, measured faster); fused_dq: with
+    and at D = 256, measured faster; more than fit is refused, `check`); fused_dq: with
     deterministic=False, dQ from the dK/dV kernel (True) or the separate dQ kernel (False;
     None: fused at D <= 64, where it is faster: at D = 128 its reducing stores cost more than
     the two products the dQ kernel recomputes, BENCHMARKS.md); overlap: the dQ kernel issues

@@ -690,6 +690,10 @@ class TestArgumentTypes:
                                              "jaxfuse.LCEBlocks"):
             jaxfuse.linear_cross_entropy(x, x.T, jnp.zeros(4, jnp.int32), block_sizes=(8, 8))
 
+    def test_interpret_is_a_bool_or_none(self):
+        with pytest.raises(ValueError, match="interpret='yes' must be True or False"):
+            jaxfuse.softmax(jnp.ones((4, 8)), interpret="yes")
+
     @pytest.mark.parametrize("kw,bad", [(dict(block_rows=2.5), "block_rows=2.5"),
                                         (dict(block_cols=8.0), "block_cols=8.0"),
                                         (dict(num_warps=0), "num_warps=0"),

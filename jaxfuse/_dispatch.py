@@ -40,10 +40,8 @@ def route(impl: str, pallas_fn: Callable, reference_fn: Callable, *args: Any,
     `block_sizes` (another class's tiles mean nothing to its kernels)."""
     _checks.check_impl(impl)
     if block_sizes is not None and not isinstance(block_sizes, block_type):
-        raise ValueError(f"block_sizes is a {type(block_sizes).__name__}: this op takes a "
-                         f"jaxfuse.{block_type.__name__} (or None for the tile rule)")
-    if interpret is not None:       # None: interpret on a CPU backend, compile elsewhere
-        interpret = _checks.check_bool("interpret", interpret)
+        raise ValueError(f"block_sizes of type {type(block_sizes).__name__}: this op takes "
+                         f"a jaxfuse.{block_type.__name__} (or None for the tile rule)")
     for name in BOOL_OPTIONS:
         if name in kwargs:
             kwargs[name] = _checks.check_bool(name, kwargs[name])

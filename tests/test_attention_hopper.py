@@ -175,7 +175,8 @@ def test_overlap_needs_two_slots():
     """The overlap holds a V tile a step longer: a ring of one slot is refused by name."""
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     tiles = HopperAttnTiles(overlap=True, stages=1, backward=False)
-    with pytest.raises(ValueError, match="overlap=True, stages=1"):
+    with pytest.raises(ValueError, match=r"stages=1 is fewer than the 2 slots the kernel needs "
+                                         r"\(the overlap holds each V tile a step longer\)"):
         jaxfuse.flash_attention(q, q, q, block_sizes=AttnBlocks(hopper=tiles))
 
 
@@ -185,19 +186,26 @@ def test_overlap_needs_two_slots():
 # options' sm90 lowering).
 @pytest.mark.parametrize("d,kw,message", [
     (64, dict(stages=0), r"HopperAttnTiles.stages=0 must be a positive int"),
+    (64, dict(backward=None), r"HopperAttnTiles.backward=None must be True .*, False .* or a "
+     r"HopperBwdTiles"),
     (128, dict(stages=3), r"HopperAttnTiles\(stages=3, backward=False\) at head_dim 128 "
-     r"\(2 consumers\): stages=3 of 65536 bytes .* \(2 slots would\); pass stages=None or "
-     r"block_k=64"),
+     r"\(2 consumers\): stages=3 of 65536 bytes beside 32768 bytes of other buffers: 2 "
+     r"slots fit the 224256 bytes .*; pass stages=None or block_k=64$"),
     (256, dict(block_k=64, consumers=3, pingpong=False, persistent=True),
-     r"one slot of 65536 bytes .* \(0 slots would\); pass consumers=2 or persistent=False"),
-    (256, dict(overlap=True, pingpong=False), r"overlap=True, stages=1\) at head_dim 256: .* "
-     r"only 1 fits .* pass block_k=64, or overlap=False"),
+     r"one slot of 65536 bytes .*: 0 slots fit .*; pass consumers=2 or persistent=False$"),
+    (256, dict(overlap=True, pingpong=False), r"\(2 consumers\): 2 slots of 131072 bytes \(the "
+     r"overlap holds each V tile a step longer\) .*: 1 slot fits .*; pass block_k=64 or "
+     r"overlap=False$"),
 ])
 def test_tiles_that_do_not_fit_are_refused_by_name(d, kw, message):
+    """Refused when the call is planned (`attention.plan`), before any kernel is traced."""
+    from jaxfuse.pallas import attention
     q = jnp.zeros((1, 128, 2, d), jnp.bfloat16)
     with pytest.raises(ValueError, match=message):
-        tiles = HopperAttnTiles(backward=False, **kw)
-        jaxfuse.flash_attention(q, q, q, block_sizes=AttnBlocks(hopper=tiles))
+        tiles = HopperAttnTiles(**{"backward": False, **kw})
+        attention.plan(q.shape, q.shape, q.dtype, causal=False, scale=None, segments=False,
+                       sliding_window=None, logits_soft_cap=None, interpret=True,
+                       block_sizes=AttnBlocks(hopper=tiles))
 
 
 def test_persistence_needs_two_slots_beside_o():

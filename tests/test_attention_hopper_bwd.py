@@ -130,12 +130,12 @@ def test_d256_refuses_dq_steps_that_failed_on_the_gpu():
     (64, True, dict(stages=0), r"HopperBwdTiles.stages=0 must be a positive int"),
     (64, True, dict(block_q=48), r"HopperBwdTiles.block_q=48 must be 32, 64 or 128"),
     (128, True, dict(block_k_dq=96), r"HopperBwdTiles.block_k_dq=96 must be 32, 64 or 128"),
-    (256, True, dict(block_q=128), r"HopperBwdTiles\(block_q=128\), dK/dV kernel at head_dim "
-     r"256: one slot of \d+ bytes .* \(0 slots would\); pass block_q=None"),
-    (128, True, dict(stages=5), r"HopperBwdTiles\(stages=5\), dK/dV kernel at head_dim 128: "
-     r"stages=5 .* \(4 slots would\); pass stages=None"),
-    (128, False, dict(fused_dq=True, block_q=128), r"dK/dV kernel with the fused dQ at "
-     r"head_dim 128: one slot .* pass block_q=None or fused_dq=False"),
+    (256, True, dict(block_q=128), r"HopperBwdTiles\(block_q=128\) in the dK/dV kernel at "
+     r"head_dim 256: one slot of \d+ bytes .*: 0 slots fit .*; pass block_q=64 or block_q=32\b"),
+    (128, True, dict(stages=5), r"HopperBwdTiles\(stages=5\) in the dK/dV kernel at head_dim "
+     r"128: stages=5 .*: 4 slots fit .*; pass stages=None or block_q=32\b"),
+    (128, False, dict(fused_dq=True, block_q=128), r"in the dK/dV kernel with the fused dQ at "
+     r"head_dim 128: one slot .*; pass block_q=64 or fused_dq=False\b"),
     (64, False, dict(fused_dq=True, block_q=32), r"the fused dQ takes block_q 64 or 128, not "
      r"32; pass block_q=None or fused_dq=False"),
 ])

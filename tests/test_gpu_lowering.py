@@ -530,6 +530,7 @@ def test_hopper_dq_ring_counts_the_segment_ids():
     qs = jnp.zeros((1, 256), jnp.int32)
     bwd = HopperBwdTiles(overlap=True, clean=False)
     assert bwd.dq_stages(256, 2) == 3          # where the slot fits, it is still taken
+    assert HopperBwdTiles(stages=3, overlap=True, clean=False).dq_stages(256, 2) == 3  # asked
     hopper = dataclasses.replace(HopperAttnTiles.for_head_dim(256), backward=bwd)
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, q_segment_ids=qs, kv_segment_ids=qs, interpret=False,

@@ -658,6 +658,25 @@ class TestAttentionOptions:
             jaxfuse.flash_attention(qq, qq, qq, block_sizes=jaxfuse.AttnBlocks(block_k=8.0))
 
 
+@pytest.mark.parametrize("qs_dtype,ks_dtype", [(jnp.uint32, jnp.int32), (jnp.int8, jnp.uint8),
+                                               (jnp.uint32, jnp.uint32)])
+def test_segment_id_dtypes_compare_as_the_reference_does(qs_dtype, ks_dtype):
+    """Segment ids of two dtypes are equal where the reference's comparison (in their
+    promoted dtype) says so, on the public op and on the Pallas module's own entry point."""
+    from jaxfuse.pallas import attention as pallas_attention
+    q = randn(keys(72, 1)[0], (1, 6, 2, 8))
+    qs = jnp.array([[2 ** 31 + 1, 2 ** 31 + 1, 1, 1, 3, 3]], jnp.uint32).astype(qs_dtype)
+    ks = jnp.array([[2 ** 31 + 1, 1, 1, 3, 3, 5]], jnp.uint32).astype(ks_dtype)
+    want = jaxfuse.flash_attention(q, q, q, q_segment_ids=qs, kv_segment_ids=ks,
+                                   return_lse=True, impl="reference")
+    for got in (jaxfuse.flash_attention(q, q, q, q_segment_ids=qs, kv_segment_ids=ks,
+                                        return_lse=True),
+                pallas_attention.flash_attention(q, q, q, q_segment_ids=qs, kv_segment_ids=ks,
+                                                 return_lse=True)):
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-6)
+        np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
+
+
 class TestArgumentTypes:
     """Class 9 (s33's randomized run): a list where an array belongs, another op's tiles, or a
     tile size that is not a positive int raised AttributeError, TypeError or Pallas's own
@@ -680,13 +699,13 @@ class TestArgumentTypes:
 
     def test_another_ops_tiles(self):
         x, q = jnp.ones((4, 8)), jnp.ones((1, 4, 1, 8))
-        with pytest.raises(ValueError, match="block_sizes is a AttnBlocks: this op takes a "
+        with pytest.raises(ValueError, match="block_sizes of type AttnBlocks: this op takes a "
                                              "jaxfuse.RowBlocks"):
             jaxfuse.softmax(x, block_sizes=jaxfuse.AttnBlocks())
-        with pytest.raises(ValueError, match="block_sizes is a RowBlocks: this op takes a "
+        with pytest.raises(ValueError, match="block_sizes of type RowBlocks: this op takes a "
                                              "jaxfuse.AttnBlocks"):
             jaxfuse.flash_attention(q, q, q, block_sizes=jaxfuse.RowBlocks(8, 8))
-        with pytest.raises(ValueError, match="block_sizes is a tuple: this op takes a "
+        with pytest.raises(ValueError, match="block_sizes of type tuple: this op takes a "
                                              "jaxfuse.LCEBlocks"):
             jaxfuse.linear_cross_entropy(x, x.T, jnp.zeros(4, jnp.int32), block_sizes=(8, 8))
 

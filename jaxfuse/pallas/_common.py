@@ -29,6 +29,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxfuse import _checks
 from jaxfuse.reference._masks import keep_mask  # noqa: F401  (re-exported for kernels)
 
 __all__ = [
@@ -55,9 +56,10 @@ def prev_pow2(n: int) -> int:
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
-    """`None` means: interpret on a CPU backend, compile otherwise. `JAXFUSE_INTERPRET=1|0` overrides."""
+    """`None` means: interpret on a CPU backend, compile otherwise (`JAXFUSE_INTERPRET=1|0`
+    overrides). Anything but None or a bool (a string is truthy) is a ValueError naming it."""
     if interpret is not None:
-        return bool(interpret)
+        return _checks.check_bool("interpret", interpret)
     env = os.environ.get("JAXFUSE_INTERPRET")
     if env is not None and env != "":
         if env not in ("0", "1"):

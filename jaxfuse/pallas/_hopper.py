@@ -1,9 +1,10 @@
 """Pieces of jaxfuse's Hopper (sm90) kernels in Pallas Mosaic GPU that every one of them uses:
 whether the GPU is one (`available`), the shared-memory layout TMA and wgmma want
-(`_tma_transforms`), compiler parameters (with Mosaic GPU's on-device trace, `traced`), the
-kernel wrapper (`kernel`, compiled or interpreted), the launch orders of persistent and
-CTA-a-tile grids (`cta_share`, `heavy_first`, `list_schedule` and its table, `constant`), and
-buffers and refs (`uninitialized`, `discharged`).
+(`_tma_transforms`) and the depth of a ring in it (`ring_depth`), compiler parameters (with
+Mosaic GPU's on-device trace, `traced`), the kernel wrapper (`kernel`, compiled or
+interpreted), the launch orders of persistent and CTA-a-tile grids (`cta_share`,
+`heavy_first`, `list_schedule` and its table, `constant`), and buffers and refs
+(`uninitialized`, `discharged`).
 
 The package of Hopper pieces: this module; `_hopper_gemm` (the warp-specialized GEMM with an
 epilogue per tile: the linear + cross-entropy's kernels); `_hopper_ring` (the K/V TMA ring and
@@ -14,10 +15,9 @@ products); the ops' kernels in `attention_hopper*.py`, `linear_cross_entropy.py`
 from __future__ import annotations
 
 import contextlib
-import heapq
-from collections.abc import Callable
-
 import dataclasses
+import heapq
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -43,22 +43,45 @@ def tiles_repr(tiles) -> str:
     return f"{type(tiles).__name__}({', '.join(changed)})"
 
 
-def ring_depth(owner: str, stages: int | None, fixed: int, stage: int, budget: int,
-               hint: str, cap: int = 4) -> int:
-    """The depth of a kernel's shared-memory ring: `stages` slots of `stage` bytes beside
-    `fixed` bytes within `budget`; None: as many as fit, at most `cap`. Raises a ValueError
-    naming `owner` (the tiles that asked) and `hint` (what else fits) where none fits or more
-    were asked than fit: past the 227 KiB, Mosaic GPU's lowering would refuse the kernel."""
-    fit = (budget - fixed) // stage
-    if stages is None and fit >= 1:
-        return min(fit, cap)
-    if stages is not None and stages <= fit:
-        return stages
-    asked = "one slot" if stages is None else f"stages={stages}"
+def ring_depth(tiles, where: str, layout: Callable, budget: int, fixes: Sequence[dict] = (),
+               cap: int = 4, why: str = "") -> int:
+    """The depth of a kernel's shared-memory ring for `tiles` (a frozen dataclass with a
+    `stages` field): `layout(tiles)` gives (bytes of the other buffers, bytes a slot, the
+    fewest slots the kernel runs with); `tiles.stages` slots, or None: as many as fit in
+    `budget`, at most `cap`. Where they do not fit (Mosaic GPU's lowering would refuse the
+    kernel past the 227 KiB), a ValueError names the tiles `where` they ran and which of
+    `fixes` (field replacements, e.g. dict(block_k=64)) would make them fit. `why`: why the
+    kernel needs its fewest slots, where that is more than one."""
+    def depth(t):
+        fixed, stage, least = layout(t)
+        fit = (budget - fixed) // stage
+        want = least if t.stages is None else t.stages
+        return fit, want >= least and fit >= want, fixed, stage, least
+
+    fit, ok, fixed, stage, least = depth(tiles)
+    if ok:
+        return min(fit, cap) if tiles.stages is None else tiles.stages
+    helps = [f for f in fixes if depth(dataclasses.replace(tiles, **f))[1]]
+    every = {k: v for f in fixes for k, v in f.items()}
+    said = lambda f: ", ".join(f"{k}={v!r}" for k, v in f.items())
+    if helps:
+        hint = "pass " + " or ".join(map(said, helps))
+    elif len(fixes) > 1 and depth(dataclasses.replace(tiles, **every))[1]:
+        hint = "pass " + " and ".join(map(said, fixes)) + " together"
+    else:
+        hint = "leave the tiles at their defaults"
+    if tiles.stages is not None and tiles.stages < least:
+        raise ValueError(f"{tiles_repr(tiles)} {where}: stages={tiles.stages} is fewer than "
+                         f"the {least} slots the kernel needs ({why}); {hint}")
+    asked = (f"stages={tiles.stages}" if tiles.stages is not None
+             else "one slot" if least == 1 else f"{least} slots")
+    asked += f" of {stage} bytes" + (f" ({why})" if least > 1 else "")
     fit = max(fit, 0)
-    raise ValueError(f"{owner}: {asked} of {stage} bytes beside {fixed} bytes of other buffers "
-                     f"does not fit the {budget} bytes of shared memory a CTA has "
-                     f"({fit} slot{'' if fit == 1 else 's'} would); {hint}")
+    fits = f"{fit} slot{' fits' if fit == 1 else 's fit'}"
+    raise ValueError(
+        f"{tiles_repr(tiles)} {where}: {asked} beside {fixed} bytes of other buffers: {fits} "
+        f"the {budget} bytes of shared memory the tiles plan with (of the 227 KiB a CTA has, "
+        f"less room for barriers); {hint}")
 
 
 def check_forced(what: str) -> None:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxfuse import _checks, _philox
+from jaxfuse import _auto_axes, _checks, _philox
 from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import attention_bwd, attention_hopper, attention_hopper_bwd
@@ -225,16 +225,32 @@ def segment_ids_int32(q_segment_ids, kv_segment_ids):
     reference compares them, in their promoted dtype). A plain cast where it keeps every value
     (ids of at most 32 bits that fit int32) or maps one dtype one-to-one (uint32 on both
     sides); otherwise, e.g. int64 ids that differ by a multiple of 2^32, which a cast would make
-    equal, each row's ids become their ranks among the row's q and kv ids (one sort a row)."""
+    equal, each row's ids become their ranks among the row's distinct q and kv ids. On a mesh
+    with Explicit axes that whole-row sort runs on Auto axes (`jaxfuse._auto_axes`), where XLA
+    may gather a row split over the sequence."""
     qs, ks = q_segment_ids, kv_segment_ids
     if (_checks.fits_int32(qs.dtype) and _checks.fits_int32(ks.dtype)) or (
             qs.dtype == ks.dtype and qs.dtype.itemsize == 4):
         return qs.astype(jnp.int32), ks.astype(jnp.int32)
+    found = _auto_axes.explicit_mesh((qs, ks))
+    if found is None:
+        return _dense_ranks(qs, ks)
+    with found[1]():
+        specs = tuple(jax.typeof(x).sharding.spec for x in (qs, ks))
+        return _auto_axes.call(_dense_ranks, specs, qs, ks)
+
+
+def _dense_ranks(qs, ks):
+    """(qs, ks) [..., Tq], [..., Tk] as int32 ranks of their values among each row's distinct
+    ids: one stable sort of the row, a running count of new values, the inverse permutation."""
     common = jax.dtypes.canonicalize_dtype(jnp.promote_types(qs.dtype, ks.dtype))
-    both = jnp.concatenate([qs.astype(common), ks.astype(common)], axis=-1)     # [B, Tq + Tk]
-    flat = both.reshape(-1, both.shape[-1])
-    rank = jax.vmap(lambda row: jnp.searchsorted(jnp.sort(row), row))(flat)
-    rank = rank.astype(jnp.int32).reshape(both.shape)
+    both = jnp.concatenate([qs.astype(common), ks.astype(common)], axis=-1)   # [..., Tq + Tk]
+    order = jnp.argsort(both, axis=-1, stable=True)
+    ranked = jnp.take_along_axis(both, order, axis=-1)
+    new = jnp.concatenate([jnp.zeros_like(ranked[..., :1], dtype=jnp.int32),
+                           (ranked[..., 1:] != ranked[..., :-1]).astype(jnp.int32)], axis=-1)
+    dense = jnp.cumsum(new, axis=-1)                   # rank of each sorted position
+    rank = jnp.take_along_axis(dense, jnp.argsort(order, axis=-1), axis=-1)
     return rank[..., :qs.shape[-1]], rank[..., qs.shape[-1]:]
 
 

@@ -125,8 +125,8 @@ class HopperAttnTiles:
     tile's K and V while the consumers finish the last one, each consumer loads its next Q as
     soon as its last S is formed, and O leaves through a buffer of its own; None: where keys
     are at most `_PERSISTENT_KEYS` (measured faster there, slower beyond: module docstring)
-    and the O buffer fits beside two ring slots (not at head_dim 256, nor with three
-    consumers at 128)."""
+    and the O buffer fits beside two ring slots, or the `stages` asked for (not at head_dim
+    256, nor with three consumers or 256-key tiles at 128)."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
@@ -144,12 +144,17 @@ class HopperAttnTiles:
         # 128 a CTA a tile without masks at T = 4224 (H200, s28), the gain persistence gives
         # 128 (s16), which 192's two slots leave no room for: not taken (benchmarks/NOTES.md
         # s28). 256 needs room in registers (`check_head_dim`).
-        if self.stages is not None and not (_checks.is_int(self.stages) and self.stages >= 1):
-            raise ValueError(f"HopperAttnTiles.stages={self.stages!r} must be a positive int "
-                             f"(K/V ring slots), or None for as many as fit")
         if self.block_k not in (64, 128, 256):
             raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128 or 256 "
                              f"(keys a step; 128 is the default, 64 at head_dim 256)")
+        if self.stages is not None and not (_checks.is_int(self.stages) and self.stages >= 1):
+            raise ValueError(f"HopperAttnTiles.stages={self.stages!r} must be a positive int "
+                             f"(K/V ring slots), or None for as many as fit")
+        from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles  # it imports this module
+        if not isinstance(self.backward, (bool, HopperBwdTiles)):
+            raise ValueError(f"HopperAttnTiles.backward={self.backward!r} must be True (the "
+                             f"Hopper backward with its default tiles), False (the portable "
+                             f"backward) or a HopperBwdTiles")
 
     @classmethod
     def for_head_dim(cls, d: int) -> "HopperAttnTiles":
@@ -198,43 +203,33 @@ class HopperAttnTiles:
         if spec.n_k > _PERSISTENT_KEYS or spec.interpret:
             return False
         # Where O's own buffer leaves room for two ring slots (or the slots asked for): not
-        # at head_dim 256, nor with three consumers at 128.
+        # at head_dim 256, nor with three consumers or 256-key tiles at 128.
         fixed, stage = self._buffers(spec.head_dim, spec.itemsize, True, spec.segments)
-        return fixed + max(2, self.stages or 2) * stage <= _SMEM_BYTES
+        return fixed + (self.stages or 2) * stage <= _SMEM_BYTES
 
     def _buffers(self, d: int, itemsize: int, persistent: bool, segments: bool):
         """(bytes of the forward's fixed buffers, bytes of one K/V ring slot)."""
         # Q tiles, reused for O on the way out; a persistent CTA's O has a buffer of its own
         # (the next Q lands while O leaves). Segment ids: the rows' and the slots' buffers,
-        # 1 KiB each as Mosaic GPU aligns them.
+        # 1 KiB or 2 as Mosaic GPU aligns them (the slots' 2 KiB under the 7 KiB margin).
         fixed = self.n_consumers(d) * _ROWS * d * itemsize * (2 if persistent else 1)
         return fixed + (2 * 1024 if segments else 0), 2 * self.block_k * d * itemsize
 
     def stages_for(self, d: int, itemsize: int, persistent: bool = False,
                    segments: bool = False) -> int:
-        """The K/V ring's depth (`stages`, or as many slots as fit, at most 4); a ValueError
-        where the slots asked for, or one, do not fit."""
-        fixed, stage = self._buffers(d, itemsize, persistent, segments)
-        owner = (f"{H.tiles_repr(self)} at head_dim {d} ({self.n_consumers(d)} consumers"
+        """The K/V ring's depth (`stages`, or as many slots as fit, at most 4; the overlap
+        needs two); a ValueError naming what would fit where these tiles' do not."""
+        def layout(t):
+            held = persistent if t.persistent is None else t.persistent
+            return t._buffers(d, itemsize, held, segments) + (2 if t.overlap else 1,)
+        fixes = ([dict(stages=None)] * (self.stages is not None)
+                 + [dict(block_k=64)] * (self.block_k > 64)
+                 + [dict(consumers=2)] * (self.n_consumers(d) > 2)
+                 + [dict(persistent=False)] * persistent + [dict(overlap=False)] * self.overlap)
+        where = (f"at head_dim {d} ({self.n_consumers(d)} consumers"
                  f"{', persistent' if persistent else ''})")
-        stages = H.ring_depth(owner, self.stages, fixed, stage, _SMEM_BYTES,
-                              self._hint(d, persistent))
-        if self.overlap and stages < 2:
-            raise ValueError(
-                f"HopperAttnTiles(overlap=True, stages={stages}) at head_dim {d}: the overlap "
-                f"holds each V tile a step longer and needs a ring of 2 slots or more"
-                + ("; pass stages=None or >= 2, or overlap=False" if self.stages is not None
-                   else f", and only 1 fits beside the {fixed} bytes of Q (and O) tiles of "
-                        f"{owner}; {self._hint(d, persistent)}, or overlap=False"))
-        return stages
-
-    def _hint(self, d: int, persistent: bool) -> str:
-        """What would leave the ring more shared memory, of what these tiles ask for."""
-        fixes = (["stages=None"] if self.stages is not None else []) + (
-            ["block_k=64"] if self.block_k > 64 else []) + (
-            ["consumers=2"] if self.n_consumers(d) > 2 else []) + (
-            ["persistent=False"] if persistent else [])
-        return "pass " + " or ".join(fixes) if fixes else "leave the tiles at their defaults"
+        return H.ring_depth(self, where, layout, _SMEM_BYTES, fixes,
+                            why="the overlap holds each V tile a step longer")
 
 
 def fits(dtype, spec: AttnSpec, tiles: HopperAttnTiles) -> bool:
@@ -259,7 +254,7 @@ def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
     if fits(dtype, spec, tiles):
         # The rings' depths, checked now rather than when the kernels are traced.
         tiles.stages_for(spec.head_dim, spec.itemsize, tiles.persists(spec), spec.segments)
-        if not isinstance(tiles.backward, bool):
+        if not isinstance(tiles.backward, bool):       # HopperBwdTiles (`__post_init__`)
             tiles.backward.check(spec)
         return tiles
     if hopper is not None:

@@ -359,6 +359,26 @@ class HopperBwdTiles:
             # dQ += dS K has the step's query rows as its M, whole wgmma tiles of 64.
             raise ValueError(f"{H.tiles_repr(self)} at head_dim {d}: the fused dQ takes "
                              f"block_q 64 or 128, not {bq}; pass block_q=None or fused_dq=False")
+        layout = lambda t: t._dkv_layout(d, itemsize, fused_dq and t.fused_dq is not False,
+                                         segments)
+        fixes = ([dict(stages=None)] * (self.stages is not None)
+                 + [dict(block_q=v) for v in (64, 32) if v < bq and not (fused_dq and v % 64)]
+                 + [dict(fused_dq=False)] * fused_dq)
+        kernel = "the dK/dV kernel" + (" with the fused dQ" if fused_dq else "")
+        fit = H.ring_depth(self, f"in {kernel} at head_dim {d}", layout, AH._SMEM_BYTES, fixes)
+        if self.stages is None and (d <= 64 or self.split_d(d)) and not fused_dq:
+            # Measured (H200, profiler, benchmarks/attention_d64_tiles.py): 2 stages instead of
+            # the 4 that fit take the kernel from 2.385 to 2.262 ms at the 1B model's attention
+            # (B2 T8192 H32/8 causal) and 0.342 to 0.331 at the 157M's; the dQ kernel is
+            # slower with 2 (1.61 -> 1.90 ms), so only this one drops them. D = 256 (s18-3,
+            # fwd+bwd interleaved, B2 H16 T4096): 3.424 ms against 3.662 with 4 causal, 6.428
+            # against 6.511 without masks.
+            return min(2, fit)
+        return fit
+
+    def _dkv_layout(self, d: int, itemsize: int, fused_dq: bool, segments: bool):
+        """(bytes of the dK/dV kernel's fixed buffers, bytes a ring slot, 1 slot at least)."""
+        bq = self.bq(d)
         fixed = 2 * self.key_rows(d, fused_dq) * d * itemsize   # K, V
         if self.exchanges(d):
             fixed += 2 * _ROWS * bq * itemsize         # P^T, dS^T [64 keys, bq]
@@ -370,18 +390,7 @@ class HopperBwdTiles:
         stage = 2 * bq * d * itemsize + 2 * bq * 4
         if segments:       # each step's query ids; the consumers' keys' ids once
             stage, fixed = stage + bq * 4, fixed + 1024
-        fit = self._fit(f"dK/dV kernel{' with the fused dQ' if fused_dq else ''}", d, fixed,
-                        stage, ["block_q=None"] * (self.block_q is not None)
-                        + ["fused_dq=False"] * fused_dq)
-        if self.stages is None and (d <= 64 or self.split_d(d)) and not fused_dq:
-            # Measured (H200, profiler, benchmarks/attention_d64_tiles.py): 2 stages instead of
-            # the 4 that fit take the kernel from 2.385 to 2.262 ms at the 1B model's attention
-            # (B2 T8192 H32/8 causal) and 0.342 to 0.331 at the 157M's; the dQ kernel is
-            # slower with 2 (1.61 -> 1.90 ms), so only this one drops them. D = 256 (s18-3,
-            # fwd+bwd interleaved, B2 H16 T4096): 3.424 ms against 3.662 with 4 causal, 6.428
-            # against 6.511 without masks.
-            return min(2, fit)
-        return fit
+        return fixed, stage, 1
 
     def dq_stages(self, d: int, itemsize: int, clean: bool = False,
                   segments: bool = False) -> int:
@@ -390,30 +399,26 @@ class HopperBwdTiles:
         and dP), so with two slots the next tile's copy waits for the end of a step and its
         landing for the start of the next: where a third slot fits closer to the 227 KiB
         (D = 256 with the overlap forced: Q and dO take 128 KiB, a slot 32 KiB), it gets
-        one. Without the overlap two slots measured faster than three at D = 256 (module
-        docstring, "Overlap"). With segment ids the rows' and the slots' ids take two more
-        buffers, 1 KiB each as Mosaic GPU aligns them: at D = 256 the third slot then does
-        not fit."""
-        # Q, dO, and lse, delta (512 bytes each, 1 KiB as Mosaic GPU aligns every buffer).
-        fixed = 2 * 2 * _ROWS * d * itemsize + 2 * 1024
-        if segments:
-            fixed += 2 * 1024
-        stage = 2 * self.k_dq(d) * d * itemsize
-        fit = self._fit("dQ kernel", d, fixed, stage,
-                        ["block_k_dq=None"] * (self.block_k_dq is not None))
+        one, and `stages=3` is taken there too. Without the overlap two slots measured faster
+        than three at D = 256 (module docstring, "Overlap"). With segment ids the rows' and
+        the slots' ids take two more buffers (1 KiB or 2, as Mosaic GPU aligns every buffer):
+        at D = 256 the third slot then does not fit."""
+        def layout(t):
+            # Q, dO, and lse, delta (512 bytes each, 1 KiB as Mosaic GPU aligns them).
+            fixed = 2 * 2 * _ROWS * d * itemsize + 2 * 1024 + (2 * 1024 if segments else 0)
+            return fixed, 2 * t.k_dq(d) * d * itemsize, 1
         # The cleaning's count is a warpgroup reduction: Mosaic GPU keeps scratch for it.
         tight = _SMEM_TIGHT - (plgpu.CompilerParams().reduction_scratch_bytes if clean else 0)
-        if (self.stages is None and self.dq_overlap(d) and fit == 2
-                and fixed + 3 * stage <= tight):
+        fixes = ([dict(stages=None)] * (self.stages is not None)
+                 + [dict(block_k_dq=v) for v in (64, 32) if v < self.k_dq(d)])
+        where = f"in the dQ kernel at head_dim {d}"
+        if self.stages is not None:         # as many as the 227 KiB take (the tight third)
+            return H.ring_depth(self, where, layout, tight, fixes)
+        fit = H.ring_depth(self, where, layout, AH._SMEM_BYTES, fixes)
+        fixed, stage, _ = layout(self)
+        if self.dq_overlap(d) and fit == 2 and fixed + 3 * stage <= tight:
             return 3
         return fit
-
-    def _fit(self, kernel: str, d: int, fixed: int, stage: int, fixes: list) -> int:
-        fixes = ["stages=None"] * (self.stages is not None) + fixes
-        return H.ring_depth(f"{H.tiles_repr(self)}, {kernel} at head_dim {d}", self.stages,
-                            fixed, stage, AH._SMEM_BYTES,
-                            "pass " + " or ".join(fixes) if fixes
-                            else "leave the tiles at their defaults")
 
 
 def fits(dtype, spec: AttnSpec, tiles: HopperBwdTiles = HopperBwdTiles()) -> bool:

@@ -241,6 +241,32 @@ def test_flash_gqa_segments_queries_split():
     assert gathered_shapes(hlo) == []   # queries split, K/V whole: dK, dV are psum-reduced
 
 
+@pytest.mark.parametrize("explicit", [False, True])
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_flash_int64_segments_split(explicit, impl):
+    """int64 segment ids (x64) that an int32 cast would merge (2^32 apart) become per-row
+    ranks on the global rows, here split over batch and sequence: on an Explicit mesh that
+    sort runs on Auto axes (it was a ShardingTypeError: "Arguments to sort must be unsharded
+    over the sorting dimension")."""
+    mesh = (jax.make_mesh((2, 2, 2), ("data", "tensor", "seq"),
+                          axis_types=(AxisType.Explicit,) * 3) if explicit else AUTO)
+    with jax.enable_x64(True):
+        q, k, v = _qkv(16, b=2, tq=16, tk=16, hkv=2, g=2)
+        seg = jnp.repeat(jnp.array([[0, 1, 2, 3], [5, 5, 6, 6]]), 4, axis=1)
+        kv_seg = seg + (seg % 2) * 2 ** 32          # odd documents' keys in another segment
+        f = lambda q, k, v, sq, sk: jaxfuse.flash_attention(
+            q, k, v, causal=True, q_segment_ids=sq, kv_segment_ids=sk, return_lse=True,
+            impl=impl)
+        specs = [P("data", "seq", "tensor")] * 3 + [P("data", "seq")] * 2
+        one, many, _ = run_both(f, (q, k, v, seg, kv_seg), specs, diff=(0, 1, 2), mesh=mesh)
+        want = jaxfuse.flash_attention(q, k, v, causal=True, q_segment_ids=seg,
+                                       kv_segment_ids=kv_seg, return_lse=True, impl="reference")
+    assert_same(one, many)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, one[0]),
+                                jax.tree.map(np.asarray, want), **TOL)
+    assert np.isneginf(np.asarray(one[0][1])[0, :, 4:8]).all()   # document 1 sees no key
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_attention_gqa_segments(causal):
     """Sequence split (context parallel): ring attention, forward and backward, with K/V

@@ -36,7 +36,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxfuse import _auto_axes
 
 Dims = tuple  # one entry per dimension: a factor name, or a tuple of names (major first)
-Plan = dict   # factor name -> tuple of mesh axis names it is sharded over (absent: whole)
+Plan = dict   # factor name -> tuple of mesh axis names it is sharded over (absent: whole),
+              # and MESH_ORDER -> the mesh's axis names in its own order
+# The plan's entry of the mesh's axis order, for collectives that number a group of several
+# axes in that order whatever order a spec lists them in (`ring._ppermute`); no factor's name.
+MESH_ORDER = "mesh order"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +85,7 @@ def make_plan(layout: Layout, specs: Sequence[P], shapes: Sequence[tuple[int, ..
         for d, n in zip(dims, shape):
             if isinstance(d, str):
                 sizes.setdefault(d, n)
-    plan: Plan = {}
+    plan: Plan = {MESH_ORDER: tuple(axis_sizes)}
     used: set[str] = set()
     for dims, spec in zip(layout.operands, specs):
         for j, d in enumerate(dims):

@@ -29,7 +29,7 @@ from jaxfuse.reference import attention as _r_attn
 from jaxfuse.reference import decode_attention as _r_dec
 from jaxfuse.reference.attention import merge_many
 from jaxfuse.sharding import ring
-from jaxfuse.sharding._core import Layout, partitioned, vjp_op
+from jaxfuse.sharding._core import MESH_ORDER, Layout, partitioned, vjp_op
 from jaxfuse.sharding.blocks import shard_key
 
 def _heads(hkv: int, groups: int):
@@ -66,10 +66,10 @@ def _shard_key(key, plan, q):
 def _ring_plans(cfg, plan, q, k):
     """The (unmasked, causal) kernel settings of one ring block pair: chunks of T / 2 with the
     causal zigzag layout, else T."""
-    axes = plan["t"]
+    axes = ring.RingAxes(plan["t"], plan[MESH_ORDER])
     c = 2 if cfg["kw"]["causal"] else 1
     if q.shape[1] % c:
-        n = jax.lax.axis_size(axes)
+        n = jax.lax.axis_size(axes.names)
         raise ValueError(f"causal ring attention needs the sequence length {q.shape[1] * n} "
                          f"to be a multiple of 2 x {n} devices (it splits it into 2 x {n} "
                          "chunks to balance the causal work)")

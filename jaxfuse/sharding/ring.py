@@ -19,6 +19,8 @@ are back with their owner. dQ stays put. Deterministic: fixed order of additions
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -37,7 +39,37 @@ def _halves_table(n: int):
             for h in range(2 * n)]
 
 
-def _move(x, axis: int, axes, table):
+class RingAxes(NamedTuple):
+    """The mesh axes a ring runs over (`names`, in the order the data is split over them) and
+    the mesh's own axis order (`mesh_order`, `_core.MESH_ORDER`)."""
+    names: tuple
+    mesh_order: tuple
+
+
+def _ppermute(x, axes: RingAxes, perm):
+    """`jax.lax.ppermute` with `perm` numbered as `axis_index(axes.names)` numbers the devices,
+    and as the data split over them lies: over a tuple of axes that is the tuple's own order,
+    while ppermute numbers a group of several axes in the mesh's order (it sorts the group's
+    devices). So the pairs are renumbered where the tuple lists the axes otherwise (a sequence
+    split `P(None, ("seq", "tensor"))` on a ("tensor", "seq") mesh moved the wrong chunks)."""
+    names = axes.names
+    in_mesh = sorted(names, key=axes.mesh_order.index)
+    if list(names) != in_mesh:
+        sizes = {a: jax.lax.axis_size(a) for a in names}
+
+        def renumber(i):
+            coord = {}
+            for a in reversed(names):                   # the tuple's order: last axis fastest
+                i, coord[a] = divmod(i, sizes[a])
+            j = 0
+            for a in in_mesh:
+                j = j * sizes[a] + coord[a]
+            return j
+        perm = [(renumber(s), renumber(d)) for s, d in perm]
+    return jax.lax.ppermute(x, names, perm)
+
+
+def _move(x, axis: int, axes: RingAxes, table):
     """Moves the two halves of x along `axis` between devices as `table` says."""
     parts = jnp.split(x, 2, axis=axis)
     out = [jnp.zeros_like(parts[0]), jnp.zeros_like(parts[0])]
@@ -45,7 +77,7 @@ def _move(x, axis: int, axes, table):
         for dst_pos in (0, 1):
             perm = [(s, d) for s, sp, d, dp in table if sp == src_pos and dp == dst_pos]
             if perm:
-                out[dst_pos] = out[dst_pos] + jax.lax.ppermute(parts[src_pos], axes, perm)
+                out[dst_pos] = out[dst_pos] + _ppermute(parts[src_pos], axes, perm)
     return jnp.concatenate(out, axis=axis)
 
 
@@ -72,9 +104,9 @@ class _Ring:
 
     def __init__(self, axes, causal: bool, plans):
         self.axes, self.causal, self.plans = axes, causal, plans   # plans: (full, diag) specs
-        self.n = jax.lax.axis_size(axes)
+        self.n = jax.lax.axis_size(axes.names)
         self.c = 2 if causal else 1
-        self.me = jax.lax.axis_index(axes)
+        self.me = jax.lax.axis_index(axes.names)
 
     def index(self, device, slot):
         """Global chunk index of `slot` on `device` (zigzag halves when causal)."""
@@ -83,7 +115,7 @@ class _Ring:
 
     def shift(self, tree):
         perm = [(d, (d + 1) % self.n) for d in range(self.n)]
-        return jax.tree.map(lambda x: jax.lax.ppermute(x, self.axes, perm), tree)
+        return jax.tree.map(lambda x: _ppermute(x, self.axes, perm), tree)
 
 
 def forward(axes, causal, plans, q, k, v, qs, ks):

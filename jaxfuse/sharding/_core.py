@@ -47,11 +47,14 @@ MESH_ORDER = "mesh order"
 class Layout:
     """Factor names of every operand and result dimension, the factors the op can split and
     the sizes of factors that only appear inside a compound dimension (GQA's query heads are
-    `(n, g)`: KV head n major, group member g minor; only n may be split)."""
+    `(n, g)`: KV head n major, group member g minor; only n may be split), and the factors
+    whose every shard must hold a multiple of some count (`multiples`: the causal ring's two
+    halves a device), which stay whole where it would not."""
     operands: tuple[Dims, ...]
     results: tuple[Dims, ...]
     splittable: tuple[str, ...]
     sizes: tuple[tuple[str, int], ...] = ()
+    multiples: tuple[tuple[str, int], ...] = ()
 
     def sdy_rule(self) -> SdyShardingRule:
         def mapping(dims):
@@ -79,12 +82,14 @@ def make_plan(layout: Layout, specs: Sequence[P], shapes: Sequence[tuple[int, ..
               axis_sizes: dict[str, int]) -> Plan:
     """Which mesh axes each factor is split over, read off the operands' partition specs: the
     first operand that shards a splittable factor decides, a mesh axis serves one factor only,
-    and a factor is split only if its size divides evenly (else it stays whole)."""
+    and a factor is split only if its size divides evenly, into shards of the layout's
+    `multiples` (else it stays whole)."""
     sizes = dict(layout.sizes)
     for dims, shape in zip(layout.operands, shapes):
         for d, n in zip(dims, shape):
             if isinstance(d, str):
                 sizes.setdefault(d, n)
+    multiples = dict(layout.multiples)
     plan: Plan = {MESH_ORDER: tuple(axis_sizes)}
     used: set[str] = set()
     for dims, spec in zip(layout.operands, specs):
@@ -92,7 +97,8 @@ def make_plan(layout: Layout, specs: Sequence[P], shapes: Sequence[tuple[int, ..
             factor = d if isinstance(d, str) else d[0]
             axes = _axes(spec[j] if j < len(spec) else None)
             if (not axes or factor in plan or factor not in layout.splittable
-                    or used & set(axes) or sizes[factor] % math.prod(axis_sizes[a] for a in axes)):
+                    or used & set(axes) or sizes[factor] % (
+                        math.prod(axis_sizes[a] for a in axes) * multiples.get(factor, 1))):
                 continue
             plan[factor] = axes
             used |= set(axes)

@@ -68,11 +68,7 @@ def _ring_plans(cfg, plan, q, k):
     causal zigzag layout, else T."""
     axes = ring.RingAxes(plan["t"], plan[MESH_ORDER])
     c = 2 if cfg["kw"]["causal"] else 1
-    if q.shape[1] % c:
-        n = jax.lax.axis_size(axes.names)
-        raise ValueError(f"causal ring attention needs the sequence length {q.shape[1] * n} "
-                         f"to be a multiple of 2 x {n} devices (it splits it into 2 x {n} "
-                         "chunks to balance the causal work)")
+    assert q.shape[1] % c == 0, "the plan splits a causal ring's sequence in even chunks"
     qc = (q.shape[0], q.shape[1] // c, *q.shape[2:])
     kc = (k.shape[0], k.shape[1] // c, *k.shape[2:])
     mk = lambda causal: _p_attn.plan(qc, kc, q.dtype, segments=cfg["segments"],
@@ -124,10 +120,14 @@ def _flash_op(hkv: int, groups: int, self_attention: bool, segments: bool, causa
     segs = (("b", "t"), ("b", kv[1])) if segments else ()
     segs += (("k",),) if dropout else ()                     # the key words: never split
     sizes = (("g", groups),) if isinstance(h, tuple) else ()
+    # The causal ring cuts each device's chunk in two halves (`ring`, zigzag): a sequence that
+    # does not give every device an even chunk stays whole (gathered), as other uneven splits.
+    multiples = (("t", 2),) if ring_ok and causal else ()
     # Outputs o and the natural lse, then lse_u: the backward's residual (`pallas.attention`).
-    fwd = Layout((q_dims, kv, kv, *segs), (q_dims, lse_dims, lse_dims), splittable, sizes)
+    fwd = Layout((q_dims, kv, kv, *segs), (q_dims, lse_dims, lse_dims), splittable, sizes,
+                 multiples)
     bwd = Layout((q_dims, kv, kv, *segs, q_dims, lse_dims, lse_dims, q_dims, lse_dims),
-                 (q_dims, kv, kv), splittable, sizes)
+                 (q_dims, kv, kv), splittable, sizes, multiples)
     return vjp_op(functools.partial(_flash_fwd, cfg), functools.partial(_flash_bwd, cfg), fwd,
                   bwd, n_out=2, diff=(True, True, True) + (False,) * len(segs), name="attention")
 

@@ -299,6 +299,19 @@ def test_ring_attention_over_axes_listed_out_of_mesh_order(explicit):
     assert gathered_shapes(hlo) == []
 
 
+@pytest.mark.parametrize("explicit", [False, True])
+def test_causal_ring_needs_even_chunks_else_the_sequence_stays_whole(explicit):
+    """T = 24 over 8 devices gives each 3 positions, which the causal ring cannot cut in two
+    halves: the sequence stays whole (gathered), as an uneven split does, and the result is
+    the one-device one (on an Auto mesh this was an INTERNAL error from XLA's partitioner)."""
+    mesh = jax.make_mesh((8,), ("seq",), axis_types=((AxisType.Explicit if explicit
+                                                       else AxisType.Auto),))
+    q, k, v = _qkv(18, b=2, tq=24, tk=24, hkv=2, g=1)
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True)
+    one, many, _ = run_both(f, (q, k, v), [P(None, "seq")] * 3, diff=(0, 1, 2), mesh=mesh)
+    assert_same(one, many)
+
+
 def test_ring_attention_causal_balanced_over_4():
     """Causal ring over 4 devices (zigzag halves: equal work per device), MQA."""
     mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)

@@ -133,10 +133,15 @@ def _project(s, w):
     found = _auto_axes.explicit_mesh((s, w))
     if found is None:
         return s @ w
-    lead = tuple(jax.typeof(s).sharding.spec) + (None,) * s.ndim
-    cols = tuple(jax.typeof(w).sharding.spec) + (None,) * 2
+    lead = (tuple(jax.typeof(s).sharding.spec) + (None,) * s.ndim)[:s.ndim - 1]
+    cols = (tuple(jax.typeof(w).sharding.spec) + (None,) * 2)[1]
+    # A mesh axis names one dimension of a result: where w's columns are split over an axis
+    # that already splits the rows, the rows keep it and the columns are whole.
+    taken = {a for e in lead for a in ((e,) if isinstance(e, str) else e or ())}
+    if set((cols,) if isinstance(cols, str) else cols or ()) & taken:
+        cols = None
     with found[1]():
-        return jnp.matmul(s, w, out_sharding=P(*lead[:s.ndim - 1], cols[1]))
+        return jnp.matmul(s, w, out_sharding=P(*lead, cols))
 
 
 def _project_input_grad(dout, w, like):

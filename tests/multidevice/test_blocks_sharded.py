@@ -105,7 +105,8 @@ EXPLICIT = jax.make_mesh((2, 2, 2), ("data", "tensor", "seq"), axis_types=(AxisT
 
 
 @pytest.mark.parametrize("case", ["norm weight split", "x split over d", "gate and up apart",
-                                  "F split"])
+                                  "F split", "rows and columns on one axis",
+                                  "gate rows and columns on one axis"])
 def test_fused_projections_on_an_explicit_mesh(case):
     """Explicit mode types every value with its sharding: operands the kernels split otherwise
     are resharded before the op, the cotangents come back typed like the caller's arguments,
@@ -114,16 +115,23 @@ def test_fused_projections_on_an_explicit_mesh(case):
     x, res = randn(k[0], (4, 8, 32)), randn(k[1], (4, 8, 32))
     w, ps = randn(k[2], (32,)), (randn(k[3], (32, 16), scale=0.2),)
     g, u, w2 = randn(k[4], (4, 8, 16)), randn(k[5], (4, 8, 16)), randn(k[6], (16, 32), scale=0.2)
-    if case in ("norm weight split", "x split over d"):
+    # "... on one axis": the rows and the weight's columns split over "data" (a result cannot
+    # name one axis twice: it was a DuplicateSpecError; the rows keep it).
+    if case in ("norm weight split", "x split over d", "rows and columns on one axis"):
         f = lambda x, r, w, ps: jaxfuse.add_norm_linear(x, r, w, projections=ps)
         args = (x, res, w, ps)
-        specs = ([P("data", "seq"), P("data", "seq"), P("tensor"), P()]
-                 if case == "norm weight split" else
-                 [P("data", None, "tensor"), P("data"), P(), P(None, "tensor")])
+        specs = {"norm weight split": [P("data", "seq"), P("data", "seq"), P("tensor"), P()],
+                 "x split over d": [P("data", None, "tensor"), P("data"), P(),
+                                    P(None, "tensor")],
+                 "rows and columns on one axis": [P("data"), P("data"), P(),
+                                                  P(None, "data")]}[case]
     else:
         f, args = jaxfuse.swiglu_linear, (g, u, w2)
-        specs = ([P("data"), P(None, "seq"), P()] if case == "gate and up apart" else
-                 [P("data", None, "tensor"), P("data", None, "tensor"), P("tensor", None)])
+        specs = {"gate and up apart": [P("data"), P(None, "seq"), P()],
+                 "F split": [P("data", None, "tensor"), P("data", None, "tensor"),
+                             P("tensor", None)],
+                 "gate rows and columns on one axis": [P("data"), P("data"),
+                                                       P(None, "data")]}[case]
     one, many, _ = run_both(f, args, specs, diff=tuple(range(len(args))), mesh=EXPLICIT)
     assert_same(one, many)
     for grad, spec in zip(jax.tree.leaves(many[1]), specs):

@@ -218,7 +218,7 @@ class HopperAttnTiles:
     def stages_for(self, d: int, itemsize: int, persistent: bool = False,
                    segments: bool = False) -> int:
         """The K/V ring's depth (`stages`, or as many slots as fit, at most 4; the overlap
-        needs two); a ValueError naming what would fit where these tiles' do not."""
+        needs two); a ValueError naming what would fit where these tiles do not."""
         def layout(t):
             held = persistent if t.persistent is None else t.persistent
             return t._buffers(d, itemsize, held, segments) + (2 if t.overlap else 1,)

@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import parameterized
 
 import jaxfuse
@@ -442,6 +443,54 @@ class ModelInputsTest(chex.TestCase):
             M.decode_step(p, cache, jnp.array([[1], [2]]), CFG)
         _, cache = M.prefill(p, M.init_cache(CFG, 2, 5), tok[:, :4], jnp.array([4, 2]), CFG)
         M.decode_step(p, cache, jnp.array([1, 2]), CFG)        # the last position is free
+
+
+    def test_caches_and_lengths_that_do_not_fit_the_model(self):
+        """s33 audit: a cache of another config or batch, and prompt lengths of another type or
+        shape, were caught deep inside (broadcasting, a tuple index, dtype errors) or not at
+        all (a cache of more layers lost its extra ones)."""
+        p, tok = self.params, self.tokens
+        other = dataclasses.replace(CFG, n_layers=1)
+        mqa = dataclasses.replace(CFG, n_kv_heads=1)
+        cases = [
+            (lambda: M.prefill(p, M.init_cache(other, 2, 8), tok[:, :4], jnp.array([4, 2]), CFG),
+             r"the cache holds \(1, 1\) layers .* cfg has n_layers=2"),
+            (lambda: M.prefill(p, M.init_cache(mqa, 2, 8), tok[:, :4], jnp.array([4, 2]), CFG),
+             r"a cache layer has shape \(2, 8, 1, 8\) where cfg's is .* = \(2, 8, 2, 8\)"),
+            (lambda: M.prefill(p, M.init_cache(CFG, 2, 8), tok[:, :4], [4, 2], CFG),
+             r"prompt_lengths must be an array, got list"),
+            (lambda: M.prefill(p, M.init_cache(CFG, 2, 8), tok[:, :4], jnp.array([4.0, 2.0]),
+                               CFG), r"prompt_lengths.dtype=float32 must be an integer type"),
+            (lambda: M.prefill(p, M.init_cache(CFG, 2, 8), tok[:, :4], jnp.array([4, 2, 1]),
+                               CFG), r"prompt_lengths.shape=\(3,\) must be \(2,\)"),
+            (lambda: M.init_cache(CFG, 2, 8, dtype="foo"), r"dtype='foo' must be a float dtype"),
+            (lambda: M.decode_step(p, dict(M.init_cache(CFG, 2, 8), lengths=[1, 1]),
+                                   jnp.array([1, 2]), CFG),
+             r"cache\['lengths'\] must be an array, got list"),
+        ]
+        for call, message in cases:
+            with self.assertRaisesRegex(ValueError, message):
+                call()
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [("bfloat16", "float32"), ("float16", "bfloat16"),
+                                               ("float32", "bfloat16")])
+def test_a_cache_of_another_dtype_than_the_model(dtype, cache_dtype):
+    """`init_cache(dtype=)` sets the cache's own dtype: decoding a bf16 model on a float32
+    cache failed inside the block (its attention output came back float32 and met a bf16
+    residual); each step now equals `apply` at the same position, at the model's precision."""
+    cfg = dataclasses.replace(CFG, dtype=dtype)
+    params = M.init(jax.random.key(3), cfg)
+    tok = _batch(41)[0][:, :6]
+    _, cache = M.prefill(params, M.init_cache(cfg, 2, 8, dtype=cache_dtype), tok[:, :5],
+                         jnp.array([5, 5]), cfg)
+    logits, _ = M.decode_step(params, cache, tok[:, 5], cfg)
+    want = M.apply(params, tok, cfg)[:, 5]
+    assert logits.dtype == want.dtype
+    # bf16 logits of size ~2 are 0.016 apart (0.023 off with a bf16 cache too); a bf16
+    # cache costs the others ~0.005.
+    np.testing.assert_allclose(np.asarray(logits, np.float32), np.asarray(want, np.float32),
+                               atol=0.05 if dtype == "bfloat16" else 0.02, rtol=0)
 
 
 def test_decoding_steps_leave_row_ops_to_xla(monkeypatch):

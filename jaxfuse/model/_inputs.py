@@ -37,13 +37,24 @@ def head_mask(mask, cfg: Config) -> None:
                          f"({cfg.n_layers}, {cfg.n_heads}) (1 keeps a head, 0 ablates it)")
 
 
-def cache(c: dict, batch: int, width: int, *, after_lengths: bool) -> None:
-    """A cache of `batch` sequences with room for `width` positions: from 0 (prefill), or past
-    each sequence's `lengths` where they are known (a decoding step past the end would drop
-    its token's K/V and attend without it)."""
-    if not c["k"]:
-        return
+def cache(c: dict, cfg: Config, batch: int, width: int, *, after_lengths: bool) -> None:
+    """A cache of `cfg`'s layers and KV heads (`init_cache`) for `batch` sequences with room
+    for `width` positions: from 0 (prefill), or past each sequence's `lengths` where they are
+    known (a decoding step past the end would drop its token's K/V and attend without it)."""
+    layers = (len(c["k"]), len(c["v"]))
+    if layers != (cfg.n_layers,) * 2:
+        raise ValueError(f"the cache holds {layers} layers of keys and values and cfg has "
+                         f"n_layers={cfg.n_layers}: make it with init_cache(cfg, ...)")
     b, s = c["k"][0].shape[:2]
+    want = (b, s, cfg.n_kv_heads, cfg.head_dim)
+    bad = [tuple(x.shape) for x in c["k"] + c["v"] if tuple(x.shape) != want]
+    if bad:
+        raise ValueError(f"a cache layer has shape {bad[0]} where cfg's is [batch, positions, "
+                         f"n_kv_heads, head_dim] = {want}: make it with init_cache(cfg, ...)")
+    _checks.check_int("cache['lengths']", c["lengths"])
+    if tuple(c["lengths"].shape) != (b,):
+        raise ValueError(f"cache['lengths'].shape={tuple(c['lengths'].shape)} must be ({b},), "
+                         f"one length per sequence")
     if b != batch:
         raise ValueError(f"the cache holds {b} sequences (init_cache(cfg, batch={b}, ...)) and "
                          f"the call has {batch}: make the cache for this batch")
@@ -60,7 +71,13 @@ def new_cache(batch, max_len, dtype) -> None:
     for name, v in (("batch", batch), ("max_len", max_len)):
         if not (_checks.is_int(v) and v >= 1) and not (name == "max_len" and v is None):
             raise ValueError(f"{name}={v!r} must be a positive int")
-    if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+    if dtype is None:
+        return
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:                      # not a dtype at all ("foo")
+        floating = False
+    if not floating:
         raise ValueError(f"dtype={dtype!r} must be a float dtype (the keys' and values'; "
                          "default cfg.dtype)")
 

@@ -144,7 +144,11 @@ def prefill(params: dict, cache: dict, prompts: jax.Array, prompt_lengths: jax.A
     range under `jax.jit` (`check_prompt_lengths`)."""
     _inputs.tokens(prompts, cfg, "prompts")
     p = prompts.shape[1]
-    _inputs.cache(cache, prompts.shape[0], p, after_lengths=False)
+    _inputs.cache(cache, cfg, prompts.shape[0], p, after_lengths=False)
+    _checks.check_int("prompt_lengths", prompt_lengths)
+    if tuple(prompt_lengths.shape) != (prompts.shape[0],):
+        raise ValueError(f"prompt_lengths.shape={tuple(prompt_lengths.shape)} must be "
+                         f"({prompts.shape[0]},), one length per prompt")
     check_prompt_lengths(prompt_lengths, p)
     prompt_lengths = _checks.clip_int32(prompt_lengths, 1, p)
     y, (_, k_all, v_all) = T.hidden(params, prompts, cfg, impl=impl, collect_qkv=True)
@@ -167,7 +171,7 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
     donate_argnums=1)` updates the cache in place (greedy and beam search do it in their loop)."""
     _inputs.tokens(tokens, cfg, ndim=1)
     _inputs.head_mask(head_mask, cfg)
-    _inputs.cache(cache, tokens.shape[0], 1, after_lengths=True)
+    _inputs.cache(cache, cfg, tokens.shape[0], 1, after_lengths=True)
     p = decode_params(params, cfg)
     lengths = cache["lengths"]                              # [B], the same for every layer
     h = ops.embedding(tokens[:, None], p["embed"], impl=impl)                # [B, 1, D]
@@ -196,7 +200,9 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
             o, k_c, v_c = jaxfuse.decode_attention(        # parts: [P, B, Hkv (G + 2), hd]
                 parts, k_c, v_c, lengths, packed_qkv="grouped", partial_sums=True,
                 rope_base=cfg.rope_base, impl=impl, **norm)
-            h, delta = T.after_attention(blk, o[:, None], h, cfg, impl, head_mask=mask)
+            # o comes in the cache's dtype, which may differ from the model's (`init_cache`).
+            h, delta = T.after_attention(blk, o[:, None].astype(h.dtype), h, cfg, impl,
+                                         head_mask=mask)
         else:
             def attend(q, k, v, _key):
                 # q, k, v reach the kernel as one array: XLA writes it in one fusion with RoPE.
@@ -204,7 +210,7 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
                 qkv = jnp.concatenate([x[:, 0].astype(k_c.dtype) for x in (q, k, v)], axis=1)
                 o, k_c, v_c = jaxfuse.decode_attention(qkv, k_c, v_c, lengths,
                                                        packed_qkv=True, impl=impl)
-                return o[:, None]
+                return o[:, None].astype(q.dtype)           # from the cache's dtype
             h, delta, _ = T.block(blk, h, delta, lengths[:, None], cfg, attend, impl=impl,
                                   head_mask=mask)
         k_out.append(k_c)

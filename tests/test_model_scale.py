@@ -473,6 +473,17 @@ class ModelInputsTest(chex.TestCase):
                 call()
 
 
+def test_search_options_as_jax_scalars():
+    """A jax scalar option (length_penalty=jnp.float32(0.5)) is the number it holds: it was
+    "Non-hashable static arguments" from the jitted search (s33 audit)."""
+    params = M.init(jax.random.key(4), CFG)
+    tok = _batch(42)[0][:, :4]
+    run = lambda lp, k: M.beam_search(params, CFG, tok, jnp.array([4, 2]), beam_size=k,
+                                      max_new_tokens=3, eos_id=0, length_penalty=lp)
+    np.testing.assert_array_equal(np.asarray(run(jnp.float32(0.5), jnp.int32(2))[0]),
+                                  np.asarray(run(0.5, 2)[0]))
+
+
 @pytest.mark.parametrize("dtype,cache_dtype", [("bfloat16", "float32"), ("float16", "bfloat16"),
                                                ("float32", "bfloat16")])
 def test_a_cache_of_another_dtype_than_the_model(dtype, cache_dtype):

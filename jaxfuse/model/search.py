@@ -49,6 +49,8 @@ def _lengths_checked(search):
     clipped to [1, P]."""
     @functools.wraps(search)
     def call(params, cfg, prompts, prompt_lengths, **options):
+        # Static options as the Python numbers they hold (a jax scalar cannot be hashed).
+        options = {k: _checks.python_scalar(v) for k, v in options.items()}
         _inputs.search(prompt_lengths, cfg, options.get("max_new_tokens"),
                        options.get("eos_id"), options.get("beam_size", 1),
                        options.get("length_penalty", 0.0))

@@ -378,8 +378,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
     sched_gmem = refs.pop(0) if ctas is not None else None
     # Segment ids (int32 [B, Tq] and [B, Tk]): each consumer reads its rows' once per work
     # tile with its Q, the producer streams each key block's beside its V.
-    qs_gmem, ks_gmem = (refs.pop(0), refs.pop(0)) if spec.segments else (None, None)
-    o_gmem, lse_gmem = refs
+    (qs_gmem, ks_gmem), (o_gmem, lse_gmem) = A.split_refs(refs, spec, 2)
     bk, d, g = tiles.block_k, spec.head_dim, spec.groups
     nc = tiles.n_consumers(d)
     mma = _Mma(spec.interpret)

@@ -32,8 +32,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
     # qs [B, Tq] and ks [B, Tk] (int32) if spec.segments, (dq float32 [B, Tq, Hq, D] added
     # into; [2, ...] one per consumer in the interpreter) if fused_dq, then the outputs dk, dv
     # [B, Tk, Hkv, D].
-    refs = list(refs)
-    qs_gmem, ks_gmem = (refs.pop(0), refs.pop(0)) if spec.segments else (None, None)
+    (qs_gmem, ks_gmem), refs = A.split_refs(refs, spec, 2 + fused_dq)
     dq_gmem, (dk_gmem, dv_gmem) = (refs[0], refs[1:]) if fused_dq else (None, refs)
     d, g = spec.head_dim, spec.groups
     bq, nc, key_rows = tiles.bq(d), tiles.dkv_consumers(d, fused_dq), tiles.key_rows(d, fused_dq)

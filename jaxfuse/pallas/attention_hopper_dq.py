@@ -29,7 +29,7 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs,
     # launched in `_hopper.heavy_first` order. refs: the segment ids qs [B, Tq] and ks [B, Tk]
     # (int32) if spec.segments, then the output dq. As in the forward, each consumer copies
     # its rows' ids with its Q, the producer each key block's into a ring slot of their own.
-    qs_gmem, ks_gmem, dq_gmem = refs if spec.segments else (None, None) + tuple(refs)
+    (qs_gmem, ks_gmem), (dq_gmem,) = A.split_refs(refs, spec, 1)
     d, g = spec.head_dim, spec.groups
     dtype = q_gmem.dtype
     mma = _Mma(spec.interpret)

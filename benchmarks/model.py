@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fnmatch
 import functools
 import os
 import sys
@@ -78,14 +79,18 @@ def _plain_rope(x, positions, base):
     return out.reshape(x.shape).astype(x.dtype)
 
 
-def plain_loss(params, tokens, targets, cfg, attn_impl="cudnn"):
-    """The same model in plain JAX: XLA norms, RoPE, SwiGLU and loss; cuDNN attention."""
-    p = T.cast(params, cfg)
+def plain_loss(params, tokens, targets, cfg, attn_impl="cudnn", cast_in_loop=False):
+    """The same model in plain JAX: XLA norms, RoPE, SwiGLU and loss; cuDNN attention.
+    `cast_in_loop`: the layers' weights cast one layer at a time inside the scan, as jaxfuse's
+    model does since s34 (a diagnostic row: what the same change gives this model)."""
+    p = (T.cast_outer if cast_in_loop else T.cast)(params, cfg)
+    stack = params["blocks"] if cast_in_loop else p["blocks"]
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     x = p["embed"][tokens]
 
     def body(x, blk):
+        blk = T.cast(blk, cfg)           # a no-op unless cast_in_loop
         y = _plain_norm(x, blk["attn_norm"], cfg)
         q = _plain_rope((y @ blk["wq"]).reshape(b, t, cfg.n_heads, -1), pos, cfg.rope_base)
         k = _plain_rope((y @ blk["wk"]).reshape(b, t, cfg.n_kv_heads, -1), pos, cfg.rope_base)
@@ -107,10 +112,10 @@ def plain_loss(params, tokens, targets, cfg, attn_impl="cudnn"):
     if enabled:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     if cfg.scan_layers:
-        x, _ = jax.lax.scan(body, x, p["blocks"])
+        x, _ = jax.lax.scan(body, x, stack)
     else:
         for i in range(cfg.n_layers):
-            x, _ = body(x, jax.tree.map(lambda a: a[i], p["blocks"]))
+            x, _ = body(x, jax.tree.map(lambda a: a[i], stack))
     logits = _plain_norm(x, p["final_norm"], cfg) @ T.unembedding(p, cfg)
     valid = targets != -100
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
@@ -243,11 +248,16 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
                M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
+           # the model before s34: the stacked weights cast to bf16 before the layer loop
+           "jaxfuse, weights cast before the loop": lambda p, x, y: M.loss(
+               {**p, "blocks": T.cast(p["blocks"], cfg)}, x, y, cfg=cfg, impl="pallas"),
            f"plain JAX + {attn or 'xla'}": functools.partial(plain_loss, cfg=cfg, attn_impl=attn),
+           f"plain JAX + {attn or 'xla'}, weights cast in the loop": functools.partial(
+               plain_loss, cfg=cfg, attn_impl=attn, cast_in_loop=True),
            "reference": functools.partial(M.loss, cfg=cfg, impl="reference")}
     results = {}
     for impl in impls:
-        impl = next(k for k in fns if k.startswith(impl))
+        impl = next(k for k in fns if fnmatch.fnmatch(k, impl + "*"))
         bar.set_description(f"{name}: {impl}")
 
         def run(impl=impl):
@@ -423,6 +433,10 @@ def main(argv=None) -> None:
                     help="also time jaxfuse without the guard against masked keys' garbage "
                          "in the Hopper attention kernels (forward: the producer cleans edge "
                          "tiles; backward: an XLA pass over K)")
+    ap.add_argument("--cast-ab", action="store_true",
+                    help="also time both models with the other placement of the weights' cast "
+                         "to bf16 (jaxfuse before the layer loop, as before s34; plain JAX "
+                         "inside it, as jaxfuse since s34)")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the impl=\"reference\" train row (slow; a diagnostic run)")
     ap.add_argument("--no-scan", action="store_true",
@@ -470,7 +484,8 @@ def main(argv=None) -> None:
     kept = (("jaxfuse, y and SwiGLU",) if args.kept_projections else ()) + (
         ("jaxfuse, Triton SwiGLU",) if args.triton_swiglu else ()) + (
         ("jaxfuse, three q/k/v",) if args.three_qkv else ()) + (
-        ("jaxfuse, attention without",) if args.unguarded else ())
+        ("jaxfuse, attention without",) if args.unguarded else ()) + (
+        ("jaxfuse, weights cast before", "plain JAX + *, weights") if args.cast_ab else ())
     impls157 += slab + kept
     impls1b = ("jaxfuse", "jaxfuse, nondet", "plain") + slab + kept
     tasks = {"train157": len(impls157), "train1b": len(impls1b), "decode": 4}

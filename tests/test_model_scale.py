@@ -201,6 +201,32 @@ class LayersTest(chex.TestCase):
         self.assertNotIn("jaxfuse_linear_cross_entropy_bwd", names)
         self.assertIn("jaxfuse_cross_entropy_bwd", names)
 
+    @parameterized.parameters("none", "block+attention")
+    def test_stacked_weights_are_cast_inside_the_layer_loop(self, remat):
+        # bf16 compute on float32 master weights: a cast of the whole [n_layers, ...] stack
+        # before the scan (and of its gradient after) is a copy of every weight that the loop
+        # then slices through another copy; cast per layer, XLA fuses slice and cast. So no
+        # convert outside the scan may touch a stacked weight, forward or backward.
+        cfg = dataclasses.replace(CFG, dtype="bfloat16", remat=remat)
+        params = M.init(jax.random.key(0), cfg)
+        tokens, targets = _batch(0)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p: M.loss(p, tokens, targets, cfg)))(params)
+        stacked = {x.shape for x in jax.tree.leaves(params["blocks"])}
+
+        def outer_converts(jaxpr):      # converts outside any scan, inside jits and custom rules
+            for e in jaxpr.eqns:
+                if e.primitive.name == "convert_element_type":
+                    yield e.invars[0].aval.shape
+                elif e.primitive.name != "scan":
+                    for sub in jax.extend.core.jaxprs_in_params(e.params):
+                        yield from outer_converts(sub)
+
+        shapes = list(outer_converts(jaxpr.jaxpr))
+        self.assertTrue(shapes)                          # the walk sees the embedding's casts
+        self.assertEqual([s for s in shapes if s in stacked], [])
+        grads = jax.grad(lambda p: M.loss(p, tokens, targets, cfg))(params)
+        self.assertEqual({x.dtype for x in jax.tree.leaves(grads)}, {jnp.dtype(jnp.float32)})
+
     def test_params_are_stacked(self):
         params = M.init(jax.random.key(0), CFG)
         self.assertEqual(params["blocks"]["wq"].shape, (2, 32, 32))

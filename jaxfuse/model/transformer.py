@@ -74,6 +74,16 @@ def cast(params: dict, cfg: Config) -> dict:
     return jax.tree.map(lambda p: p.astype(cfg.compute_dtype), params)
 
 
+def cast_outer(params: dict, cfg: Config) -> dict:
+    """The parameters outside the layer stack in the compute dtype. The layers' weights are cast
+    inside the layer loop, one layer at a time (`hidden`): a cast of the stacked weights writes a
+    compute-dtype copy of all of them, which the loop then slices layer by layer through another
+    copy (XLA hands cuBLAS no slice of a stack in place); in the loop the slice and the cast are
+    one fusion, and so are the gradient's cast back to param_dtype and its update of the stacked
+    gradient."""
+    return cast({name: x for name, x in params.items() if name != "blocks"}, cfg)
+
+
 def unembedding(params: dict, cfg: Config) -> jax.Array:
     """The [D, V] unembedding matrix (embed.T when the embeddings are tied)."""
     return params["embed"].T if cfg.tie_embeddings else params["unembed"]
@@ -208,7 +218,7 @@ def hidden(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas"
     `key` turns dropout on (cfg.dropout > 0); without it the pass is deterministic."""
     _inputs.tokens(tokens, cfg)
     _inputs.head_mask(head_mask, cfg)
-    p = cast(params, cfg)
+    p = cast_outer(params, cfg)          # the layers' weights are cast inside the loop
     b, t = tokens.shape
     positions = constrain(jnp.broadcast_to(jnp.arange(t), (b, t)), "batch", "seq")
     k_embed, k_layers, k_final = (None,) * 3 if key is None else jax.random.split(key, 3)
@@ -221,14 +231,14 @@ def hidden(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas"
 
     def body(carry, xs):
         blk, i, mask = xs
-        blk = gather_layer(blk)          # FSDP: this layer's weights whole, one layer at a time
+        blk = gather_layer(cast(blk, cfg))   # FSDP: this layer's weights whole, one at a time
         layer_key = None if k_layers is None else jax.random.fold_in(k_layers, i)
         h, delta, qkv_i = block(blk, *carry, positions, cfg, attend, impl=impl, key=layer_key,
                                 head_mask=mask)
         return (_stream(h), delta), (qkv_i if collect_qkv else None)
 
     body = _remat(body, cfg)
-    xs = (p["blocks"], jnp.arange(cfg.n_layers), head_mask)
+    xs = (params["blocks"], jnp.arange(cfg.n_layers), head_mask)
     carry = (h, jnp.zeros_like(h))
     if cfg.scan_layers:
         carry, qkvs = jax.lax.scan(body, carry, xs)
@@ -250,7 +260,7 @@ def apply(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas",
     multiplies each head's attention output (1 keeps it, 0 ablates it). Deterministic unless a
     dropout `key` is given."""
     y, _ = hidden(params, tokens, cfg, impl=impl, key=key, head_mask=head_mask)
-    return y @ unembedding(cast(params, cfg), cfg)
+    return y @ unembedding(cast_outer(params, cfg), cfg)
 
 
 @on_auto_axes(lambda *_, **__: Out((), ()))
@@ -268,7 +278,7 @@ def loss(params: dict, tokens: jax.Array, targets: jax.Array, cfg: Config, *,
     y, _ = hidden(params, tokens, cfg, impl=impl, key=key)
     blocks = (None if cfg.loss_token_slab is None
               else jaxfuse.LCEBlocks(token_slab=cfg.loss_token_slab))
-    return jaxfuse.linear_cross_entropy(y, unembedding(cast(params, cfg), cfg), targets,
+    return jaxfuse.linear_cross_entropy(y, unembedding(cast_outer(params, cfg), cfg), targets,
                                         label_smoothing=cfg.label_smoothing, ignore_index=-100,
                                         impl=impl, block_sizes=blocks)
 

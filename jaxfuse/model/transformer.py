@@ -13,7 +13,8 @@ backward kernels rebuild y and swiglu's product for the weight gradients instead
 `lax.scan`, optionally rematerialized per block (`Config.remat`).
 
 Mixed precision: parameters are stored in `Config.param_dtype` (float32 master weights for
-optax) and cast to `Config.dtype` on the way in; activations and matmul inputs are in
+optax) and cast to `Config.dtype` on the way in (the layers' weights inside the layer loop,
+one layer at a time: `cast_outer`); activations and matmul inputs are in
 `Config.dtype`, norms, softmax and the loss accumulate in float32 inside the kernels.
 
 Parameters are a plain dict pytree; `init` and `apply` are pure functions; `impl` routes every

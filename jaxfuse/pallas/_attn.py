@@ -306,6 +306,30 @@ def pad_length(x, multiple: int, axis: int = 1):
     return jnp.pad(x, widths)
 
 
+def pad_rows(x, multiple: int, spec: AttnSpec, axis: int = 1):
+    """`pad_length` where the Hopper kernels need it, for their large operands (q, k, v, dO).
+
+    Compiled, TMA's bounds take a partial last tile themselves: a load past an array's end reads
+    zeros and a store past it is dropped (`benchmarks/tma_oob_probe.py`, on an H200), exactly
+    what the padding's zeros gave, so these operands go in as they are and no copy is made
+    (the copies cost ~1.0 / 0.7 ms of a B4 H32 T4000 D128 fwd+bwd, full / causal, on an H100:
+    benchmarks/NOTES.md s33). They are padded where that cannot be: in Mosaic GPU's
+    interpreter, which drops a store that runs past the end whole; for a length that is not a
+    whole number of `_TMA_ROWS` (Mosaic GPU lays a TMA operand's global rows out in tiles of
+    8 and refuses a dimension of, say, 300: "must have size smaller or a multiple of its
+    tiling 8"); and for one shorter than `multiple` (a box longer than its dimension). The
+    kernels' float32 and int32 rows (lse, delta, segment ids) take `pad_length` always: TMA
+    wants their rows' strides in whole 16 bytes, and they are small."""
+    n = x.shape[axis]
+    if not spec.interpret and n >= multiple and n % _TMA_ROWS == 0:
+        return x
+    return pad_length(x, multiple, axis)
+
+
+# Rows of the tiles in which Mosaic GPU lays out a TMA operand (`_hopper._tma_transforms`).
+_TMA_ROWS = 8
+
+
 def sees(keep, bad):
     """[..., rows, 1]: whether a query row sees a key whose row is flagged in `bad` [..., keys]."""
     return jnp.max(jnp.where(keep & bad[..., None, :], 1, 0), axis=-1, keepdims=True) > 0

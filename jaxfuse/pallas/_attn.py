@@ -292,8 +292,8 @@ def pad_length(x, multiple: int, axis: int = 1):
     """x with zeros appended along `axis` (the sequence axis, 1 in the GPU layout) up to a
     multiple of `multiple`; x itself where it already is one.
 
-    The Hopper kernels move whole tiles with TMA, so their arrays come in whole tiles; the
-    masks keep their true lengths (`AttnSpec.n_q`, `n_k`): a padded key sits in the last,
+    The Hopper kernels' interpreted regime (and the arrays `pad_rows` cannot leave as they
+    are) run on whole tiles; the masks keep their true lengths (`AttnSpec.n_q`, `n_k`): a padded key sits in the last,
     partial key tile, which is always a masked tile (`key_blocks`, `query_blocks`), and
     `keep_mask` hides keys >= n_k, so it gets probability 0; a padded query row's output is
     sliced off, and in the backward its dO, O and dlse are the zeros appended here, so its P

@@ -236,7 +236,7 @@ class HopperAttnTiles:
 def fits(dtype, spec: AttnSpec, tiles: HopperAttnTiles) -> bool:
     """Whether the Hopper forward takes this problem (q, k, v of `dtype`) as it is (see the
     module docstring)."""
-    del tiles      # any lengths: `forward` pads them to whole tiles
+    del tiles      # any lengths: `forward` takes partial tiles (`_attn.pad_rows`)
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and spec.head_dim in (64, 128, 256) and spec.n_q > 0 and spec.n_k > 0)
 

@@ -142,8 +142,9 @@ else (dropout, float32) runs the portable kernels of `attention_bwd`. Segment id
 kernel's producer streams each step's queries' ids beside its Q and lse, each consumer copies
 its keys' once with its K; the dQ kernel takes them as the forward does (rows' with Q, each key
 block's through a ring slot of their own); every tile is masked. Lengths that are not whole
-tiles (Tq of 128 rows, Tk of 128 keys) run padded with zeros, the masks keeping the true
-lengths, as in the forward. Garbage in masked keys: scores and dS of masked pairs are
+tiles (Tq of 128 rows, Tk of 128 keys) take TMA's bounds compiled and run padded with zeros
+interpreted (`_attn.pad_rows`), the masks keeping the true lengths, as in the forward; the
+fused dQ keeps k padded where its last CTA's second consumer would have no key (`backward`). Garbage in masked keys: scores and dS of masked pairs are
 selected away on edge tiles (and P of a NaN row, which saw garbage); the K rows that multiply a zero dS in dQ = dS K come cleaned by the dQ kernel's producer,
 on its edge tiles, as the forward's producer cleans its own (`HopperBwdTiles.cleans`); the
 dK/dV kernel reads raw K and V (its products contract over queries). The fused dQ, and
@@ -512,7 +513,12 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
     k_tile = math.lcm(_KEYS, tiles.k_dq(spec.head_dim))
     delta = attention_bwd.delta(o, do, dlse, spec)                     # [B, Hq, Tq] float32
     q, do = (A.pad_rows(x, q_tile, spec) for x in (q, do))
-    k, v = (A.pad_rows(x, k_tile, spec) for x in (k, v))
+    # The fused dQ's consumers each read the other's K (`attention_hopper_dkv`): where the last
+    # CTA's second consumer would have no key of its own (Tk % 128 in 1..64), that consumer
+    # would load nothing and the first wait for it forever, so there k and v stay padded.
+    short_tail = 0 < n_k % _KEYS <= _ROWS and tiles.fuse(spec.head_dim, spec.deterministic)
+    k, v = (A.pad_length(x, k_tile) if short_tail else A.pad_rows(x, k_tile, spec)
+            for x in (k, v))
     lse_u, delta = (A.pad_length(x, q_tile, axis=2) for x in (lse_u, delta))
     args = (q, k, v, do, lse_u.astype(_F32), delta)
     if spec.segments:

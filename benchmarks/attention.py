@@ -62,6 +62,14 @@ HOPPER_CASES = [
     dict(b=1, tq=200, tk=333, hq=4, hkv=1, d=64, causal=False, segments=True),
     dict(b=1, tq=300, tk=300, hq=2, hkv=1, d=256, causal=True, segments=True),
     dict(b=2, tq=1000, tk=1000, hq=4, hkv=2, d=128, causal=True),
+    # Since s34 lengths of whole 8-row tiles reach the compiled kernels unpadded (TMA's bounds
+    # take the last tile, `_attn.pad_rows`): 1048 and 560 leave the last 128-row dQ CTA's
+    # second consumer wholly past the end (its box all zeros, its store dropped); the fused dQ
+    # at D = 64 (deterministic=False: not bitwise, so not held to it); D = 256's 64-key tiles.
+    dict(b=2, tq=1048, tk=1040, hq=4, hkv=2, d=64, causal=True),
+    dict(b=2, tq=1048, tk=1040, hq=4, hkv=2, d=64, causal=True, deterministic=False),
+    dict(b=1, tq=560, tk=712, hq=4, hkv=1, d=128, causal=False),
+    dict(b=1, tq=560, tk=712, hq=2, hkv=1, d=256, causal=True),
 ]
 
 
@@ -93,9 +101,11 @@ def _check_case(i, c, dtype, blocks=None, tag=""):
                                         jnp.where(jnp.isfinite(rlse), rlse, 0))]
         errs += [rel_err(a, r) for a, r in zip(g, rg)]
         ok = max(errs) <= TOL[dtype] and not any(bool(jnp.isnan(x).any()) for x in (o, *g))
-        # Determinism: a second run must be bitwise equal.
+        # Determinism: a second run must be bitwise equal (unless the case asks for the
+        # non-deterministic backward).
         o2, _, g2 = jax.jit(functools.partial(fb, "pallas"))(q, k, v, do)
         same = all(bool(jnp.array_equal(a, b)) for a, b in zip((o, *g), (o2, *g2)))
+        same = same or kw.get("deterministic") is False
         record(S, name, jnp.dtype(dtype).name, max_rel_err=max(errs), o_err=errs[0],
                lse_err=errs[1], deterministic=same, status="ok" if ok and same else "FAIL")
     guarded(S, name, jnp.dtype(dtype).name, run)

@@ -9,9 +9,11 @@ but the CPU tests run the kernels in Mosaic GPU's interpreter, which must agree.
     PJRT_NPROC=16 python benchmarks/tma_oob_probe.py      # CPU: interpreter + sm90 lowering
     PYTHONPATH=. python benchmarks/tma_oob_probe.py       # GPU: also compiled and run
 
-A [80, 64] float32 array, two CTAs of 64 rows: the second copies rows 64..127 in (16 real),
-adds 1, and stores them back. Prints, per regime, the error of the 80 real rows and what the
-16 real rows of the partial tile hold.
+A [80, 64] float32 array, three CTAs of 64 rows: the second copies rows 64..127 in (16 real),
+adds 1, and stores them back; the third's box (rows 128..191) lies wholly past the end (as a
+second consumer's rows can in the last tile of a 128-row CTA): its copy must still complete
+(the barrier counts the box's bytes) and its store change nothing. Prints, per regime, the
+error of the 80 real rows and what the 16 real rows of the partial tile hold.
 
 Found on the CPU (s34, jax 0.10.2): the sm90 lowering accepts the copies, but the interpreter
 leaves all 16 real rows of the partial tile unwritten (NaN, its fill for outputs never
@@ -50,7 +52,7 @@ def _body(x_gmem, o_gmem, smem, bar):
 
 def _kernel(interpret: bool):
     kw = {"interpret": H._interpret_params()} if interpret else {}
-    return plgpu.kernel(_body, out_type=jax.ShapeDtypeStruct((T, D), jnp.float32), grid=(2,),
+    return plgpu.kernel(_body, out_type=jax.ShapeDtypeStruct((T, D), jnp.float32), grid=(3,),
                         grid_names=("x",),
                         scratch_types=[plgpu.SMEM((R, D), jnp.float32),
                                        plgpu.Barrier(num_arrivals=1)], **kw)

@@ -153,7 +153,7 @@ def prefill(params: dict, cache: dict, prompts: jax.Array, prompt_lengths: jax.A
     prompt_lengths = _checks.clip_int32(prompt_lengths, 1, p)
     y, (_, k_all, v_all) = T.hidden(params, prompts, cfg, impl=impl, collect_qkv=True)
     last = jnp.take_along_axis(y, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, D]
-    logits = last @ T.unembedding(T.cast_outer(params, cfg), cfg)                  # [B, V]
+    logits = last @ T.unembedding(T.cast_outer(params, cfg), cfg)            # [B, V]
     put = lambda c, new: c.at[:, :p].set(new.astype(c.dtype))
     cache = {"k": tuple(put(c, k_all[i]) for i, c in enumerate(cache["k"])),
              "v": tuple(put(c, v_all[i]) for i, c in enumerate(cache["v"])),

@@ -37,6 +37,14 @@ def head_mask(mask, cfg: Config) -> None:
                          f"({cfg.n_layers}, {cfg.n_heads}) (1 keeps a head, 0 ablates it)")
 
 
+def lengths(name: str, x, batch: int, per: str) -> None:
+    """An integer array [batch] of lengths, one per `per` (a sequence, a prompt)."""
+    _checks.check_int(name, x)
+    if tuple(x.shape) != (batch,):
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must be ({batch},), one length per "
+                         f"{per}")
+
+
 def cache(c: dict, cfg: Config, batch: int, width: int, *, after_lengths: bool) -> None:
     """A cache of `cfg`'s layers and KV heads (`init_cache`) for `batch` sequences with room
     for `width` positions: from 0 (prefill), or past each sequence's `lengths` where they are
@@ -51,10 +59,7 @@ def cache(c: dict, cfg: Config, batch: int, width: int, *, after_lengths: bool) 
     if bad:
         raise ValueError(f"a cache layer has shape {bad[0]} where cfg's is [batch, positions, "
                          f"n_kv_heads, head_dim] = {want}: make it with init_cache(cfg, ...)")
-    _checks.check_int("cache['lengths']", c["lengths"])
-    if tuple(c["lengths"].shape) != (b,):
-        raise ValueError(f"cache['lengths'].shape={tuple(c['lengths'].shape)} must be ({b},), "
-                         f"one length per sequence")
+    lengths("cache['lengths']", c["lengths"], b, "sequence")
     if b != batch:
         raise ValueError(f"the cache holds {b} sequences (init_cache(cfg, batch={b}, ...)) and "
                          f"the call has {batch}: make the cache for this batch")

@@ -145,10 +145,7 @@ def prefill(params: dict, cache: dict, prompts: jax.Array, prompt_lengths: jax.A
     _inputs.tokens(prompts, cfg, "prompts")
     p = prompts.shape[1]
     _inputs.cache(cache, cfg, prompts.shape[0], p, after_lengths=False)
-    _checks.check_int("prompt_lengths", prompt_lengths)
-    if tuple(prompt_lengths.shape) != (prompts.shape[0],):
-        raise ValueError(f"prompt_lengths.shape={tuple(prompt_lengths.shape)} must be "
-                         f"({prompts.shape[0]},), one length per prompt")
+    _inputs.lengths("prompt_lengths", prompt_lengths, prompts.shape[0], "prompt")
     check_prompt_lengths(prompt_lengths, p)
     prompt_lengths = _checks.clip_int32(prompt_lengths, 1, p)
     y, (_, k_all, v_all) = T.hidden(params, prompts, cfg, impl=impl, collect_qkv=True)

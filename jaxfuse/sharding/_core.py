@@ -72,7 +72,8 @@ def lead(ndim: int, prefix: str = "b") -> tuple[str, ...]:
     return tuple(f"{prefix}{i}" for i in range(ndim))
 
 
-def _axes(entry) -> tuple[str, ...]:
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one partition-spec entry names (None, a name, or a tuple of names)."""
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -95,7 +96,7 @@ def make_plan(layout: Layout, specs: Sequence[P], shapes: Sequence[tuple[int, ..
     for dims, spec in zip(layout.operands, specs):
         for j, d in enumerate(dims):
             factor = d if isinstance(d, str) else d[0]
-            axes = _axes(spec[j] if j < len(spec) else None)
+            axes = spec_axes(spec[j] if j < len(spec) else None)
             if (not axes or factor in plan or factor not in layout.splittable
                     or used & set(axes) or sizes[factor] % (
                         math.prod(axis_sizes[a] for a in axes) * multiples.get(factor, 1))):

@@ -49,7 +49,7 @@ from jaxfuse.reference import rope as _r_rope
 from jaxfuse.reference import swiglu as _r_swiglu
 from jaxfuse.reference import swiglu_linear as _r_swl
 from jaxfuse.sharding._core import (Layout, lead, partitioned, placed_for,
-                                   present, residual_name, vjp_op)
+                                   present, residual_name, spec_axes, vjp_op)
 from jaxfuse.sharding.rows import psum_over, size
 
 KEY = ("k",)         # Philox key words: never split
@@ -133,15 +133,14 @@ def _project(s, w):
     found = _auto_axes.explicit_mesh((s, w))
     if found is None:
         return s @ w
-    lead = (tuple(jax.typeof(s).sharding.spec) + (None,) * s.ndim)[:s.ndim - 1]
+    rows = (tuple(jax.typeof(s).sharding.spec) + (None,) * s.ndim)[:s.ndim - 1]
     cols = (tuple(jax.typeof(w).sharding.spec) + (None,) * 2)[1]
     # A mesh axis names one dimension of a result: where w's columns are split over an axis
     # that already splits the rows, the rows keep it and the columns are whole.
-    taken = {a for e in lead for a in ((e,) if isinstance(e, str) else e or ())}
-    if set((cols,) if isinstance(cols, str) else cols or ()) & taken:
+    if set(spec_axes(cols)) & {a for e in rows for a in spec_axes(e)}:
         cols = None
     with found[1]():
-        return jnp.matmul(s, w, out_sharding=P(*lead, cols))
+        return jnp.matmul(s, w, out_sharding=P(*rows, cols))
 
 
 def _project_input_grad(dout, w, like):

@@ -168,6 +168,43 @@ def test_hopper_flash_attention_lowers(d, opts, det):
     assert '"jaxfuse_flash_bwd_dkv"' not in module
 
 
+# Lengths that are not whole tiles: compiled, q, k, v and dO reach the kernels unpadded where
+# their lengths are whole 8-row TMA tiles, and TMA's bounds take the last tiles
+# (`_attn.pad_rows`), so the kernels see arrays of other lengths than in the tests above: Tq =
+# 184 leaves the last 128-row dQ CTA's second consumer wholly past the end and the last
+# 192-row forward CTA (D = 64) a partial one; Tk = 296 a partial last key block. Tk = 300 is
+# no whole number of 8-row tiles: padded, as before. The fused dQ at D = 64
+# (deterministic=False) takes Tk = 360 unpadded; at 296 its last CTA's second consumer would
+# have no key (it waits for the other's K: a hang), so there k and v stay padded. The pair at
+# 128, segment ids with the pair at D = 64.
+@pytest.mark.parametrize("d,det,segments,tk", [(64, False, False, 360), (64, False, False, 296),
+                                               (128, True, False, 296), (64, True, True, 296),
+                                               (128, True, False, 300)])
+def test_hopper_ragged_lengths_lower(d, det, segments, tk):
+    """The Hopper forward and backward on ragged lengths lower for sm90 with the operands
+    unpadded (the interpreter runs them padded: it drops a store past an array's end, where
+    TMA clips it; benchmarks/tma_oob_probe.py), and nothing pads them on the way in."""
+    tq = 184
+    q = jnp.zeros((2, tq, 4, d), jnp.bfloat16)
+    k = jnp.zeros((2, tk, 2, d), jnp.bfloat16)
+    seg = dict(q_segment_ids=jnp.zeros((2, tq), jnp.int32),
+               kv_segment_ids=jnp.zeros((2, tk), jnp.int32)) if segments else {}
+    f = lambda q, k, v: jaxfuse.flash_attention(                      # noqa: E731
+        q, k, v, causal=True, interpret=False, deterministic=det,
+        block_sizes=jaxfuse.AttnBlocks(hopper=True), **seg)
+    module = _fwd_bwd(f, q, k, k).mlir_module()
+    assert "jaxfuse_flash_fwd_hopper" in module
+    for name in _HOPPER_BWD[det or d > 64]:
+        assert name in module, name
+    # Pads of [B, T, H, D] operands: none where T is whole 8-row tiles (the small per-row
+    # arrays, lse, delta and segment ids, [2, 4, T] or [2, T], are padded always); k and v's
+    # where it is not, or where the fused dQ's last CTA would leave a consumer keyless.
+    big = [line for line in module.splitlines()
+           if "stablehlo.pad" in line and f"x{d}xbf16" in line]
+    fused = d == 64 and not det
+    assert (len(big) > 0) == (tk % 8 != 0 or (fused and 0 < tk % 128 <= 64)), big
+
+
 # Both kernels take the count that is not their default (the forward's and the dK/dV kernel's
 # consumers are set apart), with each mask; the defaults with causal are lowered by
 # test_hopper_flash_attention_lowers (the same kernels but for T). The window adds the same ops,

@@ -292,8 +292,8 @@ def pad_length(x, multiple: int, axis: int = 1):
     """x with zeros appended along `axis` (the sequence axis, 1 in the GPU layout) up to a
     multiple of `multiple`; x itself where it already is one.
 
-    The Hopper kernels move whole tiles with TMA, so their arrays come in whole tiles; the
-    masks keep their true lengths (`AttnSpec.n_q`, `n_k`): a padded key sits in the last,
+    The Hopper kernels' interpreted regime (and the arrays `pad_rows` cannot leave as they
+    are) run on whole tiles; the masks keep their true lengths (`AttnSpec.n_q`, `n_k`): a padded key sits in the last,
     partial key tile, which is always a masked tile (`key_blocks`, `query_blocks`), and
     `keep_mask` hides keys >= n_k, so it gets probability 0; a padded query row's output is
     sliced off, and in the backward its dO, O and dlse are the zeros appended here, so its P
@@ -304,6 +304,30 @@ def pad_length(x, multiple: int, axis: int = 1):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
     return jnp.pad(x, widths)
+
+
+def pad_rows(x, multiple: int, spec: AttnSpec, axis: int = 1):
+    """`pad_length` where the Hopper kernels need it, for their large operands (q, k, v, dO).
+
+    Compiled, TMA's bounds take a partial last tile themselves: a load past an array's end reads
+    zeros and a store past it is dropped (`benchmarks/tma_oob_probe.py`, on an H200), exactly
+    what the padding's zeros gave, so these operands go in as they are and no copy is made
+    (the copies cost ~1.0 / 0.7 ms of a B4 H32 T4000 D128 fwd+bwd, full / causal, on an H100:
+    benchmarks/NOTES.md s33). They are padded where that cannot be: in Mosaic GPU's
+    interpreter, which drops a store that runs past the end whole; for a length that is not a
+    whole number of `_TMA_ROWS` (Mosaic GPU lays a TMA operand's global rows out in tiles of
+    8 and refuses a dimension of, say, 300: "must have size smaller or a multiple of its
+    tiling 8"); and for one shorter than `multiple` (a box longer than its dimension). The
+    kernels' float32 and int32 rows (lse, delta, segment ids) take `pad_length` always: TMA
+    wants their rows' strides in whole 16 bytes, and they are small."""
+    n = x.shape[axis]
+    if not spec.interpret and n >= multiple and n % _TMA_ROWS == 0:
+        return x
+    return pad_length(x, multiple, axis)
+
+
+# Rows of the tiles in which Mosaic GPU lays out a TMA operand (`_hopper._tma_transforms`).
+_TMA_ROWS = 8
 
 
 def sees(keep, bad):

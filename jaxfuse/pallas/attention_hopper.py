@@ -66,8 +66,9 @@ kernels (`attention.py`). Segment ids: each consumer copies its rows' with its Q
 in registers, the producer copies each key block's into a ring slot of their own (overwritten
 only once the block's K and V are released), and every key block is masked (no block is
 skipped for them, as in the portable kernels). Lengths that are not whole tiles (Tq of 2 * 64
-rows, Tk of block_k) are padded with zeros up to them (`_attn.pad_length`: a copy of q, k and
-v in XLA, which whole tiles skip) while the masks keep the true lengths. The backward is
+rows, Tk of block_k) take TMA's bounds on the GPU (the last tile's loads read zeros past the
+end, its stores stop there: no copy; `_attn.pad_rows`) and are padded with zeros in the
+interpreter; the masks keep the true lengths. The backward is
 `attention_hopper_bwd` where it takes the problem, else the portable one.
 
 Regimes: compiled by Mosaic GPU on an sm90 GPU. On a CPU the same body runs in Mosaic GPU's
@@ -235,7 +236,7 @@ class HopperAttnTiles:
 def fits(dtype, spec: AttnSpec, tiles: HopperAttnTiles) -> bool:
     """Whether the Hopper forward takes this problem (q, k, v of `dtype`) as it is (see the
     module docstring)."""
-    del tiles      # any lengths: `forward` pads them to whole tiles
+    del tiles      # any lengths: `forward` takes partial tiles (`_attn.pad_rows`)
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and spec.head_dim in (64, 128, 256) and spec.n_q > 0 and spec.n_k > 0)
 
@@ -684,10 +685,11 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
     q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D], with `spec.segments` the segment ids qs
     [B, Tq] and ks [B, Tk] (int32); the problem must `fit`."""
     n_q = q.shape[1]
-    # Lengths that are not whole tiles run padded (`_attn.pad_length`): the masks keep the
-    # true ones, the padded query rows are sliced off.
-    q = A.pad_length(q, 2 * _ROWS)
-    k, v = (A.pad_length(x, tiles.block_k) for x in (k, v))
+    # Lengths that are not whole tiles: compiled, TMA's bounds take the partial last tiles
+    # (`_attn.pad_rows`); interpreted, they run padded. The masks keep the true lengths; the
+    # lse rows go into a buffer of whole tiles (`pad_rows`: TMA's strides), sliced after.
+    q = A.pad_rows(q, 2 * _ROWS, spec)
+    k, v = (A.pad_rows(x, tiles.block_k, spec) for x in (k, v))
     segs = (A.pad_length(qs, 2 * _ROWS), A.pad_length(ks, tiles.block_k)) if spec.segments \
         else ()
     b, tq, hq, d = q.shape
@@ -706,7 +708,7 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
     body = functools.partial(_forward_body, spec=spec, tiles=tiles, stages=stages,
                              n_q_tiles=n_q_tiles, ctas=ctas)
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, hq, tq), jnp.float32))
+                 jax.ShapeDtypeStruct((b, hq, C.cdiv(tq, 2 * _ROWS) * 2 * _ROWS), jnp.float32))
     name = "jaxfuse_flash_fwd_hopper"
     kw = {"interpret": H._interpret_params()} if spec.interpret else {}
     f = plgpu.kernel(body, out_type=out_types, grid=grid, grid_names=grid_names,
@@ -720,7 +722,7 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
     # original for the other user: measured on the H200, 16 forward launches for 8 layers
     # (0.235 ms each, 157M model). Behind the barrier the stack takes a copy of o instead.
     o, lse_u = jax.lax.optimization_barrier(f(q, k, v, *sched, *segs))
-    return (o, lse_u) if tq == n_q else (o[:, :n_q], lse_u[..., :n_q])
+    return o[:, :n_q], lse_u[..., :n_q]          # no-ops where nothing was padded
 
 
 # K and V bytes that the CTAs of a persistent walk share at a time (`work_schedule`): a slice

@@ -142,8 +142,9 @@ else (dropout, float32) runs the portable kernels of `attention_bwd`. Segment id
 kernel's producer streams each step's queries' ids beside its Q and lse, each consumer copies
 its keys' once with its K; the dQ kernel takes them as the forward does (rows' with Q, each key
 block's through a ring slot of their own); every tile is masked. Lengths that are not whole
-tiles (Tq of 128 rows, Tk of 128 keys) run padded with zeros, the masks keeping the true
-lengths, as in the forward. Garbage in masked keys: scores and dS of masked pairs are
+tiles (Tq of 128 rows, Tk of 128 keys) take TMA's bounds compiled and run padded with zeros
+interpreted (`_attn.pad_rows`), the masks keeping the true lengths, as in the forward; the
+fused dQ keeps k padded where its last CTA's second consumer would have no key (`backward`). Garbage in masked keys: scores and dS of masked pairs are
 selected away on edge tiles (and P of a NaN row, which saw garbage); the K rows that multiply a zero dS in dQ = dS K come cleaned by the dQ kernel's producer,
 on its edge tiles, as the forward's producer cleans its own (`HopperBwdTiles.cleans`); the
 dK/dV kernel reads raw K and V (its products contract over queries). The fused dQ, and
@@ -504,26 +505,30 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
     problem must `fit`. `spec.deterministic` and `tiles.fused_dq` pick the dQ
     scheme (module docstring)."""
     n_q, n_k = q.shape[1], k.shape[1]
-    # Lengths that are not whole tiles run padded with zeros (`_attn.pad_length`: the padded
-    # rows' dO, O and dlse are 0, so they add nothing to dK and dV), the masks keep the true
-    # ones; the padded rows of dq, dk and dv are sliced off.
+    # Lengths that are not whole tiles: compiled, TMA's bounds take the partial last tiles,
+    # interpreted they run padded with zeros (`_attn.pad_rows`); either way the rows past the
+    # end read dO = 0, lse = delta = 0, so they add nothing to dK and dV, and the masks keep
+    # the true lengths. The padded rows of dq, dk and dv are sliced off.
     q_tile = math.lcm(_KEYS, tiles.bq(spec.head_dim))
     k_tile = math.lcm(_KEYS, tiles.k_dq(spec.head_dim))
-    q, o, do = (A.pad_length(x, q_tile) for x in (q, o, do))
-    lse_u, dlse = (None if x is None else A.pad_length(x, q_tile, axis=2) for x in (lse_u, dlse))
-    k, v = (A.pad_length(x, k_tile) for x in (k, v))
     delta = attention_bwd.delta(o, do, dlse, spec)                     # [B, Hq, Tq] float32
+    q, do = (A.pad_rows(x, q_tile, spec) for x in (q, do))
+    # The fused dQ's consumers each read the other's K (`attention_hopper_dkv`): where the last
+    # CTA's second consumer would have no key of its own (Tk % 128 in 1..64), that consumer
+    # would load nothing and the first wait for it forever, so there k and v stay padded.
+    short_tail = 0 < n_k % _KEYS <= _ROWS and tiles.fuse(spec.head_dim, spec.deterministic)
+    k, v = (A.pad_length(x, k_tile) if short_tail else A.pad_rows(x, k_tile, spec)
+            for x in (k, v))
+    lse_u, delta = (A.pad_length(x, q_tile, axis=2) for x in (lse_u, delta))
     args = (q, k, v, do, lse_u.astype(_F32), delta)
     if spec.segments:
         args += (A.pad_length(qs, q_tile), A.pad_length(ks, k_tile))
     dq, dk, dv = _grads(args, spec, tiles)
-    if q.shape[1] != n_q or k.shape[1] != n_k:
-        dq, dk, dv = dq[:, :n_q], dk[:, :n_k], dv[:, :n_k]
-    return dq, dk, dv
+    return dq[:, :n_q], dk[:, :n_k], dv[:, :n_k]     # no-ops where nothing was padded
 
 
 def _grads(args, spec: AttnSpec, tiles: HopperBwdTiles):
-    """(dq, dk, dv) of `backward`'s whole-tile operands (q, k, v, do, lse_u, delta, and the
+    """(dq, dk, dv) of `backward`'s operands (q, k, v, do, lse_u, delta, and the
     segment ids qs, ks with spec.segments)."""
     q, k = args[:2]
     if not tiles.fuse(spec.head_dim, spec.deterministic):
@@ -533,12 +538,12 @@ def _grads(args, spec: AttnSpec, tiles: HopperBwdTiles):
         stages = tiles.dq_stages(d, q.dtype.itemsize, clean, spec.segments)
         # The overlap holds two K tiles at once: with a one-slot ring it would wait forever.
         body = functools.partial(DQ.dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,
-                                 n_q_tiles=tq // (2 * _ROWS),
+                                 n_q_tiles=pl.cdiv(tq, 2 * _ROWS),
                                  overlap=tiles.dq_overlap(d) and stages >= 2,
                                  pingpong=tiles.dq_pingpong(d), clean=clean)
         # Every head's heaviest query tile first (`_hopper.heavy_first`, module docstring).
         dq = _kernel(functools.partial(body, heads=_dq_heads(k, spec)),
-                     jax.ShapeDtypeStruct(q.shape, q.dtype), (tq // (2 * _ROWS) * b * hq,),
+                     jax.ShapeDtypeStruct(q.shape, q.dtype), (pl.cdiv(tq, 2 * _ROWS) * b * hq,),
                      ("cta",), "jaxfuse_flash_bwd_dq_hopper", spec)(*args)
         return dq, dk, dv
     # The fused dQ is a ref that the kernel adds into, which pallas kernels do not batch:

@@ -105,11 +105,13 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
             k_tile, v_tile, kv_bar = ((k_smem, v_smem, kv_full) if split_d else
                                       (k_smem.at[wg], v_smem.at[wg], kv_full.at[wg]))
             kr = k0 if split_d else k0 + wg * _ROWS
-            # A consumer past the last key row of the (padded) arrays (the last CTA of three
-            # 64-key consumers, when Tk is not a multiple of 192) only releases the ring's
-            # slots. Keys of the padding (`attention_hopper_bwd.backward`) are worked like any
-            # other, all masked: the fused dQ reads both consumers' K, and the exchange's
-            # barriers need both consumers' steps.
+            # A consumer past the last key row of k (the last CTA of three 64-key consumers,
+            # or of two when Tk % 128 is 1..64 and k came unpadded: `_attn.pad_rows`) only
+            # releases the ring's slots. Keys past n_k in a consumer's rows (read as zeros past
+            # the end, or padding) are worked like any other, all masked. The fused dQ reads
+            # both consumers' K, so there `attention_hopper_bwd.backward` keeps k padded
+            # wherever its last CTA's second consumer would have no key; the exchange's
+            # consumers (D = 256) share their keys, so both are active or neither.
             active = kr < k_gmem.shape[1]
             own = pl.ds(c0, half)         # this consumer's columns of dK and dV
             do_cols = lambda slot: do_smem.at[slot, :, own] if split_d else do_smem.at[slot]

@@ -535,12 +535,14 @@ RAGGED_CASES = [   # lengths that are not whole tiles: the Hopper kernels run th
 
 
 def ragged(rounds: int = 3):
-    """Lengths that are not whole tiles on the Hopper kernels (padded with zeros up to them,
-    the masks keeping the true lengths; before s32 they ran the portable kernels): RAGGED_CASES
-    checked against the float32 reference (bf16, both `deterministic` settings below D = 256,
-    bitwise repeat; CHECKS=0 skips them), then fwd+bwd at B4 H32 D128 T = 4000 (causal and
-    not) interleaved: jaxfuse (padded), the portable kernels (`hopper=False`, what ran there
-    before), cuDNN, and jaxfuse at T = 4096 (whole tiles: what the padding's copies cost).
+    """Lengths that are not whole tiles on the Hopper kernels (before s32 they ran the
+    portable kernels; since s35 a length of whole 8-row tiles reaches them unpadded, TMA's
+    bounds taking the last tile, and other lengths are padded with zeros, the masks keeping
+    the true lengths): RAGGED_CASES checked against the float32 reference (bf16, both
+    `deterministic` settings below D = 256, bitwise repeat; CHECKS=0 skips them), then
+    fwd+bwd at B4 H32 D128 T = 4000 (causal and not; 500 tiles of 8, so unpadded)
+    interleaved: jaxfuse, the portable kernels (`hopper=False`, what ran there before),
+    cuDNN, and jaxfuse at T = 4096 (the same count of 128-row tiles).
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py ragged [OUT.json]
     """
@@ -559,7 +561,7 @@ def ragged(rounds: int = 3):
         attn = functools.partial(jaxfuse.flash_attention, causal=causal)
         null = contextlib.nullcontext
         _interleaved(label, sets, {
-            "jaxfuse (padded Hopper)": (attn, null),
+            "jaxfuse Hopper": (attn, null),
             "jaxfuse portable": (functools.partial(attn, block_sizes=AttnBlocks(hopper=False)),
                                  null),
             "cudnn": (lambda q, k, v, causal=causal: jax.nn.dot_product_attention(

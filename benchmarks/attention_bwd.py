@@ -744,6 +744,28 @@ def variant(name: str, bwd: HopperBwdTiles, rounds: int = 5):
         _rows(rounds, {name: (dict(block_sizes=blocks), contextlib.nullcontext)}, {label: row})
 
 
+# The 1B model's attention (B2 Hq32 Hkv8 T8192 D64 causal) is where the backward costs most a
+# step (s34: 4.35 ms a layer against cuDNN's 3.86); its D = 64 tiles were last swept in s7-5,
+# before the dK/dV kernel's overlap (s29), the launch orders (s17-18) and the cleaning (s20).
+D64_VARIANTS = {"block_q 128": HopperBwdTiles(block_q=128),
+                "stages 3": HopperBwdTiles(stages=3), "stages 4": HopperBwdTiles(stages=4),
+                "block_k_dq 64": HopperBwdTiles(block_k_dq=64),
+                "ping-pong in both": HopperBwdTiles(pingpong=True)}
+
+
+def d64_tiles(rounds: int = 3, names=None):
+    """D64_VARIANTS (or those `names`, comma-separated) fwd+bwd at the 1B and 157M models'
+    attention, interleaved against the default and cuDNN (gradients checked against cuDNN's).
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d64_tiles [OUT.json]
+    """
+    names = names.split(",") if isinstance(names, str) else names or list(D64_VARIANTS)
+    _rows(rounds, {n: (dict(block_sizes=AttnBlocks(hopper=_tiles(64, D64_VARIANTS[n]))),
+                       contextlib.nullcontext) for n in names},
+          {k: ROWS[k] for k in ("1B B2 Hq32 Hkv8 T8192 D64 causal",
+                                "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal")})
+
+
 def _quick():
     """Checks, the three workloads against cuDNN, kernel times with the consumers' ping-pong
     (the default, s9) against their running free."""
@@ -774,4 +796,4 @@ if __name__ == "__main__":
         "long": long_rows,
         # OTHER_ROWS (T32768, D256) fwd+bwd interleaved against cuDNN, nothing else
         "other_rows": lambda rounds=3: _rows(rounds, {}, OTHER_ROWS), "groups": groups,
-        "ragged": ragged})
+        "ragged": ragged, "d64_tiles": d64_tiles})

@@ -293,11 +293,12 @@ def pad_length(x, multiple: int, axis: int = 1):
     multiple of `multiple`; x itself where it already is one.
 
     The Hopper kernels' interpreted regime (and the arrays `pad_rows` cannot leave as they
-    are) run on whole tiles; the masks keep their true lengths (`AttnSpec.n_q`, `n_k`): a padded key sits in the last,
-    partial key tile, which is always a masked tile (`key_blocks`, `query_blocks`), and
-    `keep_mask` hides keys >= n_k, so it gets probability 0; a padded query row's output is
-    sliced off, and in the backward its dO, O and dlse are the zeros appended here, so its P
-    meets dO = 0 and dS = P (dP - delta) = 0: it adds nothing to dK or dV."""
+    are) run on whole tiles; the masks keep their true lengths (`AttnSpec.n_q`, `n_k`): a
+    padded key sits in the last, partial key tile, which is always a masked tile
+    (`key_blocks`, `query_blocks`), and `keep_mask` hides keys >= n_k, so it gets probability
+    0; a padded query row's output is sliced off, and in the backward its dO, O and dlse are
+    the zeros appended here, so its P meets dO = 0 and dS = P (dP - delta) = 0: it adds
+    nothing to dK or dV."""
     extra = -x.shape[axis] % multiple
     if not extra:
         return x

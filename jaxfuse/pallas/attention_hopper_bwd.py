@@ -144,12 +144,13 @@ its keys' once with its K; the dQ kernel takes them as the forward does (rows' w
 block's through a ring slot of their own); every tile is masked. Lengths that are not whole
 tiles (Tq of 128 rows, Tk of 128 keys) take TMA's bounds compiled and run padded with zeros
 interpreted (`_attn.pad_rows`), the masks keeping the true lengths, as in the forward; the
-fused dQ keeps k padded where its last CTA's second consumer would have no key (`backward`). Garbage in masked keys: scores and dS of masked pairs are
-selected away on edge tiles (and P of a NaN row, which saw garbage); the K rows that multiply a zero dS in dQ = dS K come cleaned by the dQ kernel's producer,
-on its edge tiles, as the forward's producer cleans its own (`HopperBwdTiles.cleans`); the
-dK/dV kernel reads raw K and V (its products contract over queries). The fused dQ, and
-`HopperBwdTiles(clean=False)`, take an XLA pass over K and V instead (`_attn.clean_keys`,
-which also makes V NaN where K is not finite).
+fused dQ keeps k padded where its last CTA's second consumer would have no key (`backward`).
+Garbage in masked keys: scores and dS of masked pairs are selected away on edge tiles (and P of
+a NaN row, which saw garbage); the K rows that multiply a zero dS in dQ = dS K come cleaned by
+the dQ kernel's producer, on its edge tiles, as the forward's producer cleans its own
+(`HopperBwdTiles.cleans`); the dK/dV kernel reads raw K and V (its products contract over
+queries). The fused dQ, and `HopperBwdTiles(clean=False)`, take an XLA pass over K and V
+instead (`_attn.clean_keys`, which also makes V NaN where K is not finite).
 
 Regimes: compiled by Mosaic GPU on an sm90 GPU. In Mosaic GPU's interpreter (jax 0.10.2) the
 products are plain dots of the same tiles (it reads no register or transposed wgmma operand),

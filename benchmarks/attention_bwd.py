@@ -796,4 +796,9 @@ if __name__ == "__main__":
         "long": long_rows,
         # OTHER_ROWS (T32768, D256) fwd+bwd interleaved against cuDNN, nothing else
         "other_rows": lambda rounds=3: _rows(rounds, {}, OTHER_ROWS), "groups": groups,
-        "ragged": ragged, "d64_tiles": d64_tiles})
+        "ragged": ragged, "d64_tiles": d64_tiles,
+        # s35's open question: is T32768's fwd+bwd (0.92x cuDNN) the dK/dV kernel's rate?
+        # Kernel times of one call, ours and cuDNN's, at T32768 beside T4096 causal.
+        "kernels_long": lambda: [_profiles(k, *rows[k], cudnn=True) for rows in (
+            OTHER_ROWS, ROWS) for k in ("B1 H16 T32768 D128 causal",
+                                        "B4 H32 T4096 D128 causal") if k in rows]})

@@ -205,6 +205,33 @@ def test_hopper_ragged_lengths_lower(d, det, segments, tk):
     assert (len(big) > 0) == (tk % 8 != 0 or (fused and 0 < tk % 128 <= 64)), big
 
 
+# The two ragged cases s34's plan named beside the checks s35 ran on the GPU (benchmarks/NOTES.md
+# s34 item 7): three 64-key dK/dV consumers on an unpadded Tk (296: the last CTA's third
+# consumer wholly past the end), and the fused dQ under vmap on unpadded lengths (its float32
+# buffer is batched outside the kernel).
+@pytest.mark.parametrize("case", ["three dK/dV consumers", "fused dQ under vmap"])
+def test_hopper_ragged_lengths_lower_more(case):
+    """As test_hopper_ragged_lengths_lower, for these two schedules: they lower for sm90 with
+    q, k, v and dO unpadded."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    vmapped = case == "fused dQ under vmap"
+    tq, tk, d = 184, (360 if vmapped else 296), 64
+    lead = (2,) if vmapped else ()
+    q = jnp.zeros(lead + (2, tq, 4, d), jnp.bfloat16)
+    k = jnp.zeros(lead + (2, tk, 2, d), jnp.bfloat16)
+    tiles = True if vmapped else HopperAttnTiles(backward=HopperBwdTiles(consumers=3))
+    f = lambda q, k, v: jaxfuse.flash_attention(                      # noqa: E731
+        q, k, v, causal=True, interpret=False, deterministic=not vmapped,
+        block_sizes=jaxfuse.AttnBlocks(hopper=tiles))
+    module = _fwd_bwd(jax.vmap(f) if vmapped else f, q, k, k).mlir_module()
+    for name in ("jaxfuse_flash_fwd_hopper",) + _HOPPER_BWD[not vmapped]:
+        assert name in module, name
+    big = [line for line in module.splitlines()
+           if "stablehlo.pad" in line and f"x{d}xbf16" in line]
+    assert not big, big
+
+
 # Both kernels take the count that is not their default (the forward's and the dK/dV kernel's
 # consumers are set apart), with each mask; the defaults with causal are lowered by
 # test_hopper_flash_attention_lowers (the same kernels but for T). The window adds the same ops,

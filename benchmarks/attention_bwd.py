@@ -534,6 +534,46 @@ RAGGED_CASES = [   # lengths that are not whole tiles: the Hopper kernels run th
 ]
 
 
+# Two schedules on unpadded ragged lengths beside RAGGED_CASES (s34's plan, NOTES s35 item 9):
+# three 64-key dK/dV consumers on Tk = 1040 (the last CTA's third consumer wholly past the
+# end; deterministic), and the fused dQ under vmap (deterministic=False at D = 64, Tk % 128 =
+# 104: k unpadded). (shape, flash_attention options, hopper tiles, deterministic, vmapped)
+RAGGED_MORE = [
+    ((1, 184, 1040, 4, 2, 64), dict(causal=True),
+     HopperAttnTiles(backward=HopperBwdTiles(consumers=3)), True, False),
+    ((2, 184, 360, 4, 2, 64), dict(causal=True), None, False, True),
+]
+
+
+def _check_vmapped(i, shape, opts, dtype, det: bool, hopper):
+    """`shape`'s case under `jax.vmap` over two input sets against the float32 reference's,
+    deterministic=`det` (`hopper`: unused, the default tiles: at D = 64 with det=False the
+    fused dQ)."""
+    del hopper
+    name = f"check vmap x2 {shape} {opts} det={det}"
+
+    def run():
+        sets = [_inputs(jax.random.key(i + j), *shape, dtype)[:4] for j in range(2)]
+        args = [jnp.stack(a) for a in zip(*sets)]
+
+        def fb(impl, q, k, v, do):
+            kw = dict(opts, impl=impl)
+            if impl == "pallas":
+                kw.update(deterministic=det, block_sizes=AttnBlocks(hopper=True))
+            f = jax.vmap(lambda q, k, v: jaxfuse.flash_attention(q, k, v, **kw))
+            o, vjp = jax.vjp(f, q, k, v)
+            return o, vjp(do)
+        o, g = jax.jit(functools.partial(fb, "pallas"))(*args)
+        with jax.default_matmul_precision("highest"):
+            ro, rg = jax.jit(functools.partial(fb, "reference"))(
+                *(a.astype(jnp.float32) for a in args))
+        errs = [rel_err(o, ro)] + [rel_err(a, r) for a, r in zip(g, rg)]
+        ok = max(errs) <= TOL[dtype] and not any(bool(jnp.isnan(x).any()) for x in (o, *g))
+        record(S, name, jnp.dtype(dtype).name, max_rel_err=max(errs), dq_err=errs[1],
+               dk_err=errs[2], dv_err=errs[3], status="ok" if ok else "FAIL")
+    guarded(S, name, jnp.dtype(dtype).name, run)
+
+
 def ragged(rounds: int = 3):
     """Lengths that are not whole tiles on the Hopper kernels (before s32 they ran the
     portable kernels; since s35 a length of whole 8-row tiles reaches them unpadded, TMA's
@@ -552,6 +592,9 @@ def ragged(rounds: int = 3):
             for det in ((True,) if shape[-1] > 128 else (True, False)):
                 _check_case(300 + i, shape, opts, jnp.bfloat16, det,
                             True if det else None)
+        for i, (shape, opts, hopper, det, vmapped) in enumerate(RAGGED_MORE):
+            (_check_vmapped if vmapped else _check_case)(
+                320 + i, shape, opts, jnp.bfloat16, det, hopper)
     for causal in (False, True):
         label = f"B4 H32 T4000 D128 {'causal' if causal else 'full'}"
         sets = [_inputs(jax.random.key(300 + i), 4, 4000, 4000, 32, 32, 128,

@@ -545,11 +545,9 @@ RAGGED_MORE = [
 ]
 
 
-def _check_vmapped(i, shape, opts, dtype, det: bool, hopper):
+def _check_vmapped(i, shape, opts, dtype, det: bool):
     """`shape`'s case under `jax.vmap` over two input sets against the float32 reference's,
-    deterministic=`det` (`hopper`: unused, the default tiles: at D = 64 with det=False the
-    fused dQ)."""
-    del hopper
+    deterministic=`det`, the default tiles (at D = 64 with det=False: the fused dQ)."""
     name = f"check vmap x2 {shape} {opts} det={det}"
 
     def run():
@@ -593,8 +591,10 @@ def ragged(rounds: int = 3):
                 _check_case(300 + i, shape, opts, jnp.bfloat16, det,
                             True if det else None)
         for i, (shape, opts, hopper, det, vmapped) in enumerate(RAGGED_MORE):
-            (_check_vmapped if vmapped else _check_case)(
-                320 + i, shape, opts, jnp.bfloat16, det, hopper)
+            if vmapped:
+                _check_vmapped(320 + i, shape, opts, jnp.bfloat16, det)
+            else:
+                _check_case(320 + i, shape, opts, jnp.bfloat16, det, hopper)
     for causal in (False, True):
         label = f"B4 H32 T4000 D128 {'causal' if causal else 'full'}"
         sets = [_inputs(jax.random.key(300 + i), 4, 4000, 4000, 32, 32, 128,
@@ -842,6 +842,7 @@ if __name__ == "__main__":
         "ragged": ragged, "d64_tiles": d64_tiles,
         # s35's open question: is T32768's fwd+bwd (0.92x cuDNN) the dK/dV kernel's rate?
         # Kernel times of one call, ours and cuDNN's, at T32768 beside T4096 causal.
-        "kernels_long": lambda: [_profiles(k, *rows[k], cudnn=True) for rows in (
-            OTHER_ROWS, ROWS) for k in ("B1 H16 T32768 D128 causal",
-                                        "B4 H32 T4096 D128 causal") if k in rows]})
+        "kernels_long": lambda: (
+            _profiles("B1 H16 T32768 D128 causal", T32768, True, cudnn=True),
+            _profiles("B4 H32 T4096 D128 causal", *ROWS["B4 H32 T4096 D128 causal"],
+                      cudnn=True))})

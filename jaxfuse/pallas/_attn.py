@@ -307,6 +307,10 @@ def pad_length(x, multiple: int, axis: int = 1):
     return jnp.pad(x, widths)
 
 
+# Rows of the tiles in which Mosaic GPU lays out a TMA operand (`_hopper._tma_transforms`).
+_TMA_ROWS = 8
+
+
 def pad_rows(x, multiple: int, spec: AttnSpec, axis: int = 1):
     """`pad_length` where the Hopper kernels need it, for their large operands (q, k, v, dO).
 
@@ -325,10 +329,6 @@ def pad_rows(x, multiple: int, spec: AttnSpec, axis: int = 1):
     if not spec.interpret and n >= multiple and n % _TMA_ROWS == 0:
         return x
     return pad_length(x, multiple, axis)
-
-
-# Rows of the tiles in which Mosaic GPU lays out a TMA operand (`_hopper._tma_transforms`).
-_TMA_ROWS = 8
 
 
 def sees(keep, bad):

@@ -31,6 +31,7 @@ from jaxfuse.reference import layer_norm as _r_ln
 from jaxfuse.reference import linear_cross_entropy as _r_lce
 from jaxfuse.reference import rms_norm as _r_rms
 from jaxfuse.reference import rope as _r_rope
+from jaxfuse.reference import rope_qkv as _r_rq
 from jaxfuse.reference import softmax as _r_softmax
 from jaxfuse.reference import swiglu as _r_swiglu
 from jaxfuse.reference import swiglu_linear as _r_swl
@@ -383,6 +384,23 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleav
     return route(impl, _s_blocks.rope, _r_rope.rope, x, positions, base=base,
                  interleaved=interleaved,
                  block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
+
+
+def rope_qkv(qkv: jax.Array, positions: jax.Array, *, base: float = 10000.0,
+             interleaved: bool = True, impl: str = "pallas", interpret: bool | None = None,
+             block_sizes=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The grouped q/k/v projection [..., T, Hkv, G + 2, D] split into heads, q and k turned
+    by RoPE (as `rope`): returns q [..., T, Hkv G, D], k and v [..., T, Hkv, D]. For each KV
+    head the layout holds its G query heads, then its key, then its value (one matmul's
+    output, `decode_attention(packed_qkv="grouped")`'s layout); query head n G + i is slot i
+    of KV head n. One kernel reads qkv once and writes q, k, v once; the backward packs dq,
+    dk (turned back) and dv into one gradient in one kernel.
+
+    >>> q, k, v = jaxfuse.rope_qkv((x @ w_qkv).reshape(b, t, hkv, g + 2, hd), positions)
+    """
+    return route(impl, _s_blocks.rope_qkv, _r_rq.rope_qkv, qkv, positions, base=base,
+                 interleaved=interleaved, block_type=RowBlocks, interpret=interpret,
+                 block_sizes=block_sizes)
 
 
 def embedding(tokens: jax.Array, table: jax.Array, *, scale: float = 1.0,

@@ -451,6 +451,13 @@ def test_swiglu_and_rope_lower(interleaved):
     pos = jnp.zeros((2, 100), jnp.uint32)
     _fwd_bwd(lambda q: jaxfuse.rope(q, pos, interleaved=interleaved, interpret=False),
              jnp.zeros((2, 100, 4, 128), jnp.bfloat16))
+    # rope_qkv: the models' grouped projection (G = 4, whole tiles) and G = 3 with a token tail
+    # and D = 6 (masked slot, token and pair tiles), 16-bit words and float32 strides.
+    for shape, dtype in (((2, 64, 8, 6, 64), jnp.bfloat16), ((1, 7, 3, 5, 6), jnp.bfloat16),
+                         ((1, 7, 2, 5, 6), jnp.float32)):
+        pos = jnp.zeros(shape[:2], jnp.int32)
+        _fwd_bwd(lambda x: jaxfuse.rope_qkv(x, pos, interleaved=interleaved, interpret=False),
+                 jnp.zeros(shape, dtype))
 
 
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])

@@ -541,7 +541,7 @@ def test_decoding_steps_leave_row_ops_to_xla(monkeypatch):
 
     def kernels(f, *args):
         text = str(jax.make_jaxpr(f)(*args))
-        return {n for n in ("jaxfuse_rope", "jaxfuse_swiglu", "jaxfuse_add_rms_norm",
+        return {n for n in ("jaxfuse_rope_qkv", "jaxfuse_swiglu", "jaxfuse_add_rms_norm",
                             "jaxfuse_decode_attention") if n in text}
 
     cache = M.init_cache(cfg, 4)
@@ -550,7 +550,7 @@ def test_decoding_steps_leave_row_ops_to_xla(monkeypatch):
     assert step == {"jaxfuse_decode_attention"}, step
     tokens = jnp.zeros((2, 40), jnp.int32)         # 80 rows > FEW_ROWS
     train = kernels(jax.grad(lambda p: M.loss(p, tokens, tokens, cfg)), params)
-    assert {"jaxfuse_rope", "jaxfuse_swiglu", "jaxfuse_add_rms_norm"} <= train, train
+    assert {"jaxfuse_rope_qkv", "jaxfuse_swiglu", "jaxfuse_add_rms_norm"} <= train, train
 
 
 def test_deterministic_attention_reaches_flash_attention(monkeypatch):

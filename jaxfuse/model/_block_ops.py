@@ -2,14 +2,14 @@
 dropout and attention (with probability dropout).
 
 These are the fused block kernels of issue 15 (`jaxfuse.add_norm` and `add_norm_linear`,
-`jaxfuse.swiglu_linear`, `jaxfuse.rope`, `jaxfuse.embedding`, `jaxfuse.dropout`,
+`jaxfuse.swiglu_linear`, `jaxfuse.rope`, `jaxfuse.rope_qkv`, `jaxfuse.embedding`, `jaxfuse.dropout`,
 `jaxfuse.flash_attention(..., dropout_rate=, dropout_key=)`), whose dropout masks come from one counter-based generator
 (Philox) in every kernel. The model calls them only through this module, so swapping an
 implementation (a benchmark's cuDNN attention, a future kernel) changes this file alone.
 `impl="reference"` routes every one of them to its jax.numpy reference.
 
 One exception, for CPU runs only: where the Pallas kernels are interpreted (a CPU backend,
-`JAXFUSE_INTERPRET=1`), `embedding`, `rope` and `reorder_beams` take their references, which
+`JAXFUSE_INTERPRET=1`), `embedding`, `rope`, `rope_qkv` and `reorder_beams` take their references, which
 compute the same function (the same Philox masks, the same reorder). The interpreter turns their
 grids into loops: measured on 2 CPU cores, the embedding and RoPE kernels took LikesWorld's
 training step from about 0.13 to 0.37 s, past its 3-minute budget; the reorder runs once per
@@ -87,6 +87,15 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleav
     impl = _unless_few(impl, math.prod(x.shape[:-2]))
     return jaxfuse.rope(x, positions, base=base, interleaved=interleaved,
                         impl=_unless_interpreted(impl))
+
+
+def rope_qkv(qkv: jax.Array, positions: jax.Array, *, base: float = 10000.0,
+             interleaved: bool = True, impl: str = "pallas") -> tuple:
+    """The grouped q/k/v projection [..., T, Hkv, G + 2, D] as q, k (turned) and v
+    (`jaxfuse.rope_qkv`)."""
+    impl = _unless_few(impl, math.prod(qkv.shape[:-3]))
+    return jaxfuse.rope_qkv(qkv, positions, base=base, interleaved=interleaved,
+                            impl=_unless_interpreted(impl))
 
 
 def embedding(tokens: jax.Array, table: jax.Array, *, scale: float = 1.0,

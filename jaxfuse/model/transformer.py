@@ -127,16 +127,14 @@ def qkv_weights(blk: dict, cfg: Config) -> tuple:
 
 def qkv(outs: tuple, positions: jax.Array, cfg: Config, impl: str):
     """The `qkv_weight` projection's output as heads, with RoPE: q [B, T, H, hd], k and v
-    [B, T, Hkv, hd]."""
+    [B, T, Hkv, hd], split and turned in one pass (`jaxfuse.rope_qkv`: slices would copy q, k
+    and v out first, and the backward assemble the projection's gradient by pad + add)."""
     b, t, _ = outs[0].shape
     hkv, g, hd = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    grouped = outs[0].reshape(b, t, hkv, g + 2, hd)
-    q = constrain(grouped[..., :g, :].reshape(b, t, cfg.n_heads, hd), "batch", "seq", "heads",
-                  None)
-    k = constrain(grouped[..., g, :], "batch", "seq", "kv_heads", None)
-    v = constrain(grouped[..., g + 1, :], "batch", "seq", "kv_heads", None)
-    rope = functools.partial(ops.rope, positions=positions, base=cfg.rope_base, impl=impl)
-    return rope(q), rope(k), v
+    q, k, v = ops.rope_qkv(outs[0].reshape(b, t, hkv, g + 2, hd), positions, base=cfg.rope_base,
+                           impl=impl)
+    return (constrain(q, "batch", "seq", "heads", None),
+            *(constrain(x, "batch", "seq", "kv_heads", None) for x in (k, v)))
 
 
 def attn_out(blk: dict, o: jax.Array, head_mask: jax.Array | None) -> jax.Array:

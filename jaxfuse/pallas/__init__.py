@@ -2,8 +2,9 @@
 `block_sizes=` knobs."""
 from jaxfuse.pallas import (add_norm, attention, beam_top_k, bias_act_dropout, bias_dropout_add,
                             cross_entropy, decode_attention, dropout, embedding, layer_norm,
-                            linear_cross_entropy, rms_norm, rope, softmax, swiglu)
+                            linear_cross_entropy, rms_norm, rope, rope_qkv, softmax,
+                            swiglu)
 
 __all__ = ["add_norm", "attention", "beam_top_k", "bias_act_dropout", "bias_dropout_add",
            "cross_entropy", "decode_attention", "dropout", "embedding", "layer_norm",
-           "linear_cross_entropy", "rms_norm", "rope", "softmax", "swiglu"]
+           "linear_cross_entropy", "rms_norm", "rope", "rope_qkv", "softmax", "swiglu"]

@@ -35,6 +35,7 @@ from jaxfuse.pallas import beam_top_k as _p_topk
 from jaxfuse.pallas import embedding as _p_emb
 from jaxfuse.pallas import reorder_beams as _p_reo
 from jaxfuse.pallas import rope as _p_rope
+from jaxfuse.pallas import rope_qkv as _p_rq
 from jaxfuse.pallas import swiglu as _p_swiglu
 from jaxfuse.pallas._rows import RowBlocks, as_rows
 from jaxfuse.reference import add_norm as _r_an
@@ -46,6 +47,7 @@ from jaxfuse.reference import dropout as _r_drop
 from jaxfuse.reference import embedding as _r_emb
 from jaxfuse.reference import reorder_beams as _r_reo
 from jaxfuse.reference import rope as _r_rope
+from jaxfuse.reference import rope_qkv as _r_rq
 from jaxfuse.reference import swiglu as _r_swiglu
 from jaxfuse.reference import swiglu_linear as _r_swl
 from jaxfuse.sharding._core import (Layout, lead, partitioned, placed_for,
@@ -217,6 +219,41 @@ def rope(x, positions, *, base=10000.0, interleaved=True, interpret=None, block_
     positions = jnp.broadcast_to(positions, x.shape[:-2])
     return _rope_op(x.ndim, float(base), bool(interleaved), interpret, block_sizes)(
         x, positions)[0]
+
+
+# ---- rope_qkv --------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _rope_qkv_op(ndim: int, groups: int, base: float, interleaved: bool, interpret, block_sizes):
+    rows = lead(ndim - 4)
+    kw = dict(base=base, interleaved=interleaved, interpret=interpret, block_sizes=block_sizes)
+    # q's heads are (KV head, group member): they split with their KV head, as attention's do.
+    qkv, pos = (*rows, "t", "h", "s", "d"), (*rows, "t")
+    q, kv = (*rows, "t", ("h", "g"), "d"), (*rows, "t", "h", "d")
+    local = lambda plan, x, p: _p_rq.rope_qkv(x, p, **kw)
+
+    def bwd(plan, p, dq, dk, dv):
+        # Linear in qkv: the vjp is the same at every point, so zeros stand in for the primal
+        # (whose forward is dead code) and qkv is not kept for the backward.
+        x = jnp.zeros((*dk.shape[:-1], groups + 2, dk.shape[-1]), dk.dtype)
+        return jax.vjp(lambda x: local(plan, x, p), x)[1]((dq, dk, dv))
+
+    splittable = (*rows, "t", "h")
+    sizes = (("g", groups),)
+    # Named "rope": `Config.remat="...+rope"` keeps q and k as it kept `rope`'s outputs.
+    return vjp_op(local, bwd, Layout((qkv, pos), (q, kv, kv), splittable, sizes),
+                  Layout((pos, q, kv, kv), (qkv,), splittable, sizes), n_out=3,
+                  diff=(True, False), saved=(False, True, False, False, False), name="rope")
+
+
+def rope_qkv(qkv, positions, *, base=10000.0, interleaved=True, interpret=None,
+             block_sizes=None):
+    """`jaxfuse.pallas.rope_qkv` partitioned over batch, time and KV heads (each device's query
+    heads are its KV heads' groups)."""
+    _r_rq.validate(qkv, positions, base)
+    positions = jnp.broadcast_to(positions, qkv.shape[:-3])
+    return _rope_qkv_op(qkv.ndim, qkv.shape[-2] - 2, float(base), bool(interleaved), interpret,
+                        block_sizes)(qkv, positions)
 
 
 # ---- dropout, bias_dropout_add, bias_act_dropout ---------------------------------------------

@@ -83,6 +83,23 @@ def test_swiglu_and_rope_split_everywhere():
     assert gathered_shapes(hlo) == []
 
 
+def test_rope_qkv_split_by_kv_head():
+    """The grouped projection [B, T, Hkv, G + 2, D] split over batch, time and KV heads
+    (Megatron's tensor parallel): each device's query heads are its KV heads' groups, so q, k, v
+    and the packed gradient stay split, equal to one device."""
+    k = keys(44, 2)
+    qkv = randn(k[0], (4, 8, 2, 5, 8))                  # Hkv 2, G 3
+    pos = jax.random.randint(k[1], (4, 8), 0, 1000)
+
+    def f(qkv, pos):
+        return jaxfuse.rope_qkv(qkv, pos, interleaved=False)
+
+    specs = [P("data", "seq", "tensor"), P("data", "seq")]
+    one, many, hlo = run_both(f, (qkv, pos), specs, diff=(0,))
+    assert_same(one, many)
+    assert gathered_shapes(hlo) == []
+
+
 def test_swiglu_linear_row_parallel():
     """gate/up split over rows and F (Megatron's MLP: the down projection's contraction over F
     is split, XLA sums its partial products); w2 split over F, its gradient stays split."""

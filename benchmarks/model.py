@@ -192,6 +192,21 @@ def _three_qkv_matmuls():
                                qkv_weights=lambda blk, cfg: (blk["wq"], blk["wk"], blk["wv"]))
 
 
+def _sliced_qkv():
+    """A context in which the model slices q, k and v out of the grouped projection and turns q
+    and k by `jaxfuse.rope` (before s36) instead of `jaxfuse.rope_qkv`'s one pass each way (a
+    diagnostic row)."""
+    def qkv(outs, positions, cfg, impl):
+        b, t, _ = outs[0].shape
+        hkv, g, hd = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+        grouped = outs[0].reshape(b, t, hkv, g + 2, hd)
+        q = grouped[..., :g, :].reshape(b, t, cfg.n_heads, hd)
+        rope = functools.partial(T.ops.rope, positions=positions, base=cfg.rope_base, impl=impl)
+        return rope(q), rope(grouped[..., g, :]), grouped[..., g + 1, :]
+
+    return mock.patch.object(T, "qkv", qkv)
+
+
 def _triton_swiglu():
     """A context in which SwiGLU takes its Triton kernels where the Hopper ones would run (a
     diagnostic row: the Hopper kernels read the scan's stacked gate and up in place, Triton's
@@ -244,6 +259,7 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            "jaxfuse, Triton SwiGLU": functools.partial(M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, three q/k/v matmuls": functools.partial(M.loss, cfg=cfg, impl="pallas"),
+           "jaxfuse, q/k/v sliced, then rope": functools.partial(M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, attention without the garbage guard": functools.partial(
                M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
@@ -264,6 +280,7 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
             step = jax.jit(jax.value_and_grad(lambda p, x, y: fns[impl](p, x, y)))
             context = {"jaxfuse, Triton SwiGLU": _triton_swiglu,
                        "jaxfuse, three q/k/v matmuls": _three_qkv_matmuls,
+                       "jaxfuse, q/k/v sliced, then rope": _sliced_qkv,
                        "jaxfuse, attention without the garbage guard": _timing.unguarded_attention}.get(
                            impl, contextlib.nullcontext)
             with context():
@@ -429,6 +446,10 @@ def main(argv=None) -> None:
     ap.add_argument("--three-qkv", action="store_true",
                     help="also time jaxfuse with q, k and v formed by three matmuls (before "
                          "s11) instead of one on the grouped [d, Hkv (G + 2) hd] matrix")
+    ap.add_argument("--sliced-qkv", action="store_true",
+                    help="also time jaxfuse with q, k and v sliced out of the grouped "
+                         "projection and turned by jaxfuse.rope (before s36) instead of "
+                         "jaxfuse.rope_qkv")
     ap.add_argument("--unguarded", action="store_true",
                     help="also time jaxfuse without the guard against masked keys' garbage "
                          "in the Hopper attention kernels (forward: the producer cleans edge "
@@ -484,6 +505,7 @@ def main(argv=None) -> None:
     kept = (("jaxfuse, y and SwiGLU",) if args.kept_projections else ()) + (
         ("jaxfuse, Triton SwiGLU",) if args.triton_swiglu else ()) + (
         ("jaxfuse, three q/k/v",) if args.three_qkv else ()) + (
+        ("jaxfuse, q/k/v sliced",) if args.sliced_qkv else ()) + (
         ("jaxfuse, attention without",) if args.unguarded else ()) + (
         ("jaxfuse, weights cast before", "plain JAX + *, weights") if args.cast_ab else ())
     impls157 += slab + kept

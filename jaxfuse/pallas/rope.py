@@ -1,8 +1,10 @@
 """Fused rotary position embedding: angles computed in the kernel (no cos/sin table in memory),
 one read and one write of x, the backward the same kernel turning the other way.
 
-x [..., T, H, D] is viewed as [N, H, D] (N tokens). A program rotates a block of tokens, all
-heads: it loads the pairs' two halves as two [tokens, H, D/2] tiles - strided loads at columns
+x [..., T, H, D] is viewed as [N, 1, H, D] (N tokens; the kernel, `_move`, takes any
+[tokens, groups, slots, D] views and moves pieces of slots between them, which `rope_qkv` uses
+to split a grouped q/k/v projection). A program rotates a block of tokens, all heads: it loads
+the pairs' two halves as two [tokens, groups, H, D/2] tiles - strided loads at columns
 0, 2, 4, ... and 1, 3, 5, ... for interleaved pairs, contiguous ones at 0 and D/2 for halves
 (one body, the layout is only the (offset, stride) of the second half) - so that the two
 elements of a pair meet in the same lane (16-bit interleaved pairs: one 32-bit word per pair,

@@ -96,5 +96,22 @@ def perf():
             _timing.record(S, f"{name} fwd+bwd", n, t, frac_copy=2 * moved / t / copy_bw)
 
 
+def sweep():
+    """Tokens a program and warps (`RowBlocks`) of the fwd+bwd at each workload, interleaved
+    against the tile rule's default."""
+    from jaxfuse import RowBlocks
+    for name, shape in WORKLOADS.items():
+        sets = [_inputs(shape, jnp.bfloat16, s) for s in range(3)]
+        fns = {"default": _fwd_bwd(lambda x, p: jaxfuse.rope_qkv(x, p))}
+        for bt in (1, 2, 4):
+            for warps in (2, 4, 8):
+                blocks = RowBlocks(bt, shape[-1], warps)
+                fns[f"{bt} tokens, {warps} warps"] = _fwd_bwd(
+                    lambda x, p, b=blocks: jaxfuse.rope_qkv(x, p, block_sizes=b))
+        for n, ts in _timing.interleaved(fns, sets, 3).items():
+            _timing.record(S, f"{name} fwd+bwd", n, sorted(ts)[1])
+
+
 if __name__ == "__main__":
-    _timing.commands({"check": check, "perf": perf, "all": lambda: (check(), perf())})
+    _timing.commands({"check": check, "perf": perf, "sweep": sweep,
+                      "all": lambda: (check(), perf())})

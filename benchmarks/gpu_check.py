@@ -5,7 +5,7 @@ peers, all in one process, and print one table (also written as JSON).
 
 Sections: rows (softmax, norms, cross-entropy), attention, decode, lce (linear + cross-entropy),
 hardening (issue 19's extreme-value and NaN cases, compiled; checks only), block (dropout
-family, add_norm, swiglu, rope, embedding).
+family, add_norm, swiglu, rope, embedding), rope_qkv (the q/k/v split with RoPE).
 No section named = all. `--no-sweep` skips the block-size sweeps. Peers that are not installed
 (tokamax) are reported as such, not fatal.
 """
@@ -22,7 +22,7 @@ import jax  # noqa: E402
 
 from benchmarks import _timing  # noqa: E402
 
-SECTIONS = ("rows", "attention", "decode", "lce", "hardening", "block")
+SECTIONS = ("rows", "attention", "decode", "lce", "hardening", "block", "rope_qkv")
 
 
 def main() -> None:

@@ -195,14 +195,16 @@ def _three_qkv_matmuls():
 def _sliced_qkv():
     """A context in which the model slices q, k and v out of the grouped projection and turns q
     and k by `jaxfuse.rope` (before s36) instead of `jaxfuse.rope_qkv`'s one pass each way (a
-    diagnostic row)."""
+    diagnostic row; on one device: the sharding constraints of the model's q, k and v are left
+    out)."""
+    from jaxfuse.reference import rope_qkv
+
     def qkv(outs, positions, cfg, impl):
         b, t, _ = outs[0].shape
         hkv, g, hd = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-        grouped = outs[0].reshape(b, t, hkv, g + 2, hd)
-        q = grouped[..., :g, :].reshape(b, t, cfg.n_heads, hd)
+        q, k, v = rope_qkv.split(outs[0].reshape(b, t, hkv, g + 2, hd))
         rope = functools.partial(T.ops.rope, positions=positions, base=cfg.rope_base, impl=impl)
-        return rope(q), rope(grouped[..., g, :]), grouped[..., g + 1, :]
+        return rope(q), rope(k), v
 
     return mock.patch.object(T, "qkv", qkv)
 

@@ -394,7 +394,8 @@ def rope_qkv(qkv: jax.Array, positions: jax.Array, *, base: float = 10000.0,
     head the layout holds its G query heads, then its key, then its value (one matmul's
     output, `decode_attention(packed_qkv="grouped")`'s layout); query head n G + i is slot i
     of KV head n. One kernel reads qkv once and writes q, k, v once; the backward packs dq,
-    dk (turned back) and dv into one gradient in one kernel.
+    dk (turned back) and dv into one gradient in one kernel. Its outputs carry RoPE's residual
+    name, `residual_name("rope")`.
 
     >>> q, k, v = jaxfuse.rope_qkv((x @ w_qkv).reshape(b, t, hkv, g + 2, hd), positions)
     """

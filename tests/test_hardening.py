@@ -634,7 +634,10 @@ class TestAttentionOptions:
                      qd, kc, kc, n, k_new=qd[:, :1], v_new=qd[:, :1], rope_base=10.0,
                      rope_interleaved=f, impl=impl)),
                  ("interleaved", lambda f: jaxfuse.rope(q, jnp.arange(4)[None], interleaved=f,
-                                                        impl=impl))]
+                                                        impl=impl)),
+                 ("interleaved", lambda f: jaxfuse.rope_qkv(
+                     q.reshape(1, 4, 1, 2, 8)[:, :, :, [0, 1, 0]], jnp.arange(4)[None],
+                     interleaved=f, impl=impl))]
         for name, f in cases:
             with pytest.raises(ValueError, match=f"{name}='False' must be True or False"):
                 f("False")
@@ -767,6 +770,8 @@ def _x64_cases():
             x, x, w, rate=0.1, key=k[5], impl=i)[1].sum())(x)),
         ("swiglu", lambda i: jax.grad(lambda x: jaxfuse.swiglu(x, x, impl=i).sum())(x)),
         ("rope", lambda i: jaxfuse.rope(q, jnp.arange(9)[None] * 3, impl=i)),
+        ("rope_qkv", lambda i: jax.grad(lambda x: sum(y.sum() for y in jaxfuse.rope_qkv(
+            x, jnp.arange(9)[None] * 3, impl=i)))(q.reshape(1, 9, 1, -1, 2))),
         ("embedding", lambda i: jaxfuse.embedding(jnp.array([1, 2 ** 40, 4]), x,
                                                   pos_table=x[:3], impl=i)),
     ]

@@ -541,7 +541,9 @@ def test_decoding_steps_leave_row_ops_to_xla(monkeypatch):
 
     def kernels(f, *args):
         text = str(jax.make_jaxpr(f)(*args))
-        return {n for n in ("jaxfuse_rope_qkv", "jaxfuse_swiglu", "jaxfuse_add_rms_norm",
+        # "jaxfuse_rope" is both RoPE kernels' prefix (rope's and rope_qkv's)
+        return {n for n in ("jaxfuse_rope", "jaxfuse_rope_fwd", "jaxfuse_rope_qkv",
+                            "jaxfuse_swiglu", "jaxfuse_add_rms_norm",
                             "jaxfuse_decode_attention") if n in text}
 
     cache = M.init_cache(cfg, 4)
@@ -551,6 +553,7 @@ def test_decoding_steps_leave_row_ops_to_xla(monkeypatch):
     tokens = jnp.zeros((2, 40), jnp.int32)         # 80 rows > FEW_ROWS
     train = kernels(jax.grad(lambda p: M.loss(p, tokens, tokens, cfg)), params)
     assert {"jaxfuse_rope_qkv", "jaxfuse_swiglu", "jaxfuse_add_rms_norm"} <= train, train
+    assert "jaxfuse_rope_fwd" not in train, "q and k are sliced out and turned apart again"
 
 
 def test_deterministic_attention_reaches_flash_attention(monkeypatch):

@@ -75,6 +75,23 @@ class RopeQkvTest(chex.TestCase):
             assert_close(jnp.linalg.norm(a, axis=-1), jnp.linalg.norm(b, axis=-1), jnp.float32)
         assert_close(vjp(out)[0], x32, jnp.float32, scale=2.0)
 
+    def test_wide_position_types(self):
+        """Positions of a type wider than int32 reach the kernel as float32 (as `rope`'s):
+        uint32 past 2^31, and int64 under jax_enable_x64, forward and gradient (whose position
+        cotangent is then zeros, not float0)."""
+        x, _, cts = _inputs((1, 5, 2, 4, 8), jnp.float32, 5)
+        big = jnp.array([[0, 1, 2, 3, 2 ** 31 + 5]], jnp.uint32)
+        for interleaved in (True, False):
+            for pos in (big, jnp.array([[0, 7, 2, 900, 5]])):
+                with jax.enable_x64(pos.dtype != jnp.uint32):
+                    pos = jnp.asarray(pos, pos.dtype if pos.dtype == jnp.uint32 else jnp.int64)
+                    f = lambda impl: (lambda x: jaxfuse.rope_qkv(
+                        x, pos, interleaved=interleaved, impl=impl))
+                    out, vjp = jax.vjp(f("pallas"), x)
+                    rout, vjpr = jax.vjp(f("reference"), x)
+                    assert_close(out, rout, jnp.float32)
+                    assert_close(vjp(cts), vjpr(cts), jnp.float32)
+
     def test_bad_input(self):
         x = jnp.ones((2, 5, 2, 4, 8))
         pos = jnp.zeros((2, 5), jnp.int32)

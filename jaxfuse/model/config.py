@@ -18,7 +18,8 @@ _SIZES = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", 
 # remat policy can keep (names exist on the Pallas path only: impl="reference" has none, and an
 # interpreted model computes RoPE with its reference): "attention" its q, k, v (named by the
 # model), o and softmax statistics; "add_norm" h and its row statistics (add_norm_linear keeps
-# no y: its backward rebuilds it); "rope" its outputs; "swiglu" gate and up, the inputs of
+# no y: its backward rebuilds it); "rope" its outputs (`rope_qkv`'s
+# q, k and v, which it names "rope"); "swiglu" gate and up, the inputs of
 # swiglu_linear (named by the model; its product is rebuilt, never kept).
 NAMED_OPS = ("attention", "add_norm", "rope", "swiglu")
 # The jax.checkpoint_policies that are policies themselves (the others build one from arguments).

@@ -22,7 +22,6 @@ jaxfuse op ("pallas" kernels or the "reference" jax.numpy versions).
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax

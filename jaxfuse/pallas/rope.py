@@ -4,7 +4,7 @@ one read and one write of x, the backward the same kernel turning the other way.
 x [..., T, H, D] is viewed as [N, 1, H, D] (N tokens; the kernel, `_move`, takes any
 [tokens, groups, slots, D] views and moves pieces of slots between them, which `rope_qkv` uses
 to split a grouped q/k/v projection). A program rotates a block of tokens, all heads: it loads
-the pairs' two halves as two [tokens, groups, H, D/2] tiles - strided loads at columns
+the pairs' two halves as two [tokens, groups, slots, D/2] tiles, one piece at a time - strided loads at columns
 0, 2, 4, ... and 1, 3, 5, ... for interleaved pairs, contiguous ones at 0 and D/2 for halves
 (one body, the layout is only the (offset, stride) of the second half) - so that the two
 elements of a pair meet in the same lane (16-bit interleaved pairs: one 32-bit word per pair,
@@ -59,6 +59,7 @@ class _Static:
     interpret: bool
     num_warps: int
     pieces: tuple[Piece, ...]
+    out_slots: tuple[int, ...]   # slots of each output
     name: str        # the kernels' name: jaxfuse_<name>_fwd / _bwd
 
 
@@ -147,8 +148,8 @@ def _join_pairs(ya, yb, dtype):
     return bits(ya) | (bits(yb) << 16)
 
 
-def _move(ins: tuple, pos, st: _Static, sign: float, out_slots: tuple) -> tuple:
-    """Outputs [N, groups, out_slots[i], D] filled from inputs [N, groups, slots, D] piece by
+def _move(ins: tuple, pos, st: _Static, sign: float) -> tuple:
+    """Outputs [N, groups, st.out_slots[i], D] filled from inputs [N, groups, slots, D] piece by
     piece (`Piece`), turned by +theta (sign 1) or -theta (sign -1) where a piece turns; pos [N]
     int32 or float32 (`kernel_positions`). A program moves a block of tokens, all groups."""
     n, groups, _, d = ins[0].shape
@@ -206,19 +207,13 @@ def _move(ins: tuple, pos, st: _Static, sign: float, out_slots: tuple) -> tuple:
     last = operands[0].shape[-1]
     outs = C.pallas_call(
         kernel, out_shape=[jax.ShapeDtypeStruct((n, groups, s, last), operands[0].dtype)
-                           for s in out_slots],
+                           for s in st.out_slots],
         grid=(C.cdiv(n, bt),), name=f"jaxfuse_{st.name}_{'fwd' if sign > 0 else 'bwd'}",
         interpret=st.interpret,
         num_warps=st.num_warps)(*operands, pos, freq)
     if packed:
         outs = [jax.lax.bitcast_convert_type(o, dtype).reshape(*o.shape[:-1], d) for o in outs]
     return tuple(outs)
-
-
-def _rotate(x3, pos, st: _Static, sign: float):
-    """x3 [N, H, D] rotated by +theta (sign 1) or -theta (sign -1)."""
-    n, h, d = x3.shape
-    return _move((x3.reshape(n, 1, h, d),), pos, st, sign, (h,))[0].reshape(n, h, d)
 
 
 def kernel_positions(positions: jax.Array) -> jax.Array:
@@ -230,22 +225,35 @@ def kernel_positions(positions: jax.Array) -> jax.Array:
     return positions.astype(jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rope(x2, pos, st: _Static):
-    return _rotate(x2, pos, st, 1.0)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def moved(x4, pos, fwd: _Static, bwd: _Static) -> tuple:
+    """`_move` of x4 [N, groups, slots, D] by `fwd`'s pieces, turning by +theta; its gradient
+    is `bwd`'s pieces moving the cotangents back into one [N, groups, slots, D] array, turning
+    by -theta (a rotation's inverse). `rope` and `rope_qkv` are this with their pieces."""
+    return _move((x4,), pos, fwd, 1.0)
 
 
-def _rope_fwd(x2, pos, st):
-    return _rotate(x2, pos, st, 1.0), pos
+def _moved_fwd(x4, pos, fwd, bwd):
+    return moved(x4, pos, fwd, bwd), pos
 
 
-def _rope_bwd(st, pos, dy2):
+def _moved_bwd(fwd, bwd, pos, cts):
     no_ct = (jnp.zeros(pos.shape, jax.dtypes.float0) if jnp.issubdtype(pos.dtype, jnp.integer)
              else jnp.zeros_like(pos))
-    return _rotate(dy2, pos, st, -1.0), no_ct
+    return _move(tuple(cts), pos, bwd, -1.0)[0], no_ct
 
 
-_rope.defvjp(_rope_fwd, _rope_bwd)
+moved.defvjp(_moved_fwd, _moved_bwd)
+
+
+def check_blocks(block_sizes: RowBlocks | None, d: int, interpret: bool) -> None:
+    """`block_sizes` valid for a kernel that moves whole heads of D (RoPE's and rope_qkv's)."""
+    if block_sizes is None:
+        return
+    block_sizes.validate(interpret)
+    if block_sizes.block_cols < d:
+        raise ValueError(f"block_cols={block_sizes.block_cols} must cover the head dim D={d} "
+                         "(a program moves whole heads; block_rows counts tokens)")
 
 
 def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleaved: bool = True,
@@ -255,15 +263,11 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0, interleav
     ref.validate(x, positions, base)
     interpret = C.resolve_interpret(interpret)
     *_, h, d = x.shape
-    if block_sizes is not None:
-        block_sizes.validate(interpret)
-        if block_sizes.block_cols < d:
-            raise ValueError(f"block_cols={block_sizes.block_cols} must cover the head dim D={d} "
-                             "(a program rotates whole heads; block_rows counts tokens)")
-    x3 = x.reshape(-1, h, d)
+    check_blocks(block_sizes, d, interpret)
+    x4 = x.reshape(-1, 1, h, d)
     per_token = h * d if interpret else _padded(1, h, d)
-    bt, warps = _tokens_per_program(x3.shape[0], per_token, interpret, block_sizes)
+    bt, warps = _tokens_per_program(x4.shape[0], per_token, interpret, block_sizes)
     pos = kernel_positions(positions.reshape(-1))          # one position per token
     st = _Static(float(base), bool(interleaved), bt, interpret, warps, (Piece(0, 0, 0, 0, h),),
-                 "rope")
-    return _rope(x3, pos, st).reshape(x.shape)
+                 (h,), "rope")
+    return moved(x4, pos, st, st)[0].reshape(x.shape)

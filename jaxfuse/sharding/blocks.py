@@ -240,7 +240,8 @@ def _rope_qkv_op(ndim: int, groups: int, base: float, interleaved: bool, interpr
 
     splittable = (*rows, "t", "h")
     sizes = (("g", groups),)
-    # Named "rope": `Config.remat="...+rope"` keeps q and k as it kept `rope`'s outputs.
+    # Named "rope" (not "rope_qkv"): in the model `Config.remat="...+rope"` keeps what it
+    # kept when q and k came from `rope`, and v too (all three are this op's outputs).
     return vjp_op(local, bwd, Layout((qkv, pos), (q, kv, kv), splittable, sizes),
                   Layout((pos, q, kv, kv), (qkv,), splittable, sizes), n_out=3,
                   diff=(True, False), saved=(False, True, False, False, False), name="rope")

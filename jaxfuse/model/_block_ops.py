@@ -4,14 +4,14 @@ dropout and attention (with probability dropout).
 These are the fused block kernels of issue 15 (`jaxfuse.add_norm` and `add_norm_linear`,
 `jaxfuse.swiglu_linear`, `jaxfuse.rope`, `jaxfuse.rope_qkv`, `jaxfuse.embedding`,
 `jaxfuse.dropout`, `jaxfuse.flash_attention(..., dropout_rate=, dropout_key=)`), whose dropout
-masks come from one counter-based generator (Philox) in every kernel. The model calls them only through this module, so swapping an
-implementation (a benchmark's cuDNN attention, a future kernel) changes this file alone.
-`impl="reference"` routes every one of them to its jax.numpy reference.
+masks come from one counter-based generator (Philox) in every kernel. The model calls them only
+through this module, so swapping an implementation (a benchmark's cuDNN attention, a future kernel)
+changes this file alone. `impl="reference"` routes every one of them to its jax.numpy reference.
 
 One exception, for CPU runs only: where the Pallas kernels are interpreted (a CPU backend,
-`JAXFUSE_INTERPRET=1`), `embedding`, `rope`, `rope_qkv` and `reorder_beams` take their
-references, which compute the same function (the same Philox masks, the same reorder). The interpreter turns their
-grids into loops: measured on 2 CPU cores, the embedding and RoPE kernels took LikesWorld's
+`JAXFUSE_INTERPRET=1`), `embedding`, `rope`, `rope_qkv` and `reorder_beams` take their references,
+which compute the same function (the same Philox masks, the same reorder). The interpreter turns
+their grids into loops: measured on 2 CPU cores, the embedding and RoPE kernels took LikesWorld's
 training step from about 0.13 to 0.37 s, past its 3-minute budget; the reorder runs once per
 beam-search step. Compiled, every op is the kernel, but for add + norm, RoPE and SwiGLU on a
 decoding step's few rows (`FEW_ROWS`, below).

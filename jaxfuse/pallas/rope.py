@@ -3,13 +3,13 @@ one read and one write of x, the backward the same kernel turning the other way.
 
 x [..., T, H, D] is viewed as [N, 1, H, D] (N tokens; the kernel, `_move`, takes any
 [tokens, groups, slots, D] views and moves pieces of slots between them, which `rope_qkv` uses
-to split a grouped q/k/v projection). A program rotates a block of tokens, all heads: it loads
-the pairs' two halves as two [tokens, groups, slots, D/2] tiles, one piece at a time - strided loads at columns
-0, 2, 4, ... and 1, 3, 5, ... for interleaved pairs, contiguous ones at 0 and D/2 for halves
-(one body, the layout is only the (offset, stride) of the second half) - so that the two
-elements of a pair meet in the same lane (16-bit interleaved pairs: one 32-bit word per pair,
-loaded contiguously and split in registers). The angles depend on (token, pair) only: cos and sin
-are computed once per [tokens, D/2] and broadcast over the heads (H times fewer
+to split a grouped q/k/v projection). A program rotates a block of tokens, all heads, one piece
+at a time: it loads the pairs' two halves as two [tokens, groups, slots, D/2] tiles - strided
+loads at columns 0, 2, 4, ... and 1, 3, 5, ... for interleaved pairs, contiguous ones at 0 and
+D/2 for halves (one body, the layout is only the (offset, stride) of the second half) - so that
+the two elements of a pair meet in the same lane (16-bit interleaved pairs: one 32-bit word per
+pair, loaded contiguously and split in registers). The angles depend on (token, pair) only: cos
+and sin are computed once per [tokens, D/2] and broadcast over the heads (H times fewer
 transcendentals than one angle per element). The two strided loads of float32 pairs read the
 same cache lines, so DRAM sees each byte of x once.
 """

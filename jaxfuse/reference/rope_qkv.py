@@ -4,7 +4,8 @@ One matmul forms q, k and v of grouped-query attention as [..., T, Hkv, G + 2, D
 the Hkv KV heads its G query heads, then its key, then its value (`jaxfuse.model`'s
 `qkv_weight`, the layout `decode_attention(packed_qkv="grouped")` reads). This returns
 
-    q = rope(qkv[..., :G, :] as [..., T, Hkv G, D]),  k = rope(qkv[..., G, :]),  v = qkv[..., G + 1, :]
+    q = rope(qkv[..., :G, :] as [..., T, Hkv G, D])
+    k = rope(qkv[..., G, :]),   v = qkv[..., G + 1, :]
 
 query head h = n G + i being slot i of KV head n (so q's heads split over devices with their KV
 head). Written with slices the split copies q, k and v out and RoPE then reads and writes q

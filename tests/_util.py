@@ -73,3 +73,12 @@ def kernel_names(jaxpr) -> list[str]:
 # one compile per program and config, where eager dispatch compiled each op and each scan
 # apart (about twice the CPU).
 apply_jit = jax.jit(M.apply, static_argnums=2, static_argnames="impl")
+
+
+def wide_positions():
+    """Yields positions [1, 5] of each type wider than int32, inside the jax_enable_x64 setting
+    it needs: uint32 with one past 2^31 (which wraps negative as int32: another angle), then
+    int64 under x64 (int64 index literals too). RoPE's kernels read both as float32."""
+    for values, dtype in (([0, 1, 2, 3, 2 ** 31 + 5], jnp.uint32), ([0, 7, 2, 900, 5], None)):
+        with jax.enable_x64(dtype is None):
+            yield jnp.asarray([values], jnp.int64 if dtype is None else dtype)

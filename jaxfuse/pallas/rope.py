@@ -63,9 +63,10 @@ class _Static:
     name: str        # the kernels' name: jaxfuse_<name>_fwd / _bwd
 
 
-def _tokens_per_program(n: int, per_token: int, interpret: bool,
-                        blocks: RowBlocks | None) -> tuple[int, int]:
-    """(tokens a program moves, warps); `per_token`: elements of a token's largest piece."""
+def _tokens_per_program(n: int, per_token: int, interpret: bool, blocks: RowBlocks | None,
+                        warps: int = 4) -> tuple[int, int]:
+    """(tokens a program moves, warps); `per_token`: elements of a token's largest piece;
+    `warps`: the op's own on the GPU (RoPE's 4, measured in s3)."""
     if blocks is not None:
         return blocks.block_rows, blocks.num_warps
     if interpret:
@@ -74,7 +75,7 @@ def _tokens_per_program(n: int, per_token: int, interpret: bool,
     # Few tokens (a decoding step: one per sequence) go one or a few per program, at least one
     # program per SM, so that the call takes one small program's latency, not a big one's.
     bt = min(bt, C.next_pow2(C.cdiv(n, C.num_multiprocessors())))
-    return bt, 4
+    return bt, warps
 
 
 def _padded(groups: int, slots: int, d: int) -> int:

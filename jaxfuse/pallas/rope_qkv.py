@@ -47,9 +47,8 @@ def rope_qkv(qkv: jax.Array, positions: jax.Array, *, base: float = 10000.0,
     _rope.check_blocks(block_sizes, d, interpret)
     qkv4 = qkv.reshape(-1, hkv, s, d)
     per_token = hkv * g * d if interpret else _rope._padded(hkv, g, d)    # q: the largest piece
-    bt, warps = _rope._tokens_per_program(qkv4.shape[0], per_token, interpret, block_sizes)
-    if block_sizes is None and not interpret and per_token <= _SMALL_TOKEN:
-        warps = 2
+    bt, warps = _rope._tokens_per_program(qkv4.shape[0], per_token, interpret, block_sizes,
+                                          warps=2 if per_token <= _SMALL_TOKEN else 4)
     pos = _rope.kernel_positions(positions.reshape(-1))          # one position per token
     st = lambda unpack, slots: _rope._Static(float(base), bool(interleaved), bt, interpret, warps,
                                              _pieces(g, unpack), slots, "rope_qkv")

@@ -106,6 +106,53 @@ class CrossEntropyTest(chex.TestCase):
         self.assertEqual(rule(4, 16384), RowBlocks(1, 16384, 16))
         self.assertEqual(rule(64, 1000), RowBlocks(4, 1024, 4))
 
+    def test_loss_and_grad_is_the_pair_in_one_kernel(self):
+        # `loss_and_grad` (the linear + cross-entropy slabs' kernel) against `token_loss` and
+        # its backward with the same tiles: bitwise, in every dtype, on rows of one tile, of
+        # whole tiles and of a ragged last tile, rows not a multiple of the row block, the
+        # special rows (all -inf, a NaN logit, ignored, out of range, a -inf label logit).
+        from jaxfuse.pallas import cross_entropy as pce
+        ref = jaxfuse.reference.cross_entropy
+        k = keys(6, 2)
+        for (n, v, blocks), dtype, a in [
+                ((8, 100, RowBlocks(4, 16)), jnp.float32, 0.1),
+                ((8, 100, RowBlocks(3, 16)), jnp.bfloat16, 0.0),
+                ((8, 96, RowBlocks(3, 32)), jnp.float16, 1.0),
+                ((8, 97, None), jnp.bfloat16, 0.1),
+                ((1, 1, None), jnp.float32, 0.0)]:
+            x = randn(k[0], (n, v), dtype, scale=3.0)
+            labels = jax.random.randint(k[1], (n,), 0, v)
+            if n > 4:
+                x = x.at[0].set(-jnp.inf).at[1, 37 % v].set(jnp.nan).at[4, 9].set(-jnp.inf)
+                labels = labels.at[2].set(-100).at[3].set(v).at[4].set(9)
+            labels = ref.canonical_labels(labels, v, -100)
+            st = pce.static((n, v), label_smoothing=a, ignore_index=-100, interpret=None,
+                            block_sizes=blocks)
+            loss, dz = jax.jit(lambda x: pce.loss_and_grad(x, labels, st))(x)
+            want, pull = jax.vjp(lambda x: pce.token_loss(x, labels, st), x)
+            msg = f"{n=} {v=} {blocks=} {dtype=} {a=}"
+            self.assertEqual((loss.dtype, dz.dtype, dz.shape), (jnp.float32, dtype, x.shape))
+            np.testing.assert_array_equal(loss, want, err_msg=msg)
+            np.testing.assert_array_equal(np.asarray(dz, np.float32),
+                                          np.asarray(pull(jnp.ones_like(want))[0], np.float32),
+                                          err_msg=msg)
+            if n > 4:   # a bad label poisons its row of dz; an ignored one has none
+                self.assertTrue(bool(jnp.isnan(dz[3]).all()) and bool((dz[2] == 0).all()), msg)
+
+    def test_loss_and_grad_leaves_a_live_logits_buffer_alone(self):
+        # dz is written over the logits (in place); where the caller still holds the logits,
+        # XLA must give the kernel a copy, not let it clobber them.
+        from jaxfuse.pallas import cross_entropy as pce
+        x = randn(keys(7, 1)[0], (5, 40), jnp.bfloat16)
+        before = np.asarray(x, np.float32)
+        labels = jnp.arange(5)
+        st = pce.static((5, 40), label_smoothing=0.0, ignore_index=-100, interpret=None,
+                        block_sizes=RowBlocks(2, 16))
+        _, dz, kept = jax.jit(lambda x: (*pce.loss_and_grad(x, labels, st), x * 1))(x)
+        for arr in (kept, x):
+            np.testing.assert_array_equal(np.asarray(arr, np.float32), before)
+        self.assertFalse(np.array_equal(np.asarray(dz, np.float32), before))
+
     def test_bad_input(self):
         x = jnp.ones((3, 7))
         with self.assertRaisesRegex(ValueError, "labels.shape=\\(4,\\) must equal"):

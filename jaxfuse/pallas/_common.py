@@ -224,17 +224,20 @@ def load_tile(ref, row0, col0, block_rows: int, block_cols: int, n_rows, n_cols:
 
 
 def store_tile(ref, value, row0, col0, n_rows, n_cols: int, *, global_row0=None, mask=None,
-               head=None):
+               head=None, cols_inside: bool = False):
     """Stores a [..., br, bc] value at rows row0.. and columns col0.. (of one `head` of a
     [rows, heads, cols] ref), masking what lies outside (and, with `mask` [br, bc], what the
-    caller leaves unwritten)."""
+    caller leaves unwritten). `cols_inside`: as `load_tile`'s, only rows are checked."""
     block_rows, block_cols = value.shape[-2:]
     at = _at(ref, row0, block_rows, col0, block_cols, head)
-    if mask is None and tiles_exactly(n_rows, block_rows) and tiles_exactly(n_cols, block_cols):
+    rows_inside = tiles_exactly(n_rows, block_rows)
+    if mask is None and rows_inside and (cols_inside or tiles_exactly(n_cols, block_cols)):
         pltriton.store(at, value.astype(ref.dtype))
         return
     g0 = row0 if global_row0 is None else global_row0
-    _, _, valid = tile_index(g0, col0, block_rows, block_cols, n_rows, n_cols)
+    rows, _, valid = tile_index(g0, col0, block_rows, block_cols, n_rows, n_cols)
+    if cols_inside:
+        valid = rows < n_rows
     pltriton.store(at, value.astype(ref.dtype), mask=valid if mask is None else valid & mask)
 
 

@@ -162,44 +162,78 @@ def _per_col(refs, col0, b: RowBlocks, n_cols):
 def reduce_pass(init: Callable, step: Callable, finalize: Callable, *, tiled: Sequence,
                 fills: Sequence, per_row: Sequence = (), per_col: Sequence = (),
                 out_dtypes: Sequence, blocks: RowBlocks, name: str, interpret: bool,
-                out_cols: Sequence[int | None] | None = None):
+                out_cols: Sequence[int | None] | None = None, emit: Callable | None = None,
+                emit_dtypes: Sequence = (), in_place: bool = False):
     """Per-row results of folding every column tile of the rows.
 
     `init(per_row) -> state`; `step(state, tile) -> state`; `finalize(state, per_row) -> tuple
     of [br, 1] arrays`, one per entry of `out_dtypes`. Returns `[n_rows]` arrays.
     `out_cols[i] = w` makes output i a short row per row instead: finalize gives [br, w] and the
     pass returns [n_rows, w] (beam top-k's k best of each row; w a power of two on the GPU).
+
+    `emit(tile, results) -> tuple of [br, bc] tiles` (dtypes `emit_dtypes`, arrays shaped like
+    the tiled inputs, returned after the per-row results) makes the pass walk each row a second
+    time, after `finalize`, writing what needs the whole row's results (cross-entropy's
+    gradient beside its loss): one kernel where a reduce pass and a `map_pass` would read the
+    row twice from memory. The second walk goes backwards, so that it first reads again the
+    tiles the first walk read last, while L2 may still hold them; a row of one tile is loaded
+    once. `in_place=True` writes the first emitted array over the first tiled input (both walks
+    read a tile before it is written, in the same program).
     """
     out_cols = tuple(out_cols) if out_cols is not None else (None,) * len(out_dtypes)
     n_rows, n_cols = tiled[0].shape
     b = blocks
     n_tiles = C.cdiv(n_cols, b.block_cols)
+    n_inside = n_cols // b.block_cols          # tiles wholly inside a row
     per_col = [p.reshape(1, n_cols) for p in per_col]
     n_in = (len(tiled), len(per_row), len(per_col))
 
     def kernel(*refs):
         t_refs, r_refs = refs[:n_in[0]], refs[n_in[0]:n_in[0] + n_in[1]]
         c_refs = refs[n_in[0] + n_in[1]:sum(n_in)]
-        out_refs = refs[sum(n_in):]
+        out_refs, e_refs = (refs[sum(n_in):sum(n_in) + len(out_dtypes)],
+                            refs[sum(n_in) + len(out_dtypes):])
         row0 = pl.program_id(0) * b.block_rows
         rows_in = _per_row(r_refs, row0, b, n_rows)
 
-        def body(j, state, interior=True):
+        def tile_at(j, interior):
             col0 = j * b.block_cols
-            tile = _load(t_refs, fills, rows_in, _per_col(c_refs, col0, b, n_cols), row0, col0,
+            return _load(t_refs, fills, rows_in, _per_col(c_refs, col0, b, n_cols), row0, col0,
                          b, n_rows, n_cols, interior=interior)
-            return step(state, tile)
 
-        # The tiles wholly inside the row first, without column masks (a predicated load, a
-        # compare and selects per element, in a pass meant to run at the copy rate), then the
-        # ragged last tile, masked.
-        n_inside = n_cols // b.block_cols
+        def body(j, state, interior=True):
+            return step(state, tile_at(j, interior))
+
+        def write(tile, results, interior):
+            for ref, val in zip(e_refs, emit(tile, results)):
+                C.store_tile(ref, val, row0, tile.col0, n_rows, n_cols, cols_inside=interior)
+
         state = init(rows_in)
-        if n_inside:
-            state = C.reduce_tiles(n_inside, body, state)
-        if n_tiles > n_inside:
-            state = body(jnp.int32(n_inside), state, interior=False)
-        for ref, val, w in zip(out_refs, finalize(state, rows_in), out_cols):
+        if emit is not None and n_tiles == 1:
+            # The whole row is one tile: fold it and emit from the same registers.
+            tile = tile_at(jnp.int32(0), n_inside == 1)
+            results = finalize(step(state, tile), rows_in)
+            write(tile, results, n_inside == 1)
+        else:
+            # The tiles wholly inside the row first, without column masks (a predicated load,
+            # a compare and selects per element, in a pass meant to run at the copy rate),
+            # then the ragged last tile, masked.
+            if n_inside:
+                state = C.reduce_tiles(n_inside, body, state)
+            if n_tiles > n_inside:
+                state = body(jnp.int32(n_inside), state, interior=False)
+            results = finalize(state, rows_in)
+            if emit is not None:
+                if n_tiles > n_inside:
+                    write(tile_at(jnp.int32(n_inside), False), results, False)
+
+                def back(i, carry):
+                    write(tile_at(n_inside - 1 - i, True), results, True)
+                    return carry
+
+                if n_inside:
+                    C.reduce_tiles(n_inside, back, jnp.int32(0))
+        for ref, val, w in zip(out_refs, results, out_cols):
             if w is None:
                 C.store_vec(ref, val[:, 0], row0, n_rows)
             else:
@@ -207,9 +241,13 @@ def reduce_pass(init: Callable, step: Callable, finalize: Callable, *, tiled: Se
 
     out_shape = [jax.ShapeDtypeStruct((n_rows,) if w is None else (n_rows, w), d)
                  for d, w in zip(out_dtypes, out_cols)]
+    out_shape += [jax.ShapeDtypeStruct((n_rows, n_cols), d) for d in emit_dtypes]
+    if in_place and (not emit_dtypes or emit_dtypes[0] != tiled[0].dtype):
+        raise AssertionError("in_place needs a first emitted array of the input's dtype")
+    aliases = {0: len(out_dtypes)} if in_place else None
     return C.pallas_call(kernel, out_shape=out_shape, grid=(C.cdiv(n_rows, b.block_rows),),
-                         name=name, interpret=interpret, num_warps=b.num_warps)(
-        *tiled, *per_row, *per_col)
+                         name=name, interpret=interpret, num_warps=b.num_warps,
+                         input_output_aliases=aliases)(*tiled, *per_row, *per_col)
 
 
 def map_pass(emit: Callable, *, tiled: Sequence, fills: Sequence, per_row: Sequence = (),

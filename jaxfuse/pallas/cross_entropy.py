@@ -88,7 +88,7 @@ def label_logits(logits2, labels):
     return jnp.where(inside, x.astype(jnp.float32), 0.0)
 
 
-def _stats_pass(logits2, st: _Static, finalize, out_dtypes, per_row=()):
+def _stats_pass(logits2, st: _Static, finalize, out_dtypes, per_row=(), **emit):
     """The forward's one pass over logits2 [N, V]: `finalize((m, l, sum of logits) as [br, 1]
     each, per_row)` gives its outputs.
 
@@ -97,7 +97,8 @@ def _stats_pass(logits2, st: _Static, finalize, out_dtypes, per_row=()):
     of found by comparing every column with the label; the sum of logits is only formed with
     label smoothing; and the running sums are per-lane vectors ([rows, tile] wide) reduced once
     at the row's end, leaving one cross-lane reduction per tile (the max). Run s8-4 (H200,
-    [2048, 128256] bf16): 0.268 -> 0.193 ms, BENCHMARKS.md."""
+    [2048, 128256] bf16): 0.268 -> 0.193 ms, BENCHMARKS.md. `emit`: `_rows.reduce_pass`'s
+    second walk (and `name`), for `loss_and_grad`."""
     b, a = st.blocks, st.label_smoothing
 
     def init(_):
@@ -122,7 +123,8 @@ def _stats_pass(logits2, st: _Static, finalize, out_dtypes, per_row=()):
 
     return _rows.reduce_pass(init, step, totals, tiled=[logits2], fills=[0.0],
                              per_row=list(per_row), out_dtypes=out_dtypes, blocks=b,
-                             name="jaxfuse_cross_entropy_fwd", interpret=st.interpret)
+                             name=emit.pop("name", "jaxfuse_cross_entropy_fwd"),
+                             interpret=st.interpret, **emit)
 
 
 def _backward(logits2, labels, lse, g, st: _Static):
@@ -138,6 +140,35 @@ def _backward(logits2, labels, lse, g, st: _Static):
                                 out_dtypes=(logits2.dtype,), blocks=st.blocks,
                                 name="jaxfuse_cross_entropy_bwd", interpret=st.interpret)
     return dlogits
+
+
+def loss_and_grad(logits2, labels, st: _Static):
+    """(per-token loss [N] float32, the gradient of the summed loss d sum(loss) / d logits2
+    [N, V] in the logits' dtype) in one kernel, for a caller that knows its cotangent is 1
+    before it has the loss (the linear + cross-entropy slabs, `linear_cross_entropy_slabs`).
+
+    `token_loss` and its backward read the logits twice from memory (the forward's pass for
+    lse, the backward's for q - p) in two kernels; here each program walks its row for lse,
+    then walks it again (backwards, from L2 where it can) writing q - p over the logits (which
+    the caller no longer needs: `in_place`), or, where a row is one tile, writes it from the
+    registers it was loaded into. The same tile sums and the same per-element formula as the
+    pair: with the same tiles the results are bitwise those of `jax.vjp` of `token_loss`."""
+    n_cls = logits2.shape[1]
+
+    def finalize(stats, per_row):
+        return loss_and_lse(*stats, per_row[1], per_row[0], n_cls, st)
+
+    def emit(tile, results):
+        label = tile.per_row[0]
+        g = ref.token_cotangent(jnp.float32(1.0), label, n_cls, st.ignore_index)
+        return (ref.logits_grad(tile.x[0], tile.cols, label, results[1], g, n_cls,
+                                label_smoothing=st.label_smoothing),)
+
+    loss, _, dlogits = _stats_pass(
+        logits2, st, finalize, (jnp.float32,) * 2,
+        per_row=[labels, label_logits(logits2, labels)], emit=emit,
+        emit_dtypes=(logits2.dtype,), in_place=True, name="jaxfuse_cross_entropy_loss_grad")
+    return loss, dlogits
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -8,8 +8,8 @@ it (1 / count, or 1) is known in the forward. So the forward can form the whole 
 g = 1, slab by slab of tokens, while each slab's logits exist:
 
     per slab of `token_slab` tokens:  z = x_s W             (XLA's matmul, logits in x's dtype)
-                                      loss_s, dz_s          (`jaxfuse.cross_entropy`'s kernels:
-                                                             lse, then dz = q - p)
+                                      loss_s, dz_s          (one cross-entropy kernel: lse,
+                                                             then dz = q - p over z)
                                       dx_s = dz_s W^T,  dW += x_s^T dz_s   (float32)
 
 with dx and dW scaled by the weight once at the end (in float32: 1 / count folded into a 16-bit
@@ -48,10 +48,11 @@ def applies(reduction: str, z_loss: float, logits_soft_cap) -> bool:
 
 def slab_loss(st):
     """(summed loss, dz) of one slab's logits z [n, V] and canonical labels [n] (cotangent 1)
-    by `jaxfuse.cross_entropy`'s kernels with settings `st`."""
+    by `jaxfuse.cross_entropy`'s one-kernel loss and gradient with settings `st` (dz written
+    over z)."""
     def loss_and_dz(z, labels):
-        loss, pull = jax.vjp(lambda z: jnp.sum(_ce.token_loss(z, labels, st)), z)
-        return loss, pull(jnp.float32(1.0))[0]
+        loss, dz = _ce.loss_and_grad(z, labels, st)
+        return jnp.sum(loss), dz
     return loss_and_dz
 
 

@@ -209,6 +209,22 @@ def _sliced_qkv():
     return mock.patch.object(T, "qkv", qkv)
 
 
+def _ce_pair():
+    """A context in which the token-slab loss forms each slab's loss and dz by the cross-entropy
+    kernels' pair (forward for lse, backward for dz: the logits read twice from memory, as
+    before s37) instead of `cross_entropy.loss_and_grad`'s one kernel."""
+    from jaxfuse.pallas import cross_entropy as pce
+    from jaxfuse.pallas import linear_cross_entropy_slabs as slabs
+
+    def slab_loss(st):
+        def loss_and_dz(z, labels):
+            loss, pull = jax.vjp(lambda z: jnp.sum(pce.token_loss(z, labels, st)), z)
+            return loss, pull(jnp.float32(1.0))[0]
+        return loss_and_dz
+
+    return mock.patch.object(slabs, "slab_loss", slab_loss)
+
+
 def _triton_swiglu():
     """A context in which SwiGLU takes its Triton kernels where the Hopper ones would run (a
     diagnostic row: the Hopper kernels read the scan's stacked gate and up in place, Triton's
@@ -262,6 +278,8 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
            "jaxfuse, Triton SwiGLU": functools.partial(M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, three q/k/v matmuls": functools.partial(M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, q/k/v sliced, then rope": functools.partial(M.loss, cfg=cfg, impl="pallas"),
+           "jaxfuse, slab loss and dz by two kernels": functools.partial(
+               M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, attention without the garbage guard": functools.partial(
                M.loss, cfg=cfg, impl="pallas"),
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
@@ -283,6 +301,7 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
             context = {"jaxfuse, Triton SwiGLU": _triton_swiglu,
                        "jaxfuse, three q/k/v matmuls": _three_qkv_matmuls,
                        "jaxfuse, q/k/v sliced, then rope": _sliced_qkv,
+                       "jaxfuse, slab loss and dz by two kernels": _ce_pair,
                        "jaxfuse, attention without the garbage guard": _timing.unguarded_attention}.get(
                            impl, contextlib.nullcontext)
             with context():
@@ -452,6 +471,10 @@ def main(argv=None) -> None:
                     help="also time jaxfuse with q, k and v sliced out of the grouped "
                          "projection and turned by jaxfuse.rope (before s36) instead of "
                          "jaxfuse.rope_qkv")
+    ap.add_argument("--ce-pair", action="store_true",
+                    help="also time jaxfuse with each loss slab's loss and dz formed by the "
+                         "cross-entropy forward and backward kernels (before s37) instead of "
+                         "one kernel")
     ap.add_argument("--unguarded", action="store_true",
                     help="also time jaxfuse without the guard against masked keys' garbage "
                          "in the Hopper attention kernels (forward: the producer cleans edge "
@@ -508,6 +531,7 @@ def main(argv=None) -> None:
         ("jaxfuse, Triton SwiGLU",) if args.triton_swiglu else ()) + (
         ("jaxfuse, three q/k/v",) if args.three_qkv else ()) + (
         ("jaxfuse, q/k/v sliced",) if args.sliced_qkv else ()) + (
+        ("jaxfuse, slab loss and dz",) if args.ce_pair else ()) + (
         ("jaxfuse, attention without",) if args.unguarded else ()) + (
         ("jaxfuse, weights cast before", "plain JAX + *, weights") if args.cast_ab else ())
     impls157 += slab + kept

@@ -434,6 +434,19 @@ def test_cross_entropy_inner_tiles_lower():
     _fwd_bwd(lambda x: jaxfuse.cross_entropy(x, labels, interpret=False, block_sizes=blocks), x)
 
 
+@pytest.mark.parametrize("shape,blocks", [((33, 1024), (2, 256)), ((33, 1000), (2, 256)),
+                                          ((5, 32768), None), ((3, 70000), None)])
+def test_cross_entropy_loss_and_grad_lowers(shape, blocks):
+    # The linear + cross-entropy slabs' one kernel: whole inner tiles walked twice (the second
+    # walk backwards), a ragged last tile, a row of one tile emitted from its registers.
+    from jaxfuse.pallas import cross_entropy as pce
+    st = pce.static(shape, label_smoothing=0.1, ignore_index=-100, interpret=False,
+                    block_sizes=blocks and jaxfuse.RowBlocks(*blocks))
+    labels = jnp.zeros(shape[:1], jnp.int32)
+    exp = _lower(lambda x: pce.loss_and_grad(x, labels, st), jnp.zeros(shape, jnp.bfloat16))
+    assert "jaxfuse_cross_entropy_loss_grad" in exp.mlir_module()
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_swiglu_and_rope_lower(interleaved):
     x = jnp.zeros((33, 1000), jnp.bfloat16)

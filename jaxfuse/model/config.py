@@ -151,17 +151,19 @@ class Config:
 # measurements (issue 16) and a Llama-3.2-1B-shaped model (tied embeddings, 1.24B parameters;
 # B2 x T8192 fits one H200 when each block is recomputed but for its attention: "block+attention",
 # 6.9 GB of temporaries and 7.6% faster than "block" there, BENCHMARKS.md). Both GPU presets
-# form the loss's gradient in its forward, 2048 tokens at a time (`loss_token_slab`): one
-# [16384 x d x V] product fewer than the fused loss, for one [2048, V] logits slab (run s8-1,
-# H200: 1B step 340.9 -> 329.5 ms, 157M 37.13 -> 36.75 ms).
+# form the loss's gradient in its forward, 4096 tokens at a time (`loss_token_slab`): one
+# [16384 x d x V] product fewer than the fused loss, for one [4096, V] logits slab, its dz
+# written over it (run s8-1, H200, slabs of 2048: 1B step 340.9 -> 329.5 ms, 157M 37.13 ->
+# 36.75 ms; run s37-3, H100: 4096 against 2048, 1B 329.2 against 332.1 ms, 157M 35.33 against
+# 36.01, the same temporaries; 8192 at 1B: 330.9 ms, 0.35 GB more).
 PRESETS = {
     "likesworld": Config(vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
                          d_ff=128, max_len=34),
     "157m": Config(vocab_size=32768, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4,
-                   d_ff=2816, max_len=2048, dtype="bfloat16", loss_token_slab=2048),
+                   d_ff=2816, max_len=2048, dtype="bfloat16", loss_token_slab=4096),
     "1b": Config(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                  d_ff=8192, max_len=8192, rope_base=500000.0, dtype="bfloat16",
-                 tie_embeddings=True, remat="block+attention", loss_token_slab=2048),
+                 tie_embeddings=True, remat="block+attention", loss_token_slab=4096),
 }
 
 

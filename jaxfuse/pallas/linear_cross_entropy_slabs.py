@@ -57,7 +57,7 @@ def slab_loss(st):
 
 
 def loss_and_grads(x2, w, labels1, weight, *, label_smoothing: float, ignore_index: int,
-                   token_slab: int, interpret, slab_loss=None, sum_dx=None):
+                   token_slab: int, interpret, slab_loss=slab_loss, sum_dx=None):
     """(summed loss times `weight`, dx [N, D] float32, dW [D, V] float32) of x2 [N, D] and
     labels1 [N] (canonical) for cotangent 1, `weight` (float32 scalar) being every token's
     weight in the reduced loss: 1 / count for a mean (the whole batch's count), 1 for a sum.
@@ -73,8 +73,7 @@ def loss_and_grads(x2, w, labels1, weight, *, label_smoothing: float, ignore_ind
     st = _ce.static((slab, w.shape[1]), label_smoothing=label_smoothing,
                     ignore_index=ignore_index, interpret=interpret, block_sizes=None)
 
-    loss_and_dz = (slab_loss or globals()["slab_loss"])(st)   # looked up per call: benchmarks
-    #                                                             patch it for their A/B rows
+    loss_and_dz = slab_loss(st)
 
     def step(dw, xs_ls):
         xs, ls = xs_ls

@@ -54,6 +54,33 @@ def check():
                        deterministic=same, status="ok" if ok else "FAIL")
             guarded(S, name, jnp.dtype(dtype).name, run)
 
+    # The token slabs (`LCEBlocks(token_slab=n)`, the GPU presets' loss): each slab's loss and
+    # dz by one cross-entropy kernel (s37), ragged slabs, rows past the 16384-column tile
+    # (walked twice), label smoothing, ignored labels, every dtype.
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        for n, d, v, slab, a in [(1000, 256, 5000, 384, 0.0), (333, 128, 70001, 128, 0.1)]:
+            name = f"check token_slab={slab} N{n} D{d} V{v} smoothing {a}"
+
+            def run_slab(n=n, d=d, v=v, slab=slab, a=a, name=name):
+                x, w, labels = _inputs(jax.random.key(v + 1), n, d, v, dtype)
+                labels = labels.at[::7].set(-100)
+                f = lambda impl, blocks, x, w: jaxfuse.linear_cross_entropy(
+                    x, w, labels, impl=impl, label_smoothing=a, block_sizes=blocks)
+                vg = lambda impl, blocks=None: jax.jit(jax.value_and_grad(
+                    functools.partial(f, impl, blocks), argnums=(0, 1)))
+                loss, (dx, dw) = vg("pallas", LCEBlocks(token_slab=slab))(x, w)
+                with jax.default_matmul_precision("highest"):
+                    loss_r, (dx_r, dw_r) = vg("reference")(x.astype(jnp.float32),
+                                                           w.astype(jnp.float32))
+                errs = [rel_err(loss, loss_r), rel_err(dx, dx_r), rel_err(dw, dw_r)]
+                _, (dx2, dw2) = vg("pallas", LCEBlocks(token_slab=slab))(x, w)
+                same = bool(jnp.array_equal(dx, dx2)) and bool(jnp.array_equal(dw, dw2))
+                # (float32 products run as TF32 on the GPU by default, as the fused op's checks)
+                ok = errs[0] < 1e-3 and max(errs[1:]) < 1e-2 and same
+                record(S, name, jnp.dtype(dtype).name, loss_err=errs[0], grad_err=max(errs[1:]),
+                       deterministic=same, status="ok" if ok else "FAIL")
+            guarded(S, name, jnp.dtype(dtype).name, run_slab)
+
     def run_vmap():
         # vmap over examples with a shared weight: the Hopper forward under pallas_call batching,
         # its backward (D = 256) one example after another (custom_vmap).

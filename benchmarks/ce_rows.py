@@ -1,5 +1,6 @@
-"""The cross-entropy kernels on the token-slab loss's rows (`LCEBlocks(token_slab=2048)` runs
-them on [2048, V] bf16 logits: V = 128256 at the 1B preset, 32768 at the 157M), tile by tile.
+"""The cross-entropy kernels on the token-slab loss's rows (`LCEBlocks(token_slab=n)` runs
+them on [n, V] bf16 logits: V = 128256 at the 1B preset, 32768 at the 157M; the presets' n is
+4096 since s37, 2048 here as in s8), tile by tile.
 
 Two ways to get a slab's loss and its gradient dz = q - p (cotangent 1):
 * "pair": `jaxfuse.cross_entropy`'s forward kernel (one read of the logits for lse) and its
@@ -10,7 +11,9 @@ Profiler kernel times of each for a few `RowBlocks`, with the rate against the b
 move at least (read the logits, write dz: 2 N V bytes at bf16; the pair's forward: N V). Each
 "one kernel" row first checks its loss and dz bitwise against the pair on the same tiles (the
 same sums and formula). `other_ms`: the call's other kernels (XLA's gather of the labels'
-logits, the sum of the losses), not in the rates.
+logits, the sum of the losses; for the one kernel also XLA's copy of the logits, which a jit
+argument that is not donated needs before dz is written over it: in the model the logits are
+the slab's own temporary and are not copied), not in the rates.
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/ce_rows.py [OUT.json]
 """

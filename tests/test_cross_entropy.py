@@ -119,6 +119,7 @@ class CrossEntropyTest(chex.TestCase):
                 ((8, 100, RowBlocks(3, 16)), jnp.bfloat16, 0.0),
                 ((8, 96, RowBlocks(3, 32)), jnp.float16, 1.0),
                 ((8, 97, None), jnp.bfloat16, 0.1),
+                ((8, 10, RowBlocks(3, 16)), jnp.bfloat16, 0.1),    # a row of one ragged tile
                 ((1, 1, None), jnp.float32, 0.0)]:
             x = randn(k[0], (n, v), dtype, scale=3.0)
             labels = jax.random.randint(k[1], (n,), 0, v)
@@ -139,6 +140,9 @@ class CrossEntropyTest(chex.TestCase):
             if n > 4:   # a bad label poisons its row of dz; an ignored one has none
                 self.assertTrue(bool(jnp.isnan(dz[3]).all()) and bool((dz[2] == 0).all()), msg)
 
+    @pytest.mark.skipif(jax.default_backend() != "gpu",
+                        reason="interpret mode has no buffer aliasing to get wrong (the sm90 "
+                               "lowering test checks the alias is asked for)")
     def test_loss_and_grad_leaves_a_live_logits_buffer_alone(self):
         # dz is written over the logits (in place); where the caller still holds the logits,
         # XLA must give the kernel a copy, not let it clobber them.

@@ -4,7 +4,9 @@ Every row-wise op here is one or two of these passes over a `[n_rows, n_cols]` v
 
 * `reduce_pass`: one program per block of rows walks the row in column tiles and folds each
   tile into a per-row state (online max/sum for softmax, Welford state for LayerNorm, ...). It
-  writes per-row results only. Rows longer than one tile need it; cross-entropy's forward is one.
+  writes per-row results, and, given an `emit`, walks the row a second time writing tiles that
+  need them (cross-entropy's loss and gradient in one kernel). Rows longer than one tile need
+  it; cross-entropy's forward is one.
 * `map_pass`: program (g, j) writes column tile j of a group of rows, chunk by chunk. When the
   whole row fits in one tile the op computes its row statistics inline from that tile (one read
   of the data, lecture 10 sec. 4.1); otherwise it reads them from a preceding `reduce_pass`. It

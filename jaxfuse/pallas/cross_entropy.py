@@ -52,15 +52,18 @@ def empty_state(rows: int):
     return jnp.full((rows, 1), C.NEG_INF, jnp.float32), z, z, z
 
 
-def _forward(logits2, labels, st: _Static):
-    """(per-token loss, lse), both [N] float32, in one pass over the logits (`row_stats`)."""
+def _forward(logits2, labels, st: _Static, emit=None, emit_dtypes=(),
+             name: str = "jaxfuse_cross_entropy_fwd"):
+    """(per-token loss, lse), both [N] float32, in one pass over the logits (`row_stats`);
+    with `emit`, then the arrays of `_rows.reduce_pass`'s second walk (`loss_and_grad`)."""
     n_cls = logits2.shape[1]
 
     def finalize(stats, per_row):
         return loss_and_lse(*stats, per_row[1], per_row[0], n_cls, st)
 
     return _stats_pass(logits2, st, finalize, (jnp.float32,) * 2,
-                       per_row=[labels, label_logits(logits2, labels)])
+                       per_row=[labels, label_logits(logits2, labels)], emit=emit,
+                       emit_dtypes=emit_dtypes, name=name)
 
 
 def loss_and_lse(m, l, sum_x, picked, labels, n_cls: int, st: _Static):
@@ -88,7 +91,8 @@ def label_logits(logits2, labels):
     return jnp.where(inside, x.astype(jnp.float32), 0.0)
 
 
-def _stats_pass(logits2, st: _Static, finalize, out_dtypes, per_row=(), **emit):
+def _stats_pass(logits2, st: _Static, finalize, out_dtypes, per_row=(), emit=None,
+                emit_dtypes=(), name: str = "jaxfuse_cross_entropy_fwd"):
     """The forward's one pass over logits2 [N, V]: `finalize((m, l, sum of logits) as [br, 1]
     each, per_row)` gives its outputs.
 
@@ -97,8 +101,8 @@ def _stats_pass(logits2, st: _Static, finalize, out_dtypes, per_row=(), **emit):
     of found by comparing every column with the label; the sum of logits is only formed with
     label smoothing; and the running sums are per-lane vectors ([rows, tile] wide) reduced once
     at the row's end, leaving one cross-lane reduction per tile (the max). Run s8-4 (H200,
-    [2048, 128256] bf16): 0.268 -> 0.193 ms, BENCHMARKS.md. `emit`: `_rows.reduce_pass`'s
-    second walk (and `name`), for `loss_and_grad`."""
+    [2048, 128256] bf16): 0.268 -> 0.193 ms, BENCHMARKS.md. `emit`, `emit_dtypes`:
+    `_rows.reduce_pass`'s second walk, written over the logits (`loss_and_grad`)."""
     b, a = st.blocks, st.label_smoothing
 
     def init(_):
@@ -123,8 +127,8 @@ def _stats_pass(logits2, st: _Static, finalize, out_dtypes, per_row=(), **emit):
 
     return _rows.reduce_pass(init, step, totals, tiled=[logits2], fills=[0.0],
                              per_row=list(per_row), out_dtypes=out_dtypes, blocks=b,
-                             name=emit.pop("name", "jaxfuse_cross_entropy_fwd"),
-                             interpret=st.interpret, **emit)
+                             name=name, interpret=st.interpret, emit=emit,
+                             emit_dtypes=emit_dtypes, in_place=emit is not None)
 
 
 def _backward(logits2, labels, lse, g, st: _Static):
@@ -149,14 +153,13 @@ def loss_and_grad(logits2, labels, st: _Static):
 
     `token_loss` and its backward read the logits twice from memory (the forward's pass for
     lse, the backward's for q - p) in two kernels; here each program walks its row for lse,
-    then walks it again (backwards, from L2 where it can) writing q - p over the logits (which
-    the caller no longer needs: `in_place`), or, where a row is one tile, writes it from the
-    registers it was loaded into. The same tile sums and the same per-element formula as the
-    pair: with the same tiles the results are bitwise those of `jax.vjp` of `token_loss`."""
+    then walks it again (backwards, from L2 where it can) writing q - p over the logits, or,
+    where a row is one tile, writes it from the registers it was loaded into. The logits'
+    buffer becomes dz's: a caller that still holds the logits makes XLA copy them first (the
+    memory traffic this kernel exists to save). The same tile sums and the same per-element
+    formula as the pair: with the same tiles the results are bitwise those of `jax.vjp` of
+    `token_loss`."""
     n_cls = logits2.shape[1]
-
-    def finalize(stats, per_row):
-        return loss_and_lse(*stats, per_row[1], per_row[0], n_cls, st)
 
     def emit(tile, results):
         label = tile.per_row[0]
@@ -164,10 +167,8 @@ def loss_and_grad(logits2, labels, st: _Static):
         return (ref.logits_grad(tile.x[0], tile.cols, label, results[1], g, n_cls,
                                 label_smoothing=st.label_smoothing),)
 
-    loss, _, dlogits = _stats_pass(
-        logits2, st, finalize, (jnp.float32,) * 2,
-        per_row=[labels, label_logits(logits2, labels)], emit=emit,
-        emit_dtypes=(logits2.dtype,), in_place=True, name="jaxfuse_cross_entropy_loss_grad")
+    loss, _, dlogits = _forward(logits2, labels, st, emit=emit, emit_dtypes=(logits2.dtype,),
+                                name="jaxfuse_cross_entropy_loss_grad")
     return loss, dlogits
 
 

@@ -142,9 +142,9 @@ def test_token_slab_loss_keeps_the_vocabulary_split():
     with jax.set_mesh(mesh):                    # the loss as the mesh's step traces it
         names = kernel_names(jax.make_jaxpr(jax.grad(
             lambda p: M.loss(p, tokens, targets, cfg)))(params).jaxpr)
-    # a slab kernel (one device's one-kernel loss and dz, or the vocabulary-parallel pair),
-    # never the fused op's backward
-    assert {"jaxfuse_cross_entropy_loss_grad", "jaxfuse_cross_entropy_bwd"} & set(names), names
+    # The jaxpr is the loss's one-device trace (the HLO asserts above check the vocabulary's
+    # split): the slabs' one-kernel loss and dz, never the fused op's backward.
+    assert "jaxfuse_cross_entropy_loss_grad" in names, names
     assert "jaxfuse_linear_cross_entropy_bwd" not in names
     many = jax.tree.map(np.asarray, compiled(p, s, a, b, None))
     fresh = M.init(jax.random.key(0), cfg)         # the steps donate their parameters

@@ -231,6 +231,30 @@ def _triton_swiglu():
     return mock.patch.object(swiglu_hopper, "fits", lambda *a, **k: False)
 
 
+# Diagnostic train rows: jaxfuse's preset lowered inside a context that puts back an earlier
+# or a stripped-down piece of the model. `--FLAG` (dashes for underscores) adds the row named
+# here; the context is held over the whole lowering (a custom_vjp's backward is traced after
+# its forward returns).
+CONTEXT_ROWS = {
+    "triton_swiglu": ("jaxfuse, Triton SwiGLU", _triton_swiglu,
+                      "also time jaxfuse with SwiGLU's Triton kernels instead of the Hopper ones "
+                      "(which read the scan's stacked residuals in place)"),
+    "three_qkv": ("jaxfuse, three q/k/v matmuls", _three_qkv_matmuls,
+                  "also time jaxfuse with q, k and v formed by three matmuls (before s11) "
+                  "instead of one on the grouped [d, Hkv (G + 2) hd] matrix"),
+    "sliced_qkv": ("jaxfuse, q/k/v sliced, then rope", _sliced_qkv,
+                   "also time jaxfuse with q, k and v sliced out of the grouped projection and "
+                   "turned by jaxfuse.rope (before s36) instead of jaxfuse.rope_qkv"),
+    "ce_pair": ("jaxfuse, slab loss and dz by two kernels", _ce_pair,
+                "also time jaxfuse with each loss slab's loss and dz formed by the "
+                "cross-entropy forward and backward kernels (before s37) instead of one kernel"),
+    "unguarded": ("jaxfuse, attention without the garbage guard", _timing.unguarded_attention,
+                  "also time jaxfuse without the guard against masked keys' garbage in the "
+                  "Hopper attention kernels (forward: the producer cleans edge tiles; "
+                  "backward: an XLA pass over K)"),
+}
+
+
 def profile_attention(cfg, b, t):
     """The model's attention alone (forward, and forward + backward), kernel by kernel: how many
     launches one call makes, to set against the train step's profile."""
@@ -272,13 +296,8 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
                M.loss, cfg=dataclasses.replace(cfg, loss_token_slab=token_slab), impl="pallas"),
            "jaxfuse, y and SwiGLU product kept": _with_kept_projections(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
-           "jaxfuse, Triton SwiGLU": functools.partial(M.loss, cfg=cfg, impl="pallas"),
-           "jaxfuse, three q/k/v matmuls": functools.partial(M.loss, cfg=cfg, impl="pallas"),
-           "jaxfuse, q/k/v sliced, then rope": functools.partial(M.loss, cfg=cfg, impl="pallas"),
-           "jaxfuse, slab loss and dz by two kernels": functools.partial(
-               M.loss, cfg=cfg, impl="pallas"),
-           "jaxfuse, attention without the garbage guard": functools.partial(
-               M.loss, cfg=cfg, impl="pallas"),
+           **{row: functools.partial(M.loss, cfg=cfg, impl="pallas")
+              for row, _, _ in CONTEXT_ROWS.values()},
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            # the model before s34: the stacked weights cast to bf16 before the layer loop
@@ -295,12 +314,8 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
 
         def run(impl=impl):
             step = jax.jit(jax.value_and_grad(lambda p, x, y: fns[impl](p, x, y)))
-            context = {"jaxfuse, Triton SwiGLU": _triton_swiglu,
-                       "jaxfuse, three q/k/v matmuls": _three_qkv_matmuls,
-                       "jaxfuse, q/k/v sliced, then rope": _sliced_qkv,
-                       "jaxfuse, slab loss and dz by two kernels": _ce_pair,
-                       "jaxfuse, attention without the garbage guard": _timing.unguarded_attention}.get(
-                           impl, contextlib.nullcontext)
+            context = {row: ctx for row, ctx, _ in CONTEXT_ROWS.values()}.get(
+                impl, contextlib.nullcontext)
             with context():
                 compiled = step.lower(params, tokens, targets).compile()
             temp = compiled.memory_analysis().temp_size_in_bytes
@@ -458,24 +473,8 @@ def main(argv=None) -> None:
     ap.add_argument("--kept-projections", action="store_true",
                     help="also time jaxfuse with add_norm_linear and swiglu_linear unfused "
                          "(y and the SwiGLU product kept for the backward, as before s11)")
-    ap.add_argument("--triton-swiglu", action="store_true",
-                    help="also time jaxfuse with SwiGLU's Triton kernels instead of the Hopper "
-                         "ones (which read the scan's stacked residuals in place)")
-    ap.add_argument("--three-qkv", action="store_true",
-                    help="also time jaxfuse with q, k and v formed by three matmuls (before "
-                         "s11) instead of one on the grouped [d, Hkv (G + 2) hd] matrix")
-    ap.add_argument("--sliced-qkv", action="store_true",
-                    help="also time jaxfuse with q, k and v sliced out of the grouped "
-                         "projection and turned by jaxfuse.rope (before s36) instead of "
-                         "jaxfuse.rope_qkv")
-    ap.add_argument("--ce-pair", action="store_true",
-                    help="also time jaxfuse with each loss slab's loss and dz formed by the "
-                         "cross-entropy forward and backward kernels (before s37) instead of "
-                         "one kernel")
-    ap.add_argument("--unguarded", action="store_true",
-                    help="also time jaxfuse without the guard against masked keys' garbage "
-                         "in the Hopper attention kernels (forward: the producer cleans edge "
-                         "tiles; backward: an XLA pass over K)")
+    for flag, (_, _, help_) in CONTEXT_ROWS.items():
+        ap.add_argument("--" + flag.replace("_", "-"), action="store_true", help=help_)
     ap.add_argument("--cast-ab", action="store_true",
                     help="also time both models with the other placement of the weights' cast "
                          "to bf16 (jaxfuse before the layer loop, as before s34; plain JAX "
@@ -524,12 +523,8 @@ def main(argv=None) -> None:
         ("jaxfuse, cuDNN",) if args.swap_attention else ())
     slab = () if args.loss_token_slab is None else ("jaxfuse, loss_token_slab",)
     token_slab = None if args.loss_token_slab in (None, "none") else args.loss_token_slab
-    kept = (("jaxfuse, y and SwiGLU",) if args.kept_projections else ()) + (
-        ("jaxfuse, Triton SwiGLU",) if args.triton_swiglu else ()) + (
-        ("jaxfuse, three q/k/v",) if args.three_qkv else ()) + (
-        ("jaxfuse, q/k/v sliced",) if args.sliced_qkv else ()) + (
-        ("jaxfuse, slab loss and dz",) if args.ce_pair else ()) + (
-        ("jaxfuse, attention without",) if args.unguarded else ()) + (
+    kept = (("jaxfuse, y and SwiGLU",) if args.kept_projections else ()) + tuple(
+        row for flag, (row, _, _) in CONTEXT_ROWS.items() if getattr(args, flag)) + (
         ("jaxfuse, weights cast before", "plain JAX + *, weights") if args.cast_ab else ())
     impls157 += slab + kept
     impls1b = ("jaxfuse", "jaxfuse, nondet", "plain") + slab + kept

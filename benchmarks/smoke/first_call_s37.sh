@@ -4,20 +4,13 @@
 # the warps rule by tile size; same kernels at the measured shapes), then, on an H200, the model
 # on the current code for BENCHMARKS.md's table and the row kernels' forwards.
 #   bash benchmarks/smoke/first_call_s37.sh "$OUT"      (on the device machine)
-set -u
-out=${1:-/tmp/s37}
-mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name --format=csv,noheader
+. "$(dirname "$0")/_lib.sh"
 timeout -s KILL 150 python benchmarks/gpu_check.py rope_qkv --out "$out/rope_qkv.json" \
     > "$out/rope_qkv.log" 2>&1
 echo "rope_qkv rc=$?: $(grep -c 'ok=True' "$out/rope_qkv.log") ok, \
 $(grep -c 'ok=False' "$out/rope_qkv.log") not"
 grep " ms" "$out/rope_qkv.log" | grep -v "tokens" | cut -c1-140
-timeout -s KILL 260 python benchmarks/model.py train157 train1b decode --no-reference \
-    --out "$out/model" > "$out/model.log" 2>&1
-echo "model rc=$?"
-tr '\r' '\n' < "$out/model.log" | grep -a "loss+grads\|train:\|tokens/s\|step" | cut -c1-190
+model_run model 260 train157 train1b decode --no-reference
 timeout -s KILL 160 python benchmarks/block.py --no-check --interleave 3 \
     --only dropout,bias_dropout_add,add_norm,rope,embedding --out "$out/block.json" \
     > "$out/block.log" 2>&1

@@ -4,21 +4,9 @@
 # token slabs of 4096): the model and decoding on the current code, then the linear +
 # cross-entropy checks' vmap case that s37-6's time limit cut, then the block rows' forwards.
 #   bash benchmarks/smoke/first_call_s38.sh "$OUT"      (on the device machine)
-set -u
-out=${1:-/tmp/s38}
-mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name --format=csv,noheader
-timeout -s KILL 300 python benchmarks/model.py train157 train1b decode --no-reference \
-    --loss-token-slab 2048 --out "$out/model" > "$out/model.log" 2>&1
-echo "model rc=$?"
-tr '\r' '\n' < "$out/model.log" | grep -av "run/s\]$" | grep -a " ms \|speedup" | cut -c1-190
-timeout -s KILL 120 python -c "
-from benchmarks import lce, _timing
-lce.check()
-_timing.save('$out/lce_check.json')" > "$out/lce_check.log" 2>&1
-echo "lce check rc=$?: $(grep -c 'status=ok' "$out/lce_check.log") ok, \
-$(grep -c 'FAIL\|rror' "$out/lce_check.log") not"
+. "$(dirname "$0")/_lib.sh"
+model_run model 300 train157 train1b decode --no-reference --loss-token-slab 2048
+lce_check 120
 timeout -s KILL 150 python benchmarks/block.py --no-check --interleave 3 \
     --only dropout,bias_dropout_add,add_norm,rope,embedding --out "$out/block.json" \
     > "$out/block.log" 2>&1

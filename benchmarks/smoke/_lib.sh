@@ -1,0 +1,32 @@
+# Sourced by the session smoke scripts (`. "$(dirname "$0")/_lib.sh"` with the script's own
+# arguments): their common start (the output folder from $1, the repository's package on the
+# path, the card's name) and the model race with its rows printed.
+set -u
+out=${1:-/tmp/smoke}
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name --format=csv,noheader
+
+# model_run NAME LIMIT_S ARGS...: `benchmarks/model.py ARGS --out $out/NAME`, killed after
+# LIMIT_S, log $out/NAME.log; prints its timed rows (and, with --profile, the kernels by kind).
+model_run() {
+    local name=$1 limit=$2
+    shift 2
+    timeout -s KILL "$limit" python benchmarks/model.py "$@" --out "$out/$name" \
+        > "$out/$name.log" 2>&1
+    echo "model $name rc=$?"
+    tr '\r' '\n' < "$out/$name.log" | grep -av "run/s\]$" \
+        | grep -a " ms \|speedup\|by kind\|kernels per call" | cut -c1-200
+}
+
+# lce_check LIMIT_S: the linear + cross-entropy checks (`benchmarks/lce.py`'s `check`, compiled
+# against the float32 reference), log $out/lce_check.log, counts and rows printed.
+lce_check() {
+    timeout -s KILL "$1" python -c "
+from benchmarks import lce, _timing
+lce.check()
+_timing.save('$out/lce_check.json')" > "$out/lce_check.log" 2>&1
+    echo "lce check rc=$?: $(grep -c 'status=ok' "$out/lce_check.log") ok, \
+$(grep -c 'FAIL\|rror' "$out/lce_check.log") not"
+    grep "check" "$out/lce_check.log" | sed 's/  */ /g' | cut -c1-200
+}

@@ -30,3 +30,13 @@ _timing.save('$out/lce_check.json')" > "$out/lce_check.log" 2>&1
 $(grep -c 'FAIL\|rror' "$out/lce_check.log") not"
     grep "check" "$out/lce_check.log" | sed 's/  */ /g' | cut -c1-200
 }
+
+# block_rows LIMIT_S: the five row kernels' forwards and fwd+bwd against XLA, interleaved
+# (`benchmarks/block.py`), log $out/block.log, rows printed.
+block_rows() {
+    timeout -s KILL "$1" python benchmarks/block.py --no-check --interleave 3 \
+        --only dropout,bias_dropout_add,add_norm,rope,embedding --out "$out/block.json" \
+        > "$out/block.log" 2>&1
+    echo "block rc=$?"
+    grep "fwd  \|interleaved" "$out/block.log" | cut -c1-150
+}

@@ -11,8 +11,4 @@ echo "rope_qkv rc=$?: $(grep -c 'ok=True' "$out/rope_qkv.log") ok, \
 $(grep -c 'ok=False' "$out/rope_qkv.log") not"
 grep " ms" "$out/rope_qkv.log" | grep -v "tokens" | cut -c1-140
 model_run model 260 train157 train1b decode --no-reference
-timeout -s KILL 160 python benchmarks/block.py --no-check --interleave 3 \
-    --only dropout,bias_dropout_add,add_norm,rope,embedding --out "$out/block.json" \
-    > "$out/block.log" 2>&1
-echo "block rc=$?"
-grep "fwd  \|interleaved" "$out/block.log" | cut -c1-150
+block_rows 160

@@ -7,8 +7,4 @@
 . "$(dirname "$0")/_lib.sh"
 model_run model 300 train157 train1b decode --no-reference --loss-token-slab 2048
 lce_check 120
-timeout -s KILL 150 python benchmarks/block.py --no-check --interleave 3 \
-    --only dropout,bias_dropout_add,add_norm,rope,embedding --out "$out/block.json" \
-    > "$out/block.log" 2>&1
-echo "block rc=$?"
-grep "fwd  \|interleaved" "$out/block.log" | cut -c1-150
+block_rows 150

@@ -42,7 +42,8 @@ from benchmarks._timing import bench, guarded, record, rel_err
 S = "attn_bwd"
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
 KERNELS = ("jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper",
-           "jaxfuse_flash_bwd_dkv_dq_hopper", "jaxfuse_flash_bwd_dkv")   # the last: Triton
+           "jaxfuse_flash_bwd_dkv_dq_hopper", "jaxfuse_flash_bwd_dkv_dq_fixed_hopper",
+           "jaxfuse_flash_bwd_dkv")   # the last: Triton
 
 CASES = [   # (b, tq, tk, hq, hkv, d), options
     ((2, 256, 256, 4, 4, 64), dict(causal=True)),
@@ -70,14 +71,17 @@ def _inputs(key, b, tq, tk, hq, hkv, d, dtype):
             jax.random.normal(k[4], (b, hq, tq), jnp.float32))
 
 
-def _check_case(i, shape, opts, dtype, det: bool, hopper=None):
-    name = f"check {shape} {opts} det={det}" + ("" if hopper is None else f" {hopper}")
+def _check_case(i, shape, opts, dtype, det: bool, hopper=None, outlier=None):
+    name = (f"check {shape} {opts} det={det}" + ("" if hopper is None else f" {hopper}")
+            + ("" if outlier is None else f" K[:, 1] x {outlier}"))
     # deterministic=False: the fused dQ forced at every D (by default it runs at D = 64 only).
     if hopper is None:
         hopper = True if det else HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True))
 
     def run():
         q, k, v, do, dlse = _inputs(jax.random.key(i), *shape, dtype)
+        if outlier is not None:
+            k = k.at[:, 1].multiply(outlier)
 
         def fb(impl, q, k, v, do, dlse):
             kw = dict(opts, return_lse=True, impl=impl)
@@ -99,13 +103,19 @@ def _check_case(i, shape, opts, dtype, det: bool, hopper=None):
         fin = jnp.isfinite(rlse)
         errs = [rel_err(o, ro), rel_err(jnp.where(fin, lse, 0), jnp.where(fin, rlse, 0))]
         errs += [rel_err(a, r) for a, r in zip(g, rg)]
+        # dq's worst row, against that row's largest entry (rows of small dq beside large
+        # ones: the precision a fixed-point row keeps, `_fixed_sum`).
+        dq32, rdq = g[0].astype(jnp.float32), rg[0]
+        row_err = float(jnp.max(jnp.max(jnp.abs(dq32 - rdq), -1)
+                                / (jnp.max(jnp.abs(rdq), -1) + 1e-30)))
         nan = any(bool(jnp.isnan(x).any()) for x in (o, *g))
         o2, _, g2 = run1(*args)
         same = all(bool(jnp.array_equal(a, b)) for a, b in zip((o, *g), (o2, *g2)))
         ok = max(errs) <= TOL[dtype] and not nan and (same or not det) and (
             "jaxfuse_flash_bwd_dkv" not in ran)
         record(S, name, jnp.dtype(dtype).name, max_rel_err=max(errs), dq_err=errs[2],
-               dk_err=errs[3], dv_err=errs[4], bitwise_repeat=same, kernels=",".join(ran),
+               dk_err=errs[3], dv_err=errs[4], dq_row_err=row_err, bitwise_repeat=same,
+               kernels=",".join(ran),
                status="ok" if ok else "FAIL")
     guarded(S, name, jnp.dtype(dtype).name, run)
 
@@ -697,6 +707,41 @@ def long_rows(rounds: int = 3):
           {"B1 H16 T32768 D128 causal": row})
 
 
+# The fixed-point fused dQ's checks beyond CASES (s38): a key whose K is 10^4 times the others'
+# (its maxima set every row's scale: the precision the bound leaves, `_fixed_sum`), and the
+# 1B model's GQA shape at a smaller length with ragged rows.
+FIXED_CASES = [
+    ((2, 1000, 1000, 8, 2, 64), dict(causal=True)),
+    ((1, 384, 640, 4, 1, 64), dict(sliding_window=200, logits_soft_cap=30.0)),
+    ((1, 256, 256, 4, 4, 64), dict()),
+]
+
+
+def fixed(rounds: int = 3):
+    """The deterministic fused dQ in int32 fixed point (`HopperBwdTiles.fixed_dq`, the default
+    at D = 64 since s38), compiled: the D = 64 CASES and FIXED_CASES against the float32
+    reference (bitwise repeat), the same with one key's K scaled by 10^4 (an outlier that
+    sets the rows' bound), the D = 64 garbage cases, then the D = 64 ROWS fwd+bwd interleaved:
+    the default (fixed), the kernel pair it replaces (`fixed_dq=False`), the float32 fused dQ
+    (deterministic=False) and cuDNN.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed [OUT.json]
+    """
+    d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
+    for i, (shape, opts) in enumerate(d64):
+        _check_case(i, shape, opts, jnp.bfloat16, True)
+        _check_case(i, shape, opts, jnp.bfloat16, True,
+                    hopper=HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=False)))
+    _check_case(0, d64[0][0], d64[0][1], jnp.float16, True)
+    _check_case(7, FIXED_CASES[0][0], FIXED_CASES[0][1], jnp.bfloat16, True, outlier=1e4)
+    garbage([c for c in GARBAGE if c[0][-1] == 64])
+    pair = AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=False)))
+    _rows(rounds, {"kernel pair": (dict(block_sizes=pair), contextlib.nullcontext),
+                   "float32 fused, nondet": (dict(deterministic=False),
+                                             contextlib.nullcontext)},
+          {k: v for k, v in ROWS.items() if v[0][-1] == 64})
+
+
 def repeatability(rounds: int = 3, labels=("B4 H32 T4096 D128 full",
                                            "B4 H32 T4096 D128 causal",
                                            "D64 B8 H16 T2048 causal")):
@@ -824,7 +869,7 @@ def _probe_sweep():
 
 if __name__ == "__main__":
     _timing.commands({
-        "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks,
+        "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks, "fixed": fixed,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone
         "dkv_overlap": lambda rounds=5: variant(

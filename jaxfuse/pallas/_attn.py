@@ -250,6 +250,43 @@ def visible(spec: AttnSpec, q_pos, k_pos, q_seg=None, k_seg=None, same=None):
     return keep
 
 
+def visible_max(x, spec: AttnSpec, axis: int):
+    """For each query row, the max over the keys it sees of x, a non-negative per-key array
+    with the keys (Tk of them) along `axis`: the same array with Tq rows there, 0 for a row
+    that sees no key. The causal and window masks give each row a range of keys
+    [lo_i, hi_i]; segment ids do not (not taken here). A key no row sees never enters.
+
+    A prefix max (causal, or no mask: the range ends at hi_i) or a suffix max (a window
+    without causal) where one end is fixed, else a sparse table (log2 Tk levels of maxima of
+    2^l keys; a range is two overlapping blocks of one level)."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = spec.n_k
+    i = jnp.arange(spec.n_q)
+    hi = jnp.minimum(i + spec.shift, n - 1) if spec.causal else jnp.full_like(i, n - 1)
+    lo = (jnp.maximum(i + spec.shift - spec.window + 1, 0) if spec.window is not None
+          else jnp.zeros_like(i))
+    seen = (hi >= lo) & (hi >= 0) & (lo < n)
+    lo_c, hi_c = jnp.clip(lo, 0, n - 1), jnp.clip(hi, 0, n - 1)
+    if spec.window is None:
+        m = jax.lax.cummax(x, axis=x.ndim - 1)[..., hi_c]
+    elif not spec.causal:
+        m = jax.lax.cummax(x, axis=x.ndim - 1, reverse=True)[..., lo_c]
+    else:
+        levels, w = [x], 1
+        while 2 * w <= n:
+            prev = levels[-1]
+            shifted = jnp.pad(prev[..., w:], [(0, 0)] * (x.ndim - 1) + [(0, w)])
+            levels.append(jnp.maximum(prev, shifted))
+            w *= 2
+        table = jnp.concatenate(levels, axis=-1)            # level l at [l * n, (l + 1) * n)
+        length = jnp.maximum(hi_c - lo_c + 1, 1)
+        lvl = jnp.zeros_like(length)
+        for l in range(1, len(levels)):                     # floor(log2(length)), exactly
+            lvl = jnp.where(length >= (1 << l), l, lvl)
+        m = jnp.maximum(table[..., lvl * n + lo_c], table[..., lvl * n + hi_c - (1 << lvl) + 1])
+    return jnp.moveaxis(jnp.where(seen, m, 0), -1, axis)
+
+
 def finite_rows(x):
     """(x with its non-finite entries zeroed, [..., n] whether each of its n rows held one).
 

@@ -176,6 +176,7 @@ from jax.experimental import pallas as pl
 
 from jaxfuse import _checks
 from jaxfuse.pallas import _attn as A
+from jaxfuse.pallas import _fixed_sum as FS
 from jaxfuse.pallas import _hopper as H
 from jaxfuse.pallas import _hopper_ring as R
 from jaxfuse.pallas import attention_bwd
@@ -222,7 +223,11 @@ class HopperBwdTiles:
     D128 4.546 -> 4.466, GQA 32/8 4.428 -> 4.446, 1B B2 T8192 D64 5.089 -> 5.095, D256 B2
     H16 T4096 2.834 -> 2.728; 19 compiled checks and the garbage cases ok).
     dkv_overlap: the dK/dV kernel's steps with their vector work under their own products
-    (`dkv_overlaps`; None: on, except with the fused dQ; True: with it too)."""
+    (`dkv_overlaps`; None: on, except with the fused dQ; True: with it too).
+    fixed_dq: with deterministic=True, the fused dQ (where `fused_dq` puts it: D = 64 by
+    default) adds its partials as int32 fixed point (`_fixed_sum`: exact integer adds, so any
+    order gives the same bits) instead of the deterministic kernel pair's 7 products; not
+    with segment ids. False: the deterministic backward is always the kernel pair."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -233,6 +238,7 @@ class HopperBwdTiles:
     exchange: bool = True
     clean: bool = True
     dkv_overlap: bool | None = None
+    fixed_dq: bool = True
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -252,8 +258,8 @@ class HopperBwdTiles:
     def check(self, spec: AttnSpec) -> None:
         """Raises a ValueError where these tiles cannot run `spec`'s backward (the rings'
         depths, the fused dQ's rows): at plan time, before any kernel is traced."""
-        d, fused = spec.head_dim, self.fuse(spec.head_dim, spec.deterministic)
-        self.dkv_stages(d, spec.itemsize, fused, spec.segments)
+        d, fused = spec.head_dim, self.fuse(spec)
+        self.dkv_stages(d, spec.itemsize, fused, spec.segments, self.fixes(spec))
         if not fused:
             self.dq_stages(d, spec.itemsize, self.cleans(spec), spec.segments)
 
@@ -289,12 +295,19 @@ class HopperBwdTiles:
         mask 5.387 against 6.408 (4.662)."""
         return self.exchange and self.split_d(d)
 
-    def fuse(self, d: int, deterministic: bool) -> bool:
-        """Whether dQ comes from the dK/dV kernel (reducing stores, not deterministic; never
-        at D = 256, whose consumers split the columns, not the keys)."""
-        if deterministic or self.split_d(d):
+    def fuse(self, spec: AttnSpec) -> bool:
+        """Whether dQ comes from the dK/dV kernel by reducing stores (never at D = 256, whose
+        consumers split the columns, not the keys): float32 ones with deterministic=False,
+        integer ones (`fixes`) with the default, else the dQ kernel."""
+        d = spec.head_dim
+        if self.split_d(d) or (spec.deterministic and not self.fixes(spec)):
             return False
         return d <= 64 if self.fused_dq is None else self.fused_dq
+
+    def fixes(self, spec: AttnSpec) -> bool:
+        """Whether a deterministic fused dQ adds in fixed point (`fixed_dq`; not with segment
+        ids, under which a row's visible keys are not a range for its bound, `_fixed_sum`)."""
+        return spec.deterministic and self.fixed_dq and not spec.segments
 
     def cleans(self, spec: AttnSpec) -> bool:
         """Whether the dQ kernel cleans masked keys' garbage itself (`clean`, where masks
@@ -303,8 +316,7 @@ class HopperBwdTiles:
         products contract over queries, so a key's garbage reaches only its own dK and dV
         rows (and the masks' selects drop it from the rows that do not see it). The fused
         dQ contracts over keys inside the dK/dV kernel: it keeps the XLA pass."""
-        return (self.clean and A.hides_keys(spec)
-                and not self.fuse(spec.head_dim, spec.deterministic))
+        return self.clean and A.hides_keys(spec) and not self.fuse(spec)
 
     def dq_overlap(self, d: int) -> bool:
         """Whether the dQ kernel runs the overlapped schedule (module docstring, "Overlap")."""
@@ -355,14 +367,15 @@ class HopperBwdTiles:
         """Columns of the float32 dQ tile one consumer stores at a time."""
         return d // 2 if self.dq_split(d) else d
 
-    def dkv_stages(self, d: int, itemsize: int, fused_dq: bool, segments: bool = False) -> int:
+    def dkv_stages(self, d: int, itemsize: int, fused_dq: bool, segments: bool = False,
+                   fixed_point: bool = False) -> int:
         bq = self.bq(d)
         if fused_dq and bq % _ROWS:
             # dQ += dS K has the step's query rows as its M, whole wgmma tiles of 64.
             raise ValueError(f"{H.tiles_repr(self)} at head_dim {d}: the fused dQ takes "
                              f"block_q 64 or 128, not {bq}; pass block_q=None or fused_dq=False")
         layout = lambda t: t._dkv_layout(d, itemsize, fused_dq and t.fused_dq is not False,
-                                         segments)
+                                         segments, fixed_point)
         fixes = ([dict(stages=None)] * (self.stages is not None)
                  + [dict(block_q=v) for v in (64, 32) if v < bq and not (fused_dq and v % 64)]
                  + [dict(fused_dq=False)] * fused_dq)
@@ -378,7 +391,8 @@ class HopperBwdTiles:
             return min(2, fit)
         return fit
 
-    def _dkv_layout(self, d: int, itemsize: int, fused_dq: bool, segments: bool):
+    def _dkv_layout(self, d: int, itemsize: int, fused_dq: bool, segments: bool,
+                    fixed_point: bool = False):
         """(bytes of the dK/dV kernel's fixed buffers, bytes a ring slot, 1 slot at least)."""
         bq = self.bq(d)
         fixed = 2 * self.key_rows(d, fused_dq) * d * itemsize   # K, V
@@ -392,6 +406,8 @@ class HopperBwdTiles:
         stage = 2 * bq * d * itemsize + 2 * bq * 4
         if segments:       # each step's query ids; the consumers' keys' ids once
             stage, fixed = stage + bq * 4, fixed + 1024
+        if fused_dq and fixed_point:       # each step's rows' scales (`_fixed_sum`)
+            stage += bq * 4
         return fixed, stage, 1
 
     def dq_stages(self, d: int, itemsize: int, clean: bool = False,
@@ -447,13 +463,16 @@ def _kernel(body, out_type, grid, names, name: str, spec: AttnSpec, batchable: b
 
 
 def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
-    """The dK/dV kernel (with the fused dQ: taking the dQ ref last) for q's and k's shapes."""
+    """The dK/dV kernel (with the fused dQ: taking the dQ ref last, after the rows' scales
+    when it adds in fixed point) for q's and k's shapes."""
     b, _, _, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
-    stages = tiles.dkv_stages(d, q.dtype.itemsize, fused_dq, spec.segments)
+    fixed = fused_dq and tiles.fixes(spec)
+    stages = tiles.dkv_stages(d, q.dtype.itemsize, fused_dq, spec.segments, fixed)
     body = functools.partial(DKV.dkv_body, spec=spec, tiles=tiles, stages=stages,
-                             fused_dq=fused_dq)
-    name = "jaxfuse_flash_bwd_dkv_dq_hopper" if fused_dq else "jaxfuse_flash_bwd_dkv_hopper"
+                             fused_dq=fused_dq, fixed=fixed)
+    name = ("jaxfuse_flash_bwd_dkv_dq_fixed_hopper" if fixed else
+            "jaxfuse_flash_bwd_dkv_dq_hopper" if fused_dq else "jaxfuse_flash_bwd_dkv_hopper")
     nc = tiles.dkv_consumers(d, fused_dq)
     n_k_tiles = pl.cdiv(tk, tiles.key_rows(d, fused_dq))
     return _kernel(functools.partial(body, n_k_tiles=n_k_tiles, heads=_dkv_heads(q, k)),
@@ -480,20 +499,26 @@ def _dkv_heads(q, k) -> int:
 
 
 def _fused(*args, spec: AttnSpec, tiles: HopperBwdTiles):
-    """(dq, dk, dv) by the dK/dV kernel with the fused dQ (deterministic=False) of `_grads`'
-    operands."""
+    """(dq, dk, dv) by the dK/dV kernel with the fused dQ of `_grads`' operands (in fixed
+    point, `tiles.fixes`: their last two are `_fixed_sum.row_scales`' r and bad)."""
+    fixed = tiles.fixes(spec)
+
     # A ref with a memory space (the interpreter's) only lives inside a jit.
     @jax.jit
     def run(*args):
         q, k = args[:2]
+        args, (r, bad) = (args[:-2], args[-2:]) if fixed else (args, (None, None))
+        acc = jnp.int32 if fixed else _F32
         if spec.interpret:     # one buffer per consumer (module docstring)
-            dq_ref = jax.new_ref(jnp.zeros((2,) + q.shape, _F32), memory_space=plgpu.GMEM)
+            dq_ref = jax.new_ref(jnp.zeros((2,) + q.shape, acc), memory_space=plgpu.GMEM)
         else:
-            dq_ref = jax.new_ref(jnp.zeros(q.shape, _F32))
-        dk, dv = _dkv(q, k, spec, tiles, True)(*args, dq_ref)
+            dq_ref = jax.new_ref(jnp.zeros(q.shape, acc))
+        dk, dv = _dkv(q, k, spec, tiles, True)(*args, *(r,) * fixed, dq_ref)
         dq = dq_ref[...]
         if spec.interpret:
             dq = dq[0] + dq[1]
+        if fixed:
+            return FS.to_float(dq, r, bad, q.dtype), dk, dv
         return dq.astype(q.dtype), dk, dv
     return run(*args)
 
@@ -513,17 +538,22 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
     q_tile = math.lcm(_KEYS, tiles.bq(spec.head_dim))
     k_tile = math.lcm(_KEYS, tiles.k_dq(spec.head_dim))
     delta = attention_bwd.delta(o, do, dlse, spec)                     # [B, Hq, Tq] float32
+    k_in, v_in, do_in = k, v, do
     q, do = (A.pad_rows(x, q_tile, spec) for x in (q, do))
     # The fused dQ's consumers each read the other's K (`attention_hopper_dkv`): where the last
     # CTA's second consumer would have no key of its own (Tk % 128 in 1..64), that consumer
     # would load nothing and the first wait for it forever, so there k and v stay padded.
-    short_tail = 0 < n_k % _KEYS <= _ROWS and tiles.fuse(spec.head_dim, spec.deterministic)
+    short_tail = 0 < n_k % _KEYS <= _ROWS and tiles.fuse(spec)
     k, v = (A.pad_length(x, k_tile) if short_tail else A.pad_rows(x, k_tile, spec)
             for x in (k, v))
+    # The fixed-point dQ's rows' scales, from the unpadded operands (padded rows: r = 0).
+    fixed = (FS.row_scales(k_in, v_in, do_in, delta, lse_u, spec)
+             if tiles.fuse(spec) and tiles.fixes(spec) else ())
     lse_u, delta = (A.pad_length(x, q_tile, axis=2) for x in (lse_u, delta))
     args = (q, k, v, do, lse_u.astype(_F32), delta)
     if spec.segments:
         args += (A.pad_length(qs, q_tile), A.pad_length(ks, k_tile))
+    args += tuple(A.pad_length(x, q_tile, axis=2) for x in fixed)
     dq, dk, dv = _grads(args, spec, tiles)
     return dq[:, :n_q], dk[:, :n_k], dv[:, :n_k]     # no-ops where nothing was padded
 
@@ -532,7 +562,7 @@ def _grads(args, spec: AttnSpec, tiles: HopperBwdTiles):
     """(dq, dk, dv) of `backward`'s operands (q, k, v, do, lse_u, delta, and the
     segment ids qs, ks with spec.segments)."""
     q, k = args[:2]
-    if not tiles.fuse(spec.head_dim, spec.deterministic):
+    if not tiles.fuse(spec):
         dk, dv = _dkv(q, k, spec, tiles, False)(*args)
         b, tq, hq, d = q.shape
         clean = tiles.cleans(spec)

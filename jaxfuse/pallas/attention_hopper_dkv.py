@@ -1,8 +1,9 @@
 """The dK/dV kernel of the Hopper attention backward (the design, its measurements and the
 dQ schemes: `attention_hopper_bwd`'s docstring): a CTA holds a tile of keys of one KV head and
 walks the query tiles that see them, recomputing S^T and dP^T to form dV += P^T dO and
-dK += dS^T Q; with the fused dQ (`deterministic=False`) it also adds dQ += dS K into a float32
-buffer by reducing TMA stores (`add_dq`).
+dK += dS^T Q; with the fused dQ it also adds dQ += dS K into a buffer by reducing TMA stores
+(`add_dq`): float32 (`deterministic=False`) or int32 fixed point (`fixed`, deterministic:
+`_fixed_sum`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxfuse.pallas import _attn as A
+from jaxfuse.pallas import _fixed_sum as FS
 from jaxfuse.pallas import _hopper as H
 from jaxfuse.pallas import _hopper_ring as R
 from jaxfuse.pallas._attn import AttnSpec
@@ -27,12 +29,15 @@ if TYPE_CHECKING:
 
 
 def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec: AttnSpec,
-             tiles: HopperBwdTiles, stages: int, fused_dq: bool, n_k_tiles: int, heads: int):
+             tiles: HopperBwdTiles, stages: int, fused_dq: bool, n_k_tiles: int, heads: int,
+             fixed: bool = False):
     # q/do [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], lse/delta [B, Hq, Tq]; refs: the segment ids
-    # qs [B, Tq] and ks [B, Tk] (int32) if spec.segments, (dq float32 [B, Tq, Hq, D] added
-    # into; [2, ...] one per consumer in the interpreter) if fused_dq, then the outputs dk, dv
-    # [B, Tk, Hkv, D].
-    (qs_gmem, ks_gmem), refs = A.split_refs(refs, spec, 2 + fused_dq)
+    # qs [B, Tq] and ks [B, Tk] (int32) if spec.segments, the rows' fixed-point scales r
+    # [B, Hq, Tq] (float32) if fixed, (dq [B, Tq, Hq, D] added into, float32 or int32 if
+    # fixed; [2, ...] one per consumer in the interpreter) if fused_dq, then the outputs dk,
+    # dv [B, Tk, Hkv, D].
+    (qs_gmem, ks_gmem), refs = A.split_refs(refs, spec, 2 + fused_dq + fixed)
+    r_gmem, refs = (refs[0], refs[1:]) if fixed else (None, refs)
     dq_gmem, (dk_gmem, dv_gmem) = (refs[0], refs[1:]) if fused_dq else (None, refs)
     d, g = spec.head_dim, spec.groups
     bq, nc, key_rows = tiles.bq(d), tiles.dkv_consumers(d, fused_dq), tiles.key_rows(d, fused_dq)
@@ -52,9 +57,9 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
     transforms = _transforms(dtype, d, xq if exchange else bq)
     split, cols = tiles.dq_split(d), tiles.dq_cols(d)
 
-    def scoped(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-               pt_x, ds_x, kv_full, q_full, do_full, empty, ds_full, ds_free, turns, kv_read,
-               halves_in, x_full, x_free, *segs):
+    def scoped(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, r_smem, ds_smem,
+               dq_smem, pt_x, ds_x, kv_full, q_full, do_full, empty, ds_full, ds_free, turns,
+               kv_read, halves_in, x_full, x_free, *segs):
         # Segment ids: each step's queries' beside its Q and lse, each consumer's keys' once.
         qseg_smem, kseg_smem, kseg_full = segs if spec.segments else (None,) * 3
         k_tile, bh = H.heavy_first(lax.axis_index("cta"), n_k_tiles, k_gmem.shape[0] * hkv,
@@ -89,6 +94,9 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                                         do_full.at[slot])
                 plgpu.copy_gmem_to_smem(delta_gmem.at[b, h, rows], delta_smem.at[slot],
                                         do_full.at[slot])
+                if fixed:
+                    plgpu.copy_gmem_to_smem(r_gmem.at[b, h, rows], r_smem.at[slot],
+                                            do_full.at[slot])
 
             # Observe the last releases (every barrier completion is waited for, see the
             # forward).
@@ -182,10 +190,16 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_full.at[turn])
 
-            def add_dq_of_step(gi, j, q0):
-                """The fused dQ of step j: [bq, D] float32 of reducing stores (two column
-                halves at D = 128, one tile by the consumer whose turn it is at 64), half the
-                bytes of a partial per consumer (FlashAttention-3 sec. 3.3's dQ)."""
+            def rows_scale(slot):
+                """The fixed-point dQ's scales of step `slot`'s query rows (None in float32),
+                read before the slot is released."""
+                return R.load_vec(r_smem.at[slot], 1, spec.interpret) if fixed else None
+
+            def add_dq_of_step(gi, j, q0, r):
+                """The fused dQ of step j: [bq, D] float32 (or int32 fixed point, its rows
+                scaled by r) of reducing stores (two column halves at D = 128, one tile by the
+                consumer whose turn it is at 64), half the bytes of a partial per consumer
+                (FlashAttention-3 sec. 3.3's dQ)."""
                 turn = lax.rem(j, 2)
 
                 def dq_product(c0):
@@ -198,8 +212,11 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                                            k_smem.at[:, :, pl.ds(c0, cols)]))
                     plgpu.barrier_arrive(ds_free.at[turn])
                     with jax.named_scope("dq_store"):
-                        add_dq(dq * spec.scale, dq_smem.at[wg], dq_gmem, wg, b, q0,
-                               hk * g + gi, c0, spec.interpret)
+                        dq = dq * spec.scale
+                        if fixed:
+                            dq = FS.quantize(dq * R.row_vec(r, dq.shape[1]))
+                        add_dq(dq, dq_smem.at[wg], dq_gmem, wg, b, q0, hk * g + gi, c0,
+                               spec.interpret)
                 if split:
                     # Both consumers every step, each its half of the columns: the same work
                     # for both, so neither waits on the other's turn. (Two static branches:
@@ -239,9 +256,10 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 pp.switch()
                 with jax.named_scope("dk"):
                     (dk,) = mma.run(rs(dk, ds, q_cols(slot)))                  # += dS^T Q
+                r = rows_scale(slot)
                 plgpu.barrier_arrive(empty.at[slot])
                 if fused_dq:
-                    add_dq_of_step(gi, j, q0)
+                    add_dq_of_step(gi, j, q0, r)
                 return dk, dv
 
             def ostep(gi, i, j, carry, masked):
@@ -268,9 +286,10 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     dk, dv = mma.dkv_overlapped(
                         dk, dv, k_tile, q_smem.at[slot], v_tile, do_smem.at[slot],
                         lambda: plgpu.barrier_wait(do_full.at[slot]), p_of, ds_of)
+                r = rows_scale(slot)
                 plgpu.barrier_arrive(empty.at[slot])
                 if fused_dq:
-                    add_dq_of_step(gi, j, q0)
+                    add_dq_of_step(gi, j, q0, r)
                 return dk, dv
 
             def xstep(gi, i, j, carry, masked):
@@ -380,7 +399,8 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
     # on a [2, 2, 64, bq] buffer here).
     ds_type = (plgpu.SMEM((4, _ROWS, bq), dtype, transforms=H._tma_transforms(dtype, bq))
                if fused_dq else plgpu.SMEM((1, 8), _F32))
-    dq_type = (plgpu.SMEM((2, bq, cols), _F32, transforms=H._tma_transforms(_F32, cols))
+    acc = jnp.int32 if fixed else _F32
+    dq_type = (plgpu.SMEM((2, bq, cols), acc, transforms=H._tma_transforms(acc, cols))
                if fused_dq and not spec.interpret else plgpu.SMEM((1, 8), _F32))
     pl.run_scoped(
         scoped,
@@ -390,13 +410,14 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
         plgpu.SMEM((stages, bq, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bq), _F32),
         plgpu.SMEM((stages, bq), _F32),
+        plgpu.SMEM((stages, bq) if fixed else (1, 8), _F32),        # the rows' scales r
         ds_type,
         dq_type,
         *[plgpu.SMEM((_ROWS, bq) if exchange else (1, 8), dtype if exchange else _F32,
                      transforms=transforms if exchange else ()) for _ in "pd"],  # P^T, dS^T
         plgpu.Barrier(num_arrivals=2, **({} if split_d else dict(num_barriers=nc))),  # K, V
         plgpu.Barrier(num_arrivals=2 + spec.segments, num_barriers=stages),  # Q, lse (ids)
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),         # dO and delta copies
+        plgpu.Barrier(num_arrivals=2 + fixed, num_barriers=stages),  # dO, delta (and r)
         plgpu.Barrier(num_arrivals=nc, num_barriers=stages),        # every consumer done
         plgpu.Barrier(num_arrivals=2, num_barriers=2),              # both dS^T halves written
         plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=2),  # dQ read the dS^T
@@ -412,7 +433,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
 
 
 def add_dq(dq, smem, dq_gmem, wg, b, q0, h, c0, interpret: bool):
-    """dq_gmem[b, q0:q0 + bq, h, c0:c0 + n] += dq ([bq, n] float32): one reducing TMA store
+    """dq_gmem[b, q0:q0 + bq, h, c0:c0 + n] += dq ([bq, n] float32 or int32): one reducing TMA store
     from this consumer's shared-memory tile, not waited for: the next call waits only until
     that store has read the tile, a step or two later (long done), so the consumer never
     waits on global memory. In the interpreter (no reducing store) a read-add-write of this

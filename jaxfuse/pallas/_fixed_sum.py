@@ -1,0 +1,89 @@
+"""Sums whose bits do not depend on the order of their terms: integer addition of fixed point.
+
+The Hopper backward's fused dQ (`attention_hopper_dkv`) adds dQ_i = scale sum_j dS_ij K_j from
+every key tile's CTA into one buffer by reducing stores. In float32 the total depends on the
+order the adds land in (each add rounds), so the bits change from run to run. Integer addition
+is exact and associative: each CTA scales its partial's row i by a power of two r_i, rounds it
+to int32 and adds it with an integer reducing store (two's complement; the TMA adds int32 as
+well as float32, at the same bytes), and the total is the same in any order; dq_i = total / r_i
+afterwards. One kernel forms dQ with dK and dV (5 products a tile pair) and its gradients are
+bitwise repeatable, where the float32 one is not and the kernel pair takes 7 products.
+
+r_i comes from a bound of |dQ_i| computed before the kernel, from its inputs only:
+    |dP_ij| = |dO_i . V_j| <= sqrt(D) max|dO_i| sqrt(D) max|V_j|,
+    sum_j |dS_ij| = sum_j P_ij |dP_ij - delta_i| <= max_j |dP_ij| + |delta_i|   (sum_j P_ij = 1),
+    |dQ_id| <= scale max_j |K_jd| sum_j |dS_ij| <= B_i,
+with the maxima over the keys row i sees (`_attn.visible_max`: masked keys' garbage never
+enters) and a factor 2 for a + b <= 2 max(a, b) and 2 more for rounding (the bf16 dS, the
+float32 products, P's sum). r_i = 2^(29 - ceil(log2 B_i)): every partial and every partial
+sum, in any order, stays below 2^29 after scaling, so int32 never overflows. Each partial's
+rounding costs at most half a unit, 2^-30 of B_i: with n key tiles the total is within
+n 2^-30 B_i of the float32 sum, below bfloat16's 2^-9 unless B_i overstates |dQ_i| by 10^5 or
+more (a visible key 10^5 times larger than those a row attends to).
+
+An integer holds no NaN: a row whose float32 sum would not be finite is found from the inputs
+instead (`row_scales`' `bad`: a non-finite value in a key or value the row sees, in its dO,
+delta or lse, or a bound past 2^155, where a partial's units would exceed float32's range) and
+made NaN after the sum, as the kernel pair's dq would be.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxfuse.pallas import _attn as A
+from jaxfuse.pallas._attn import AttnSpec
+
+_F32 = jnp.float32
+BITS = 29          # |scaled partial sums| < 2^BITS < 2^31
+_EXP = 126         # r_i = 2^e, |e| <= 126: normal float32 both ways
+
+
+def _pow2(e):
+    """2^e, exactly, for integer-valued float32 e in [-126, 127] (the exponent bits)."""
+    return lax.bitcast_convert_type(((e.astype(jnp.int32) + 127) << 23), _F32)
+
+
+def _abs_max(x):
+    """(max |x| over the last axis of x's finite entries, whether it held a non-finite one)."""
+    x = x.astype(_F32)
+    ok = jnp.isfinite(x)
+    return jnp.max(jnp.where(ok, jnp.abs(x), 0.0), axis=-1), jnp.any(~ok, axis=-1)
+
+
+def row_scales(k, v, do, delta, lse_u, spec: AttnSpec):
+    """(r, bad), both [B, Hq, Tq]: r the float32 power of two each query row's dQ is scaled by
+    before it is rounded to int32, bad whether the row's dQ is not finite (module docstring).
+    k, v [B, Tk, Hkv, D], do [B, Tq, Hq, D]; delta and lse_u [B, Hq, Tq] as the backward
+    kernels read them. Not for segment ids (a row's visible keys are then not a range)."""
+    assert not spec.segments
+    (ka, kbad), (va, vbad) = _abs_max(k), _abs_max(v)
+    per_key = jnp.stack([ka, va, (kbad | vbad).astype(_F32)])           # [3, B, Tk, Hkv]
+    mk, mv, seen_bad = A.visible_max(per_key, spec, axis=2)             # [3, B, Tq, Hkv]
+    heads = lambda x: jnp.swapaxes(jnp.repeat(x, spec.groups, axis=2), 1, 2)   # [B, Hq, Tq]
+    mk, mv, seen_bad = heads(mk), heads(mv), heads(seen_bad) > 0
+    doa, dobad = (jnp.swapaxes(x, 1, 2) for x in _abs_max(do))
+    half_log_d = 0.5 * math.log2(spec.head_dim)
+    dp = jnp.log2(doa) + jnp.log2(mv) + 2 * half_log_d                  # log2 max |dP_ij|
+    log_bound = (math.log2(spec.scale) + jnp.log2(mk) + 2
+                 + jnp.maximum(dp, jnp.log2(jnp.abs(delta))))
+    log_bound = jnp.where(jnp.isnan(log_bound), 0.0, log_bound)      # such a row is bad
+    e = jnp.clip(BITS - jnp.ceil(log_bound), -_EXP, _EXP)            # -inf (dQ = 0): 126
+    bad = (seen_bad | dobad | ~jnp.isfinite(delta) | jnp.isnan(lse_u) | (lse_u == jnp.inf)
+           | (log_bound > BITS + _EXP))
+    return _pow2(e), bad
+
+
+def quantize(x):
+    """x (float32, already scaled by its rows' r) rounded to the nearest int32."""
+    return lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.int32)
+
+
+def to_float(total, r, bad, dtype):
+    """dq [B, Tq, Hq, D] in `dtype` from the int32 total and `row_scales`' r and bad."""
+    inv = _pow2(-jnp.log2(r))              # 1 / r, exactly: r is a power of two
+    rows = lambda x: jnp.swapaxes(x, 1, 2)[..., None]
+    dq = total.astype(_F32) * rows(inv)
+    return jnp.where(rows(bad), jnp.nan, dq).astype(dtype)

@@ -671,13 +671,17 @@ def d256_profile(top: int = 8):
                   D256, causal, top=top)
 
 
-def _profiles(label, shape, causal: bool, top: int = 8, cudnn: bool = False):
-    """Per-kernel GPU time (profiler) of one fwd+bwd call of jaxfuse's default (and cuDNN's)
-    at shape (B, T, Hq, Hkv, D), bf16."""
+def _profiles(label, shape, causal: bool, top: int = 8, cudnn: bool = False, variants=None):
+    """Per-kernel GPU time (profiler) of one fwd+bwd call of jaxfuse's default (each of
+    `variants`, name -> flash_attention's keyword arguments; and cuDNN's) at shape (B, T, Hq,
+    Hkv, D), bf16."""
     from benchmarks import _profile
     b, t, hq, hkv, d = shape
     args = _inputs(jax.random.key(7), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]
     fns = {"jaxfuse": functools.partial(jaxfuse.flash_attention, causal=causal)}
+    fns.update({f"jaxfuse[{name}]": functools.partial(jaxfuse.flash_attention, causal=causal,
+                                                      **kw)
+                for name, kw in (variants or {}).items()})
     if cudnn:
         fns["cudnn"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                          implementation="cudnn")
@@ -719,26 +723,26 @@ FIXED_CASES = [
 
 def fixed(rounds: int = 3):
     """The deterministic fused dQ in int32 fixed point (`HopperBwdTiles.fixed_dq`, the default
-    at D = 64 since s38), compiled: the D = 64 CASES and FIXED_CASES against the float32
-    reference (bitwise repeat), the same with one key's K scaled by 10^4 (an outlier that
-    sets the rows' bound), the D = 64 garbage cases, then the D = 64 ROWS fwd+bwd interleaved:
-    the default (fixed), the kernel pair it replaces (`fixed_dq=False`), the float32 fused dQ
-    (deterministic=False) and cuDNN.
+    at D = 64 since s38), compiled: the kernels of one fwd+bwd call (profiler) at the models'
+    shapes, against the kernel pair it replaces (`fixed_dq=False`) and the float32 fused dQ
+    (deterministic=False); the D = 64 CASES and FIXED_CASES against the float32 reference
+    (bitwise repeat), one with a key's K scaled by 10^4 (an outlier that sets its rows'
+    bound), two D = 64 garbage cases; then the D = 64 ROWS fwd+bwd interleaved, the same
+    three and cuDNN.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed [OUT.json]
     """
+    pair = AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=False)))
+    variants = {"kernel pair": dict(block_sizes=pair), "nondet": dict(deterministic=False)}
+    for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
+        _profiles(label, *ROWS[label], top=6, variants=variants)
     d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
     for i, (shape, opts) in enumerate(d64):
         _check_case(i, shape, opts, jnp.bfloat16, True)
-        _check_case(i, shape, opts, jnp.bfloat16, True,
-                    hopper=HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=False)))
     _check_case(0, d64[0][0], d64[0][1], jnp.float16, True)
     _check_case(7, FIXED_CASES[0][0], FIXED_CASES[0][1], jnp.bfloat16, True, outlier=1e4)
-    garbage([c for c in GARBAGE if c[0][-1] == 64])
-    pair = AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=False)))
-    _rows(rounds, {"kernel pair": (dict(block_sizes=pair), contextlib.nullcontext),
-                   "float32 fused, nondet": (dict(deterministic=False),
-                                             contextlib.nullcontext)},
+    garbage([c for c in GARBAGE if c[0][-1] == 64][:2])
+    _rows(rounds, {name: (kw, contextlib.nullcontext) for name, kw in variants.items()},
           {k: v for k, v in ROWS.items() if v[0][-1] == 64})
 
 

@@ -250,40 +250,47 @@ def visible(spec: AttnSpec, q_pos, k_pos, q_seg=None, k_seg=None, same=None):
     return keep
 
 
-def visible_max(x, spec: AttnSpec, axis: int):
-    """For each query row, the max over the keys it sees of x, a non-negative per-key array
-    with the keys (Tk of them) along `axis`: the same array with Tq rows there, 0 for a row
-    that sees no key. The causal and window masks give each row a range of keys
-    [lo_i, hi_i]; segment ids do not (not taken here). A key no row sees never enters.
-
-    A prefix max (causal, or no mask: the range ends at hi_i) or a suffix max (a window
-    without causal) where one end is fixed, else a sparse table (log2 Tk levels of maxima of
-    2^l keys; a range is two overlapping blocks of one level)."""
-    x = jnp.moveaxis(x, axis, -1)
+def visible_range(spec: AttnSpec):
+    """(lo, hi, seen), each [Tq]: the keys query row i sees by the causal and window masks
+    are [lo_i, hi_i] (clipped to the keys), none where not seen_i. Segment ids are not taken."""
     n = spec.n_k
     i = jnp.arange(spec.n_q)
     hi = jnp.minimum(i + spec.shift, n - 1) if spec.causal else jnp.full_like(i, n - 1)
     lo = (jnp.maximum(i + spec.shift - spec.window + 1, 0) if spec.window is not None
           else jnp.zeros_like(i))
-    seen = (hi >= lo) & (hi >= 0) & (lo < n)
-    lo_c, hi_c = jnp.clip(lo, 0, n - 1), jnp.clip(hi, 0, n - 1)
-    if spec.window is None:
-        m = jax.lax.cummax(x, axis=x.ndim - 1)[..., hi_c]
-    elif not spec.causal:
-        m = jax.lax.cummax(x, axis=x.ndim - 1, reverse=True)[..., lo_c]
-    else:
-        levels, w = [x], 1
-        while 2 * w <= n:
-            prev = levels[-1]
-            shifted = jnp.pad(prev[..., w:], [(0, 0)] * (x.ndim - 1) + [(0, w)])
-            levels.append(jnp.maximum(prev, shifted))
-            w *= 2
-        table = jnp.concatenate(levels, axis=-1)            # level l at [l * n, (l + 1) * n)
-        length = jnp.maximum(hi_c - lo_c + 1, 1)
-        lvl = jnp.zeros_like(length)
-        for l in range(1, len(levels)):                     # floor(log2(length)), exactly
-            lvl = jnp.where(length >= (1 << l), l, lvl)
-        m = jnp.maximum(table[..., lvl * n + lo_c], table[..., lvl * n + hi_c - (1 << lvl) + 1])
+    return jnp.clip(lo, 0, n - 1), jnp.clip(hi, 0, n - 1), (hi >= lo) & (hi >= 0) & (lo < n)
+
+
+def visible_count(x, spec: AttnSpec, axis: int):
+    """How many of the keys each query row sees (`visible_range`) have x true: x is bool with
+    the keys along `axis`; the result has Tq rows there. Exact, by a prefix sum."""
+    lo, hi, seen = visible_range(spec)
+    c = jnp.cumsum(jnp.moveaxis(x, axis, -1).astype(jnp.int32), axis=-1)
+    c = jnp.pad(c, [(0, 0)] * (c.ndim - 1) + [(1, 0)])             # c[j] = count below j
+    return jnp.moveaxis(jnp.where(seen, c[..., hi + 1] - c[..., lo], 0), -1, axis)
+
+
+def visible_max_bound(x, spec: AttnSpec, axis: int, block: int = 128):
+    """An upper bound of the max, over the keys each query row sees, of x (non-negative, keys
+    along `axis`; the result has Tq rows there; 0 for a row that sees no key): the max over
+    the `block`-key blocks that hold any key a row of its 64-row block sees. Cheap where an
+    exact range max is not (XLA's cumulative max is a reduce-window); it may take in up to a
+    block's keys past a row's range, never a key no row near it sees (masked garbage)."""
+    lo, hi, seen = visible_range(spec)
+    x = jnp.moveaxis(x, axis, -1)
+    nb = -(-spec.n_k // block)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nb * block - spec.n_k)])
+    xb = jnp.max(x.reshape(x.shape[:-1] + (nb, block)), axis=-1)    # [..., nb]
+    rows = 64
+    nr = -(-spec.n_q // rows)
+    pad = lambda v, fill: jnp.pad(v, (0, nr * rows - spec.n_q), constant_values=fill)
+    big = jnp.iinfo(jnp.int32).max
+    lo_r = jnp.min(pad(jnp.where(seen, lo, big), big).reshape(nr, rows), axis=1) // block
+    hi_r = jnp.max(pad(jnp.where(seen, hi, -1), -1).reshape(nr, rows), axis=1) // block
+    b = jnp.arange(nb)
+    take = (b[None, :] >= lo_r[:, None]) & (b[None, :] <= hi_r[:, None])     # [nr, nb]
+    m = jnp.max(jnp.where(take, xb[..., None, :], 0), axis=-1)              # [..., nr]
+    m = jnp.repeat(m, rows, axis=-1)[..., :spec.n_q]
     return jnp.moveaxis(jnp.where(seen, m, 0), -1, axis)
 
 

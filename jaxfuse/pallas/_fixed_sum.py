@@ -13,8 +13,8 @@ r_i comes from a bound of |dQ_i| computed before the kernel, from its inputs onl
     |dP_ij| = |dO_i . V_j| <= sqrt(D) max|dO_i| sqrt(D) max|V_j|,
     sum_j |dS_ij| = sum_j P_ij |dP_ij - delta_i| <= max_j |dP_ij| + |delta_i|   (sum_j P_ij = 1),
     |dQ_id| <= scale max_j |K_jd| sum_j |dS_ij| <= B_i,
-with the maxima over the keys row i sees (`_attn.visible_max`: masked keys' garbage never
-enters) and a factor 2 for a + b <= 2 max(a, b) and 2 more for rounding (the bf16 dS, the
+with the maxima over the keys row i sees (`_attn.visible_max_bound`, at the grain of
+128-key blocks: masked keys' garbage never enters) and a factor 2 for a + b <= 2 max(a, b) and 2 more for rounding (the bf16 dS, the
 float32 products, P's sum). r_i = 2^(29 - ceil(log2 B_i)): every partial and every partial
 sum, in any order, stays below 2^29 after scaling, so int32 never overflows. Each partial's
 rounding costs at most half a unit, 2^-30 of B_i: with n key tiles the total is within
@@ -60,8 +60,8 @@ def row_scales(k, v, do, delta, lse_u, spec: AttnSpec):
     kernels read them. Not for segment ids (a row's visible keys are then not a range)."""
     assert not spec.segments
     (ka, kbad), (va, vbad) = _abs_max(k), _abs_max(v)
-    per_key = jnp.stack([ka, va, (kbad | vbad).astype(_F32)])           # [3, B, Tk, Hkv]
-    mk, mv, seen_bad = A.visible_max(per_key, spec, axis=2)             # [3, B, Tq, Hkv]
+    mk, mv = A.visible_max_bound(jnp.stack([ka, va]), spec, axis=2)     # [2, B, Tq, Hkv]
+    seen_bad = A.visible_count(kbad | vbad, spec, axis=1)               # [B, Tq, Hkv]
     heads = lambda x: jnp.swapaxes(jnp.repeat(x, spec.groups, axis=2), 1, 2)   # [B, Hq, Tq]
     mk, mv, seen_bad = heads(mk), heads(mv), heads(seen_bad) > 0
     doa, dobad = (jnp.swapaxes(x, 1, 2) for x in _abs_max(do))
@@ -82,8 +82,9 @@ def quantize(x):
 
 
 def to_float(total, r, bad, dtype):
-    """dq [B, Tq, Hq, D] in `dtype` from the int32 total and `row_scales`' r and bad."""
+    """dq [B, Tq, Hq, D] in `dtype` from the int32 total and `row_scales`' r and bad (which
+    may hold more rows, padding, than the total)."""
     inv = _pow2(-jnp.log2(r))              # 1 / r, exactly: r is a power of two
-    rows = lambda x: jnp.swapaxes(x, 1, 2)[..., None]
+    rows = lambda x: jnp.swapaxes(x[:, :, :total.shape[1]], 1, 2)[..., None]
     dq = total.astype(_F32) * rows(inv)
     return jnp.where(rows(bad), jnp.nan, dq).astype(dtype)

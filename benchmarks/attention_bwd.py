@@ -746,6 +746,30 @@ def fixed(rounds: int = 3):
           {k: v for k, v in ROWS.items() if v[0][-1] == 64})
 
 
+def fixed_diag():
+    """Where the fixed-point dQ kernel's time goes (s38: 3.95 ms against the float32 fused
+    kernel's 3.20 at the 1B model's attention, H100): its kernel time (profiler) as it is,
+    with the rounding dropped (a truncating conversion), and with the partials' float32 bits
+    added as integers (the integer reducing stores without any conversion; wrong dq, timing
+    only), beside the float32 fused kernel.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed_diag [OUT.json]
+    """
+    from jaxfuse.pallas import _fixed_sum as FS
+    label = "1B B2 Hq32 Hkv8 T8192 D64 causal"
+    quantize = FS.quantize
+    variants = {"as built": quantize, "truncating": lambda x: x.astype(jnp.int32),
+                "float bits as int": lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)}
+    try:
+        for name, fn in variants.items():
+            FS.quantize = fn
+            _profiles(f"{label} [{name}]", *ROWS[label], top=3,
+                      variants={"nondet": dict(deterministic=False)} if name == "as built"
+                      else None)
+    finally:
+        FS.quantize = quantize
+
+
 def repeatability(rounds: int = 3, labels=("B4 H32 T4096 D128 full",
                                            "B4 H32 T4096 D128 causal",
                                            "D64 B8 H16 T2048 causal")):
@@ -874,6 +898,7 @@ def _probe_sweep():
 if __name__ == "__main__":
     _timing.commands({
         "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks, "fixed": fixed,
+        "fixed_diag": fixed_diag,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone
         "dkv_overlap": lambda rounds=5: variant(

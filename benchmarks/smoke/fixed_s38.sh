@@ -4,6 +4,14 @@
 # float32 fused dQ and cuDNN (`attention_bwd.py fixed`); with "model", the model race instead.
 #   bash benchmarks/smoke/fixed_s38.sh "$OUT" [model]      (on the device machine)
 . "$(dirname "$0")/_lib.sh"
+if [ "${2:-}" = diag ]; then
+    timeout -s KILL 200 python benchmarks/attention_bwd.py fixed_diag "$out/diag.json" \
+        > "$out/diag.log" 2>&1
+    echo "diag rc=$?"
+    grep -a " ms \|by kind\|rror" "$out/diag.log" | sed 's/  */ /g' | cut -c1-200
+    model_run model 330 train157 train1b --no-reference
+    exit
+fi
 if [ "${2:-}" = model ]; then
     model_run model 400 train157 train1b --no-reference
     exit

@@ -64,7 +64,8 @@ def row_scales(k, v, do, delta, lse_u, spec: AttnSpec):
     seen_bad = A.visible_count(kbad | vbad, spec, axis=1)               # [B, Tq, Hkv]
     heads = lambda x: jnp.swapaxes(jnp.repeat(x, spec.groups, axis=2), 1, 2)   # [B, Hq, Tq]
     mk, mv, seen_bad = heads(mk), heads(mv), heads(seen_bad) > 0
-    doa, dobad = (jnp.swapaxes(x, 1, 2) for x in _abs_max(do))
+    doa, dobad = _abs_max(do)                                            # [B, Tq, Hq]
+    doa, dobad = jnp.swapaxes(doa, 1, 2), jnp.swapaxes(dobad, 1, 2)
     half_log_d = 0.5 * math.log2(spec.head_dim)
     dp = jnp.log2(doa) + jnp.log2(mv) + 2 * half_log_d                  # log2 max |dP_ij|
     log_bound = (math.log2(spec.scale) + jnp.log2(mk) + 2

@@ -9,7 +9,6 @@ if [ "${2:-}" = diag ]; then
         > "$out/diag.log" 2>&1
     echo "diag rc=$?"
     grep -a " ms \|by kind\|rror" "$out/diag.log" | sed 's/  */ /g' | cut -c1-200
-    model_run model 330 train157 train1b --no-reference
     exit
 fi
 if [ "${2:-}" = model ]; then

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # s38: the deterministic fused dQ in int32 fixed point (`_fixed_sum`, the default at D = 64),
 # compiled: its kernels' times, its checks and the D = 64 rows against the kernel pair, the
-# float32 fused dQ and cuDNN (`attention_bwd.py fixed`); with "model", the model race instead.
+# float32 fused dQ and cuDNN (`attention_bwd.py fixed`), then the model race; with "model",
+# the model race alone, with "diag" `attention_bwd.py fixed_diag` alone.
 #   bash benchmarks/smoke/fixed_s38.sh "$OUT" [model]      (on the device machine)
 . "$(dirname "$0")/_lib.sh"
 if [ "${2:-}" = diag ]; then
@@ -15,8 +16,9 @@ if [ "${2:-}" = model ]; then
     model_run model 400 train157 train1b --no-reference
     exit
 fi
-timeout -s KILL 480 python benchmarks/attention_bwd.py fixed "$out/fixed.json" \
+timeout -s KILL 235 python benchmarks/attention_bwd.py fixed "$out/fixed.json" \
     > "$out/fixed.log" 2>&1
 echo "fixed rc=$?: $(grep -c 'status=ok' "$out/fixed.log") ok, $(grep -c 'FAIL\|rror' "$out/fixed.log") not"
 grep -a "check\|garbage\|interleaved\|FAIL\|rror\|profile\| ms \|by kind" "$out/fixed.log" \
     | grep -av "HopperAttnTiles" | sed 's/  */ /g' | cut -c1-230
+model_run model 320 train157 train1b --no-reference

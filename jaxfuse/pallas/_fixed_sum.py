@@ -47,10 +47,13 @@ def _pow2(e):
 
 
 def _abs_max(x):
-    """(max |x| over the last axis of x's finite entries, whether it held a non-finite one)."""
+    """(max |x| over the last axis of x's finite entries, whether it held a non-finite one).
+    The barrier keeps XLA from moving a later transpose of these small results into the
+    reduction, where it transposed all of dO (0.137 ms of the 1B model's attention, s38)."""
     x = x.astype(_F32)
     ok = jnp.isfinite(x)
-    return jnp.max(jnp.where(ok, jnp.abs(x), 0.0), axis=-1), jnp.any(~ok, axis=-1)
+    return lax.optimization_barrier((jnp.max(jnp.where(ok, jnp.abs(x), 0.0), axis=-1),
+                                     jnp.any(~ok, axis=-1)))
 
 
 def row_scales(k, v, do, delta, lse_u, spec: AttnSpec):
@@ -78,8 +81,10 @@ def row_scales(k, v, do, delta, lse_u, spec: AttnSpec):
 
 
 def quantize(x):
-    """x (float32, already scaled by its rows' r) rounded to the nearest int32."""
-    return lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.int32)
+    """x (float32, already scaled by its rows' r) rounded to the nearest int32 (ties away from
+    zero): half added away from zero, then the conversion's truncation. (Mosaic GPU's
+    round-to-even cost the 1B model's dK/dV kernel 0.62 of its 3.91 ms, H100, s38.)"""
+    return jnp.where(x >= 0, x + 0.5, x - 0.5).astype(jnp.int32)
 
 
 def to_float(total, r, bad, dtype):

@@ -721,6 +721,16 @@ FIXED_CASES = [
 ]
 
 
+def fixed_profiles():
+    """`fixed`'s first part: the kernels of one fwd+bwd call at the models' attention shapes,
+    the default against the kernel pair and the float32 fused dQ; returns those variants."""
+    pair = AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=False)))
+    variants = {"kernel pair": dict(block_sizes=pair), "nondet": dict(deterministic=False)}
+    for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
+        _profiles(label, *ROWS[label], top=6, variants=variants)
+    return variants
+
+
 def fixed(rounds: int = 3):
     """The deterministic fused dQ in int32 fixed point (`HopperBwdTiles.fixed_dq`, the default
     at D = 64 since s38), compiled: the kernels of one fwd+bwd call (profiler) at the models'
@@ -732,10 +742,7 @@ def fixed(rounds: int = 3):
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed [OUT.json]
     """
-    pair = AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=False)))
-    variants = {"kernel pair": dict(block_sizes=pair), "nondet": dict(deterministic=False)}
-    for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
-        _profiles(label, *ROWS[label], top=6, variants=variants)
+    variants = fixed_profiles()
     d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
     for i, (shape, opts) in enumerate(d64):
         _check_case(i, shape, opts, jnp.bfloat16, True)
@@ -898,7 +905,7 @@ def _probe_sweep():
 if __name__ == "__main__":
     _timing.commands({
         "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks, "fixed": fixed,
-        "fixed_diag": fixed_diag,
+        "fixed_diag": fixed_diag, "fixed_profiles": fixed_profiles,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone
         "dkv_overlap": lambda rounds=5: variant(

@@ -2,7 +2,7 @@
 # s38: the deterministic fused dQ in int32 fixed point (`_fixed_sum`, the default at D = 64),
 # compiled: its kernels' times, its checks and the D = 64 rows against the kernel pair, the
 # float32 fused dQ and cuDNN (`attention_bwd.py fixed`), then the model race; with "model",
-# the model race alone, with "diag" `attention_bwd.py fixed_diag` alone.
+# the kernel profiles and the model race alone, with "diag" `attention_bwd.py fixed_diag` alone.
 #   bash benchmarks/smoke/fixed_s38.sh "$OUT" [model]      (on the device machine)
 . "$(dirname "$0")/_lib.sh"
 if [ "${2:-}" = diag ]; then
@@ -13,7 +13,10 @@ if [ "${2:-}" = diag ]; then
     exit
 fi
 if [ "${2:-}" = model ]; then
-    model_run model 400 train157 train1b --no-reference
+    timeout -s KILL 100 python benchmarks/attention_bwd.py fixed_profiles "$out/prof.json" \
+        > "$out/prof.log" 2>&1
+    grep -a " ms \|by kind\|rror" "$out/prof.log" | sed 's/  */ /g' | cut -c1-200
+    model_run model 250 train157 train1b --no-reference
     exit
 fi
 timeout -s KILL 235 python benchmarks/attention_bwd.py fixed "$out/fixed.json" \

@@ -116,13 +116,16 @@ def test_hopper_forward_hides_masked_garbage(stages, overlap):
         assert bool(jnp.isnan(o[:, sees]).all()) and bool(jnp.isnan(lse[..., sees]).all())
 
 
-@pytest.mark.parametrize("clean", [True, False])
-def test_hopper_backward_hides_masked_garbage(clean):
-    """The Hopper backward's two ways of keeping masked keys' garbage out: the dQ kernel's
-    producer cleans its edge tiles (`clean=True`, the default: no XLA pass over K and V; K's
+@pytest.mark.parametrize("clean,fixed", [(True, False), (False, False), (True, True)])
+def test_hopper_backward_hides_masked_garbage(clean, fixed):
+    """The Hopper backward's ways of keeping masked keys' garbage out: the kernel pair's dQ
+    kernel's producer cleans its edge tiles (`clean=True`: no XLA pass over K and V; K's
     non-finite entries 0 for dS K, V NaN beside them so that a row that sees the key gets NaN;
     the dK/dV kernel reads the raw tiles, its products contracting over queries), or an XLA
-    pass over K and V before the kernels (`clean=False`, `_attn.clean_keys`). Window 40, Tq
+    pass over K and V before the kernels (`clean=False`, `_attn.clean_keys`); the fixed-point
+    fused dQ (`fixed`, the default at D = 64) takes the XLA pass, and its rows' scales are
+    maxima over the keys each row sees only, with the rows that see a non-finite key made
+    NaN after the integer sum (`_fixed_sum`): bitwise the same elsewhere. Window 40, Tq
     128 < Tk 256 as in the forward's test: key 60 (K and V NaN) is seen by no query, key 150
     (one +inf entry of K) by rows 0..61, both on the dQ kernel's edge tiles. Rows 62.. keep o
     and dq bitwise, rows 0..61 get NaN dq, and the keys no query sees (< 89, key 60 among
@@ -134,11 +137,12 @@ def test_hopper_backward_hides_masked_garbage(clean):
     k = randn(kk, (1, 256, 1, 64), jnp.bfloat16)
     v = randn(kv, (1, 256, 1, 64), jnp.bfloat16)
     blocks = AttnBlocks(hopper=HopperAttnTiles(
-        consumers=2, backward=HopperBwdTiles(clean=clean, consumers=2)))
+        consumers=2, backward=HopperBwdTiles(clean=clean, consumers=2, fixed_dq=fixed)))
     run = lambda k, v: _run("pallas", blocks, q, k, v, do, sliding_window=40)
     jaxpr = str(jax.make_jaxpr(lambda k, v: run(k, v))(k, v))
-    assert "jaxfuse_flash_bwd_dq_hopper" in jaxpr
-    assert ("is_finite" in jaxpr) != clean                                  # the XLA pass
+    assert ("jaxfuse_flash_bwd_dkv_dq_fixed_hopper" in jaxpr) == fixed
+    assert ("jaxfuse_flash_bwd_dq_hopper" in jaxpr) != fixed
+    assert ("is_finite" in jaxpr) == (fixed or not clean)                   # the XLA pass
     o0, (dq0, dk0, dv0) = run(k, v)
     o, (dq, dk, dv) = run(k.at[:, 60].set(jnp.nan).at[:, 150, :, 0].set(jnp.inf),
                           v.at[:, 60].set(jnp.nan))

@@ -127,6 +127,16 @@ def test_hopper_linear_cross_entropy_lowers(vmapped):
 
 _HOPPER_BWD = {True: ("jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper"),
                False: ("jaxfuse_flash_bwd_dkv_dq_hopper",)}
+_FIXED = ("jaxfuse_flash_bwd_dkv_dq_fixed_hopper",)
+
+
+def _bwd(d: int, det: bool, segments: bool = False):
+    """The backward kernels the default tiles run: at D = 64 the fused dQ, float32 with
+    deterministic=False, fixed point with the default (the kernel pair under segment ids);
+    the kernel pair at D = 128 and 256."""
+    if d > 64:
+        return _HOPPER_BWD[True]
+    return _HOPPER_BWD[False] if not det else _HOPPER_BWD[True] if segments else _FIXED
 
 
 # `deterministic` picks the kernels only at D = 64 (False fuses dQ into the dK/dV kernel); at
@@ -162,8 +172,8 @@ def test_hopper_flash_attention_lowers(d, opts, det):
         q, k, v, interpret=False, deterministic=det,
         block_sizes=jaxfuse.AttnBlocks(hopper=True), **opts), q, k, k).mlir_module()
     assert "jaxfuse_flash_fwd_hopper" in module
-    # deterministic=False fuses dQ into the dK/dV kernel at D = 64 only (faster there).
-    for name in _HOPPER_BWD[det or d > 64]:
+    # The fused dQ at D = 64 only (faster there): float32 (deterministic=False) or fixed point.
+    for name in _bwd(d, det):
         assert name in module, name
     assert '"jaxfuse_flash_bwd_dkv"' not in module
 
@@ -194,7 +204,7 @@ def test_hopper_ragged_lengths_lower(d, det, segments, tk):
         block_sizes=jaxfuse.AttnBlocks(hopper=True), **seg)
     module = _fwd_bwd(f, q, k, k).mlir_module()
     assert "jaxfuse_flash_fwd_hopper" in module
-    for name in _HOPPER_BWD[det or d > 64]:
+    for name in _bwd(d, det, segments):
         assert name in module, name
     # Pads of [B, T, H, D] operands: none where T is whole 8-row tiles (the small per-row
     # arrays, lse, delta and segment ids, [2, 4, T] or [2, T], are padded always); k and v's
@@ -220,7 +230,8 @@ def test_hopper_ragged_lengths_lower_more(case):
     lead = (2,) if vmapped else ()
     q = jnp.zeros(lead + (2, tq, 4, d), jnp.bfloat16)
     k = jnp.zeros(lead + (2, tk, 2, d), jnp.bfloat16)
-    tiles = True if vmapped else HopperAttnTiles(backward=HopperBwdTiles(consumers=3))
+    tiles = True if vmapped else HopperAttnTiles(backward=HopperBwdTiles(consumers=3,
+                                                                         fixed_dq=False))
     f = lambda q, k, v: jaxfuse.flash_attention(                      # noqa: E731
         q, k, v, causal=True, interpret=False, deterministic=not vmapped,
         block_sizes=jaxfuse.AttnBlocks(hopper=tiles))
@@ -247,7 +258,8 @@ def test_hopper_consumers_lower(opts):
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
     k = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-    tiles = HopperAttnTiles(consumers=2, backward=HopperBwdTiles(consumers=3))
+    # (fixed_dq=False: the fused dQ, the default at D = 64, runs two consumers always.)
+    tiles = HopperAttnTiles(consumers=2, backward=HopperBwdTiles(consumers=3, fixed_dq=False))
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()
@@ -283,6 +295,30 @@ def test_hopper_attention_with_segment_ids_lowers(d, tiles, det):
 
 _CAUSAL = dict(causal=True)
 _WINDOW_CAP = dict(sliding_window=100, logits_soft_cap=20.0)
+
+
+# The fixed-point dQ (`_fixed_sum`, the default deterministic backward at D = 64) beside
+# test_hopper_flash_attention_lowers' causal case: the window with the cap and GQA; forced at
+# D = 128 (each consumer its half of the columns, causal); under vmap on ragged lengths (the
+# rows' scales padded beside lse and delta, the int32 buffer folded into the batch).
+@pytest.mark.parametrize("d,opts,vmapped", [(64, _WINDOW_CAP, False), (128, _CAUSAL, False),
+                                            (64, _CAUSAL, True)])
+def test_hopper_fixed_point_dq_lowers(d, opts, vmapped):
+    """The dK/dV kernel with the fused dQ added as int32 (reducing TMA stores of int32 tiles,
+    each step's rows' scales streamed with delta) lowers for sm90, with the backward's other
+    kernels absent."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    tq, tk = (184, 360) if vmapped else (256, 384)
+    lead = (2,) if vmapped else ()
+    q = jnp.zeros(lead + (1, tq, 4, d), jnp.bfloat16)
+    k = jnp.zeros(lead + (1, tk, 2, d), jnp.bfloat16)
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True if d > 64 else None))
+    f = lambda q, k, v: jaxfuse.flash_attention(                      # noqa: E731
+        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts)
+    module = _fwd_bwd(jax.vmap(f) if vmapped else f, q, k, k).mlir_module()
+    assert _FIXED[0] in module
+    assert not any(n in module for n in _HOPPER_BWD[True] + _HOPPER_BWD[False])
 
 
 # Each variant of the schedule once, and each D with both mask sets: the masks act in the
@@ -393,7 +429,7 @@ def test_hopper_dkv_plain_steps_lower(d, opts):
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
-    tiles = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=False))
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=False, fixed_dq=False))
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()

@@ -270,27 +270,46 @@ def visible_count(x, spec: AttnSpec, axis: int):
     return jnp.moveaxis(jnp.where(seen, c[..., hi + 1] - c[..., lo], 0), -1, axis)
 
 
-def visible_max_bound(x, spec: AttnSpec, axis: int, block: int = 128):
-    """An upper bound of the max, over the keys each query row sees, of x (non-negative, keys
-    along `axis`; the result has Tq rows there; 0 for a row that sees no key): the max over
-    the `block`-key blocks that hold any key a row of its 64-row block sees. Cheap where an
-    exact range max is not (XLA's cumulative max is a reduce-window); it may take in up to a
-    block's keys past a row's range, never a key no row near it sees (masked garbage)."""
+def _prefix_max(x, block: int = 128):
+    """The running max along x's last axis, exactly: within blocks of `block` keys and across
+    the blocks' maxima. (XLA's cumulative max is a reduce-window, whose work grows with the
+    square of the axis: two short ones here instead of one long one.)"""
+    n = x.shape[-1]
+    nb = -(-n // block)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nb * block - n)])
+    inner = jax.lax.cummax(x.reshape(x.shape[:-1] + (nb, block)), axis=x.ndim)
+    before = jax.lax.cummax(inner[..., -1], axis=x.ndim - 1)            # blocks <= b
+    before = jnp.pad(before[..., :-1], [(0, 0)] * (x.ndim - 1) + [(1, 0)])  # blocks < b
+    return jnp.maximum(inner, before[..., None]).reshape(x.shape)[..., :n]
+
+
+def visible_max(x, spec: AttnSpec, axis: int):
+    """For each query row, the max over the keys it sees (`visible_range`) of x, non-negative
+    with the keys along `axis`: the same array with Tq rows there, 0 for a row that sees no
+    key. Exact: a key a row does not see never enters its value (masked garbage). A prefix
+    max where the ranges start at key 0 (causal, or no mask), a suffix max where they end at
+    the last (a window without causal), else a sparse table (log2 Tk levels of maxima of 2^l
+    keys; a range is two overlapping blocks of one level)."""
     lo, hi, seen = visible_range(spec)
     x = jnp.moveaxis(x, axis, -1)
-    nb = -(-spec.n_k // block)
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nb * block - spec.n_k)])
-    xb = jnp.max(x.reshape(x.shape[:-1] + (nb, block)), axis=-1)    # [..., nb]
-    rows = 64
-    nr = -(-spec.n_q // rows)
-    pad = lambda v, fill: jnp.pad(v, (0, nr * rows - spec.n_q), constant_values=fill)
-    big = jnp.iinfo(jnp.int32).max
-    lo_r = jnp.min(pad(jnp.where(seen, lo, big), big).reshape(nr, rows), axis=1) // block
-    hi_r = jnp.max(pad(jnp.where(seen, hi, -1), -1).reshape(nr, rows), axis=1) // block
-    b = jnp.arange(nb)
-    take = (b[None, :] >= lo_r[:, None]) & (b[None, :] <= hi_r[:, None])     # [nr, nb]
-    m = jnp.max(jnp.where(take, xb[..., None, :], 0), axis=-1)              # [..., nr]
-    m = jnp.repeat(m, rows, axis=-1)[..., :spec.n_q]
+    n = spec.n_k
+    if spec.window is None:
+        m = _prefix_max(x)[..., hi]
+    elif not spec.causal:
+        m = jnp.flip(_prefix_max(jnp.flip(x, -1)), -1)[..., lo]
+    else:
+        levels, w = [x], 1
+        while 2 * w <= n:
+            prev = levels[-1]
+            shifted = jnp.pad(prev[..., w:], [(0, 0)] * (x.ndim - 1) + [(0, w)])
+            levels.append(jnp.maximum(prev, shifted))
+            w *= 2
+        table = jnp.concatenate(levels, axis=-1)            # level l at [l * n, (l + 1) * n)
+        length = hi - lo + 1
+        lvl = jnp.zeros_like(length)
+        for l in range(1, len(levels)):                     # floor(log2(length)), exactly
+            lvl = jnp.where(length >= (1 << l), l, lvl)
+        m = jnp.maximum(table[..., lvl * n + lo], table[..., lvl * n + hi - (1 << lvl) + 1])
     return jnp.moveaxis(jnp.where(seen, m, 0), -1, axis)
 
 

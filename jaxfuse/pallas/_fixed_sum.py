@@ -10,20 +10,27 @@ afterwards. One kernel forms dQ with dK and dV (5 products a tile pair) and its 
 bitwise repeatable, where the float32 one is not and the kernel pair takes 7 products.
 
 r_i comes from a bound of |dQ_i| computed before the kernel, from its inputs only:
-    |dP_ij| = |dO_i . V_j| <= sqrt(D) max|dO_i| sqrt(D) max|V_j|,
+    |dP_ij| = |dO_i . V_j| <= |dO_i| |V_j|                               (2-norms),
     sum_j |dS_ij| = sum_j P_ij |dP_ij - delta_i| <= max_j |dP_ij| + |delta_i|   (sum_j P_ij = 1),
     |dQ_id| <= scale max_j |K_jd| sum_j |dS_ij| <= B_i,
-with the maxima over the keys row i sees (`_attn.visible_max_bound`, at the grain of
-128-key blocks: masked keys' garbage never enters) and a factor 2 for a + b <= 2 max(a, b) and 2 more for rounding (the bf16 dS, the
-float32 products, P's sum). r_i = 2^(29 - ceil(log2 B_i)): every partial and every partial
-sum, in any order, stays below 2^29 after scaling, so int32 never overflows. Each partial is
-truncated toward zero, at most a unit, 2^-29 of B_i, off: with n key tiles the total is within
-n 2^-29 B_i of the float32 sum, below bfloat16's 2^-9 unless B_i overstates |dQ_i| by 10^4 or
-more (a visible key 10^4 times larger than those a row attends to, at n = 128).
+with the maxima over the keys row i sees (`_attn.visible_max`, exact: masked keys' garbage
+never enters, so a row's bits do not depend on it), a factor 2 for a + b <= 2 max(a, b) and 2
+more for rounding (the bf16 dS, the float32 products, P's sum). r_i = 2^(30 - ceil(log2 B_i)):
+every partial, and every partial sum in any order, stays within 2^30 after scaling, so int32
+(2^31) never overflows.
+
+Precision: each partial is truncated toward zero, a unit (2^-30 B_i) at most, so with n key
+tiles the total is within n units of the float32 sum. What a unit is worth is B_i against
+S_i = max_d sum_j |dS_ij K_jd|, the sum of the terms' sizes (the float32 sum's own rounding
+is ~2^-24 of it a step; |dQ_i| itself may be far smaller, by cancellation). On random inputs
+B_i is ~2^6 times S_i (tests/test_fixed_sum.py), a unit ~2^-24 of S_i; a visible key c times
+larger than those row i attends to (one it gives probability ~0) makes B_i c times larger: at
+c = 10^3 and n = 64 (8192 keys) the error reaches ~2^-8 of S_i, bfloat16's rounding. The float32 fused dQ (`deterministic=False`) and the kernel pair
+(`HopperBwdTiles(fixed_dq=False)`) have no such loss.
 
 An integer holds no NaN: a row whose float32 sum would not be finite is found from the inputs
 instead (`row_scales`' `bad`: a non-finite value in a key or value the row sees, in its dO,
-delta or lse, or a bound past 2^155, where a partial's units would exceed float32's range) and
+delta or lse, or a bound past 2^156, where a partial's units would exceed float32's range) and
 made NaN after the sum, as the kernel pair's dq would be.
 """
 from __future__ import annotations
@@ -37,7 +44,7 @@ from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas._attn import AttnSpec
 
 _F32 = jnp.float32
-BITS = 29          # |scaled partial sums| < 2^BITS < 2^31
+BITS = 30          # |scaled partial sums| <= 2^BITS < 2^31
 _EXP = 126         # r_i = 2^e, |e| <= 126: normal float32 both ways
 
 
@@ -46,14 +53,19 @@ def _pow2(e):
     return lax.bitcast_convert_type(((e.astype(jnp.int32) + 127) << 23), _F32)
 
 
-def _abs_max(x):
-    """(max |x| over the last axis of x's finite entries, whether it held a non-finite one).
-    The barrier keeps XLA from moving a later transpose of these small results into the
-    reduction, where it transposed all of dO (0.137 ms of the 1B model's attention, s38)."""
+def _row_stats(x):
+    """(max |x|, the 2-norm) over the last axis of x's finite entries, and whether it held a
+    non-finite one. The norm is taken of x / max |x| (squares of large finite values would
+    overflow). The barrier keeps XLA from moving a later transpose of these small results
+    into the reduction, where it transposed all of dO (0.137 ms of the 1B model's attention,
+    s38)."""
     x = x.astype(_F32)
     ok = jnp.isfinite(x)
-    return lax.optimization_barrier((jnp.max(jnp.where(ok, jnp.abs(x), 0.0), axis=-1),
-                                     jnp.any(~ok, axis=-1)))
+    a = jnp.where(ok, jnp.abs(x), 0.0)
+    m = jnp.max(a, axis=-1)
+    unit = a / jnp.where(m > 0, m, 1.0)[..., None]
+    norm = m * jnp.sqrt(jnp.sum(unit * unit, axis=-1))
+    return lax.optimization_barrier((m, norm, jnp.any(~ok, axis=-1)))
 
 
 def row_scales(k, v, do, delta, lse_u, spec: AttnSpec):
@@ -62,15 +74,14 @@ def row_scales(k, v, do, delta, lse_u, spec: AttnSpec):
     k, v [B, Tk, Hkv, D], do [B, Tq, Hq, D]; delta and lse_u [B, Hq, Tq] as the backward
     kernels read them. Not for segment ids (a row's visible keys are then not a range)."""
     assert not spec.segments
-    (ka, kbad), (va, vbad) = _abs_max(k), _abs_max(v)
-    mk, mv = A.visible_max_bound(jnp.stack([ka, va]), spec, axis=2)     # [2, B, Tq, Hkv]
+    (ka, _, kbad), (_, vn, vbad) = _row_stats(k), _row_stats(v)
+    mk, mv = A.visible_max(jnp.stack([ka, vn]), spec, axis=2)           # [2, B, Tq, Hkv]
     seen_bad = A.visible_count(kbad | vbad, spec, axis=1)               # [B, Tq, Hkv]
     heads = lambda x: jnp.swapaxes(jnp.repeat(x, spec.groups, axis=2), 1, 2)   # [B, Hq, Tq]
     mk, mv, seen_bad = heads(mk), heads(mv), heads(seen_bad) > 0
-    doa, dobad = _abs_max(do)                                            # [B, Tq, Hq]
-    doa, dobad = jnp.swapaxes(doa, 1, 2), jnp.swapaxes(dobad, 1, 2)
-    half_log_d = 0.5 * math.log2(spec.head_dim)
-    dp = jnp.log2(doa) + jnp.log2(mv) + 2 * half_log_d                  # log2 max |dP_ij|
+    _, don, dobad = (jnp.swapaxes(x, 1, 2) for x in _row_stats(do))     # [B, Hq, Tq]
+    dp = jnp.log2(don) + jnp.log2(mv)                                   # log2 max |dP_ij|
+    # + 1: a + b <= 2 max(a, b); + 1: rounding (bf16 dS, P's sum, the float32 products).
     log_bound = (math.log2(spec.scale) + jnp.log2(mk) + 2
                  + jnp.maximum(dp, jnp.log2(jnp.abs(delta))))
     log_bound = jnp.where(jnp.isnan(log_bound), 0.0, log_bound)      # such a row is bad

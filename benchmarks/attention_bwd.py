@@ -731,6 +731,27 @@ def fixed_profiles():
     return variants
 
 
+def fixed_quick():
+    """The fixed-point dQ after s38's last change (exact per-row key maxima, 2-norm bound, 30
+    bits): the 1B model's attention kernels (profiler) against the pair and the float32 fused
+    dQ, one ragged check, and a key 10^3 times the others under the three (dq's worst row
+    against the reference: the precision the bound leaves, `_fixed_sum`).
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed_quick [OUT.json]
+    """
+    pair = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=False))
+    label = "1B B2 Hq32 Hkv8 T8192 D64 causal"
+    _profiles(label, *ROWS[label], top=4,
+              variants={"kernel pair": dict(block_sizes=AttnBlocks(hopper=pair)),
+                        "nondet": dict(deterministic=False)})
+    shape, opts = FIXED_CASES[0]
+    _check_case(0, shape, opts, jnp.bfloat16, True)
+    for c in (1e2, 1e3):
+        _check_case(7, shape, opts, jnp.bfloat16, True, outlier=c)
+        _check_case(7, shape, opts, jnp.bfloat16, True, hopper=pair, outlier=c)
+        _check_case(7, shape, opts, jnp.bfloat16, False, hopper=True, outlier=c)
+
+
 def fixed(rounds: int = 3):
     """The deterministic fused dQ in int32 fixed point (`HopperBwdTiles.fixed_dq`, the default
     at D = 64 since s38), compiled: the kernels of one fwd+bwd call (profiler) at the models'
@@ -906,6 +927,7 @@ if __name__ == "__main__":
     _timing.commands({
         "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks, "fixed": fixed,
         "fixed_diag": fixed_diag, "fixed_profiles": fixed_profiles,
+        "fixed_quick": fixed_quick,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone
         "dkv_overlap": lambda rounds=5: variant(

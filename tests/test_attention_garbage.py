@@ -152,3 +152,26 @@ def test_hopper_backward_hides_masked_garbage(clean, fixed):
     assert bool(jnp.isnan(dq[:, sees]).all())
     np.testing.assert_array_equal(dk[:, :89], dk0[:, :89])
     np.testing.assert_array_equal(dv[:, :89], dv0[:, :89])
+
+
+def test_fixed_point_dq_rows_ignore_finite_garbage_they_do_not_see():
+    """The fixed-point dQ (`HopperBwdTiles(fixed_dq=True)`) scales each row by a bound taken
+    over the keys that row sees (`_fixed_sum`): a huge but finite key and value (10^4) where
+    no row looks (key 60 behind window 40, as above) leaves every row's dq bitwise as it was,
+    and one seen by rows 0..61 (key 150) leaves rows 62.. bitwise as they were. A bound over
+    all keys (or blocks of them) would change the rows' scales, hence their bits."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    kq, kk, kv, kd = keys(13, 4)
+    q, do = randn(kq, (1, 128, 1, 64), jnp.bfloat16), randn(kd, (1, 128, 1, 64), jnp.bfloat16)
+    k = randn(kk, (1, 256, 1, 64), jnp.bfloat16)
+    v = randn(kv, (1, 256, 1, 64), jnp.bfloat16)
+    blocks = AttnBlocks(hopper=HopperAttnTiles(consumers=2,
+                                               backward=HopperBwdTiles(fixed_dq=True)))
+    run = lambda k, v: _run("pallas", blocks, q, k, v, do, sliding_window=40)[1][0]
+    assert "jaxfuse_flash_bwd_dkv_dq_fixed_hopper" in str(jax.make_jaxpr(run)(k, v))
+    dq0 = run(k, v)
+    np.testing.assert_array_equal(run(k.at[:, 60].set(1e4), v.at[:, 60].set(1e4)), dq0)
+    dq = run(k.at[:, 150].set(1e4), v.at[:, 150].set(-1e4))
+    np.testing.assert_array_equal(dq[:, 62:], dq0[:, 62:])
+    assert not bool(jnp.array_equal(dq[:, :62], dq0[:, :62]))

@@ -34,13 +34,13 @@ F32 = lambda x: x.astype(jnp.float32)
 DET = ("jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper")
 FUSED = ("jaxfuse_flash_bwd_dkv_dq_hopper",)
 FIXED = ("jaxfuse_flash_bwd_dkv_dq_fixed_hopper",)
-PAIR = dict(fixed_dq=False)     # the deterministic kernel pair where the fixed point is default
+FIX = dict(fixed_dq=True)       # the deterministic fused dQ in fixed point (opt-in)
 
 
-def _kernels(d: int, deterministic: bool, fused_dq=None, fixed_dq=True, segments=False):
+def _kernels(d: int, deterministic: bool, fused_dq=None, fixed_dq=False, segments=False):
     """The backward kernels `HopperBwdTiles` picks (its docstring): the fused dQ at D = 64
-    (or where forced, never at 256), float32 with deterministic=False, int32 fixed point with
-    the default unless `fixed_dq=False` or segment ids; else the kernel pair."""
+    (or where forced, never at 256), float32 with deterministic=False, int32 fixed point
+    with the default if `fixed_dq` and no segment ids; else the kernel pair."""
     fused = d <= 128 and (d <= 64 if fused_dq is None else fused_dq)
     if not fused or (deterministic and (not fixed_dq or segments)):
         return DET
@@ -62,16 +62,16 @@ def _blocks(fwd_consumers=2, **bwd):
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,tk,deterministic,opts,vmapped,tiles", [
-    (jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0), False,
-     dict(**TWO, **PAIR)),                                             # GQA in one CTA
+    (jnp.bfloat16, 2, 1, 128, True, dict(logits_soft_cap=5.0), False, TWO),  # GQA in one CTA
     # the dQ kernel's overlapped key loop over 3 steps through a 2-slot ring, and the
     # schedule without overlap
-    (jnp.bfloat16, 2, 2, 384, True, dict(), False, dict(stages=2, **TWO, **PAIR)),
-    (jnp.float16, 2, 2, 384, True, dict(), False, dict(stages=2, overlap=False, **TWO, **PAIR)),
-    # the fixed-point fused dQ (the default at D = 64): 3 key tiles, GQA, the soft cap, vmap;
-    # forced at D = 128 (each consumer its half of the columns)
-    (jnp.bfloat16, 2, 1, 384, True, dict(logits_soft_cap=5.0), True, {}),
-    (jnp.float16, 2, 2, 256, True, dict(head_dim=128, scale=0.3), False, dict(fused_dq=True)),
+    (jnp.bfloat16, 2, 2, 384, True, dict(), False, dict(stages=2, **TWO)),
+    (jnp.float16, 2, 2, 384, True, dict(), False, dict(stages=2, overlap=False, **TWO)),
+    # the fixed-point fused dQ (`fixed_dq=True`, D = 64): 3 key tiles, GQA, the soft cap,
+    # vmap; at D = 128 with the fused dQ forced (each consumer its half of the columns)
+    (jnp.bfloat16, 2, 1, 384, True, dict(logits_soft_cap=5.0), True, FIX),
+    (jnp.float16, 2, 2, 256, True, dict(head_dim=128, scale=0.3), False,
+     dict(fused_dq=True, **FIX)),
     # fused dQ: 2 key tiles, GQA (4 steps per CTA: both dS^T slots reused), vmap; at D = 64
     # the consumers take turns, at D = 128 each forms its half of the columns every step
     (jnp.float16, 2, 1, 256, False, dict(scale=0.3), True, {}),
@@ -115,7 +115,7 @@ def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, op
     run, run_ref = jax.tree.map(lambda h: (jax.vmap(h) if vmapped else h),
                                 (functools.partial(grads, f), functools.partial(grads, r)))
     jaxpr = str(jax.make_jaxpr(run)(q, k, v, do, dlse))
-    want = _kernels(d, deterministic, tiles.get("fused_dq"), tiles.get("fixed_dq", True))
+    want = _kernels(d, deterministic, tiles.get("fused_dq"), tiles.get("fixed_dq", False))
     for name in DET + FUSED + FIXED:
         assert (name in jaxpr) == (name in want), name
     g = run(q, k, v, do, dlse)
@@ -176,7 +176,8 @@ def test_hopper_backward_off_runs_the_portable_one():
 
 
 @pytest.mark.parametrize("tq,tk,hq,hkv,d,deterministic,opts", [
-    (100, 150, 2, 1, 64, True, dict()),                     # GQA, ragged: the fixed point
+    (100, 150, 2, 1, 64, True, dict()),                     # GQA, both lengths ragged
+    (100, 150, 2, 1, 64, True, FIX),                        # the same in fixed point
     (70, 200, 2, 1, 64, False, dict(scale=0.3)),            # the fused dQ
     (130, 130, 2, 2, 128, True, dict(causal=True)),         # the causal edge and the tails
     # Tk % 128 <= 64: a 64-key consumer whose keys are all padding (it must still work them:
@@ -189,15 +190,19 @@ def test_lengths_that_are_not_whole_tiles(tq, tk, hq, hkv, d, deterministic, opt
     padded with zeros up to whole tiles while the masks keep the true lengths
     (`_attn.pad_length`): o, lse, and dq, dk, dv through jax.vjp with random cotangents of o
     and lse, against the float32 reference. Masks that took the padded lengths would give
-    the zero keys probability and fail it."""
+    the zero keys probability and fail it. (`FIX` in opts: the fixed-point dQ's tiles, whose
+    rows' scales are padded beside lse and delta.)"""
     kq, kk, kv, kd, kl = keys(11, 5)
     q, do = (randn(kk_, (1, tq, hq, d), jnp.bfloat16) for kk_ in (kq, kd))
     k, v = (randn(kk_, (1, tk, hkv, d), jnp.bfloat16) for kk_ in (kk, kv))
     dlse = randn(kl, (1, hq, tq))
+    opts = dict(opts)
+    tiles = {n: opts.pop(n) for n in FIX if n in opts}
     f = lambda q, k, v: jaxfuse.flash_attention(
-        q, k, v, return_lse=True, deterministic=deterministic, block_sizes=_blocks(), **opts)
+        q, k, v, return_lse=True, deterministic=deterministic, block_sizes=_blocks(**tiles),
+        **opts)
     jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1]((do, dlse)))(q, k, v))
-    for name in ("jaxfuse_flash_fwd_hopper",) + _kernels(d, deterministic):
+    for name in ("jaxfuse_flash_fwd_hopper",) + _kernels(d, deterministic, **tiles):
         assert name in jaxpr
     (o, lse), vjp = jax.vjp(f, q, k, v)
     (ro, rlse), rvjp = jax.vjp(lambda q, k, v: ref.attention(q, k, v, return_lse=True, **opts),
@@ -238,8 +243,7 @@ def test_hopper_dq_overlap_adds_in_the_plain_order():
     do = randn(kd, (1, 128, 2, 64), jnp.bfloat16)
 
     def grads(**tiles):
-        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v,
-                                                    block_sizes=_blocks(**tiles, **PAIR))
+        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**tiles))
         return jax.vjp(f, q, k, v)[1](do)
     overlapped = grads(stages=2, **TWO)
     for other in (grads(stages=2, overlap=False, pingpong=True, **TWO),
@@ -269,7 +273,7 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
         jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
         assert (FUSED if fused else DET)[0] in jaxpr
         return jax.vjp(f, q, k, v)[1](do)
-    tiles = dict(stages=2, fused_dq=True) if fused else dict(stages=2, **TWO, **PAIR)
+    tiles = dict(stages=2, fused_dq=True) if fused else dict(stages=2, **TWO)
     overlapped, plain = (True, None) if fused else (None, False)
     for a, b in zip(grads(dkv_overlap=overlapped, **tiles), grads(dkv_overlap=plain, **tiles)):
         assert jnp.array_equal(a, b)
@@ -289,7 +293,7 @@ def test_hopper_dkv_three_consumers():
 
     def grads(consumers):
         f = lambda q, k, v: jaxfuse.flash_attention(
-            q, k, v, block_sizes=_blocks(consumers=consumers, **PAIR))
+            q, k, v, block_sizes=_blocks(consumers=consumers))
         return jax.vjp(f, q, k, v)[1](do)
     for a, b in zip(grads(3), grads(2)):
         assert jnp.array_equal(a, b)
@@ -330,7 +334,7 @@ def test_hopper_backward_in_head_groups(monkeypatch):
     assert (AHB._dkv_heads(q, k), AHB._dq_heads(k, spec)) == (3, 3)
     monkeypatch.setattr(AHB, "_BWD_GROUP_BYTES", 65536)
     assert (AHB._dkv_heads(q, k), AHB._dq_heads(k, spec)) == (2, 1)
-    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**TWO, **PAIR))
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**TWO))
     _, vjp = jax.vjp(f, q, k, v)
     _, rvjp = jax.vjp(lambda q, k, v: ref.attention(q, k, v), F32(q), F32(k), F32(v))
     for name, a, b in zip("qkv", vjp(do), rvjp(F32(do))):

@@ -130,15 +130,6 @@ _HOPPER_BWD = {True: ("jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopp
 _FIXED = ("jaxfuse_flash_bwd_dkv_dq_fixed_hopper",)
 
 
-def _bwd(d: int, det: bool, segments: bool = False):
-    """The backward kernels the default tiles run: at D = 64 the fused dQ, float32 with
-    deterministic=False, fixed point with the default (the kernel pair under segment ids);
-    the kernel pair at D = 128 and 256."""
-    if d > 64:
-        return _HOPPER_BWD[True]
-    return _HOPPER_BWD[False] if not det else _HOPPER_BWD[True] if segments else _FIXED
-
-
 # `deterministic` picks the kernels only at D = 64 (False fuses dQ into the dK/dV kernel); at
 # D = 128 and 256 both values lower the same module, kernel for kernel (checked), so there each
 # mask set takes one of them (the assertions below still see no fused dQ with False at D = 128
@@ -172,8 +163,8 @@ def test_hopper_flash_attention_lowers(d, opts, det):
         q, k, v, interpret=False, deterministic=det,
         block_sizes=jaxfuse.AttnBlocks(hopper=True), **opts), q, k, k).mlir_module()
     assert "jaxfuse_flash_fwd_hopper" in module
-    # The fused dQ at D = 64 only (faster there): float32 (deterministic=False) or fixed point.
-    for name in _bwd(d, det):
+    # deterministic=False fuses dQ into the dK/dV kernel at D = 64 only (faster there).
+    for name in _HOPPER_BWD[det or d > 64]:
         assert name in module, name
     assert '"jaxfuse_flash_bwd_dkv"' not in module
 
@@ -204,7 +195,7 @@ def test_hopper_ragged_lengths_lower(d, det, segments, tk):
         block_sizes=jaxfuse.AttnBlocks(hopper=True), **seg)
     module = _fwd_bwd(f, q, k, k).mlir_module()
     assert "jaxfuse_flash_fwd_hopper" in module
-    for name in _bwd(d, det, segments):
+    for name in _HOPPER_BWD[det or d > 64]:
         assert name in module, name
     # Pads of [B, T, H, D] operands: none where T is whole 8-row tiles (the small per-row
     # arrays, lse, delta and segment ids, [2, 4, T] or [2, T], are padded always); k and v's
@@ -230,8 +221,7 @@ def test_hopper_ragged_lengths_lower_more(case):
     lead = (2,) if vmapped else ()
     q = jnp.zeros(lead + (2, tq, 4, d), jnp.bfloat16)
     k = jnp.zeros(lead + (2, tk, 2, d), jnp.bfloat16)
-    tiles = True if vmapped else HopperAttnTiles(backward=HopperBwdTiles(consumers=3,
-                                                                         fixed_dq=False))
+    tiles = True if vmapped else HopperAttnTiles(backward=HopperBwdTiles(consumers=3))
     f = lambda q, k, v: jaxfuse.flash_attention(                      # noqa: E731
         q, k, v, causal=True, interpret=False, deterministic=not vmapped,
         block_sizes=jaxfuse.AttnBlocks(hopper=tiles))
@@ -258,8 +248,7 @@ def test_hopper_consumers_lower(opts):
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
     k = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-    # (fixed_dq=False: the fused dQ, the default at D = 64, runs two consumers always.)
-    tiles = HopperAttnTiles(consumers=2, backward=HopperBwdTiles(consumers=3, fixed_dq=False))
+    tiles = HopperAttnTiles(consumers=2, backward=HopperBwdTiles(consumers=3))
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()
@@ -297,12 +286,12 @@ _CAUSAL = dict(causal=True)
 _WINDOW_CAP = dict(sliding_window=100, logits_soft_cap=20.0)
 
 
-# The fixed-point dQ (`_fixed_sum`, the default deterministic backward at D = 64) beside
-# test_hopper_flash_attention_lowers' causal case: the window with the cap and GQA; forced at
-# D = 128 (each consumer its half of the columns, causal); under vmap on ragged lengths (the
-# rows' scales padded beside lse and delta, the int32 buffer folded into the batch).
-@pytest.mark.parametrize("d,opts,vmapped", [(64, _WINDOW_CAP, False), (128, _CAUSAL, False),
-                                            (64, _CAUSAL, True)])
+# The fixed-point dQ (`HopperBwdTiles(fixed_dq=True)`, `_fixed_sum`; deterministic): causal
+# and the window with the cap at D = 64, with GQA; the fused dQ forced at D = 128 (each
+# consumer its half of the columns, causal); under vmap on ragged lengths (the rows' scales
+# padded beside lse and delta, the int32 buffer folded into the batch).
+@pytest.mark.parametrize("d,opts,vmapped", [(64, _CAUSAL, False), (64, _WINDOW_CAP, False),
+                                            (128, _CAUSAL, False), (64, _CAUSAL, True)])
 def test_hopper_fixed_point_dq_lowers(d, opts, vmapped):
     """The dK/dV kernel with the fused dQ added as int32 (reducing TMA stores of int32 tiles,
     each step's rows' scales streamed with delta) lowers for sm90, with the backward's other
@@ -313,7 +302,8 @@ def test_hopper_fixed_point_dq_lowers(d, opts, vmapped):
     lead = (2,) if vmapped else ()
     q = jnp.zeros(lead + (1, tq, 4, d), jnp.bfloat16)
     k = jnp.zeros(lead + (1, tk, 2, d), jnp.bfloat16)
-    tiles = HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True if d > 64 else None))
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True if d > 64 else None,
+                                                    fixed_dq=True))
     f = lambda q, k, v: jaxfuse.flash_attention(                      # noqa: E731
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts)
     module = _fwd_bwd(jax.vmap(f) if vmapped else f, q, k, k).mlir_module()
@@ -429,7 +419,7 @@ def test_hopper_dkv_plain_steps_lower(d, opts):
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
-    tiles = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=False, fixed_dq=False))
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=False))
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
         q, k, k).mlir_module()

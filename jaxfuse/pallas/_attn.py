@@ -261,15 +261,6 @@ def visible_range(spec: AttnSpec):
     return jnp.clip(lo, 0, n - 1), jnp.clip(hi, 0, n - 1), (hi >= lo) & (hi >= 0) & (lo < n)
 
 
-def visible_count(x, spec: AttnSpec, axis: int):
-    """How many of the keys each query row sees (`visible_range`) have x true: x is bool with
-    the keys along `axis`; the result has Tq rows there. Exact, by a prefix sum."""
-    lo, hi, seen = visible_range(spec)
-    c = jnp.cumsum(jnp.moveaxis(x, axis, -1).astype(jnp.int32), axis=-1)
-    c = jnp.pad(c, [(0, 0)] * (c.ndim - 1) + [(1, 0)])             # c[j] = count below j
-    return jnp.moveaxis(jnp.where(seen, c[..., hi + 1] - c[..., lo], 0), -1, axis)
-
-
 def _prefix_max(x, block: int = 128):
     """The running max along x's last axis, exactly: within blocks of `block` keys and across
     the blocks' maxima. (XLA's cumulative max is a reduce-window, whose work grows with the

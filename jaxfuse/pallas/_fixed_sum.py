@@ -7,7 +7,8 @@ is exact and associative: each CTA scales its partial's row i by a power of two 
 to int32 and adds it with an integer reducing store (two's complement; the TMA adds int32 as
 well as float32, at the same bytes), and the total is the same in any order; dq_i = total / r_i
 afterwards. One kernel forms dQ with dK and dV (5 products a tile pair) and its gradients are
-bitwise repeatable, where the float32 one is not and the kernel pair takes 7 products.
+bitwise repeatable, where the float32 one is not and the kernel pair takes 7 products
+(`HopperBwdTiles(fixed_dq=True)`; its measurements: `attention_hopper_bwd`'s docstring).
 
 r_i comes from a bound of |dQ_i| computed before the kernel, from its inputs only:
     |dP_ij| = |dO_i . V_j| <= |dO_i| |V_j|                               (2-norms),
@@ -75,8 +76,9 @@ def row_scales(k, v, do, delta, lse_u, spec: AttnSpec):
     kernels read them. Not for segment ids (a row's visible keys are then not a range)."""
     assert not spec.segments
     (ka, _, kbad), (_, vn, vbad) = _row_stats(k), _row_stats(v)
-    mk, mv = A.visible_max(jnp.stack([ka, vn]), spec, axis=2)           # [2, B, Tq, Hkv]
-    seen_bad = A.visible_count(kbad | vbad, spec, axis=1)               # [B, Tq, Hkv]
+    per_key = jnp.stack([ka, vn, (kbad | vbad).astype(_F32)])           # [3, B, Tk, Hkv]
+    # Each row's max over the keys it sees; of the 0/1 flags: whether it sees a bad key.
+    mk, mv, seen_bad = A.visible_max(per_key, spec, axis=2)             # [3, B, Tq, Hkv]
     heads = lambda x: jnp.swapaxes(jnp.repeat(x, spec.groups, axis=2), 1, 2)   # [B, Hq, Tq]
     mk, mv, seen_bad = heads(mk), heads(mv), heads(seen_bad) > 0
     _, don, dobad = (jnp.swapaxes(x, 1, 2) for x in _row_stats(do))     # [B, Hq, Tq]

@@ -20,7 +20,7 @@ consumer's own edge tiles are masked (H200, s10-3: 2.271 -> 2.171 ms at the 1B m
 attention, 0.335 -> 0.308 at the 157M's, against both consumers computing the CTA's edge tiles).
 A consumer past Tk (the last CTA of three consumers) only releases slots.
 
-dQ, two ways (`AttnSpec.deterministic`):
+dQ, three ways (`AttnSpec.deterministic`, `HopperBwdTiles.fixed_dq`):
 * False (at D = 64; at D = 128 the separate dQ kernel below is faster, so it runs there too
   unless `HopperBwdTiles(fused_dq=True)`): the dK/dV kernel also forms dQ_partial = dS K over
   its 128 keys (the fifth GEMM) and adds it into a float32 [B, Tq, Hq, D] buffer with a
@@ -47,6 +47,17 @@ dQ, two ways (`AttnSpec.deterministic`):
   key tiles like the forward (S, dP and dQ += dS K: 3 GEMMs) and writes dQ once: a fixed
   summation order, bitwise identical across runs, at the cost of recomputing S and dP
   (7 GEMMs per tile pair instead of 5).
+* True with `HopperBwdTiles(fixed_dq=True)` (opt-in; not with segment ids): the fused dQ as
+  above, its partials scaled per row by a power of two, truncated to int32 and added by
+  integer reducing stores (`_fixed_sum`): exact adds, so bitwise identical across runs with
+  5 products. Measured (H100, s38, the 1B model's B2 Hq32 Hkv8 T8192 D64 causal, profiler,
+  one fwd+bwd call): its kernel 3.33-3.36 ms against the float32 one's 3.22 and the pair's
+  3.59 (2.15 + 1.44), but the rows' scales (an XLA pre-pass over K, V and dO) and the int32
+  buffer's zeroing and conversion bring the call to 4.65-4.75 ms against the pair's 4.73-4.75
+  and the float32 fused one's 4.49; at the 157M model's T2048 0.785 against 0.765. The model
+  step (1B, s38-5, with an earlier pre-pass): 322.1 ms against 357.7 for plain JAX + cuDNN
+  (1.110x; deterministic=False 322.5; the pair 329.4 in s37-4). Opt-in until a cheaper
+  pre-pass makes it the faster deterministic path.
 
 Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
 * bytes in per step: Q and dO tiles 2 * 64 * D * 2 (32 KiB at D = 128, 16 at 64) + lse and
@@ -224,10 +235,11 @@ class HopperBwdTiles:
     H16 T4096 2.834 -> 2.728; 19 compiled checks and the garbage cases ok).
     dkv_overlap: the dK/dV kernel's steps with their vector work under their own products
     (`dkv_overlaps`; None: on, except with the fused dQ; True: with it too).
-    fixed_dq: with deterministic=True, the fused dQ (where `fused_dq` puts it: D = 64 by
-    default) adds its partials as int32 fixed point (`_fixed_sum`: exact integer adds, so any
-    order gives the same bits) instead of the deterministic kernel pair's 7 products; not
-    with segment ids. False: the deterministic backward is always the kernel pair."""
+    fixed_dq: with deterministic=True, run the fused dQ (where `fused_dq` puts it: D = 64 by
+    default) with its partials added as int32 fixed point (`_fixed_sum`: exact integer adds,
+    so any order gives the same bits) instead of the kernel pair's 7 products; not with
+    segment ids (the pair runs there). Off by default (module docstring: not yet faster
+    end to end)."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -238,7 +250,7 @@ class HopperBwdTiles:
     exchange: bool = True
     clean: bool = True
     dkv_overlap: bool | None = None
-    fixed_dq: bool = True
+    fixed_dq: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:

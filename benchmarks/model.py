@@ -235,6 +235,15 @@ def _triton_swiglu():
 # or a stripped-down piece of the model. `--FLAG` (dashes for underscores) adds the row named
 # here; the context is held over the whole lowering (a custom_vjp's backward is traced after
 # its forward returns).
+def _fixed_dq():
+    """A context in which the deterministic Hopper attention backward runs the fused dQ in
+    int32 fixed point wherever it can (`HopperBwdTiles(fixed_dq=True)`, opt-in since s38: D = 64,
+    no segment ids) instead of the kernel pair."""
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    return mock.patch.object(HopperBwdTiles, "fixes",
+                             lambda self, spec: spec.deterministic and not spec.segments)
+
+
 CONTEXT_ROWS = {
     "triton_swiglu": ("jaxfuse, Triton SwiGLU", _triton_swiglu,
                       "also time jaxfuse with SwiGLU's Triton kernels instead of the Hopper ones "
@@ -248,6 +257,9 @@ CONTEXT_ROWS = {
     "ce_pair": ("jaxfuse, slab loss and dz by two kernels", _ce_pair,
                 "also time jaxfuse with each loss slab's loss and dz formed by the "
                 "cross-entropy forward and backward kernels (before s37) instead of one kernel"),
+    "fixed_dq": ("jaxfuse, fixed-point dQ", _fixed_dq,
+                 "also time jaxfuse with the attention backward's fused dQ added in int32 fixed "
+                 "point (deterministic, 5 products) instead of the kernel pair"),
     "unguarded": ("jaxfuse, attention without the garbage guard", _timing.unguarded_attention,
                   "also time jaxfuse without the guard against masked keys' garbage in the "
                   "Hopper attention kernels (forward: the producer cleans edge tiles; "

@@ -40,3 +40,15 @@ block_rows() {
     echo "block rc=$?"
     grep "fwd  \|interleaved" "$out/block.log" | cut -c1-150
 }
+
+# attn_bwd COMMAND LIMIT_S: `benchmarks/attention_bwd.py COMMAND $out/COMMAND.json`, killed
+# after LIMIT_S, log $out/COMMAND.log; prints its checks, timings and kernel times.
+attn_bwd() {
+    timeout -s KILL "$2" python benchmarks/attention_bwd.py "$1" "$out/$1.json" \
+        > "$out/$1.log" 2>&1
+    echo "attention_bwd $1 rc=$?: $(grep -c 'status=ok' "$out/$1.log") ok, \
+$(grep -c 'FAIL\|rror' "$out/$1.log") not"
+    grep -a "check\|garbage\|interleaved\|FAIL\|rror\| ms \|by kind" "$out/$1.log" \
+        | sed 's/  */ /g; s/HopperAttnTiles(.*fixed_dq=\(True\|False\)).*persistent=None)/[fixed_dq=\1]/' \
+        | cut -c1-260
+}

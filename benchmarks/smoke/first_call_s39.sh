@@ -7,7 +7,5 @@
 #   bash benchmarks/smoke/first_call_s39.sh "$OUT"      (on the device machine)
 . "$(dirname "$0")/_lib.sh"
 model_run model 330 train157 train1b decode --no-reference --fixed-dq
-timeout -s KILL 90 python benchmarks/attention_bwd.py fixed_profiles "$out/prof.json" \
-    > "$out/prof.log" 2>&1
-grep -a " ms \|by kind\|rror" "$out/prof.log" | sed 's/  */ /g' | cut -c1-200
+attn_bwd fixed_profiles 90
 lce_check 120

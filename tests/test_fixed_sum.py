@@ -69,9 +69,9 @@ def test_scales_bound_every_partial_sum_and_keep_the_digits(causal, window, outl
     """r_i is a power of two, and with it the key tiles' scaled partials of row i (tiles of
     8 keys: many partials), summed in absolute value, stay within 2^30: every partial sum, in
     any order, fits int32. And the bound is within 2^8 of S_i = max_d sum_j |dS_ij K_jd|, the
-    sum of the terms' sizes (a unit at most 2^-22 of it; measured: 2^6.2), or c 2^8 beside a visible key c =
-    10^3 times the others (`_fixed_sum`'s precision paragraph). (Not of |dQ_i| itself: the
-    terms cancel, sum_j dS_ij = dlse_i.)"""
+    sum of the terms' sizes (a unit at most 2^-22 of it; measured: 2^6.2), or c 2^8 beside a
+    visible key c = 10^3 times the others (`_fixed_sum`'s precision paragraph). (Not of
+    |dQ_i| itself: the terms cancel, sum_j dS_ij = dlse_i.)"""
     tq, tk, hq, hkv, d = 96, 160, 4, 2, 16
     spec = _spec(tq, tk, d, hq // hkv, causal=causal, window=window)
     q, k, v, do, kk, ds, delta, lse = _problem(0, tq, tk, hq, hkv, d, causal, window, outlier)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device work s38 left (benchmarks/NOTES.md s38 item 8), in one call of under 600 s, best
+# The device work s38 left (benchmarks/NOTES.md s38 item 9), in one call of under 600 s, best
 # on an H200 (BENCHMARKS.md's H200 model table is s35-5's): the model race on the current
 # code with the fixed-point dQ's row beside the default (decide its default: it must beat the
 # kernel pair in the same run), the attention kernels of the three dQ schemes, then the

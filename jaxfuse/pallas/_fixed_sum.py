@@ -26,8 +26,9 @@ S_i = max_d sum_j |dS_ij K_jd|, the sum of the terms' sizes (the float32 sum's o
 is ~2^-24 of it a step; |dQ_i| itself may be far smaller, by cancellation). On random inputs
 B_i is ~2^6 times S_i (tests/test_fixed_sum.py), a unit ~2^-24 of S_i; a visible key c times
 larger than those row i attends to (one it gives probability ~0) makes B_i c times larger: at
-c = 10^3 and n = 64 (8192 keys) the error reaches ~2^-8 of S_i, bfloat16's rounding. The float32 fused dQ (`deterministic=False`) and the kernel pair
-(`HopperBwdTiles(fixed_dq=False)`) have no such loss.
+c = 10^3 and n = 64 (8192 keys) the error reaches ~2^-8 of S_i, bfloat16's rounding. The
+float32 fused dQ (`deterministic=False`) and the kernel pair (`HopperBwdTiles(fixed_dq=False)`)
+have no such loss.
 
 An integer holds no NaN: a row whose float32 sum would not be finite is found from the inputs
 instead (`row_scales`' `bad`: a non-finite value in a key or value the row sees, in its dO,
@@ -95,7 +96,7 @@ def row_scales(k, v, do, delta, lse_u, spec: AttnSpec):
 
 def quantize(x):
     """x (float32, already scaled by its rows' r) as int32, truncated toward zero: at most one
-    unit, 2^-29 of the row's bound, off per partial. Rounding to nearest cost more than it
+    unit, 2^-BITS of the row's bound, off per partial. Rounding to nearest cost more than it
     is worth (H100, s38, the 1B model's dK/dV kernel: 3.29 ms truncating, 3.45 adding half
     away from zero first, 3.91 by Mosaic GPU's round-to-even; the float32 kernel 3.22)."""
     return x.astype(jnp.int32)
@@ -104,7 +105,8 @@ def quantize(x):
 def to_float(total, r, bad, dtype):
     """dq [B, Tq, Hq, D] in `dtype` from the int32 total and `row_scales`' r and bad (which
     may hold more rows, padding, than the total)."""
-    inv = _pow2(-jnp.log2(r))              # 1 / r, exactly: r is a power of two
+    # 1 / r, exactly (r is a power of two; 0 in padded rows, which are sliced off).
+    inv = _pow2(-jnp.log2(jnp.where(r > 0, r, 1.0)))
     rows = lambda x: jnp.swapaxes(x[:, :, :total.shape[1]], 1, 2)[..., None]
     dq = total.astype(_F32) * rows(inv)
     return jnp.where(rows(bad), jnp.nan, dq).astype(dtype)

@@ -433,11 +433,11 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
 
 
 def add_dq(dq, smem, dq_gmem, wg, b, q0, h, c0, interpret: bool):
-    """dq_gmem[b, q0:q0 + bq, h, c0:c0 + n] += dq ([bq, n] float32 or int32): one reducing TMA store
-    from this consumer's shared-memory tile, not waited for: the next call waits only until
-    that store has read the tile, a step or two later (long done), so the consumer never
-    waits on global memory. In the interpreter (no reducing store) a read-add-write of this
-    consumer's own buffer."""
+    """dq_gmem[b, q0:q0 + bq, h, c0:c0 + n] += dq ([bq, n] float32 or int32): one reducing
+    TMA store from this consumer's shared-memory tile, not waited for: the next call waits
+    only until that store has read the tile, a step or two later (long done), so the consumer
+    never waits on global memory. In the interpreter (no reducing store) a read-add-write of
+    this consumer's own buffer."""
     rows, cols = pl.ds(q0, dq.shape[0]), pl.ds(c0, dq.shape[1])
     # (A head-major float32 buffer, [B, Hq, Tq, D], whose [64, D] tiles are contiguous, was
     # no faster: B4 H32 T4096 D128 fwd+bwd 10.22 against 9.86 ms, H200, s14-3.)

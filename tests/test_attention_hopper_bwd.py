@@ -372,3 +372,31 @@ def test_segment_ids_on_the_hopper_backward(tq, tk, d, deterministic, opts):
     for name, a, b in zip("qkv", vjp((do, dlse)), rvjp((F32(do), dlse))):
         err = float(jnp.abs(F32(a) - b).max() / jnp.abs(b).max())
         assert err < 4e-2, (name, err)
+
+
+def test_fixed_point_dq_agrees_with_the_kernel_pair():
+    """The fixed-point fused dQ (`HopperBwdTiles(fixed_dq=True)`) against the deterministic
+    kernel pair it may replace: dk and dv bitwise equal (the same products of the same
+    operands in the same order), dq within one bfloat16 unit in the last place of each entry
+    plus 2^-16 of its row's largest (both round a sum to bf16; the fixed point's differs from
+    float32's by units of 2^-30 of each row's bound, an absolute error: entries far below
+    their row's size may differ by more than their own ulp, `_fixed_sum`). GQA, the soft
+    cap, 3 key tiles of 128 a CTA."""
+    kq, kk, kv, kd = keys(14, 4)
+    q = randn(kq, (1, 128, 2, 64), jnp.bfloat16)
+    k = randn(kk, (1, 384, 1, 64), jnp.bfloat16)
+    v = randn(kv, (1, 384, 1, 64), jnp.bfloat16)
+    do = randn(kd, (1, 128, 2, 64), jnp.bfloat16)
+
+    def grads(**tiles):
+        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, logits_soft_cap=5.0,
+                                                    block_sizes=_blocks(**tiles))
+        return jax.vjp(f, q, k, v)[1](do)
+    (dq, dk, dv), (dq0, dk0, dv0) = grads(**FIX), grads()
+    assert jnp.array_equal(dk, dk0) and jnp.array_equal(dv, dv0)
+    a, b = F32(dq), F32(dq0)
+    big = jnp.maximum(jnp.abs(a), jnp.abs(b))
+    ulp = jnp.exp2(jnp.floor(jnp.log2(jnp.where(big > 0, big, 1.0))) - 7)
+    row = jnp.max(big, axis=-1, keepdims=True)
+    assert bool((jnp.abs(a - b) <= ulp + row * 2.0 ** -16).all())
+    assert not bool(jnp.array_equal(dq, dq0))     # (the two paths did run)

@@ -54,6 +54,13 @@ needs_cores = pytest.mark.skipif(
            "at once on 2 cores (it stalled; it passed on 16): needs 8 cores")
 
 
+def _operands(seed, tk, hkv, hq=2, tq=128, d=64):
+    """q, k, v, do: random bf16 [1, T, H, D] operands of a backward test."""
+    kq, kk, kv, kd = keys(seed, 4)
+    return (randn(kq, (1, tq, hq, d), jnp.bfloat16), randn(kk, (1, tk, hkv, d), jnp.bfloat16),
+            randn(kv, (1, tk, hkv, d), jnp.bfloat16), randn(kd, (1, tq, hq, d), jnp.bfloat16))
+
+
 def _blocks(fwd_consumers=2, **bwd):
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
@@ -236,11 +243,7 @@ def test_hopper_dq_overlap_adds_in_the_plain_order():
     kernel too) only orders when each consumer runs: dq, dk, dv bitwise equal with it in
     both kernels and without it (a 1-slot ring turns it off: it would deadlock there). Every
     kernel here runs two consumers (module docstring)."""
-    kq, kk, kv, kd = keys(9, 4)
-    q = randn(kq, (1, 128, 2, 64), jnp.bfloat16)
-    k = randn(kk, (1, 384, 2, 64), jnp.bfloat16)
-    v = randn(kv, (1, 384, 2, 64), jnp.bfloat16)
-    do = randn(kd, (1, 128, 2, 64), jnp.bfloat16)
+    q, k, v, do = _operands(9, 384, 2)
 
     def grads(**tiles):
         f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**tiles))
@@ -382,11 +385,7 @@ def test_fixed_point_dq_agrees_with_the_kernel_pair():
     float32's by units of 2^-30 of each row's bound, an absolute error: entries far below
     their row's size may differ by more than their own ulp, `_fixed_sum`). GQA, the soft
     cap, 3 key tiles of 128 a CTA."""
-    kq, kk, kv, kd = keys(14, 4)
-    q = randn(kq, (1, 128, 2, 64), jnp.bfloat16)
-    k = randn(kk, (1, 384, 1, 64), jnp.bfloat16)
-    v = randn(kv, (1, 384, 1, 64), jnp.bfloat16)
-    do = randn(kd, (1, 128, 2, 64), jnp.bfloat16)
+    q, k, v, do = _operands(14, 384, 1)
 
     def grads(**tiles):
         f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, logits_soft_cap=5.0,

@@ -240,8 +240,9 @@ def _fixed_dq():
     int32 fixed point wherever it can (`HopperBwdTiles(fixed_dq=True)`, opt-in since s38: D = 64,
     no segment ids) instead of the kernel pair."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-    return mock.patch.object(HopperBwdTiles, "fixes",
-                             lambda self, spec: spec.deterministic and not spec.segments)
+    fixes = HopperBwdTiles.fixes
+    return mock.patch.object(HopperBwdTiles, "fixes", lambda self, spec: fixes(
+        dataclasses.replace(self, fixed_dq=True), spec))
 
 
 CONTEXT_ROWS = {

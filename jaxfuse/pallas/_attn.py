@@ -253,12 +253,10 @@ def visible(spec: AttnSpec, q_pos, k_pos, q_seg=None, k_seg=None, same=None):
 def visible_range(spec: AttnSpec):
     """(lo, hi, seen), each [Tq]: the keys query row i sees by the causal and window masks
     are [lo_i, hi_i] (clipped to the keys), none where not seen_i. Segment ids are not taken."""
-    n = spec.n_k
     i = jnp.arange(spec.n_q)
-    hi = jnp.minimum(i + spec.shift, n - 1) if spec.causal else jnp.full_like(i, n - 1)
-    lo = (jnp.maximum(i + spec.shift - spec.window + 1, 0) if spec.window is not None
-          else jnp.zeros_like(i))
-    return jnp.clip(lo, 0, n - 1), jnp.clip(hi, 0, n - 1), (hi >= lo) & (hi >= 0) & (lo < n)
+    lo, end = (jnp.broadcast_to(x, i.shape) for x in key_span(spec, i, i))   # [Tq] unmasked too
+    n = spec.n_k
+    return jnp.clip(lo, 0, n - 1), jnp.clip(end - 1, 0, n - 1), end > lo
 
 
 def _prefix_max(x, block: int = 128):
@@ -399,19 +397,25 @@ def _pos_range(spec: AttnSpec, r0, n: int):
     return lo, jnp.minimum(lo + n - 1, spec.n_q - 1)
 
 
+def key_span(spec: AttnSpec, p_lo, p_hi):
+    """Keys [lo, hi) that some query position in [p_lo, p_hi] sees by the causal and window
+    masks (hi <= lo: none); with p_lo and p_hi swapped, the keys every one of them sees."""
+    lo, hi = jnp.int32(0), jnp.int32(spec.n_k)
+    if spec.causal:
+        hi = jnp.minimum(hi, p_hi + spec.shift + 1)
+    if spec.window is not None:
+        lo = jnp.maximum(lo, p_lo + spec.shift - spec.window + 1)
+    return lo, hi
+
+
 def key_blocks(spec: AttnSpec, r0, bq: int, bk: int):
     """Key blocks seen by query rows r0..r0+bq-1, as (lo, full_lo, full_hi, hi): blocks in
     [full_lo, full_hi) are visible to every row (no mask needed), the rest of [lo, hi) need
     the mask, and blocks outside [lo, hi) are skipped (FlashAttention-2 sec. 3.1.1)."""
     p_lo, p_hi = _pos_range(spec, r0, bq)
-    key_lo, key_hi = jnp.int32(0), jnp.int32(spec.n_k)
-    full_lo, full_hi = jnp.int32(0), jnp.int32((spec.n_k // bk) * bk)
-    if spec.causal:
-        key_hi = jnp.minimum(key_hi, p_hi + spec.shift + 1)
-        full_hi = jnp.minimum(full_hi, p_lo + spec.shift + 1)
-    if spec.window is not None:
-        key_lo = jnp.maximum(key_lo, p_lo + spec.shift - spec.window + 1)
-        full_lo = jnp.maximum(full_lo, p_hi + spec.shift - spec.window + 1)
+    key_lo, key_hi = key_span(spec, p_lo, p_hi)
+    full_lo, full_hi = key_span(spec, p_hi, p_lo)
+    full_hi = jnp.minimum(full_hi, (spec.n_k // bk) * bk)
     return _block_range(key_lo, full_lo, full_hi, key_hi, bk, spec.segments)
 
 

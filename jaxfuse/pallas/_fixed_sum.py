@@ -108,7 +108,7 @@ def to_float(total, r, bad, dtype):
     """dq [B, Tq, Hq, D] in `dtype` from the int32 total and `row_scales`' r and bad (which
     may hold more rows, padding, than the total)."""
     # 1 / r, exactly (r is a power of two; 0 in padded rows, which are sliced off).
-    inv = _pow2(-jnp.log2(jnp.where(r > 0, r, 1.0)))
+    inv = 1.0 / jnp.where(r > 0, r, 1.0)
     rows = lambda x: jnp.swapaxes(x[:, :, :total.shape[1]], 1, 2)[..., None]
     dq = total.astype(_F32) * rows(inv)
     return jnp.where(rows(bad), jnp.nan, dq).astype(dtype)

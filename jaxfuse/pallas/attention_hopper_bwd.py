@@ -307,19 +307,22 @@ class HopperBwdTiles:
         mask 5.387 against 6.408 (4.662)."""
         return self.exchange and self.split_d(d)
 
+    def _fuses(self, d: int) -> bool:
+        """Whether the dK/dV kernel may form dQ at head dim d (`fused_dq`; never at D = 256,
+        whose consumers split the columns, not the keys)."""
+        return not self.split_d(d) and (d <= 64 if self.fused_dq is None else self.fused_dq)
+
     def fuse(self, spec: AttnSpec) -> bool:
-        """Whether dQ comes from the dK/dV kernel by reducing stores (never at D = 256, whose
-        consumers split the columns, not the keys): float32 ones with deterministic=False,
-        integer ones (`fixes`) with the default, else the dQ kernel."""
-        d = spec.head_dim
-        if self.split_d(d) or (spec.deterministic and not self.fixes(spec)):
-            return False
-        return d <= 64 if self.fused_dq is None else self.fused_dq
+        """Whether dQ comes from the dK/dV kernel by reducing stores: float32 ones with
+        deterministic=False, integer ones (`fixes`) with the default, else the dQ kernel."""
+        return self.fixes(spec) if spec.deterministic else self._fuses(spec.head_dim)
 
     def fixes(self, spec: AttnSpec) -> bool:
-        """Whether a deterministic fused dQ adds in fixed point (`fixed_dq`; not with segment
-        ids, under which a row's visible keys are not a range for its bound, `_fixed_sum`)."""
-        return spec.deterministic and self.fixed_dq and not spec.segments
+        """Whether dQ comes from the dK/dV kernel added in fixed point: deterministic, with
+        `fixed_dq`, where the kernel may form dQ; not with segment ids, under which a row's
+        visible keys are not a range for its bound (`_fixed_sum`)."""
+        return (spec.deterministic and self.fixed_dq and not spec.segments
+                and self._fuses(spec.head_dim))
 
     def cleans(self, spec: AttnSpec) -> bool:
         """Whether the dQ kernel cleans masked keys' garbage itself (`clean`, where masks
@@ -559,8 +562,7 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
     k, v = (A.pad_length(x, k_tile) if short_tail else A.pad_rows(x, k_tile, spec)
             for x in (k, v))
     # The fixed-point dQ's rows' scales, from the unpadded operands (padded rows: r = 0).
-    fixed = (FS.row_scales(k_in, v_in, do_in, delta, lse_u, spec)
-             if tiles.fuse(spec) and tiles.fixes(spec) else ())
+    fixed = FS.row_scales(k_in, v_in, do_in, delta, lse_u, spec) if tiles.fixes(spec) else ()
     lse_u, delta = (A.pad_length(x, q_tile, axis=2) for x in (lse_u, delta))
     args = (q, k, v, do, lse_u.astype(_F32), delta)
     if spec.segments:

@@ -671,14 +671,16 @@ def d256_profile(top: int = 8):
                   D256, causal, top=top)
 
 
-def _profiles(label, shape, causal: bool, top: int = 8, cudnn: bool = False, variants=None):
-    """Per-kernel GPU time (profiler) of one fwd+bwd call of jaxfuse's default (each of
-    `variants`, name -> flash_attention's keyword arguments; and cuDNN's) at shape (B, T, Hq,
-    Hkv, D), bf16."""
+def _profiles(label, shape, causal: bool, top: int = 8, cudnn: bool = False, variants=None,
+              default: bool = True):
+    """Per-kernel GPU time (profiler) of one fwd+bwd call of jaxfuse's default (unless not
+    `default`; each of `variants`, name -> flash_attention's keyword arguments; and cuDNN's)
+    at shape (B, T, Hq, Hkv, D), bf16."""
     from benchmarks import _profile
     b, t, hq, hkv, d = shape
     args = _inputs(jax.random.key(7), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]
-    fns = {"jaxfuse": functools.partial(jaxfuse.flash_attention, causal=causal)}
+    fns = {"jaxfuse": functools.partial(jaxfuse.flash_attention, causal=causal)} if default \
+        else {}
     fns.update({f"jaxfuse[{name}]": functools.partial(jaxfuse.flash_attention, causal=causal,
                                                       **kw)
                 for name, kw in (variants or {}).items()})
@@ -720,18 +722,43 @@ FIXED_CASES = [
     ((1, 256, 256, 4, 4, 64), dict()),
 ]
 FIXED = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=True))
-PAIR = HopperAttnTiles(backward=HopperBwdTiles())
+PAIR = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=False))
 
 
 def fixed_profiles():
-    """The kernels of one fwd+bwd call at the models' attention shapes (profiler): the default
-    (the deterministic kernel pair), the fixed-point fused dQ (`HopperBwdTiles(fixed_dq=True)`)
-    and the float32 fused dQ (deterministic=False); returns those two variants."""
-    variants = {"fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED)),
+    """The kernels of one fwd+bwd call at the models' attention shapes (profiler): the
+    deterministic kernel pair (`HopperBwdTiles(fixed_dq=False)`), the fixed-point fused dQ
+    (`fixed_dq=True`) and the float32 fused dQ (deterministic=False); returns the variants."""
+    variants = {"pair": dict(block_sizes=AttnBlocks(hopper=PAIR)),
+                "fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED)),
                 "nondet": dict(deterministic=False)}
     for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
-        _profiles(label, *ROWS[label], top=6, variants=variants)
+        _profiles(label, *ROWS[label], top=6, variants=variants, default=False)
     return variants
+
+
+# D = 64 shapes from 1024 to 4096 keys a query row sees on average: is there a length past
+# which the fixed-point dQ (its costs per row: the rows' scales, the int32 buffer's zeroing
+# and conversion) beats the kernel pair (its extra products per key)? s39-2 (H100): no
+# clean one (module docstring of `attention_hopper_bwd`, NOTES s39).
+CROSSOVER = {"GQA 157M B8 Hq16 Hkv4 T2048 D64 causal (1024 keys a row)": ROWS[
+                 "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"],
+             "GQA B4 Hq32 Hkv8 T3072 D64 causal (1536)": ((4, 3072, 32, 8, 64), True),
+             "GQA B4 Hq32 Hkv8 T4096 D64 causal (2048)": ((4, 4096, 32, 8, 64), True),
+             "D64 B8 H16 T2048 full (2048)": ((8, 2048, 16, 16, 64), False),
+             "1B B2 Hq32 Hkv8 T8192 D64 causal (4096)": ROWS["1B B2 Hq32 Hkv8 T8192 D64 causal"]}
+
+
+def fixed_crossover():
+    """The deterministic backward's two D = 64 schemes, the kernel pair and the fixed-point
+    fused dQ, kernel by kernel (profiler, one fwd+bwd call) at CROSSOVER's shapes.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed_crossover [OUT]
+    """
+    variants = {"pair": dict(block_sizes=AttnBlocks(hopper=PAIR)),
+                "fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED))}
+    for label, (shape, causal) in CROSSOVER.items():
+        _profiles(label, shape, causal, top=3, variants=variants, default=False)
 
 
 def fixed_quick():
@@ -743,8 +770,9 @@ def fixed_quick():
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed_quick [OUT.json]
     """
     label = "1B B2 Hq32 Hkv8 T8192 D64 causal"
-    _profiles(label, *ROWS[label], top=4,
-              variants={"fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED)),
+    _profiles(label, *ROWS[label], top=4, default=False,
+              variants={"pair": dict(block_sizes=AttnBlocks(hopper=PAIR)),
+                        "fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED)),
                         "nondet": dict(deterministic=False)})
     shape, opts = FIXED_CASES[0]
     _check_case(0, shape, opts, jnp.bfloat16, True, hopper=FIXED)
@@ -771,7 +799,8 @@ def fixed(rounds: int = 3):
     _check_case(7, FIXED_CASES[0][0], FIXED_CASES[0][1], jnp.bfloat16, True, hopper=FIXED,
                 outlier=1e4)
     garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED.backward)
-    _rows(rounds, {name: (kw, contextlib.nullcontext) for name, kw in variants.items()},
+    _rows(rounds, {name: (kw, contextlib.nullcontext) for name, kw in variants.items()
+                   if name != "pair"},           # the default
           {k: v for k, v in ROWS.items() if v[0][-1] == 64})
 
 
@@ -930,6 +959,7 @@ if __name__ == "__main__":
     _timing.commands({
         "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks, "fixed": fixed,
         "fixed_diag": fixed_diag, "fixed_profiles": fixed_profiles,
+        "fixed_crossover": fixed_crossover,
         "fixed_quick": fixed_quick,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone

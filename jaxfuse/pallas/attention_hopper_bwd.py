@@ -56,8 +56,14 @@ dQ, three ways (`AttnSpec.deterministic`, `HopperBwdTiles.fixed_dq`):
   buffer's zeroing and conversion bring the call to 4.65-4.75 ms against the pair's 4.73-4.75
   and the float32 fused one's 4.49; at the 157M model's T2048 0.785 against 0.765. The model
   step (1B, s38-5, with an earlier pre-pass): 322.1 ms against 357.7 for plain JAX + cuDNN
-  (1.110x; deterministic=False 322.5; the pair 329.4 in s37-4). Opt-in until a cheaper
-  pre-pass makes it the faster deterministic path.
+  (1.110x; deterministic=False 322.5; the pair 329.4 in s37-4). Opt-in: what it adds to a
+  call, 0.09-0.18 ms at these shapes, is mostly bytes the pair never moves (the int32
+  buffer's zeroing and its conversion, 0.040 + 0.069 ms at the 1B shape, both at the copy
+  rate), while the products it saves are ~7% of the pair's kernel time, so it wins
+  only on the largest problems and not by length alone (H100, s39-2, one call, pair against
+  fixed point: 1B 4.766 / 4.668 ms, B4 Hq32 Hkv8 T4096 causal 2.637 / 2.609, T3072 causal
+  1.683 / 1.839, B8 H16 T2048 full 1.287 / 1.378, the 157M's 0.771 / 0.790; model steps
+  in one run (s39-1): 1B 325.4 / 321.6 ms, 157M 34.92 / 35.20).
 
 Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
 * bytes in per step: Q and dO tiles 2 * 64 * D * 2 (32 KiB at D = 128, 16 at 64) + lse and
@@ -238,8 +244,8 @@ class HopperBwdTiles:
     fixed_dq: with deterministic=True, run the fused dQ (where `fused_dq` puts it: D = 64 by
     default) with its partials added as int32 fixed point (`_fixed_sum`: exact integer adds,
     so any order gives the same bits) instead of the kernel pair's 7 products; not with
-    segment ids (the pair runs there). Off by default (module docstring: not yet faster
-    end to end)."""
+    segment ids (the pair runs there). Off by default (module docstring: faster only on the
+    largest problems, by ~2% of the call at most)."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None

@@ -761,6 +761,37 @@ def fixed_crossover():
         _profiles(label, shape, causal, top=3, variants=variants, default=False)
 
 
+FIXED_O = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=True, dkv_overlap=True))
+NONDET_O = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=True))
+
+
+def fixed_overlap():
+    """The fused dQ kernel's steps overlapped at D = 64 (`HopperBwdTiles(dkv_overlap=True)`:
+    S^T and dP^T issued together, P and dS formed under the products; 9.5% off the float32
+    fused kernel at D = 128, s33-3, never run at 64), in fixed point and in float32: checked
+    compiled first (the D = 64 CASES and FIXED_CASES, bitwise repeat; a key 10^4 times the
+    others; two garbage cases), then CROSSOVER's kernels (profiler, one call) against the
+    pair and the plain-step fixed point.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed_overlap [OUT]
+    """
+    d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
+    for i, (shape, opts) in enumerate(d64):
+        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=FIXED_O)
+    for i, (shape, opts) in enumerate(d64[:2]):
+        _check_case(i, shape, opts, jnp.bfloat16, False, hopper=NONDET_O)
+    _check_case(7, FIXED_CASES[0][0], FIXED_CASES[0][1], jnp.bfloat16, True, hopper=FIXED_O,
+                outlier=1e4)
+    garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED_O.backward)
+    variants = {"pair": dict(block_sizes=AttnBlocks(hopper=PAIR)),
+                "fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED)),
+                "fixed point overlapped": dict(block_sizes=AttnBlocks(hopper=FIXED_O)),
+                "nondet overlapped": dict(deterministic=False,
+                                          block_sizes=AttnBlocks(hopper=NONDET_O))}
+    for label, (shape, causal) in CROSSOVER.items():
+        _profiles(label, shape, causal, top=3, variants=variants, default=False)
+
+
 def fixed_quick():
     """The fixed-point dQ after s38's last change (exact per-row key maxima, 2-norm bound, 30
     bits): the 1B model's attention kernels (profiler) against the pair and the float32 fused
@@ -959,7 +990,7 @@ if __name__ == "__main__":
     _timing.commands({
         "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks, "fixed": fixed,
         "fixed_diag": fixed_diag, "fixed_profiles": fixed_profiles,
-        "fixed_crossover": fixed_crossover,
+        "fixed_crossover": fixed_crossover, "fixed_overlap": fixed_overlap,
         "fixed_quick": fixed_quick,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone

@@ -235,14 +235,20 @@ def _triton_swiglu():
 # or a stripped-down piece of the model. `--FLAG` (dashes for underscores) adds the row named
 # here; the context is held over the whole lowering (a custom_vjp's backward is traced after
 # its forward returns).
-def _fixed_dq():
+def _fixed_dq(overlap: bool = False):
     """A context in which the deterministic Hopper attention backward runs the fused dQ in
     int32 fixed point wherever it can (`HopperBwdTiles(fixed_dq=True)`, opt-in since s38: D = 64,
-    no segment ids) instead of the kernel pair."""
+    no segment ids) instead of the kernel pair; with `overlap`, on the overlapped steps
+    (`dkv_overlap=True`)."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-    fixes = HopperBwdTiles.fixes
-    return mock.patch.object(HopperBwdTiles, "fixes", lambda self, spec: fixes(
-        dataclasses.replace(self, fixed_dq=True), spec))
+    fixes, overlaps = HopperBwdTiles.fixes, HopperBwdTiles.dkv_overlaps
+    forced = dict(fixed_dq=True) | (dict(dkv_overlap=True) if overlap else {})
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(HopperBwdTiles, "fixes", lambda self, spec: fixes(
+        dataclasses.replace(self, **forced), spec)))
+    stack.enter_context(mock.patch.object(HopperBwdTiles, "dkv_overlaps", lambda self, *a: (
+        overlaps(dataclasses.replace(self, **forced), *a))))
+    return stack
 
 
 CONTEXT_ROWS = {
@@ -261,6 +267,10 @@ CONTEXT_ROWS = {
     "fixed_dq": ("jaxfuse, fixed-point dQ", _fixed_dq,
                  "also time jaxfuse with the attention backward's fused dQ added in int32 fixed "
                  "point (deterministic, 5 products) instead of the kernel pair"),
+    "fixed_overlap": ("jaxfuse, fixed-point dQ, overlapped steps",
+                      functools.partial(_fixed_dq, True),
+                      "also time jaxfuse with the fixed-point dQ on the dK/dV kernel's "
+                      "overlapped steps (HopperBwdTiles(fixed_dq=True, dkv_overlap=True))"),
     "unguarded": ("jaxfuse, attention without the garbage guard", _timing.unguarded_attention,
                   "also time jaxfuse without the guard against masked keys' garbage in the "
                   "Hopper attention kernels (forward: the producer cleans edge tiles; "

@@ -255,14 +255,16 @@ def test_hopper_dq_overlap_adds_in_the_plain_order():
             assert jnp.array_equal(a, b)
 
 
-@pytest.mark.parametrize("d,fused", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("d,fused", [(64, False), (128, False), (128, True), (64, True),
+                                     (64, "fixed")])
 def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
     """The dK/dV kernel's overlapped steps (the default, `HopperBwdTiles.dkv_overlap`: S^T and dP^T
     issued together, P and dS formed under the products) run the plain schedule's products on
     the same operands: dq, dk, dv bitwise equal to it, with GQA (two query heads walked by each
     CTA: 4 steps through a 2-slot ring) and the soft cap (its tanh carried from P to dS). With
-    the fused dQ (opt-in, `dkv_overlap=True`) the overlapped steps also hand dS^T to dQ's
-    product: its reducing adds (read-add-writes here) keep their order too."""
+    the fused dQ (opt-in, `dkv_overlap=True`; float32, or "fixed": the deterministic int32
+    fixed point) the overlapped steps also hand dS^T to dQ's product: its reducing adds
+    (read-add-writes here) keep their order too."""
     kq, kk, kv, kd = keys(11, 4)
     q = randn(kq, (1, 128, 2, d), jnp.bfloat16)
     k = randn(kk, (1, 256, 1, d), jnp.bfloat16)
@@ -271,12 +273,13 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
 
     def grads(**tiles):
         f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, logits_soft_cap=5.0,
-                                                    deterministic=not fused,
+                                                    deterministic=fused in (False, "fixed"),
                                                     block_sizes=_blocks(**tiles))
         jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
-        assert (FUSED if fused else DET)[0] in jaxpr
+        assert (FIXED if fused == "fixed" else FUSED if fused else DET)[0] in jaxpr
         return jax.vjp(f, q, k, v)[1](do)
-    tiles = dict(stages=2, fused_dq=True) if fused else dict(stages=2, **TWO)
+    tiles = (dict(stages=2, fused_dq=True, **(FIX if fused == "fixed" else {})) if fused
+             else dict(stages=2, **TWO))
     overlapped, plain = (True, None) if fused else (None, False)
     for a, b in zip(grads(dkv_overlap=overlapped, **tiles), grads(dkv_overlap=plain, **tiles)):
         assert jnp.array_equal(a, b)

@@ -289,10 +289,12 @@ _WINDOW_CAP = dict(sliding_window=100, logits_soft_cap=20.0)
 # The fixed-point dQ (`HopperBwdTiles(fixed_dq=True)`, `_fixed_sum`; deterministic): causal
 # and the window with the cap at D = 64, with GQA; the fused dQ forced at D = 128 (each
 # consumer its half of the columns, causal); under vmap on ragged lengths (the rows' scales
-# padded beside lse and delta, the int32 buffer folded into the batch).
-@pytest.mark.parametrize("d,opts,vmapped", [(64, _CAUSAL, False), (64, _WINDOW_CAP, False),
-                                            (128, _CAUSAL, False), (64, _CAUSAL, True)])
-def test_hopper_fixed_point_dq_lowers(d, opts, vmapped):
+# padded beside lse and delta, the int32 buffer folded into the batch); its steps overlapped
+# (`dkv_overlap=True`) at D = 64, causal.
+@pytest.mark.parametrize("d,opts,vmapped,overlap", [
+    (64, _CAUSAL, False, None), (64, _WINDOW_CAP, False, None), (128, _CAUSAL, False, None),
+    (64, _CAUSAL, True, None), (64, _CAUSAL, False, True)])
+def test_hopper_fixed_point_dq_lowers(d, opts, vmapped, overlap):
     """The dK/dV kernel with the fused dQ added as int32 (reducing TMA stores of int32 tiles,
     each step's rows' scales streamed with delta) lowers for sm90, with the backward's other
     kernels absent."""
@@ -303,7 +305,7 @@ def test_hopper_fixed_point_dq_lowers(d, opts, vmapped):
     q = jnp.zeros(lead + (1, tq, 4, d), jnp.bfloat16)
     k = jnp.zeros(lead + (1, tk, 2, d), jnp.bfloat16)
     tiles = HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True if d > 64 else None,
-                                                    fixed_dq=True))
+                                                    fixed_dq=True, dkv_overlap=overlap))
     f = lambda q, k, v: jaxfuse.flash_attention(                      # noqa: E731
         q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts)
     module = _fwd_bwd(jax.vmap(f) if vmapped else f, q, k, k).mlir_module()

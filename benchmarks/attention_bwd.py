@@ -770,11 +770,18 @@ def fixed_overlap():
     S^T and dP^T issued together, P and dS formed under the products; 9.5% off the float32
     fused kernel at D = 128, s33-3, never run at 64), in fixed point and in float32: checked
     compiled first (the D = 64 CASES and FIXED_CASES, bitwise repeat; a key 10^4 times the
-    others; two garbage cases), then CROSSOVER's kernels (profiler, one call) against the
+    others; two garbage cases), after CROSSOVER's kernels (profiler, one call) against the
     pair and the plain-step fixed point.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed_overlap [OUT]
     """
+    variants = {"pair": dict(block_sizes=AttnBlocks(hopper=PAIR)),
+                "fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED)),
+                "fixed point overlapped": dict(block_sizes=AttnBlocks(hopper=FIXED_O)),
+                "nondet overlapped": dict(deterministic=False,
+                                          block_sizes=AttnBlocks(hopper=NONDET_O))}
+    for label, (shape, causal) in CROSSOVER.items():
+        _profiles(label, shape, causal, top=3, variants=variants, default=False)
     d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
     for i, (shape, opts) in enumerate(d64):
         _check_case(i, shape, opts, jnp.bfloat16, True, hopper=FIXED_O)
@@ -783,13 +790,6 @@ def fixed_overlap():
     _check_case(7, FIXED_CASES[0][0], FIXED_CASES[0][1], jnp.bfloat16, True, hopper=FIXED_O,
                 outlier=1e4)
     garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED_O.backward)
-    variants = {"pair": dict(block_sizes=AttnBlocks(hopper=PAIR)),
-                "fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED)),
-                "fixed point overlapped": dict(block_sizes=AttnBlocks(hopper=FIXED_O)),
-                "nondet overlapped": dict(deterministic=False,
-                                          block_sizes=AttnBlocks(hopper=NONDET_O))}
-    for label, (shape, causal) in CROSSOVER.items():
-        _profiles(label, shape, causal, top=3, variants=variants, default=False)
 
 
 def fixed_quick():

@@ -4,5 +4,5 @@
 # the crossover shapes), and the model race with the fixed point plain and overlapped.
 #   bash benchmarks/smoke/overlap_s39.sh "$OUT"      (on the device machine)
 . "$(dirname "$0")/_lib.sh"
-attn_bwd fixed_overlap 280
-model_run model 280 train157 train1b --no-reference --fixed-dq --fixed-overlap
+attn_bwd fixed_overlap 190
+model_run model 130 train1b --no-reference --fixed-dq --fixed-overlap

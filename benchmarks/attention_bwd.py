@@ -771,13 +771,14 @@ def fixed_overlap():
     fused kernel at D = 128, s33-3, never run at 64), in fixed point and in float32: checked
     compiled first (the D = 64 CASES and FIXED_CASES, bitwise repeat; a key 10^4 times the
     others; two garbage cases), after CROSSOVER's kernels (profiler, one call) against the
-    pair and the plain-step fixed point.
+    pair and the plain steps of both.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed_overlap [OUT]
     """
     variants = {"pair": dict(block_sizes=AttnBlocks(hopper=PAIR)),
                 "fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED)),
                 "fixed point overlapped": dict(block_sizes=AttnBlocks(hopper=FIXED_O)),
+                "nondet": dict(deterministic=False),
                 "nondet overlapped": dict(deterministic=False,
                                           block_sizes=AttnBlocks(hopper=NONDET_O))}
     for label, (shape, causal) in CROSSOVER.items():

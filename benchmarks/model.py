@@ -238,16 +238,15 @@ def _triton_swiglu():
 def _fixed_dq(overlap: bool = False):
     """A context in which the deterministic Hopper attention backward runs the fused dQ in
     int32 fixed point wherever it can (`HopperBwdTiles(fixed_dq=True)`, opt-in since s38: D = 64,
-    no segment ids) instead of the kernel pair; with `overlap`, on the overlapped steps
-    (`dkv_overlap=True`)."""
+    no segment ids) instead of the kernel pair; with `overlap`, on the overlapped steps with
+    each dQ a step late (`dkv_overlap=True, defer_dq=True`)."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-    fixes, overlaps = HopperBwdTiles.fixes, HopperBwdTiles.dkv_overlaps
-    forced = dict(fixed_dq=True) | (dict(dkv_overlap=True) if overlap else {})
+    forced = dict(fixed_dq=True) | (dict(dkv_overlap=True, defer_dq=True) if overlap else {})
     stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(HopperBwdTiles, "fixes", lambda self, spec: fixes(
-        dataclasses.replace(self, **forced), spec)))
-    stack.enter_context(mock.patch.object(HopperBwdTiles, "dkv_overlaps", lambda self, *a: (
-        overlaps(dataclasses.replace(self, **forced), *a))))
+    for name in ("fixes", "dkv_overlaps", "defers"):   # the tiles' rules, asked of forced tiles
+        rule = getattr(HopperBwdTiles, name)
+        stack.enter_context(mock.patch.object(HopperBwdTiles, name, lambda self, *a, rule=rule: (
+            rule(dataclasses.replace(self, **forced), *a))))
     return stack
 
 
@@ -267,10 +266,11 @@ CONTEXT_ROWS = {
     "fixed_dq": ("jaxfuse, fixed-point dQ", _fixed_dq,
                  "also time jaxfuse with the attention backward's fused dQ added in int32 fixed "
                  "point (deterministic, 5 products) instead of the kernel pair"),
-    "fixed_overlap": ("jaxfuse, fixed-point dQ, overlapped steps",
+    "fixed_overlap": ("jaxfuse, fixed-point dQ, overlapped and deferred",
                       functools.partial(_fixed_dq, True),
                       "also time jaxfuse with the fixed-point dQ on the dK/dV kernel's "
-                      "overlapped steps (HopperBwdTiles(fixed_dq=True, dkv_overlap=True))"),
+                      "overlapped steps, each dQ a step late (HopperBwdTiles(fixed_dq=True, "
+                      "dkv_overlap=True, defer_dq=True))"),
     "unguarded": ("jaxfuse, attention without the garbage guard", _timing.unguarded_attention,
                   "also time jaxfuse without the guard against masked keys' garbage in the "
                   "Hopper attention kernels (forward: the producer cleans edge tiles; "

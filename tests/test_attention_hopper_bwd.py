@@ -285,6 +285,29 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
         assert jnp.array_equal(a, b)
 
 
+@pytest.mark.parametrize("fixed,overlap", [(False, None), (True, None), (True, True)])
+def test_hopper_deferred_dq_adds_in_the_same_order(fixed, overlap):
+    """`HopperBwdTiles(defer_dq=True)`: the fused dQ of each step formed at the end of the next
+    (the last one after the loop) by the consumer whose turn it was: the same products added
+    in the same order by each consumer, so dq, dk, dv are bitwise those of the undeferred
+    kernel, float32 (deterministic=False) and fixed point, on plain and overlapped steps;
+    GQA 4/2 over 3 query tiles (6 steps a CTA, odd per head: the turn crosses heads), the soft
+    cap, and Tq = 136 (a ragged last tile)."""
+    q, k, v, do = _operands(12, 256, 2, hq=4, tq=136)
+
+    def grads(**tiles):
+        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, logits_soft_cap=5.0,
+                                                    deterministic=fixed,
+                                                    block_sizes=_blocks(**tiles))
+        jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
+        assert (FIXED if fixed else FUSED)[0] in jaxpr
+        return jax.vjp(f, q, k, v)[1](do)
+    tiles = dict(stages=2, fused_dq=True, dkv_overlap=overlap, **(FIX if fixed else {}))
+    deferred, plain = grads(defer_dq=True, **tiles), grads(**tiles)
+    for a, b in zip(deferred, plain):
+        assert jnp.array_equal(a, b)
+
+
 @needs_cores
 def test_hopper_dkv_three_consumers():
     """The dK/dV kernel's three consumers (`HopperBwdTiles(consumers=3)`: CTAs of 192 keys,

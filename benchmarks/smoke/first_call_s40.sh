@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The device work s39 could not run (no machine was lent after its second call; NOTES s39
-# item 3), in one call of under 600 s: the fused dQ kernel's overlapped steps at D = 64, in
-# fixed point and float32 (`attention_bwd.py fixed_overlap`: kernel times at five D = 64
-# shapes against the kernel pair and the plain steps, then compiled checks), then the model
-# race with the fixed point's rows, plain and overlapped, beside the default pair.
+# items 3-4), in one call of under 600 s: the fused dQ kernel's schedules at D = 64, in fixed
+# point and float32 (`attention_bwd.py fixed_overlap`: plain, overlapped, each dQ a step late,
+# both; kernel times at four D = 64 shapes against the kernel pair, then compiled checks),
+# then the model race with the fixed point's rows (plain; overlapped and deferred) beside the
+# default pair.
 #   bash benchmarks/smoke/first_call_s40.sh "$OUT"      (on the device machine)
 . "$(dirname "$0")/_lib.sh"
 attn_bwd fixed_overlap 250

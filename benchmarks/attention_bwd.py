@@ -798,6 +798,34 @@ def fixed_overlap():
     garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED_OD.backward)
 
 
+def d128_schedules():
+    """The fused dQ at D = 128 (forced: `HopperBwdTiles(fused_dq=True)`; the kernel pair is
+    the default there, s33-3: the fused kernel 8.99 ms of kernels against the pair's 7.48,
+    overlapped 8.14, its dQ never stored 7.60) with its steps overlapped and each dQ a step
+    late (`dkv_overlap=True, defer_dq=True`: both consumers' column halves wait on both
+    consumers' dS^T of the step, so the slower sets the pace), float32 and fixed point:
+    compiled checks at the D = 128 CASES (bitwise repeat), then one call's kernels (profiler)
+    at B4 H32 T4096 D128, full and causal, against the pair and cuDNN.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d128_schedules [OUT]
+    """
+    fused = lambda **kw: HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True, **kw))
+    od = dict(dkv_overlap=True, defer_dq=True)
+    tiles = {"nondet fused": (False, fused()), "nondet fused overlapped": (
+        False, fused(dkv_overlap=True)), "nondet fused overlapped deferred": (False, fused(**od)),
+        "fixed point overlapped deferred": (True, fused(fixed_dq=True, **od))}
+    for det, t in list(tiles.values())[2:]:
+        for i, (shape, opts) in enumerate(CASES):
+            if shape[-1] == 128:
+                _check_case(i, shape, opts, jnp.bfloat16, det, hopper=t)
+    variants = {name: dict(deterministic=det, block_sizes=AttnBlocks(hopper=t))
+                for name, (det, t) in tiles.items()}
+    for label in ("D128 full", "D128 causal"):
+        (b, t, h, d), causal = WORKLOADS[label]
+        _profiles(f"B4 H32 T4096 {label}", (b, t, h, h, d), causal, top=4, cudnn=True,
+                  variants=variants)
+
+
 def fixed_quick():
     """The fixed-point dQ after s38's last change (exact per-row key maxima, 2-norm bound, 30
     bits): the 1B model's attention kernels (profiler) against the pair and the float32 fused
@@ -997,6 +1025,7 @@ if __name__ == "__main__":
         "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks, "fixed": fixed,
         "fixed_diag": fixed_diag, "fixed_profiles": fixed_profiles,
         "fixed_crossover": fixed_crossover, "fixed_overlap": fixed_overlap,
+        "d128_schedules": d128_schedules,
         "fixed_quick": fixed_quick,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone

@@ -202,7 +202,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 consumer whose turn it is at 64), half the bytes of a partial per consumer
                 (FlashAttention-3 sec. 3.3's dQ)."""
                 turn = lax.rem(j, 2)
-                gi, q0 = j // n, (lo + lax.rem(j, n)) * bq     # step j's head and rows
+                gi, q0 = j // n, (lo + lax.rem(j, n)) * bq     # as the producer has them
 
                 def dq_product(c0):
                     """dQ[:, c0:c0 + cols] = dS K over both consumers' keys, added into

@@ -235,13 +235,13 @@ def _triton_swiglu():
 # or a stripped-down piece of the model. `--FLAG` (dashes for underscores) adds the row named
 # here; the context is held over the whole lowering (a custom_vjp's backward is traced after
 # its forward returns).
-def _fixed_dq(overlap: bool = False):
+def _fixed_dq(**tiles):
     """A context in which the deterministic Hopper attention backward runs the fused dQ in
     int32 fixed point wherever it can (`HopperBwdTiles(fixed_dq=True)`, opt-in since s38: D = 64,
-    no segment ids) instead of the kernel pair; with `overlap`, on the overlapped steps with
-    each dQ a step late (`dkv_overlap=True, defer_dq=True`)."""
+    no segment ids) instead of the kernel pair, with `tiles` (other `HopperBwdTiles` fields,
+    e.g. defer_dq=True) forced as well."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-    forced = dict(fixed_dq=True) | (dict(dkv_overlap=True, defer_dq=True) if overlap else {})
+    forced = dict(fixed_dq=True, **tiles)
     stack = contextlib.ExitStack()
     for name in ("fixes", "dkv_overlaps", "defers"):   # the tiles' rules, asked of forced tiles
         rule = getattr(HopperBwdTiles, name)
@@ -266,8 +266,12 @@ CONTEXT_ROWS = {
     "fixed_dq": ("jaxfuse, fixed-point dQ", _fixed_dq,
                  "also time jaxfuse with the attention backward's fused dQ added in int32 fixed "
                  "point (deterministic, 5 products) instead of the kernel pair"),
+    "fixed_defer": ("jaxfuse, fixed-point dQ, deferred",
+                    functools.partial(_fixed_dq, defer_dq=True),
+                    "also time jaxfuse with the fixed-point dQ, each step's dQ formed a step "
+                    "late (HopperBwdTiles(fixed_dq=True, defer_dq=True))"),
     "fixed_overlap": ("jaxfuse, fixed-point dQ, overlapped and deferred",
-                      functools.partial(_fixed_dq, True),
+                      functools.partial(_fixed_dq, dkv_overlap=True, defer_dq=True),
                       "also time jaxfuse with the fixed-point dQ on the dK/dV kernel's "
                       "overlapped steps, each dQ a step late (HopperBwdTiles(fixed_dq=True, "
                       "dkv_overlap=True, defer_dq=True))"),

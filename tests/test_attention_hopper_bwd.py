@@ -285,22 +285,24 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
         assert jnp.array_equal(a, b)
 
 
-@pytest.mark.parametrize("d,fixed,overlap", [(64, False, None), (64, True, None),
-                                             (64, True, True), (128, True, True)])
-def test_hopper_deferred_dq_adds_in_the_same_order(d, fixed, overlap):
+@pytest.mark.parametrize("d,fixed,overlap,masks", [
+    (64, False, None, {}), (64, True, None, {}), (64, True, True, {}), (128, True, True, {}),
+    (64, True, None, dict(causal=True, sliding_window=150))])
+def test_hopper_deferred_dq_adds_in_the_same_order(d, fixed, overlap, masks):
     """`HopperBwdTiles(defer_dq=True)`: the fused dQ of each step formed at the end of the next
     (the last one after the loop) by the consumer whose turn it was: the same products added
     in the same order by each consumer, so dq, dk, dv are bitwise those of the undeferred
     kernel, float32 (deterministic=False) and fixed point, on plain and overlapped steps;
     GQA 4/2 over 3 query tiles (6 steps a CTA, odd per head: the turn crosses heads), the soft
     cap, and Tq = 136 (a ragged last tile); at D = 128 each consumer forms its half of the
-    columns every step (both deferred)."""
+    columns every step (both deferred); with causal and a window, the pending dQ crosses the
+    loops of masked and unmasked tiles."""
     q, k, v, do = _operands(12, 256, 2, hq=4, tq=136, d=d)
 
     def grads(**tiles):
         f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, logits_soft_cap=5.0,
                                                     deterministic=fixed,
-                                                    block_sizes=_blocks(**tiles))
+                                                    block_sizes=_blocks(**tiles), **masks)
         jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
         assert (FIXED if fixed else FUSED)[0] in jaxpr
         return jax.vjp(f, q, k, v)[1](do)

@@ -725,16 +725,22 @@ FIXED = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=True))
 PAIR = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=False))
 
 
+def _on(tiles, **kw):
+    """flash_attention's keyword arguments that run the Hopper kernels with `tiles`."""
+    return dict(block_sizes=AttnBlocks(hopper=tiles), **kw)
+
+
+# The three backwards at D = 64, as flash_attention's keyword arguments: the deterministic
+# kernel pair, the deterministic fixed-point fused dQ, the float32 fused dQ.
+SCHEMES = {"pair": _on(PAIR), "fixed point": _on(FIXED), "nondet": dict(deterministic=False)}
+
+
 def fixed_profiles():
     """The kernels of one fwd+bwd call at the models' attention shapes (profiler): the
     deterministic kernel pair (`HopperBwdTiles(fixed_dq=False)`), the fixed-point fused dQ
-    (`fixed_dq=True`) and the float32 fused dQ (deterministic=False); returns the variants."""
-    variants = {"pair": dict(block_sizes=AttnBlocks(hopper=PAIR)),
-                "fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED)),
-                "nondet": dict(deterministic=False)}
+    (`fixed_dq=True`) and the float32 fused dQ (deterministic=False): SCHEMES."""
     for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
-        _profiles(label, *ROWS[label], top=6, variants=variants, default=False)
-    return variants
+        _profiles(label, *ROWS[label], top=6, variants=SCHEMES, default=False)
 
 
 # D = 64 shapes from 1024 to 4096 keys a query row sees on average: is there a length past
@@ -755,8 +761,7 @@ def fixed_crossover():
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed_crossover [OUT]
     """
-    variants = {"pair": dict(block_sizes=AttnBlocks(hopper=PAIR)),
-                "fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED))}
+    variants = {n: SCHEMES[n] for n in ("pair", "fixed point")}
     for label, (shape, causal) in CROSSOVER.items():
         _profiles(label, shape, causal, top=3, variants=variants, default=False)
 
@@ -779,12 +784,10 @@ def fixed_overlap():
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed_overlap [OUT]
     """
-    tiles = {"pair": PAIR, "fixed point": FIXED, "fixed point overlapped": FIXED_O,
-             "fixed point deferred": FIXED_D, "fixed point overlapped deferred": FIXED_OD}
-    variants = {name: dict(block_sizes=AttnBlocks(hopper=t)) for name, t in tiles.items()}
-    variants.update({"nondet": dict(deterministic=False),
-                     "nondet overlapped deferred": dict(deterministic=False,
-                                                        block_sizes=AttnBlocks(hopper=NONDET_OD))})
+    variants = {**SCHEMES, "fixed point overlapped": _on(FIXED_O),
+                "fixed point deferred": _on(FIXED_D),
+                "fixed point overlapped deferred": _on(FIXED_OD),
+                "nondet overlapped deferred": _on(NONDET_OD, deterministic=False)}
     for label, (shape, causal) in CROSSOVER.items():
         if "T3072" not in label:
             _profiles(label, shape, causal, top=3, variants=variants, default=False)
@@ -818,8 +821,7 @@ def d128_schedules():
         for i, (shape, opts) in enumerate(CASES):
             if shape[-1] == 128:
                 _check_case(i, shape, opts, jnp.bfloat16, det, hopper=t)
-    variants = {name: dict(deterministic=det, block_sizes=AttnBlocks(hopper=t))
-                for name, (det, t) in tiles.items()}
+    variants = {name: _on(t, deterministic=det) for name, (det, t) in tiles.items()}
     for label in ("D128 full", "D128 causal"):
         (b, t, h, d), causal = WORKLOADS[label]
         _profiles(f"B4 H32 T4096 {label}", (b, t, h, h, d), causal, top=4, cudnn=True,
@@ -835,10 +837,7 @@ def fixed_quick():
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed_quick [OUT.json]
     """
     label = "1B B2 Hq32 Hkv8 T8192 D64 causal"
-    _profiles(label, *ROWS[label], top=4, default=False,
-              variants={"pair": dict(block_sizes=AttnBlocks(hopper=PAIR)),
-                        "fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED)),
-                        "nondet": dict(deterministic=False)})
+    _profiles(label, *ROWS[label], top=4, default=False, variants=SCHEMES)
     shape, opts = FIXED_CASES[0]
     _check_case(0, shape, opts, jnp.bfloat16, True, hopper=FIXED)
     for c in (1e2, 1e3):
@@ -856,7 +855,7 @@ def fixed(rounds: int = 3):
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed [OUT.json]
     """
-    variants = fixed_profiles()
+    fixed_profiles()
     d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
     for i, (shape, opts) in enumerate(d64):
         _check_case(i, shape, opts, jnp.bfloat16, True, hopper=FIXED)
@@ -864,7 +863,7 @@ def fixed(rounds: int = 3):
     _check_case(7, FIXED_CASES[0][0], FIXED_CASES[0][1], jnp.bfloat16, True, hopper=FIXED,
                 outlier=1e4)
     garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED.backward)
-    _rows(rounds, {name: (kw, contextlib.nullcontext) for name, kw in variants.items()
+    _rows(rounds, {name: (kw, contextlib.nullcontext) for name, kw in SCHEMES.items()
                    if name != "pair"},           # the default
           {k: v for k, v in ROWS.items() if v[0][-1] == 64})
 
@@ -884,13 +883,11 @@ def fixed_diag():
     quantize = FS.quantize
     variants = {"as built": quantize, "truncating": lambda x: x.astype(jnp.int32),
                 "float bits as int": lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)}
-    fixed_kw = {"fixed point": dict(block_sizes=AttnBlocks(hopper=FIXED))}
     try:
         for name, fn in variants.items():
             FS.quantize = fn
-            _profiles(f"{label} [{name}]", *ROWS[label], top=3,
-                      variants={**fixed_kw, "nondet": dict(deterministic=False)}
-                      if name == "as built" else fixed_kw)
+            _profiles(f"{label} [{name}]", *ROWS[label], top=3, variants={
+                n: SCHEMES[n] for n in ("fixed point",) + ("nondet",) * (name == "as built")})
     finally:
         FS.quantize = quantize
 

@@ -123,7 +123,7 @@ def test_hopper_backward_hides_masked_garbage(clean, fixed):
     non-finite entries 0 for dS K, V NaN beside them so that a row that sees the key gets NaN;
     the dK/dV kernel reads the raw tiles, its products contracting over queries), or an XLA
     pass over K and V before the kernels (`clean=False`, `_attn.clean_keys`); the fixed-point
-    fused dQ (`fixed`, the default at D = 64) takes the XLA pass, and its rows' scales are
+    fused dQ (`fixed`, opt-in) takes the XLA pass, and its rows' scales are
     maxima over the keys each row sees only, with the rows that see a non-finite key made
     NaN after the integer sum (`_fixed_sum`): bitwise the same elsewhere. Window 40, Tq
     128 < Tk 256 as in the forward's test: key 60 (K and V NaN) is seen by no query, key 150

@@ -61,6 +61,16 @@ def _operands(seed, tk, hkv, hq=2, tq=128, d=64):
             randn(kv, (1, tk, hkv, d), jnp.bfloat16), randn(kd, (1, tq, hq, d), jnp.bfloat16))
 
 
+def _grads(q, k, v, do, tiles, kernel=None, **opts):
+    """dq, dk, dv of `flash_attention(q, k, v, **opts)` on the Hopper kernels with backward
+    tiles `tiles` (`_blocks`' keywords) against the cotangent do, interpreted; `kernel`: the
+    name of a backward kernel the program must run."""
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**tiles), **opts)
+    if kernel is not None:
+        assert kernel in str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
+    return jax.vjp(f, q, k, v)[1](do)
+
+
 def _blocks(fwd_consumers=2, **bwd):
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
@@ -244,10 +254,7 @@ def test_hopper_dq_overlap_adds_in_the_plain_order():
     both kernels and without it (a 1-slot ring turns it off: it would deadlock there). Every
     kernel here runs two consumers (module docstring)."""
     q, k, v, do = _operands(9, 384, 2)
-
-    def grads(**tiles):
-        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**tiles))
-        return jax.vjp(f, q, k, v)[1](do)
+    grads = lambda **tiles: _grads(q, k, v, do, tiles)
     overlapped = grads(stages=2, **TWO)
     for other in (grads(stages=2, overlap=False, pingpong=True, **TWO),
                   grads(stages=1, **TWO)):
@@ -265,19 +272,10 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
     the fused dQ (opt-in, `dkv_overlap=True`; float32, or "fixed": the deterministic int32
     fixed point) the overlapped steps also hand dS^T to dQ's product: its reducing adds
     (read-add-writes here) keep their order too."""
-    kq, kk, kv, kd = keys(11, 4)
-    q = randn(kq, (1, 128, 2, d), jnp.bfloat16)
-    k = randn(kk, (1, 256, 1, d), jnp.bfloat16)
-    v = randn(kv, (1, 256, 1, d), jnp.bfloat16)
-    do = randn(kd, (1, 128, 2, d), jnp.bfloat16)
-
-    def grads(**tiles):
-        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, logits_soft_cap=5.0,
-                                                    deterministic=fused in (False, "fixed"),
-                                                    block_sizes=_blocks(**tiles))
-        jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
-        assert (FIXED if fused == "fixed" else FUSED if fused else DET)[0] in jaxpr
-        return jax.vjp(f, q, k, v)[1](do)
+    q, k, v, do = _operands(11, 256, 1, d=d)
+    kernel = (FIXED if fused == "fixed" else FUSED if fused else DET)[0]
+    grads = lambda **tiles: _grads(q, k, v, do, tiles, kernel, logits_soft_cap=5.0,
+                                   deterministic=fused in (False, "fixed"))
     tiles = (dict(stages=2, fused_dq=True, **(FIX if fused == "fixed" else {})) if fused
              else dict(stages=2, **TWO))
     overlapped, plain = (True, None) if fused else (None, False)
@@ -298,14 +296,8 @@ def test_hopper_deferred_dq_adds_in_the_same_order(d, fixed, overlap, masks):
     columns every step (both deferred); with causal and a window, the pending dQ crosses the
     loops of masked and unmasked tiles."""
     q, k, v, do = _operands(12, 256, 2, hq=4, tq=136, d=d)
-
-    def grads(**tiles):
-        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, logits_soft_cap=5.0,
-                                                    deterministic=fixed,
-                                                    block_sizes=_blocks(**tiles), **masks)
-        jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
-        assert (FIXED if fixed else FUSED)[0] in jaxpr
-        return jax.vjp(f, q, k, v)[1](do)
+    grads = lambda **tiles: _grads(q, k, v, do, tiles, (FIXED if fixed else FUSED)[0],
+                                   logits_soft_cap=5.0, deterministic=fixed, **masks)
     tiles = dict(stages=2, fused_dq=True, dkv_overlap=overlap, **(FIX if fixed else {}))
     deferred, plain = grads(defer_dq=True, **tiles), grads(**tiles)
     for a, b in zip(deferred, plain):
@@ -318,16 +310,8 @@ def test_hopper_dkv_three_consumers():
     160 registers a consumer) give dk and dv bitwise equal to two consumers' (CTAs of 128 keys):
     each key row's sums run over the same query tiles in the same order. Tk = 640: three CTAs
     of 192 keys, the last with two consumers past Tk; GQA 4/2."""
-    kq, kk, kv, kd = keys(10, 4)
-    q = randn(kq, (1, 128, 4, 64), jnp.bfloat16)
-    k = randn(kk, (1, 640, 2, 64), jnp.bfloat16)
-    v = randn(kv, (1, 640, 2, 64), jnp.bfloat16)
-    do = randn(kd, (1, 128, 4, 64), jnp.bfloat16)
-
-    def grads(consumers):
-        f = lambda q, k, v: jaxfuse.flash_attention(
-            q, k, v, block_sizes=_blocks(consumers=consumers))
-        return jax.vjp(f, q, k, v)[1](do)
+    q, k, v, do = _operands(10, 640, 2, hq=4)
+    grads = lambda consumers: _grads(q, k, v, do, dict(consumers=consumers))
     for a, b in zip(grads(3), grads(2)):
         assert jnp.array_equal(a, b)
 
@@ -416,11 +400,7 @@ def test_fixed_point_dq_agrees_with_the_kernel_pair():
     their row's size may differ by more than their own ulp, `_fixed_sum`). GQA, the soft
     cap, 3 key tiles of 128 a CTA."""
     q, k, v, do = _operands(14, 384, 1)
-
-    def grads(**tiles):
-        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, logits_soft_cap=5.0,
-                                                    block_sizes=_blocks(**tiles))
-        return jax.vjp(f, q, k, v)[1](do)
+    grads = lambda **tiles: _grads(q, k, v, do, tiles, logits_soft_cap=5.0)
     (dq, dk, dv), (dq0, dk0, dv0) = grads(**FIX), grads()
     assert jnp.array_equal(dk, dk0) and jnp.array_equal(dv, dv0)
     a, b = F32(dq), F32(dq0)

@@ -245,7 +245,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 pl.when(j > 0)(lambda: add_dq_of_step(j - 1, pending))
                 return dk, dv, r
 
-            def step(gi, i, j, carry, masked):
+            def step(i, j, carry, masked):
                 dk, dv = carry[:2]
                 slot = lax.rem(j, stages)
                 q0 = i * bq
@@ -276,7 +276,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     (dk,) = mma.run(rs(dk, ds, q_cols(slot)))                  # += dS^T Q
                 return end_step(j, slot, dk, dv, carry)
 
-            def ostep(gi, i, j, carry, masked):
+            def ostep(i, j, carry, masked):
                 """`step`'s products and vector work, the vector work under the products
                 (`HopperBwdTiles.dkv_overlaps`)."""
                 dk, dv = carry[:2]
@@ -302,7 +302,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                         lambda: plgpu.barrier_wait(do_full.at[slot]), p_of, ds_of)
                 return end_step(j, slot, dk, dv, carry)
 
-            def xstep(gi, i, j, carry, masked):
+            def xstep(i, j, carry, masked):
                 """A step with the exchange: this consumer forms S^T and dP^T of the step's
                 query rows [c * xq, (c + 1) * xq) (c = its half), writes its P^T and dS^T
                 columns into the shared [64, bq] tiles, and once both halves are in, adds
@@ -350,7 +350,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 j0 = gi * n - lo             # the running step of query tile i is j0 + i
                 body = xstep if exchange else ostep if overlap else step
                 run = lambda a, z, masked, c: lax.fori_loop(
-                    a, z, lambda i, c: body(gi, i, j0 + i, c, masked), c)
+                    a, z, lambda i, c: body(i, j0 + i, c, masked), c)
                 skip = lambda a, z, c: lax.fori_loop(a, z, lambda i, c: pass_over(j0 + i, c), c)
                 carry = skip(lo, c_lo, carry)
                 carry = run(c_lo, c_flo, True, carry)

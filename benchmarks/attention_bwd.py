@@ -801,6 +801,32 @@ def fixed_overlap():
     garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED_OD.backward)
 
 
+NONDET_O = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=True))
+
+
+def overlap_d64():
+    """After fixed_overlap (s40-1, H100: each dQ a step late lost 2-9%, the overlapped steps
+    won 4-5% in fixed point): the fused dQ's overlapped steps alone (`dkv_overlap=True`, no
+    deferral), fixed point and float32, against the kernel pair and the plain fused steps,
+    kernel by kernel (profiler, one call) at four of CROSSOVER's shapes; then compiled checks
+    of both overlapped schemes (the D = 64 CASES and FIXED_CASES, bitwise repeat; two garbage
+    cases).
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py overlap_d64 [OUT]
+    """
+    variants = {**SCHEMES, "fixed point overlapped": _on(FIXED_O),
+                "nondet overlapped": _on(NONDET_O, deterministic=False)}
+    for label, (shape, causal) in CROSSOVER.items():
+        if "T3072" not in label:
+            _profiles(label, shape, causal, top=3, variants=variants, default=False)
+    d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
+    for i, (shape, opts) in enumerate(d64):
+        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=FIXED_O)
+    for i, (shape, opts) in enumerate(d64[:4]):
+        _check_case(i, shape, opts, jnp.bfloat16, False, hopper=NONDET_O)
+    garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED_O.backward)
+
+
 def d128_schedules():
     """The fused dQ at D = 128 (forced: `HopperBwdTiles(fused_dq=True)`; the kernel pair is
     the default there, s33-3: the fused kernel 8.99 ms of kernels against the pair's 7.48,
@@ -1022,7 +1048,7 @@ if __name__ == "__main__":
         "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks, "fixed": fixed,
         "fixed_diag": fixed_diag, "fixed_profiles": fixed_profiles,
         "fixed_crossover": fixed_crossover, "fixed_overlap": fixed_overlap,
-        "d128_schedules": d128_schedules,
+        "d128_schedules": d128_schedules, "overlap_d64": overlap_d64,
         "fixed_quick": fixed_quick,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone

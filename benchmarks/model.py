@@ -241,7 +241,7 @@ def _fixed_dq(**tiles):
     no segment ids) instead of the kernel pair, with `tiles` (other `HopperBwdTiles` fields,
     e.g. defer_dq=True) forced as well."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-    forced = dict(fixed_dq=True, **tiles)
+    forced = dict(dict(fixed_dq=True), **tiles)
     stack = contextlib.ExitStack()
     for name in ("fixes", "dkv_overlaps", "defers"):   # the tiles' rules, asked of forced tiles
         rule = getattr(HopperBwdTiles, name)
@@ -270,11 +270,14 @@ CONTEXT_ROWS = {
                     functools.partial(_fixed_dq, defer_dq=True),
                     "also time jaxfuse with the fixed-point dQ, each step's dQ formed a step "
                     "late (HopperBwdTiles(fixed_dq=True, defer_dq=True))"),
-    "fixed_overlap": ("jaxfuse, fixed-point dQ, overlapped and deferred",
-                      functools.partial(_fixed_dq, dkv_overlap=True, defer_dq=True),
+    "fixed_overlap": ("jaxfuse, fixed-point dQ, overlapped",
+                      functools.partial(_fixed_dq, dkv_overlap=True),
                       "also time jaxfuse with the fixed-point dQ on the dK/dV kernel's "
-                      "overlapped steps, each dQ a step late (HopperBwdTiles(fixed_dq=True, "
-                      "dkv_overlap=True, defer_dq=True))"),
+                      "overlapped steps (HopperBwdTiles(fixed_dq=True, dkv_overlap=True))"),
+    "nondet_overlap": ("jaxfuse, nondeterministic attention, overlapped",
+                       functools.partial(_fixed_dq, fixed_dq=False, dkv_overlap=True),
+                       "also time jaxfuse with nondeterministic attention whose fused dQ runs "
+                       "on the dK/dV kernel's overlapped steps (HopperBwdTiles(dkv_overlap=True))"),
     "unguarded": ("jaxfuse, attention without the garbage guard", _timing.unguarded_attention,
                   "also time jaxfuse without the guard against masked keys' garbage in the "
                   "Hopper attention kernels (forward: the producer cleans edge tiles; "
@@ -323,7 +326,9 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
                M.loss, cfg=dataclasses.replace(cfg, loss_token_slab=token_slab), impl="pallas"),
            "jaxfuse, y and SwiGLU product kept": _with_kept_projections(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
-           **{row: functools.partial(M.loss, cfg=cfg, impl="pallas")
+           # a context row named "nondeterministic" runs the model's nondeterministic attention
+           **{row: functools.partial(M.loss, cfg=dataclasses.replace(
+               cfg, deterministic_attention="nondeterministic" not in row), impl="pallas")
               for row, _, _ in CONTEXT_ROWS.values()},
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),

@@ -767,47 +767,13 @@ def fixed_crossover():
 
 
 FIXED_O = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=True, dkv_overlap=True))
-FIXED_D = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=True, defer_dq=True))
-FIXED_OD = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=True, dkv_overlap=True,
-                                                   defer_dq=True))
-NONDET_OD = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=True, defer_dq=True))
-
-
-def fixed_overlap():
-    """The fused dQ kernel's steps at D = 64, fixed point and float32, in four schedules: plain
-    (the default), overlapped (`HopperBwdTiles(dkv_overlap=True)`: S^T and dP^T issued
-    together, P and dS formed under the products; 9.5% off the float32 fused kernel at D = 128,
-    s33-3, never run at 64), each dQ a step late (`defer_dq=True`: the consumers out of
-    lockstep) and both. Kernel times (profiler, one call) at four of CROSSOVER's shapes against
-    the kernel pair, then compiled checks of both changes together (the D = 64 CASES and
-    FIXED_CASES, bitwise repeat; a key 10^4 times the others; two garbage cases).
-
-        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed_overlap [OUT]
-    """
-    variants = {**SCHEMES, "fixed point overlapped": _on(FIXED_O),
-                "fixed point deferred": _on(FIXED_D),
-                "fixed point overlapped deferred": _on(FIXED_OD),
-                "nondet overlapped deferred": _on(NONDET_OD, deterministic=False)}
-    for label, (shape, causal) in CROSSOVER.items():
-        if "T3072" not in label:
-            _profiles(label, shape, causal, top=3, variants=variants, default=False)
-    d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
-    for i, (shape, opts) in enumerate(d64):
-        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=FIXED_OD)
-    for i, (shape, opts) in enumerate(d64[:2]):
-        _check_case(i, shape, opts, jnp.bfloat16, False, hopper=NONDET_OD)
-    _check_case(7, FIXED_CASES[0][0], FIXED_CASES[0][1], jnp.bfloat16, True, hopper=FIXED_OD,
-                outlier=1e4)
-    garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED_OD.backward)
-
-
 NONDET_O = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=True))
 
 
 def overlap_d64():
-    """After fixed_overlap (s40-1, H100: each dQ a step late lost 2-9%, the overlapped steps
-    won 4-5% in fixed point): the fused dQ's overlapped steps alone (`dkv_overlap=True`, no
-    deferral), fixed point and float32, against the kernel pair and the plain fused steps,
+    """After s40-1 (H100: each dQ formed a step late, `defer_dq` at f539a8a, lost 2-9% and was
+    removed; the overlapped steps won 4-5% in fixed point): the fused dQ's overlapped steps
+    (`dkv_overlap=True`), fixed point and float32, against the kernel pair and the plain fused steps,
     kernel by kernel (profiler, one call) at four of CROSSOVER's shapes; then compiled checks
     of both overlapped schemes (the D = 64 CASES and FIXED_CASES, bitwise repeat; two garbage
     cases).
@@ -825,33 +791,6 @@ def overlap_d64():
     for i, (shape, opts) in enumerate(d64[:4]):
         _check_case(i, shape, opts, jnp.bfloat16, False, hopper=NONDET_O)
     garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED_O.backward)
-
-
-def d128_schedules():
-    """The fused dQ at D = 128 (forced: `HopperBwdTiles(fused_dq=True)`; the kernel pair is
-    the default there, s33-3: the fused kernel 8.99 ms of kernels against the pair's 7.48,
-    overlapped 8.14, its dQ never stored 7.60) with its steps overlapped and each dQ a step
-    late (`dkv_overlap=True, defer_dq=True`: both consumers' column halves wait on both
-    consumers' dS^T of the step, so the slower sets the pace), float32 and fixed point:
-    compiled checks at the D = 128 CASES (bitwise repeat), then one call's kernels (profiler)
-    at B4 H32 T4096 D128, full and causal, against the pair and cuDNN.
-
-        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py d128_schedules [OUT]
-    """
-    fused = lambda **kw: HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True, **kw))
-    od = dict(dkv_overlap=True, defer_dq=True)
-    tiles = {"nondet fused": (False, fused()), "nondet fused overlapped": (
-        False, fused(dkv_overlap=True)), "nondet fused overlapped deferred": (False, fused(**od)),
-        "fixed point overlapped deferred": (True, fused(fixed_dq=True, **od))}
-    for det, t in list(tiles.values())[2:]:
-        for i, (shape, opts) in enumerate(CASES):
-            if shape[-1] == 128:
-                _check_case(i, shape, opts, jnp.bfloat16, det, hopper=t)
-    variants = {name: _on(t, deterministic=det) for name, (det, t) in tiles.items()}
-    for label in ("D128 full", "D128 causal"):
-        (b, t, h, d), causal = WORKLOADS[label]
-        _profiles(f"B4 H32 T4096 {label}", (b, t, h, h, d), causal, top=4, cudnn=True,
-                  variants=variants)
 
 
 def fixed_quick():
@@ -1047,8 +986,8 @@ if __name__ == "__main__":
     _timing.commands({
         "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks, "fixed": fixed,
         "fixed_diag": fixed_diag, "fixed_profiles": fixed_profiles,
-        "fixed_crossover": fixed_crossover, "fixed_overlap": fixed_overlap,
-        "d128_schedules": d128_schedules, "overlap_d64": overlap_d64,
+        "fixed_crossover": fixed_crossover,
+        "overlap_d64": overlap_d64,
         "fixed_quick": fixed_quick,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone

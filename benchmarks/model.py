@@ -239,11 +239,12 @@ def _fixed_dq(**tiles):
     """A context in which the deterministic Hopper attention backward runs the fused dQ in
     int32 fixed point wherever it can (`HopperBwdTiles(fixed_dq=True)`, opt-in since s38: D = 64,
     no segment ids) instead of the kernel pair, with `tiles` (other `HopperBwdTiles` fields,
-    e.g. defer_dq=True) forced as well."""
+    e.g. dkv_overlap=True) forced as well; fixed_dq=False keeps the float32 fused dQ of the
+    nondeterministic rows."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     forced = dict(dict(fixed_dq=True), **tiles)
     stack = contextlib.ExitStack()
-    for name in ("fixes", "dkv_overlaps", "defers"):   # the tiles' rules, asked of forced tiles
+    for name in ("fixes", "dkv_overlaps"):   # the tiles' rules, asked of forced tiles
         rule = getattr(HopperBwdTiles, name)
         stack.enter_context(mock.patch.object(HopperBwdTiles, name, lambda self, *a, rule=rule: (
             rule(dataclasses.replace(self, **forced), *a))))
@@ -266,10 +267,6 @@ CONTEXT_ROWS = {
     "fixed_dq": ("jaxfuse, fixed-point dQ", _fixed_dq,
                  "also time jaxfuse with the attention backward's fused dQ added in int32 fixed "
                  "point (deterministic, 5 products) instead of the kernel pair"),
-    "fixed_defer": ("jaxfuse, fixed-point dQ, deferred",
-                    functools.partial(_fixed_dq, defer_dq=True),
-                    "also time jaxfuse with the fixed-point dQ, each step's dQ formed a step "
-                    "late (HopperBwdTiles(fixed_dq=True, defer_dq=True))"),
     "fixed_overlap": ("jaxfuse, fixed-point dQ, overlapped",
                       functools.partial(_fixed_dq, dkv_overlap=True),
                       "also time jaxfuse with the fixed-point dQ on the dK/dV kernel's "

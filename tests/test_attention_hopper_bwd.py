@@ -283,27 +283,6 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
         assert jnp.array_equal(a, b)
 
 
-@pytest.mark.parametrize("d,fixed,overlap,masks", [
-    (64, False, None, {}), (64, True, None, {}), (64, True, True, {}), (128, True, True, {}),
-    (64, True, None, dict(causal=True, sliding_window=150))])
-def test_hopper_deferred_dq_adds_in_the_same_order(d, fixed, overlap, masks):
-    """`HopperBwdTiles(defer_dq=True)`: the fused dQ of each step formed at the end of the next
-    (the last one after the loop) by the consumer whose turn it was: the same products added
-    in the same order by each consumer, so dq, dk, dv are bitwise those of the undeferred
-    kernel, float32 (deterministic=False) and fixed point, on plain and overlapped steps;
-    GQA 4/2 over 3 query tiles (6 steps a CTA, odd per head: the turn crosses heads), the soft
-    cap, and Tq = 136 (a ragged last tile); at D = 128 each consumer forms its half of the
-    columns every step (both deferred); with causal and a window, the pending dQ crosses the
-    loops of masked and unmasked tiles."""
-    q, k, v, do = _operands(12, 256, 2, hq=4, tq=136, d=d)
-    grads = lambda **tiles: _grads(q, k, v, do, tiles, (FIXED if fixed else FUSED)[0],
-                                   logits_soft_cap=5.0, deterministic=fixed, **masks)
-    tiles = dict(stages=2, fused_dq=True, dkv_overlap=overlap, **(FIX if fixed else {}))
-    deferred, plain = grads(defer_dq=True, **tiles), grads(**tiles)
-    for a, b in zip(deferred, plain):
-        assert jnp.array_equal(a, b)
-
-
 @needs_cores
 def test_hopper_dkv_three_consumers():
     """The dK/dV kernel's three consumers (`HopperBwdTiles(consumers=3)`: CTAs of 192 keys,

@@ -245,13 +245,7 @@ class HopperBwdTiles:
     default) with its partials added as int32 fixed point (`_fixed_sum`: exact integer adds,
     so any order gives the same bits) instead of the kernel pair's 7 products; not with
     segment ids (the pair runs there). Off by default (module docstring: faster only on the
-    largest problems, by ~2% of the call at most).
-    defer_dq: with the fused dQ (float32 or fixed point), the consumer whose turn it is forms
-    step j's dQ at the end of step j + 1 instead of j: by then the other consumer's dS^T of
-    step j is written, so neither waits on the other (at D = 64 the turn-taker of step j
-    waited on a consumer that had just formed step j - 1's dQ, which holds the two in
-    lockstep). Same products, same order of adds a consumer: the same bits. Opt-in until
-    timed (`attention_bwd.py fixed_overlap`)."""
+    largest problems, by ~2% of the call at most)."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -263,7 +257,6 @@ class HopperBwdTiles:
     clean: bool = True
     dkv_overlap: bool | None = None
     fixed_dq: bool = False
-    defer_dq: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -367,11 +360,6 @@ class HopperBwdTiles:
         if self.split_d(d) or self.pingpong is True:
             return False
         return self.dkv_overlap is True or (self.dkv_overlap is None and not fused_dq)
-
-    def defers(self, fused_dq: bool) -> bool:
-        """Whether the dK/dV kernel forms each step's fused dQ at the end of the next step
-        (`defer_dq`, with the fused dQ only)."""
-        return fused_dq and self.defer_dq
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong

@@ -56,7 +56,6 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
     # halves, so every tile takes xq-element swizzle rows (wgmma: both operands one swizzle).
     transforms = _transforms(dtype, d, xq if exchange else bq)
     split, cols = tiles.dq_split(d), tiles.dq_cols(d)
-    defer = tiles.defers(fused_dq)          # step j's dQ formed at the end of step j + 1
 
     def scoped(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, r_smem, ds_smem,
                dq_smem, pt_x, ds_x, kv_full, q_full, do_full, empty, ds_full, ds_free, turns,
@@ -196,13 +195,12 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 read before the slot is released."""
                 return R.load_vec(r_smem.at[slot], 1, spec.interpret) if fixed else None
 
-            def add_dq_of_step(j, r):
+            def add_dq_of_step(gi, j, q0, r):
                 """The fused dQ of step j: [bq, D] float32 (or int32 fixed point, its rows
                 scaled by r) of reducing stores (two column halves at D = 128, one tile by the
                 consumer whose turn it is at 64), half the bytes of a partial per consumer
                 (FlashAttention-3 sec. 3.3's dQ)."""
                 turn = lax.rem(j, 2)
-                gi, q0 = j // n, (lo + lax.rem(j, n)) * bq     # as the producer has them
 
                 def dq_product(c0):
                     """dQ[:, c0:c0 + cols] = dS K over both consumers' keys, added into
@@ -229,24 +227,8 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     # The consumer whose turn it is (steps alternate), all D columns.
                     pl.when(turn == wg)(functools.partial(dq_product, 0))
 
-            def end_step(j, slot, dk, dv, carry):
-                """A step's close: its slot released, and with the fused dQ its dQ formed
-                (`add_dq_of_step`), or with `defer` the previous step's: the consumer whose
-                turn it was then forms it now, when the other's dS^T of that step is long
-                written, so neither waits on the other's (the carry holds the rows' scales
-                of the step whose dQ is pending)."""
-                r = rows_scale(slot)
-                plgpu.barrier_arrive(empty.at[slot])
-                if not defer:
-                    if fused_dq:
-                        add_dq_of_step(j, r)
-                    return dk, dv
-                pending = carry[2]
-                pl.when(j > 0)(lambda: add_dq_of_step(j - 1, pending))
-                return dk, dv, r
-
-            def step(i, j, carry, masked):
-                dk, dv = carry[:2]
+            def step(gi, i, j, carry, masked):
+                dk, dv = carry
                 slot = lax.rem(j, stages)
                 q0 = i * bq
                 # The named scopes are what `_hopper.traced` stamps (attention_trace.py).
@@ -274,12 +256,16 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 pp.switch()
                 with jax.named_scope("dk"):
                     (dk,) = mma.run(rs(dk, ds, q_cols(slot)))                  # += dS^T Q
-                return end_step(j, slot, dk, dv, carry)
+                r = rows_scale(slot)
+                plgpu.barrier_arrive(empty.at[slot])
+                if fused_dq:
+                    add_dq_of_step(gi, j, q0, r)
+                return dk, dv
 
-            def ostep(i, j, carry, masked):
+            def ostep(gi, i, j, carry, masked):
                 """`step`'s products and vector work, the vector work under the products
                 (`HopperBwdTiles.dkv_overlaps`)."""
-                dk, dv = carry[:2]
+                dk, dv = carry
                 slot = lax.rem(j, stages)
                 q0 = i * bq
                 delta = delta_smem.at[slot]
@@ -300,9 +286,13 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     dk, dv = mma.dkv_overlapped(
                         dk, dv, k_tile, q_smem.at[slot], v_tile, do_smem.at[slot],
                         lambda: plgpu.barrier_wait(do_full.at[slot]), p_of, ds_of)
-                return end_step(j, slot, dk, dv, carry)
+                r = rows_scale(slot)
+                plgpu.barrier_arrive(empty.at[slot])
+                if fused_dq:
+                    add_dq_of_step(gi, j, q0, r)
+                return dk, dv
 
-            def xstep(i, j, carry, masked):
+            def xstep(gi, i, j, carry, masked):
                 """A step with the exchange: this consumer forms S^T and dP^T of the step's
                 query rows [c * xq, (c + 1) * xq) (c = its half), writes its P^T and dS^T
                 columns into the shared [64, bq] tiles, and once both halves are in, adds
@@ -350,7 +340,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 j0 = gi * n - lo             # the running step of query tile i is j0 + i
                 body = xstep if exchange else ostep if overlap else step
                 run = lambda a, z, masked, c: lax.fori_loop(
-                    a, z, lambda i, c: body(i, j0 + i, c, masked), c)
+                    a, z, lambda i, c: body(gi, i, j0 + i, c, masked), c)
                 skip = lambda a, z, c: lax.fori_loop(a, z, lambda i, c: pass_over(j0 + i, c), c)
                 carry = skip(lo, c_lo, carry)
                 carry = run(c_lo, c_flo, True, carry)
@@ -359,15 +349,9 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 return skip(c_hi, hi, carry)
 
             zero = R.zeros((_ROWS, half), spec.interpret)
-            # With `defer`, the pending dQ's rows' scales ride in the carry (the fixed point's;
-            # None in float32): slot 0's read here only gives them their layout, unused.
-            carry = (zero, zero) + ((rows_scale(0),) if defer else ())
             pp.start()
-            carry = lax.fori_loop(0, g, head, carry)
-            dk, dv = carry[:2]
+            dk, dv = lax.fori_loop(0, g, head, (zero, zero))
             pp.end()
-            if defer:       # the last step's dQ, formed by the consumer whose turn it was
-                pl.when(total > 0)(lambda: add_dq_of_step(total - 1, carry[2]))
             if exchange:    # observe the last step's release of the exchange tiles
                 pl.when(total > 0)(lambda: plgpu.barrier_wait(x_free))
             if split_d:     # both consumers are done reading K and V before they are written

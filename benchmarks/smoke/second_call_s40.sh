@@ -2,10 +2,8 @@
 # After first_call_s40.sh (s40-1, H100): each dQ a step late lost everywhere, the fused dQ's
 # overlapped steps won 4-5% in fixed point. So: the overlapped steps alone, fixed point and
 # float32, against the pair (`attention_bwd.py overlap_d64`: kernel times at four D = 64
-# shapes, then compiled checks), the model race with both overlapped rows, then the linear +
-# cross-entropy checks, whose vmap case the 120 s limits of s37-6 and s39-1 cut.
+# shapes, then compiled checks), then the model race with both overlapped rows.
 #   bash benchmarks/smoke/second_call_s40.sh "$OUT"      (on the device machine)
 . "$(dirname "$0")/_lib.sh"
 attn_bwd overlap_d64 200
 model_run model 200 train157 train1b --no-reference --fixed-overlap --nondet-overlap
-lce_check 180

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# After first_call_s40.sh (s40-1, H100): each dQ a step late lost everywhere, the fused dQ's
+# After s40-1 (H100; `smoke/first_call_s40.sh` at f539a8a): each dQ a step late lost everywhere, the fused dQ's
 # overlapped steps won 4-5% in fixed point. So: the overlapped steps alone, fixed point and
 # float32, against the pair (`attention_bwd.py overlap_d64`: kernel times at four D = 64
 # shapes, then compiled checks), then the model race with both overlapped rows.

@@ -240,7 +240,8 @@ class HopperBwdTiles:
     D128 4.546 -> 4.466, GQA 32/8 4.428 -> 4.446, 1B B2 T8192 D64 5.089 -> 5.095, D256 B2
     H16 T4096 2.834 -> 2.728; 19 compiled checks and the garbage cases ok).
     dkv_overlap: the dK/dV kernel's steps with their vector work under their own products
-    (`dkv_overlaps`; None: on, except with the fused dQ; True: with it too).
+    (`dkv_overlaps`; on by default wherever the steps are not split, with the fused dQ too;
+    False: the plain steps).
     fixed_dq: with deterministic=True, run the fused dQ (where `fused_dq` puts it: D = 64 by
     default) with its partials added as int32 fixed point (`_fixed_sum`: exact integer adds,
     so any order gives the same bits) instead of the kernel pair's 7 products; not with
@@ -255,7 +256,7 @@ class HopperBwdTiles:
     consumers: int | None = None
     exchange: bool = True
     clean: bool = True
-    dkv_overlap: bool | None = None
+    dkv_overlap: bool = True
     fixed_dq: bool = False
 
     def __post_init__(self):
@@ -344,8 +345,8 @@ class HopperBwdTiles:
         return d <= 128 if self.overlap is None else self.overlap
 
     def dkv_overlaps(self, d: int, fused_dq: bool) -> bool:
-        """Whether the dK/dV kernel's steps run the overlapped schedule (`dkv_overlap`;
-        None: yes): S^T and dP^T issued together, P formed while dP^T runs, dS while
+        """Whether the dK/dV kernel's steps run the overlapped schedule (`dkv_overlap`,
+        default on): S^T and dP^T issued together, P formed while dP^T runs, dS while
         dV += P^T dO runs (FlashAttention-3 sec. 3.2's intra-warpgroup overlap within a
         step; nothing carried to the next step, so no registers beyond the plain schedule's,
         and the same products of the same operands: the same bits). Not with the fused dQ,
@@ -354,12 +355,15 @@ class HopperBwdTiles:
         ms at B4 H32 T4096 D128 (701 TFLOP/s on its 4 products), 2.194 -> 2.192 at the 1B
         model's B2 Hq32 Hkv8 T8192 D64 causal; fwd+bwd interleaved (medians of 3) D128 full
         8.069 -> 7.984 ms, causal 4.480 -> 4.360, the 157M model's GQA D64 0.833 -> 0.817.
-        With the fused dQ only when asked (`dkv_overlap=True`): there dS^T also goes to shared
-        memory for dQ's product while dV's runs, and the kernel holds dQ's accumulator after
-        the step's; not yet timed (`attention_bwd.py fused`)."""
+        With the fused dQ too (since s40; dS^T goes to shared memory for dQ's product while
+        dV's runs): the fused kernel at the 1B model's shape (H100, s40-1, profiler, one
+        call) 3.428 -> 3.251 ms in fixed point, float32 3.228 -> 3.144 (overlapped with a
+        deferral since removed, which cost the fixed point 1-3%), the fixed point's call at
+        four D = 64 shapes 3-5% faster; at D = 128 (forced fused, H200, s33-3) fwd+bwd 8.910
+        -> 8.400 ms."""
         if self.split_d(d) or self.pingpong is True:
             return False
-        return self.dkv_overlap is True or (self.dkv_overlap is None and not fused_dq)
+        return self.dkv_overlap is not False
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong

@@ -775,22 +775,22 @@ def overlap_d64():
     s40-1, H100: 4-5% off the fixed-point kernel; each dQ formed a step late, `defer_dq` at
     f539a8a, lost 1-3% and was removed), fixed point and float32, against their plain steps
     (`dkv_overlap=False`) and the kernel pair, kernel by kernel (profiler, one call) at four
-    of CROSSOVER's shapes; then compiled checks of both overlapped schemes (the D = 64 CASES
+    of CROSSOVER's shapes, after compiled checks of both overlapped schemes (the D = 64 CASES
     and FIXED_CASES, bitwise repeat; two garbage cases).
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py overlap_d64 [OUT]
     """
+    d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
+    for i, (shape, opts) in enumerate(d64[:4]):
+        _check_case(i, shape, opts, jnp.bfloat16, False, hopper=True)
+    for i, (shape, opts) in enumerate(d64):
+        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=FIXED)
+    garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED.backward)
     variants = {**SCHEMES, "fixed point plain": _on(FIXED_PLAIN),
                 "nondet plain": _on(NONDET_PLAIN, deterministic=False)}
     for label, (shape, causal) in CROSSOVER.items():
         if "T3072" not in label:
             _profiles(label, shape, causal, top=3, variants=variants, default=False)
-    d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
-    for i, (shape, opts) in enumerate(d64):
-        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=FIXED)
-    for i, (shape, opts) in enumerate(d64[:4]):
-        _check_case(i, shape, opts, jnp.bfloat16, False, hopper=True)
-    garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED.backward)
 
 
 def fixed_quick():

@@ -6,5 +6,5 @@
 # race with the fixed point's row (overlapped) and the float32 dQ's plain steps.
 #   bash benchmarks/smoke/second_call_s40.sh "$OUT"      (on the device machine)
 . "$(dirname "$0")/_lib.sh"
-attn_bwd overlap_d64 200
-model_run model 200 train157 train1b --no-reference --fixed-dq --nondet-plain
+attn_bwd overlap_d64 170
+model_run model 170 train157 train1b --no-reference --fixed-dq --nondet-plain

@@ -63,7 +63,10 @@ dQ, three ways (`AttnSpec.deterministic`, `HopperBwdTiles.fixed_dq`):
   only on the largest problems and not by length alone (H100, s39-2, one call, pair against
   fixed point: 1B 4.766 / 4.668 ms, B4 Hq32 Hkv8 T4096 causal 2.637 / 2.609, T3072 causal
   1.683 / 1.839, B8 H16 T2048 full 1.287 / 1.378, the 157M's 0.771 / 0.790; model steps
-  in one run (s39-1): 1B 325.4 / 321.6 ms, 157M 34.92 / 35.20).
+  in one run (s39-1): 1B 325.4 / 321.6 ms, 157M 34.92 / 35.20). With the fused kernel's
+  steps overlapped (the default since s40, `HopperBwdTiles.dkv_overlaps`; H100, s40-1): 1B
+  4.722 / 4.571, T4096 causal 2.654 / 2.547, T2048 full 1.272 / 1.317, the 157M's 0.771 /
+  0.777: still no shape rule that wins everywhere.
 
 Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
 * bytes in per step: Q and dO tiles 2 * 64 * D * 2 (32 KiB at D = 128, 16 at 64) + lse and

@@ -344,15 +344,15 @@ def fused():
         for i, (shape, opts) in enumerate(CASES):
             if shape[-1] == 128:
                 _check_case(i, shape, opts, jnp.bfloat16, False, HopperAttnTiles(
-                    backward=HopperBwdTiles(fused_dq=True)))
+                    backward=HopperBwdTiles(fused_dq=True, dkv_overlap=True)))
     for label in os.environ.get("LABELS", "D128 full,D128 causal").split(","):
         (b, t, h, d), causal = WORKLOADS[label]
         sets = [_inputs(jax.random.key(100 + i), b, t, t, h, h, d, jnp.bfloat16)[:4]
                 for i in range(2)]
         fused_f, fused_o = (functools.partial(jaxfuse.flash_attention, causal=causal,
                                               deterministic=False, block_sizes=fused_tiles(**o))
-                            for o in (dict(dkv_overlap=False), {}))
-        # ("overlapped": the steps of `HopperBwdTiles.dkv_overlaps`, default since s40.)
+                            for o in ({}, dict(dkv_overlap=True)))
+        # ("overlapped": the steps of `HopperBwdTiles.dkv_overlaps`, opt-in with the fused dQ.)
         fns = {"jaxfuse det": (functools.partial(jaxfuse.flash_attention, causal=causal),
                                contextlib.nullcontext),
                "jaxfuse nondet fused": (fused_f, contextlib.nullcontext),
@@ -766,28 +766,28 @@ def fixed_crossover():
         _profiles(label, shape, causal, top=3, variants=variants, default=False)
 
 
-FIXED_PLAIN = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=True, dkv_overlap=False))
-NONDET_PLAIN = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=False))
+FIXED_O = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=True, dkv_overlap=True))
+NONDET_O = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=True))
 
 
 def overlap_d64():
-    """The fused dQ's overlapped steps, the default since s40 (`HopperBwdTiles.dkv_overlaps`;
-    s40-1, H100: 4-5% off the fixed-point kernel; each dQ formed a step late, `defer_dq` at
-    f539a8a, lost 1-3% and was removed), fixed point and float32, against their plain steps
-    (`dkv_overlap=False`) and the kernel pair, kernel by kernel (profiler, one call) at four
-    of CROSSOVER's shapes, after compiled checks of both overlapped schemes (the D = 64 CASES
-    and FIXED_CASES, bitwise repeat; two garbage cases).
+    """The fused dQ's overlapped steps (`HopperBwdTiles(dkv_overlap=True)`; s40-1, H100: 4-5%
+    off the fixed-point kernel; each dQ formed a step late, `defer_dq` at f539a8a, lost 1-3%
+    and was removed), fixed point and float32: compiled checks first (the D = 64 CASES and
+    FIXED_CASES, bitwise repeat; two garbage cases), which would make them the fused dQ's
+    default, then kernel by kernel (profiler, one call) at four of CROSSOVER's shapes against
+    their plain steps and the kernel pair.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py overlap_d64 [OUT]
     """
     d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
     for i, (shape, opts) in enumerate(d64[:4]):
-        _check_case(i, shape, opts, jnp.bfloat16, False, hopper=True)
+        _check_case(i, shape, opts, jnp.bfloat16, False, hopper=NONDET_O)
     for i, (shape, opts) in enumerate(d64):
-        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=FIXED)
-    garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED.backward)
-    variants = {**SCHEMES, "fixed point plain": _on(FIXED_PLAIN),
-                "nondet plain": _on(NONDET_PLAIN, deterministic=False)}
+        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=FIXED_O)
+    garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED_O.backward)
+    variants = {**SCHEMES, "fixed point overlapped": _on(FIXED_O),
+                "nondet overlapped": _on(NONDET_O, deterministic=False)}
     for label, (shape, causal) in CROSSOVER.items():
         if "T3072" not in label:
             _profiles(label, shape, causal, top=3, variants=variants, default=False)

@@ -239,7 +239,7 @@ def _fixed_dq(**tiles):
     """A context in which the deterministic Hopper attention backward runs the fused dQ in
     int32 fixed point wherever it can (`HopperBwdTiles(fixed_dq=True)`, opt-in since s38: D = 64,
     no segment ids) instead of the kernel pair, with `tiles` (other `HopperBwdTiles` fields,
-    e.g. dkv_overlap=False) forced as well; fixed_dq=False keeps the float32 fused dQ of the
+    e.g. dkv_overlap=True) forced as well; fixed_dq=False keeps the float32 fused dQ of the
     nondeterministic rows."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     forced = dict(dict(fixed_dq=True), **tiles)
@@ -267,11 +267,14 @@ CONTEXT_ROWS = {
     "fixed_dq": ("jaxfuse, fixed-point dQ", _fixed_dq,
                  "also time jaxfuse with the attention backward's fused dQ added in int32 fixed "
                  "point (deterministic, 5 products) instead of the kernel pair"),
-    "nondet_plain": ("jaxfuse, nondeterministic attention, plain steps",
-                     functools.partial(_fixed_dq, fixed_dq=False, dkv_overlap=False),
-                     "also time jaxfuse with nondeterministic attention whose fused dQ runs "
-                     "on the dK/dV kernel's plain steps (HopperBwdTiles(dkv_overlap=False); "
-                     "overlapped by default since s40)"),
+    "fixed_overlap": ("jaxfuse, fixed-point dQ, overlapped",
+                      functools.partial(_fixed_dq, dkv_overlap=True),
+                      "also time jaxfuse with the fixed-point dQ on the dK/dV kernel's "
+                      "overlapped steps (HopperBwdTiles(fixed_dq=True, dkv_overlap=True))"),
+    "nondet_overlap": ("jaxfuse, nondeterministic attention, overlapped",
+                       functools.partial(_fixed_dq, fixed_dq=False, dkv_overlap=True),
+                       "also time jaxfuse with nondeterministic attention whose fused dQ runs "
+                       "on the dK/dV kernel's overlapped steps (HopperBwdTiles(dkv_overlap=True))"),
     "unguarded": ("jaxfuse, attention without the garbage guard", _timing.unguarded_attention,
                   "also time jaxfuse without the guard against masked keys' garbage in the "
                   "Hopper attention kernels (forward: the producer cleans edge tiles; "

@@ -269,16 +269,16 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
     issued together, P and dS formed under the products) run the plain schedule's products on
     the same operands: dq, dk, dv bitwise equal to it, with GQA (two query heads walked by each
     CTA: 4 steps through a 2-slot ring) and the soft cap (its tanh carried from P to dS). With
-    the fused dQ (float32, or "fixed": the deterministic int32 fixed point) the overlapped
-    steps also hand dS^T to dQ's product: its reducing adds (read-add-writes here) keep their
-    order too."""
+    the fused dQ (opt-in, `dkv_overlap=True`; float32, or "fixed": the deterministic int32
+    fixed point) the overlapped steps also hand dS^T to dQ's product: its reducing adds
+    (read-add-writes here) keep their order too."""
     q, k, v, do = _operands(11, 256, 1, d=d)
     kernel = (FIXED if fused == "fixed" else FUSED if fused else DET)[0]
     grads = lambda **tiles: _grads(q, k, v, do, tiles, kernel, logits_soft_cap=5.0,
                                    deterministic=fused in (False, "fixed"))
     tiles = (dict(stages=2, fused_dq=True, **(FIX if fused == "fixed" else {})) if fused
              else dict(stages=2, **TWO))
-    for a, b in zip(grads(**tiles), grads(dkv_overlap=False, **tiles)):
+    for a, b in zip(grads(dkv_overlap=True, **tiles), grads(dkv_overlap=False, **tiles)):
         assert jnp.array_equal(a, b)
 
 

@@ -64,7 +64,7 @@ dQ, three ways (`AttnSpec.deterministic`, `HopperBwdTiles.fixed_dq`):
   fixed point: 1B 4.766 / 4.668 ms, B4 Hq32 Hkv8 T4096 causal 2.637 / 2.609, T3072 causal
   1.683 / 1.839, B8 H16 T2048 full 1.287 / 1.378, the 157M's 0.771 / 0.790; model steps
   in one run (s39-1): 1B 325.4 / 321.6 ms, 157M 34.92 / 35.20). With the fused kernel's
-  steps overlapped (the default since s40, `HopperBwdTiles.dkv_overlaps`; H100, s40-1): 1B
+  steps overlapped (`HopperBwdTiles(dkv_overlap=True)`; H100, s40-1): 1B
   4.722 / 4.571, T4096 causal 2.654 / 2.547, T2048 full 1.272 / 1.317, the 157M's 0.771 /
   0.777: still no shape rule that wins everywhere.
 
@@ -243,8 +243,7 @@ class HopperBwdTiles:
     D128 4.546 -> 4.466, GQA 32/8 4.428 -> 4.446, 1B B2 T8192 D64 5.089 -> 5.095, D256 B2
     H16 T4096 2.834 -> 2.728; 19 compiled checks and the garbage cases ok).
     dkv_overlap: the dK/dV kernel's steps with their vector work under their own products
-    (`dkv_overlaps`; on by default wherever the steps are not split, with the fused dQ too;
-    False: the plain steps).
+    (`dkv_overlaps`; None: on, except with the fused dQ; True: with it too; False: off).
     fixed_dq: with deterministic=True, run the fused dQ (where `fused_dq` puts it: D = 64 by
     default) with its partials added as int32 fixed point (`_fixed_sum`: exact integer adds,
     so any order gives the same bits) instead of the kernel pair's 7 products; not with
@@ -259,7 +258,7 @@ class HopperBwdTiles:
     consumers: int | None = None
     exchange: bool = True
     clean: bool = True
-    dkv_overlap: bool = True
+    dkv_overlap: bool | None = None
     fixed_dq: bool = False
 
     def __post_init__(self):
@@ -348,8 +347,8 @@ class HopperBwdTiles:
         return d <= 128 if self.overlap is None else self.overlap
 
     def dkv_overlaps(self, d: int, fused_dq: bool) -> bool:
-        """Whether the dK/dV kernel's steps run the overlapped schedule (`dkv_overlap`,
-        default on): S^T and dP^T issued together, P formed while dP^T runs, dS while
+        """Whether the dK/dV kernel's steps run the overlapped schedule (`dkv_overlap`;
+        None: yes): S^T and dP^T issued together, P formed while dP^T runs, dS while
         dV += P^T dO runs (FlashAttention-3 sec. 3.2's intra-warpgroup overlap within a
         step; nothing carried to the next step, so no registers beyond the plain schedule's,
         and the same products of the same operands: the same bits). Not with the fused dQ,
@@ -358,15 +357,17 @@ class HopperBwdTiles:
         ms at B4 H32 T4096 D128 (701 TFLOP/s on its 4 products), 2.194 -> 2.192 at the 1B
         model's B2 Hq32 Hkv8 T8192 D64 causal; fwd+bwd interleaved (medians of 3) D128 full
         8.069 -> 7.984 ms, causal 4.480 -> 4.360, the 157M model's GQA D64 0.833 -> 0.817.
-        With the fused dQ too (since s40; dS^T goes to shared memory for dQ's product while
-        dV's runs): the fused kernel at the 1B model's shape (H100, s40-1, profiler, one
-        call) 3.428 -> 3.251 ms in fixed point, float32 3.228 -> 3.144 (overlapped with a
-        deferral since removed, which cost the fixed point 1-3%), the fixed point's call at
-        four D = 64 shapes 3-5% faster; at D = 128 (forced fused, H200, s33-3) fwd+bwd 8.910
-        -> 8.400 ms."""
+        With the fused dQ only when asked (`dkv_overlap=True`; dS^T goes to shared memory
+        for dQ's product while dV's runs), though faster wherever timed: the fused kernel at
+        the 1B model's shape (H100, s40-1, profiler, one call) 3.428 -> 3.251 ms in fixed
+        point, float32 3.228 -> 3.144 (overlapped with a deferral since removed, which cost
+        the fixed point 1-3%), the fixed point's call at four D = 64 shapes 3-5% faster; at
+        D = 128 (forced fused, H200, s33-3) fwd+bwd 8.910 -> 8.400 ms. It becomes the
+        default once the compiled checks have run it at D = 64 without the deferral
+        (`attention_bwd.py overlap_d64`: the device time of s40 ran out before)."""
         if self.split_d(d) or self.pingpong is True:
             return False
-        return self.dkv_overlap is not False
+        return self.dkv_overlap is True or (self.dkv_overlap is None and not fused_dq)
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong

@@ -242,7 +242,7 @@ def _fixed_dq(**tiles):
     e.g. dkv_overlap=True) forced as well; fixed_dq=False keeps the float32 fused dQ of the
     nondeterministic rows."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-    forced = dict(dict(fixed_dq=True), **tiles)
+    forced = {"fixed_dq": True, **tiles}
     stack = contextlib.ExitStack()
     for name in ("fixes", "dkv_overlaps"):   # the tiles' rules, asked of forced tiles
         rule = getattr(HopperBwdTiles, name)

@@ -227,6 +227,14 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     # The consumer whose turn it is (steps alternate), all D columns.
                     pl.when(turn == wg)(functools.partial(dq_product, 0))
 
+            def end_step(gi, j, q0, slot):
+                """A step's close: its slot released (the rows' scales read before), then
+                with the fused dQ the step's dQ formed (`add_dq_of_step`)."""
+                r = rows_scale(slot)
+                plgpu.barrier_arrive(empty.at[slot])
+                if fused_dq:
+                    add_dq_of_step(gi, j, q0, r)
+
             def step(gi, i, j, carry, masked):
                 dk, dv = carry
                 slot = lax.rem(j, stages)
@@ -256,10 +264,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 pp.switch()
                 with jax.named_scope("dk"):
                     (dk,) = mma.run(rs(dk, ds, q_cols(slot)))                  # += dS^T Q
-                r = rows_scale(slot)
-                plgpu.barrier_arrive(empty.at[slot])
-                if fused_dq:
-                    add_dq_of_step(gi, j, q0, r)
+                end_step(gi, j, q0, slot)
                 return dk, dv
 
             def ostep(gi, i, j, carry, masked):
@@ -286,10 +291,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     dk, dv = mma.dkv_overlapped(
                         dk, dv, k_tile, q_smem.at[slot], v_tile, do_smem.at[slot],
                         lambda: plgpu.barrier_wait(do_full.at[slot]), p_of, ds_of)
-                r = rows_scale(slot)
-                plgpu.barrier_arrive(empty.at[slot])
-                if fused_dq:
-                    add_dq_of_step(gi, j, q0, r)
+                end_step(gi, j, q0, slot)
                 return dk, dv
 
             def xstep(gi, i, j, carry, masked):

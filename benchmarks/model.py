@@ -325,7 +325,8 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            # a context row named "nondeterministic" runs the model's nondeterministic attention
            **{row: functools.partial(M.loss, cfg=dataclasses.replace(
-               cfg, deterministic_attention="nondeterministic" not in row), impl="pallas")
+               cfg, deterministic_attention=cfg.deterministic_attention
+               and "nondeterministic" not in row), impl="pallas")
               for row, _, _ in CONTEXT_ROWS.values()},
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),

@@ -282,6 +282,20 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
         assert jnp.array_equal(a, b)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_dkv_overlap_rule(d):
+    """`HopperBwdTiles.dkv_overlaps`, the rule the test above relies on to run both schedules:
+    by default the overlapped steps without the fused dQ and the plain ones with it (opt-in
+    there until checked compiled, NOTES s40 item 3); True and False force either; the
+    consumers' ping-pong keeps its own steps."""
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles as T
+    assert T().dkv_overlaps(d, False) and not T().dkv_overlaps(d, True)
+    for fused in (False, True):
+        assert T(dkv_overlap=True).dkv_overlaps(d, fused)
+        assert not T(dkv_overlap=False).dkv_overlaps(d, fused)
+        assert not T(dkv_overlap=True, pingpong=True).dkv_overlaps(d, fused)
+
+
 @needs_cores
 def test_hopper_dkv_three_consumers():
     """The dK/dV kernel's three consumers (`HopperBwdTiles(consumers=3)`: CTAs of 192 keys,

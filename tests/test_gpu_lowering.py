@@ -585,9 +585,10 @@ def test_reorder_beams_lowers():
 # The window with the cap adds the same ops, of the same types, to the fused kernel (and to the
 # forward) at D = 128 as at D = 64 (checked), where test_hopper_flash_attention_lowers lowers
 # them with both mask sets (deterministic=False): here causal alone. The default forward at
-# D = 64 with causal is lowered there too, so the D = 64 case runs a variant of
-# test_hopper_overlap_lowers instead (the overlap with 2 consumers taking turns on a 2-slot
-# ring): a kernel of its own in the same lowering, the backward's kernel unchanged (checked).
+# D = 64 with causal is lowered there too, so the first D = 64 case (block_q=128) runs a
+# variant of test_hopper_overlap_lowers instead (the overlap with 2 consumers taking turns on
+# a 2-slot ring): a kernel of its own in the same lowering, the backward's kernel unchanged
+# (checked).
 @pytest.mark.parametrize("d,opts,bwd,fwd", [
     (128, dict(causal=True), dict(block_q=64), {}),
     (64, dict(causal=True), dict(block_q=128),

@@ -775,8 +775,9 @@ def overlap_d64():
     off the fixed-point kernel; each dQ formed a step late, `defer_dq` at f539a8a, lost up to
     9% and was removed), fixed point and float32: compiled checks first (fixed point: the
     D = 64 CASES and FIXED_CASES, bitwise repeat, a key 10^4 times the others, two garbage
-    cases; float32: four of the cases), which would make them the fused dQ's default, then kernel by kernel (profiler, one call) at four of CROSSOVER's shapes against
-    their plain steps and the kernel pair.
+    cases; float32: four of the cases), which would make them the fused dQ's default, then
+    kernel by kernel (profiler, one call) at four of CROSSOVER's shapes against their plain
+    steps and the kernel pair.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py overlap_d64 [OUT]
     """

@@ -361,9 +361,9 @@ class HopperBwdTiles:
         for dQ's product while dV's runs), though faster wherever timed: the fused kernel at
         the 1B model's shape (H100, s40-1, profiler, one call) 3.428 -> 3.251 ms in fixed
         point, float32 3.228 -> 3.144 (overlapped with a deferral since removed, which cost
-        the overlapped fixed point 3-9%), the fixed point's call at four D = 64 shapes 1-5%
-        faster; at D = 128 (forced fused, float32, H100, s33-3) fwd+bwd 8.910 -> 8.400 ms. It becomes the
-        default once the compiled checks have run it at D = 64 without the deferral
+        the overlapped fixed point 3-9%), the fixed point's call at four D = 64 shapes 3-5%
+        faster; at D = 128 (forced fused, float32, H100, s33-3) fwd+bwd 8.910 -> 8.400 ms.
+        It becomes the default once the compiled checks have run it at D = 64 without the deferral
         (`attention_bwd.py overlap_d64`: the device time of s40 ran out before)."""
         if self.split_d(d) or self.pingpong is True:
             return False

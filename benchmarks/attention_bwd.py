@@ -767,6 +767,17 @@ def fixed_crossover():
 
 
 FIXED_O = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=True, dkv_overlap=True))
+D64_CASES = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
+
+
+def _fixed_checks(tiles):
+    """The fixed-point dQ with Hopper `tiles`, compiled, against the float32 reference (bf16,
+    bitwise repeat): the D = 64 CASES and FIXED_CASES, one with a key's K scaled by 10^4 (the
+    rows' scales' bound), two D = 64 garbage cases."""
+    for i, (shape, opts) in enumerate(D64_CASES):
+        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=tiles)
+    _check_case(7, *FIXED_CASES[0], jnp.bfloat16, True, hopper=tiles, outlier=1e4)
+    garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=tiles.backward)
 NONDET_O = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=True))
 
 
@@ -781,13 +792,9 @@ def overlap_d64():
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py overlap_d64 [OUT]
     """
-    d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
-    for i, (shape, opts) in enumerate(d64[:4]):
+    for i, (shape, opts) in enumerate(D64_CASES[:4]):
         _check_case(i, shape, opts, jnp.bfloat16, False, hopper=NONDET_O)
-    for i, (shape, opts) in enumerate(d64):
-        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=FIXED_O)
-    _check_case(7, *FIXED_CASES[0], jnp.bfloat16, True, hopper=FIXED_O, outlier=1e4)
-    garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED_O.backward)
+    _fixed_checks(FIXED_O)
     variants = {**SCHEMES, "fixed point overlapped": _on(FIXED_O),
                 "nondet overlapped": _on(NONDET_O, deterministic=False)}
     for label, (shape, causal) in CROSSOVER.items():
@@ -823,13 +830,8 @@ def fixed(rounds: int = 3):
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fixed [OUT.json]
     """
     fixed_profiles()
-    d64 = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
-    for i, (shape, opts) in enumerate(d64):
-        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=FIXED)
-    _check_case(0, d64[0][0], d64[0][1], jnp.float16, True, hopper=FIXED)
-    _check_case(7, FIXED_CASES[0][0], FIXED_CASES[0][1], jnp.bfloat16, True, hopper=FIXED,
-                outlier=1e4)
-    garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=FIXED.backward)
+    _fixed_checks(FIXED)
+    _check_case(0, *D64_CASES[0], jnp.float16, True, hopper=FIXED)
     _rows(rounds, {name: (kw, contextlib.nullcontext) for name, kw in SCHEMES.items()
                    if name != "pair"},           # the default
           {k: v for k, v in ROWS.items() if v[0][-1] == 64})

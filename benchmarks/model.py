@@ -235,14 +235,13 @@ def _triton_swiglu():
 # or a stripped-down piece of the model. `--FLAG` (dashes for underscores) adds the row named
 # here; the context is held over the whole lowering (a custom_vjp's backward is traced after
 # its forward returns).
-def _fixed_dq(**tiles):
-    """A context in which the deterministic Hopper attention backward runs the fused dQ in
-    int32 fixed point wherever it can (`HopperBwdTiles(fixed_dq=True)`, opt-in since s38: D = 64,
-    no segment ids) instead of the kernel pair, with `tiles` (other `HopperBwdTiles` fields,
-    e.g. dkv_overlap=True) forced as well; fixed_dq=False keeps the float32 fused dQ of the
-    nondeterministic rows."""
+def _forced_tiles(**forced):
+    """A context in which the Hopper attention backward's rules (`HopperBwdTiles.fixes`,
+    `dkv_overlaps`) are asked of tiles with the fields `forced`, whatever tiles the model
+    passes: `fixed_dq=True` runs the deterministic fused dQ in int32 fixed point wherever it
+    can (opt-in since s38: D = 64, no segment ids) instead of the kernel pair;
+    `dkv_overlap=True` the fused dQ's steps overlapped."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-    forced = {"fixed_dq": True, **tiles}
     stack = contextlib.ExitStack()
     for name in ("fixes", "dkv_overlaps"):   # the tiles' rules, asked of forced tiles
         rule = getattr(HopperBwdTiles, name)
@@ -264,17 +263,18 @@ CONTEXT_ROWS = {
     "ce_pair": ("jaxfuse, slab loss and dz by two kernels", _ce_pair,
                 "also time jaxfuse with each loss slab's loss and dz formed by the "
                 "cross-entropy forward and backward kernels (before s37) instead of one kernel"),
-    "fixed_dq": ("jaxfuse, fixed-point dQ", _fixed_dq,
+    "fixed_dq": ("jaxfuse, fixed-point dQ", functools.partial(_forced_tiles, fixed_dq=True),
                  "also time jaxfuse with the attention backward's fused dQ added in int32 fixed "
                  "point (deterministic, 5 products) instead of the kernel pair"),
     "fixed_overlap": ("jaxfuse, fixed-point dQ, overlapped",
-                      functools.partial(_fixed_dq, dkv_overlap=True),
+                      functools.partial(_forced_tiles, fixed_dq=True, dkv_overlap=True),
                       "also time jaxfuse with the fixed-point dQ on the dK/dV kernel's "
                       "overlapped steps (HopperBwdTiles(fixed_dq=True, dkv_overlap=True))"),
     "nondet_overlap": ("jaxfuse, nondeterministic attention, overlapped",
-                       functools.partial(_fixed_dq, fixed_dq=False, dkv_overlap=True),
+                       functools.partial(_forced_tiles, dkv_overlap=True),
                        "also time jaxfuse with nondeterministic attention whose fused dQ runs "
-                       "on the dK/dV kernel's overlapped steps (HopperBwdTiles(dkv_overlap=True))"),
+                       "on the dK/dV kernel's overlapped steps "
+                       "(HopperBwdTiles(dkv_overlap=True))"),
     "unguarded": ("jaxfuse, attention without the garbage guard", _timing.unguarded_attention,
                   "also time jaxfuse without the guard against masked keys' garbage in the "
                   "Hopper attention kernels (forward: the producer cleans edge tiles; "

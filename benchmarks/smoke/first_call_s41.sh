@@ -9,4 +9,4 @@
 . "$(dirname "$0")/_lib.sh"
 attn_bwd overlap_d64 230
 model_run model 200 train157 train1b --no-reference --fixed-dq --fixed-overlap --nondet-overlap
-lce_check 120
+# (lce_check 120 dropped: the failed starts left too little device time)

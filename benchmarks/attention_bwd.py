@@ -812,6 +812,38 @@ def overlap_profiles():
             _profiles(label, shape, causal, top=3, variants=variants, default=False)
 
 
+def dq_stores_cost():
+    """What the fused dQ's reducing stores cost at D = 64 (NOTES s41 item 3: ~4.3 GB of them a
+    call at the 1B shape): one call's kernels (profiler) of the float32 and fixed-point fused
+    dQ on the overlapped steps against the same kernels whose dQ tiles go to shared memory but
+    never leave (diagnostic: their dq is wrong), at the 1B and 157M attention shapes."""
+    from unittest import mock
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from benchmarks import _profile
+    from jaxfuse.pallas import attention_hopper_dkv as DKV
+
+    def smem_only(dq, smem, *args):
+        smem[...] = dq
+        plgpu.commit_smem()
+    variants = {"nondet overlapped": _on(NONDET_O, deterministic=False),
+                "fixed point overlapped": _on(FIXED_O)}
+    for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
+        (b, t, hq, hkv, d), causal = ROWS[label]
+        args = _inputs(jax.random.key(7), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]
+        for name, kw in variants.items():
+            for stored in (True, False):
+                f = functools.partial(jaxfuse.flash_attention, causal=causal, **kw)
+                tag = f"jaxfuse[{name}{'' if stored else ', dq never stored'}]"
+
+                def run(f=f, stored=stored, tag=tag):
+                    patch = (mock.patch.object(DKV, "add_dq", smem_only) if not stored
+                             else contextlib.nullcontext())
+                    with patch:                  # traced under it
+                        _profile.report(S, f"{label} {tag}", jax.jit(_fwd_bwd(f)), args,
+                                        top=3)
+                guarded(S, f"{label} profile", tag, run)
+
+
 def fixed_quick():
     """The fixed-point dQ after s38's last change (exact per-row key maxima, 2-norm bound, 30
     bits): the 1B model's attention kernels (profiler) against the pair and the float32 fused
@@ -1002,7 +1034,7 @@ if __name__ == "__main__":
         "fixed_diag": fixed_diag, "fixed_profiles": fixed_profiles,
         "fixed_crossover": fixed_crossover,
         "overlap_d64": overlap_d64, "overlap_checks": overlap_checks,
-        "overlap_profiles": overlap_profiles,
+        "overlap_profiles": overlap_profiles, "dq_stores_cost": dq_stores_cost,
         "fixed_quick": fixed_quick,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone

@@ -3,11 +3,13 @@
 # dQ's overlapped steps at D = 64 without the deferral (removed), float32 and fixed point:
 # compiled checks, the model race with both overlapped rows, then kernel times against their
 # plain steps and the kernel pair (`attention_bwd.py overlap_d64`, in two parts so that a
-# short call still holds the checks). If the checks pass and the kernels are faster, make
+# short call still holds the checks); and what the fused dQ's reducing stores cost at D = 64
+# (`dq_stores_cost`, NOTES s41 item 3). If the checks pass and the kernels are faster, make
 # `dkv_overlap` on with the fused dQ too (`HopperBwdTiles.dkv_overlaps`; tests compare True
 # and False explicitly).
 #   bash benchmarks/smoke/first_call_s41.sh "$OUT"      (on the device machine)
 . "$(dirname "$0")/_lib.sh"
 attn_bwd overlap_checks 170
 model_run model 190 train157 train1b --no-reference --fixed-dq --fixed-overlap --nondet-overlap
+attn_bwd dq_stores_cost 120
 attn_bwd overlap_profiles 150

@@ -815,7 +815,7 @@ def overlap_profiles():
 def dq_stores_cost():
     """What the fused dQ's reducing stores cost at D = 64 (NOTES s41 item 3: ~4.3 GB of them a
     call at the 1B shape): one call's kernels (profiler) of the float32 and fixed-point fused
-    dQ on the overlapped steps against the same kernels whose dQ tiles go to shared memory but
+    dQ (on the overlapped steps, the default) against the same kernels whose dQ tiles go to shared memory but
     never leave (diagnostic: their dq is wrong), at the 1B and 157M attention shapes."""
     from unittest import mock
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -825,8 +825,7 @@ def dq_stores_cost():
     def smem_only(dq, smem, *args):
         smem[...] = dq
         plgpu.commit_smem()
-    variants = {"nondet overlapped": _on(NONDET_O, deterministic=False),
-                "fixed point overlapped": _on(FIXED_O)}
+    variants = {"nondet": dict(deterministic=False), "fixed point": _on(FIXED)}
     for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
         (b, t, hq, hkv, d), causal = ROWS[label]
         args = _inputs(jax.random.key(7), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]

@@ -815,8 +815,9 @@ def overlap_profiles():
 def dq_stores_cost():
     """What the fused dQ's reducing stores cost at D = 64 (NOTES s41 item 3: ~4.3 GB of them a
     call at the 1B shape): one call's kernels (profiler) of the float32 and fixed-point fused
-    dQ (on the overlapped steps, the default) against the same kernels whose dQ tiles go to shared memory but
-    never leave (diagnostic: their dq is wrong), at the 1B and 157M attention shapes."""
+    dQ (on the overlapped steps, the default) against the same kernels whose dQ tiles go to
+    shared memory but never leave (diagnostic: their dq is wrong), at the 1B and 157M
+    attention shapes."""
     from unittest import mock
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from benchmarks import _profile

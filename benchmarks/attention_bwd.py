@@ -315,7 +315,7 @@ def probe(sweep=None):
 
 def fused():
     """What the fused dQ's reducing stores cost: fwd+bwd of the fused dQ (deterministic=False,
-    forced; its plain steps and its overlapped ones) against the same kernels whose dQ tiles go
+    forced; its overlapped steps and its plain ones) against the same kernels whose dQ tiles go
     to shared memory but never leave (diagnostic: their dq is wrong), the deterministic pair
     and cuDNN, at the D = 128 workloads:
     back-to-back time, then one call's kernels (profiler; s14-3 ran the times alone).
@@ -336,7 +336,7 @@ def fused():
     def fused_tiles(**bwd):
         return AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True, **bwd)))
     no_stores = lambda: mock.patch.object(DKV, "add_dq", smem_only)
-    # The overlapped fused steps are new on the GPU: checked first (bf16, the D = 128 CASES;
+    # The fused kernel at D = 128 is forced here: checked first (bf16, the D = 128 CASES;
     # CHECKS=0 skips them). LABELS (comma-separated WORKLOADS keys) picks the workloads: each
     # takes ~3 minutes of compiles, timing and profiles, so one call of 10 minutes holds the
     # checks and one or two of them.
@@ -344,15 +344,15 @@ def fused():
         for i, (shape, opts) in enumerate(CASES):
             if shape[-1] == 128:
                 _check_case(i, shape, opts, jnp.bfloat16, False, HopperAttnTiles(
-                    backward=HopperBwdTiles(fused_dq=True, dkv_overlap=True)))
+                    backward=HopperBwdTiles(fused_dq=True)))
     for label in os.environ.get("LABELS", "D128 full,D128 causal").split(","):
         (b, t, h, d), causal = WORKLOADS[label]
         sets = [_inputs(jax.random.key(100 + i), b, t, t, h, h, d, jnp.bfloat16)[:4]
                 for i in range(2)]
         fused_f, fused_o = (functools.partial(jaxfuse.flash_attention, causal=causal,
                                               deterministic=False, block_sizes=fused_tiles(**o))
-                            for o in ({}, dict(dkv_overlap=True)))
-        # ("overlapped": the steps of `HopperBwdTiles.dkv_overlaps`, opt-in with the fused dQ.)
+                            for o in (dict(dkv_overlap=False), {}))
+        # ("overlapped": the steps of `HopperBwdTiles.dkv_overlaps`, the default since s41.)
         fns = {"jaxfuse det": (functools.partial(jaxfuse.flash_attention, causal=causal),
                                contextlib.nullcontext),
                "jaxfuse nondet fused": (fused_f, contextlib.nullcontext),
@@ -766,7 +766,8 @@ def fixed_crossover():
         _profiles(label, shape, causal, top=3, variants=variants, default=False)
 
 
-FIXED_O = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=True, dkv_overlap=True))
+# The fused dQ on the dK/dV kernel's plain steps (its default is overlapped since s41).
+FIXED_PLAIN = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=True, dkv_overlap=False))
 D64_CASES = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
 
 
@@ -778,17 +779,16 @@ def _fixed_checks(tiles):
         _check_case(i, shape, opts, jnp.bfloat16, True, hopper=tiles)
     _check_case(7, *FIXED_CASES[0], jnp.bfloat16, True, hopper=tiles, outlier=1e4)
     garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=tiles.backward)
-NONDET_O = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=True))
+NONDET_PLAIN = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=False))
 
 
 def overlap_d64():
-    """The fused dQ's overlapped steps (`HopperBwdTiles(dkv_overlap=True)`; s40-1, H100: 4-5%
-    off the fixed-point kernel; each dQ formed a step late, `defer_dq` at f539a8a, lost up to
-    9% and was removed), fixed point and float32: compiled checks first (fixed point: the
-    D = 64 CASES and FIXED_CASES, bitwise repeat, a key 10^4 times the others, two garbage
-    cases; float32: four of the cases), which would make them the fused dQ's default, then
-    kernel by kernel (profiler, one call) at four of CROSSOVER's shapes against their plain
-    steps and the kernel pair.
+    """The fused dQ's overlapped steps (`HopperBwdTiles.dkv_overlap`, the default since s41;
+    s40-1, H100: 4-5% off the fixed-point kernel; each dQ formed a step late, `defer_dq` at
+    f539a8a, lost up to 9% and was removed), fixed point and float32: compiled checks first
+    (fixed point: the D = 64 CASES and FIXED_CASES, bitwise repeat, a key 10^4 times the
+    others, two garbage cases; float32: four of the cases), then kernel by kernel (profiler,
+    one call) at four of CROSSOVER's shapes against their plain steps and the kernel pair.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py overlap_d64 [OUT]
     """
@@ -799,14 +799,14 @@ def overlap_d64():
 def overlap_checks():
     """`overlap_d64`'s compiled checks alone (the part a short device call must hold)."""
     for i, (shape, opts) in enumerate(D64_CASES[:4]):
-        _check_case(i, shape, opts, jnp.bfloat16, False, hopper=NONDET_O)
-    _fixed_checks(FIXED_O)
+        _check_case(i, shape, opts, jnp.bfloat16, False, hopper=True)
+    _fixed_checks(FIXED)
 
 
 def overlap_profiles():
     """`overlap_d64`'s kernel times alone."""
-    variants = {**SCHEMES, "fixed point overlapped": _on(FIXED_O),
-                "nondet overlapped": _on(NONDET_O, deterministic=False)}
+    variants = {**SCHEMES, "fixed point, plain steps": _on(FIXED_PLAIN),
+                "nondet, plain steps": _on(NONDET_PLAIN, deterministic=False)}
     for label, (shape, causal) in CROSSOVER.items():
         if "T3072" not in label:
             _profiles(label, shape, causal, top=3, variants=variants, default=False)
@@ -815,8 +815,9 @@ def overlap_profiles():
 def dq_stores_cost():
     """What the fused dQ's reducing stores cost at D = 64 (NOTES s41 item 3: ~4.3 GB of them a
     call at the 1B shape): one call's kernels (profiler) of the float32 and fixed-point fused
-    dQ on the overlapped steps against the same kernels whose dQ tiles go to shared memory but
-    never leave (diagnostic: their dq is wrong), at the 1B and 157M attention shapes."""
+    dQ (on the overlapped steps, the default) against the same kernels whose dQ tiles go to
+    shared memory but never leave (diagnostic: their dq is wrong), at the 1B and 157M
+    attention shapes."""
     from unittest import mock
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from benchmarks import _profile
@@ -825,8 +826,7 @@ def dq_stores_cost():
     def smem_only(dq, smem, *args):
         smem[...] = dq
         plgpu.commit_smem()
-    variants = {"nondet overlapped": _on(NONDET_O, deterministic=False),
-                "fixed point overlapped": _on(FIXED_O)}
+    variants = {"nondet": dict(deterministic=False), "fixed point": _on(FIXED)}
     for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
         (b, t, hq, hkv, d), causal = ROWS[label]
         args = _inputs(jax.random.key(7), b, t, t, hq, hkv, d, jnp.bfloat16)[:4]

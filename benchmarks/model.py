@@ -240,7 +240,7 @@ def _forced_tiles(**forced):
     `dkv_overlaps`) are asked of tiles with the fields `forced`, whatever tiles the model
     passes: `fixed_dq=True` runs the deterministic fused dQ in int32 fixed point wherever it
     can (opt-in since s38: D = 64, no segment ids) instead of the kernel pair;
-    `dkv_overlap=True` the fused dQ's steps overlapped."""
+    `dkv_overlap=False` the dK/dV kernel's plain steps (overlapped by default)."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     stack = contextlib.ExitStack()
     for name in ("fixes", "dkv_overlaps"):   # the tiles' rules, asked of forced tiles
@@ -266,15 +266,15 @@ CONTEXT_ROWS = {
     "fixed_dq": ("jaxfuse, fixed-point dQ", functools.partial(_forced_tiles, fixed_dq=True),
                  "also time jaxfuse with the attention backward's fused dQ added in int32 fixed "
                  "point (deterministic, 5 products) instead of the kernel pair"),
-    "fixed_overlap": ("jaxfuse, fixed-point dQ, overlapped",
-                      functools.partial(_forced_tiles, fixed_dq=True, dkv_overlap=True),
-                      "also time jaxfuse with the fixed-point dQ on the dK/dV kernel's "
-                      "overlapped steps (HopperBwdTiles(fixed_dq=True, dkv_overlap=True))"),
-    "nondet_overlap": ("jaxfuse, nondeterministic attention, overlapped",
-                       functools.partial(_forced_tiles, dkv_overlap=True),
-                       "also time jaxfuse with nondeterministic attention whose fused dQ runs "
-                       "on the dK/dV kernel's overlapped steps "
-                       "(HopperBwdTiles(dkv_overlap=True))"),
+    "fixed_plain": ("jaxfuse, fixed-point dQ, plain steps",
+                    functools.partial(_forced_tiles, fixed_dq=True, dkv_overlap=False),
+                    "also time jaxfuse with the fixed-point dQ on the dK/dV kernel's plain "
+                    "steps (HopperBwdTiles(fixed_dq=True, dkv_overlap=False); overlapped "
+                    "is the default since s41)"),
+    "nondet_plain": ("jaxfuse, nondeterministic attention, plain steps",
+                     functools.partial(_forced_tiles, dkv_overlap=False),
+                     "also time jaxfuse with nondeterministic attention whose fused dQ runs "
+                     "on the dK/dV kernel's plain steps (HopperBwdTiles(dkv_overlap=False))"),
     "unguarded": ("jaxfuse, attention without the garbage guard", _timing.unguarded_attention,
                   "also time jaxfuse without the guard against masked keys' garbage in the "
                   "Hopper attention kernels (forward: the producer cleans edge tiles; "

@@ -269,9 +269,9 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
     issued together, P and dS formed under the products) run the plain schedule's products on
     the same operands: dq, dk, dv bitwise equal to it, with GQA (two query heads walked by each
     CTA: 4 steps through a 2-slot ring) and the soft cap (its tanh carried from P to dS). With
-    the fused dQ (opt-in, `dkv_overlap=True`; float32, or "fixed": the deterministic int32
-    fixed point) the overlapped steps also hand dS^T to dQ's product: its reducing adds
-    (read-add-writes here) keep their order too."""
+    the fused dQ (float32, or "fixed": the deterministic int32 fixed point) the overlapped
+    steps also hand dS^T to dQ's product: its reducing adds (read-add-writes here) keep their
+    order too."""
     q, k, v, do = _operands(11, 256, 1, d=d)
     kernel = (FIXED if fused == "fixed" else FUSED if fused else DET)[0]
     grads = lambda **tiles: _grads(q, k, v, do, tiles, kernel, logits_soft_cap=5.0,
@@ -285,11 +285,11 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_dkv_overlap_rule(d):
     """`HopperBwdTiles.dkv_overlaps`, the rule the test above relies on to run both schedules:
-    by default the overlapped steps without the fused dQ and the plain ones with it (opt-in
-    there until checked compiled, NOTES s40 item 3); True and False force either; the
-    consumers' ping-pong keeps its own steps."""
+    by default the overlapped steps, with the fused dQ or without (with it since checked
+    compiled, NOTES s41); False forces the plain ones; the consumers' ping-pong keeps its own
+    steps."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles as T
-    assert T().dkv_overlaps(d, False) and not T().dkv_overlaps(d, True)
+    assert T().dkv_overlaps(d, False) and T().dkv_overlaps(d, True)
     for fused in (False, True):
         assert T(dkv_overlap=True).dkv_overlaps(d, fused)
         assert not T(dkv_overlap=False).dkv_overlaps(d, fused)

@@ -290,10 +290,10 @@ _WINDOW_CAP = dict(sliding_window=100, logits_soft_cap=20.0)
 # and the window with the cap at D = 64, with GQA; the fused dQ forced at D = 128 (each
 # consumer its half of the columns, causal); under vmap on ragged lengths (the rows' scales
 # padded beside lse and delta, the int32 buffer folded into the batch); at D = 64, causal, its
-# steps overlapped (`dkv_overlap=True`).
+# plain steps (`dkv_overlap=False`; the others run the default, overlapped ones).
 @pytest.mark.parametrize("d,opts,vmapped,extra", [
     (64, _CAUSAL, False, {}), (64, _WINDOW_CAP, False, {}), (128, _CAUSAL, False, {}),
-    (64, _CAUSAL, True, {}), (64, _CAUSAL, False, dict(dkv_overlap=True))])
+    (64, _CAUSAL, True, {}), (64, _CAUSAL, False, dict(dkv_overlap=False))])
 def test_hopper_fixed_point_dq_lowers(d, opts, vmapped, extra):
     """The dK/dV kernel with the fused dQ added as int32 (reducing TMA stores of int32 tiles,
     each step's rows' scales streamed with delta) lowers for sm90, with the backward's other
@@ -593,15 +593,15 @@ def test_reorder_beams_lowers():
     (128, dict(causal=True), dict(block_q=64), {}),
     (64, dict(causal=True), dict(block_q=128),
      dict(overlap=True, consumers=2, stages=2, pingpong=True)),
-    (128, dict(causal=True), dict(dkv_overlap=True), {}),
-    (64, dict(causal=True), dict(dkv_overlap=True), {})])
+    (128, dict(causal=True), dict(dkv_overlap=False), {}),
+    (64, dict(causal=True), dict(dkv_overlap=False), {})])
 def test_hopper_fused_dq_lowers(d, opts, bwd, fwd):
     """`HopperBwdTiles(fused_dq=True)` forces the fused dQ at D = 128 (by default the separate
     dQ kernel runs there, deterministic=False or not), with a mask (see above); at D = 64 with
     128-row query steps its shared memory (the [4, 64, 128] dS^T buffer) still fits: the
-    lowering checks the kernel's shared-memory total. `dkv_overlap=True`: the fused kernel's
-    steps overlapped (dS^T written to shared memory while dV's product runs), at D = 128 and
-    at 64."""
+    lowering checks the kernel's shared-memory total. By default the fused kernel's steps
+    are overlapped (dS^T written to shared memory while dV's product runs);
+    `dkv_overlap=False`, its plain steps, at D = 128 and at 64."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)

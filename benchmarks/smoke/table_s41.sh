@@ -4,7 +4,7 @@
 # then the attention table against cuDNN and tokamax (wheels carried in .peers).
 #   bash benchmarks/smoke/table_s41.sh "$OUT"      (on the device machine; carry .peers)
 . "$(dirname "$0")/_lib.sh"
-model_run model 330 train157 train1b decode --no-reference --fixed-dq --fixed-overlap --nondet-overlap
+model_run model 330 train157 train1b decode --no-reference --fixed-dq
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers .peers/wheels/*.whl
 export PYTHONPATH=/tmp/peers:$PWD/.peers/stub:$PYTHONPATH
 timeout -s KILL 200 python benchmarks/gpu_check.py attention --no-check --no-sweep \

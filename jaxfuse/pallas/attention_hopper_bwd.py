@@ -243,7 +243,7 @@ class HopperBwdTiles:
     D128 4.546 -> 4.466, GQA 32/8 4.428 -> 4.446, 1B B2 T8192 D64 5.089 -> 5.095, D256 B2
     H16 T4096 2.834 -> 2.728; 19 compiled checks and the garbage cases ok).
     dkv_overlap: the dK/dV kernel's steps with their vector work under their own products
-    (`dkv_overlaps`; None: on, except with the fused dQ; True: with it too; False: off).
+    (`dkv_overlaps`; True, the default: on, with the fused dQ or without; False: off).
     fixed_dq: with deterministic=True, run the fused dQ (where `fused_dq` puts it: D = 64 by
     default) with its partials added as int32 fixed point (`_fixed_sum`: exact integer adds,
     so any order gives the same bits) instead of the kernel pair's 7 products; not with
@@ -258,7 +258,7 @@ class HopperBwdTiles:
     consumers: int | None = None
     exchange: bool = True
     clean: bool = True
-    dkv_overlap: bool | None = None
+    dkv_overlap: bool = True
     fixed_dq: bool = False
 
     def __post_init__(self):
@@ -367,7 +367,7 @@ class HopperBwdTiles:
         (`attention_bwd.py overlap_d64`: the device time of s40 ran out before)."""
         if self.split_d(d) or self.pingpong is True:
             return False
-        return self.dkv_overlap is True or (self.dkv_overlap is None and not fused_dq)
+        return self.dkv_overlap
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong

@@ -64,9 +64,13 @@ dQ, three ways (`AttnSpec.deterministic`, `HopperBwdTiles.fixed_dq`):
   fixed point: 1B 4.766 / 4.668 ms, B4 Hq32 Hkv8 T4096 causal 2.637 / 2.609, T3072 causal
   1.683 / 1.839, B8 H16 T2048 full 1.287 / 1.378, the 157M's 0.771 / 0.790; model steps
   in one run (s39-1): 1B 325.4 / 321.6 ms, 157M 34.92 / 35.20). With the fused kernel's
-  steps overlapped (`HopperBwdTiles(dkv_overlap=True)`; H100, s40-1): 1B
+  steps overlapped (`HopperBwdTiles.dkv_overlaps`, the default since s41; H100, s40-1): 1B
   4.722 / 4.571, T4096 causal 2.654 / 2.547, T2048 full 1.272 / 1.317, the 157M's 0.771 /
-  0.777: still no shape rule that wins everywhere.
+  0.777; H200, s41-2/3: 1B 4.747 / 4.527, T4096 causal 2.613 / 2.515, T3072 causal 1.651 /
+  1.777, T2048 full 1.277 / 1.304, the 157M's 0.756 / 0.750: still no shape rule that wins
+  everywhere. Its reducing stores are not what holds the fused kernel back: with its dQ
+  tiles never leaving shared memory (diagnostic) it ran no faster at D = 64 (H200, s41-1,
+  1B 3.022 / 3.046 ms float32, 3.236 / 3.234 fixed point), unlike D = 128 (above).
 
 Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
 * bytes in per step: Q and dO tiles 2 * 64 * D * 2 (32 KiB at D = 128, 16 at 64) + lse and
@@ -347,24 +351,22 @@ class HopperBwdTiles:
         return d <= 128 if self.overlap is None else self.overlap
 
     def dkv_overlaps(self, d: int, fused_dq: bool) -> bool:
-        """Whether the dK/dV kernel's steps run the overlapped schedule (`dkv_overlap`;
-        None: yes): S^T and dP^T issued together, P formed while dP^T runs, dS while
+        """Whether the dK/dV kernel's steps run the overlapped schedule (`dkv_overlap`,
+        default True): S^T and dP^T issued together, P formed while dP^T runs, dS while
         dV += P^T dO runs (FlashAttention-3 sec. 3.2's intra-warpgroup overlap within a
         step; nothing carried to the next step, so no registers beyond the plain schedule's,
-        and the same products of the same operands: the same bits). Not with the fused dQ,
-        the split columns of D = 256 or the consumers' ping-pong, whose steps are their own.
+        and the same products of the same operands: the same bits). Not with the split
+        columns of D = 256 or the consumers' ping-pong, whose steps are their own.
         Measured (H200, s29-1, profiler, one fwd+bwd call): the dK/dV kernel 3.318 -> 3.135
         ms at B4 H32 T4096 D128 (701 TFLOP/s on its 4 products), 2.194 -> 2.192 at the 1B
         model's B2 Hq32 Hkv8 T8192 D64 causal; fwd+bwd interleaved (medians of 3) D128 full
         8.069 -> 7.984 ms, causal 4.480 -> 4.360, the 157M model's GQA D64 0.833 -> 0.817.
-        With the fused dQ only when asked (`dkv_overlap=True`; dS^T goes to shared memory
-        for dQ's product while dV's runs), though faster wherever timed: the fused kernel at
-        the 1B model's shape (H100, s40-1, profiler, one call) 3.428 -> 3.251 ms in fixed
-        point, float32 3.228 -> 3.144 (overlapped with a deferral since removed, which cost
-        the overlapped fixed point 3-9%), the fixed point's call at four D = 64 shapes 3-5%
-        faster; at D = 128 (forced fused, float32, H100, s33-3) fwd+bwd 8.910 -> 8.400 ms.
-        It becomes the default once the compiled checks have run it at D = 64 without the deferral
-        (`attention_bwd.py overlap_d64`: the device time of s40 ran out before)."""
+        With the fused dQ too (dS^T goes to shared memory for dQ's product while dV's runs;
+        the default since s41, after the compiled checks at D = 64, H200, s41-1): its kernel
+        at the 1B model's shape (H200, s41-2, profiler, one call) float32 3.230 -> 3.026 ms,
+        fixed point 3.335 -> 3.236; at the 157M's 0.459 -> 0.432 and 0.487 -> 0.466 (the
+        call 2-5% faster); at D = 128 (forced fused, float32, H100, s33-3) fwd+bwd 8.910 ->
+        8.400 ms."""
         if self.split_d(d) or self.pingpong is True:
             return False
         return self.dkv_overlap

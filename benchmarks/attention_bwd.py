@@ -313,6 +313,20 @@ def probe(sweep=None):
                             bench(jax.jit(step), sets, reps=5, repeats=3)))
 
 
+def _dq_never_stored():
+    """A context in which the fused dQ's tiles are written to shared memory and never leave
+    (diagnostic: dq is wrong; traced under it): what the fused kernel costs without its
+    reducing stores."""
+    from unittest import mock
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jaxfuse.pallas import attention_hopper_dkv as DKV
+
+    def smem_only(dq, smem, *args):
+        smem[...] = dq
+        plgpu.commit_smem()
+    return mock.patch.object(DKV, "add_dq", smem_only)
+
+
 def fused():
     """What the fused dQ's reducing stores cost: fwd+bwd of the fused dQ (deterministic=False,
     forced; its overlapped steps and its plain ones) against the same kernels whose dQ tiles go
@@ -323,19 +337,12 @@ def fused():
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py fused [OUT.json]
         LABELS="D128 causal" CHECKS=0 ... fused [OUT.json]      # the other workload alone
     """
-    import contextlib
     import os
-    from unittest import mock
-    import jax.experimental.pallas.mosaic_gpu as plgpu
     from benchmarks import _profile
-    from jaxfuse.pallas import attention_hopper_dkv as DKV
 
-    def smem_only(dq, smem, *args):
-        smem[...] = dq
-        plgpu.commit_smem()
     def fused_tiles(**bwd):
         return AttnBlocks(hopper=HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True, **bwd)))
-    no_stores = lambda: mock.patch.object(DKV, "add_dq", smem_only)
+    no_stores = _dq_never_stored
     # The fused kernel at D = 128 is forced here: checked first (bf16, the D = 128 CASES;
     # CHECKS=0 skips them). LABELS (comma-separated WORKLOADS keys) picks the workloads: each
     # takes ~3 minutes of compiles, timing and profiles, so one call of 10 minutes holds the
@@ -813,19 +820,12 @@ def overlap_profiles():
 
 
 def dq_stores_cost():
-    """What the fused dQ's reducing stores cost at D = 64 (NOTES s41 item 3: ~4.3 GB of them a
-    call at the 1B shape): one call's kernels (profiler) of the float32 and fixed-point fused
+    """What the fused dQ's reducing stores cost at D = 64 (~4.3 GB of them a call at the 1B
+    shape; nothing measurable, H200, s41-1, NOTES s41 item 4): one call's kernels (profiler) of the float32 and fixed-point fused
     dQ (on the overlapped steps, the default) against the same kernels whose dQ tiles go to
     shared memory but never leave (diagnostic: their dq is wrong), at the 1B and 157M
     attention shapes."""
-    from unittest import mock
-    import jax.experimental.pallas.mosaic_gpu as plgpu
     from benchmarks import _profile
-    from jaxfuse.pallas import attention_hopper_dkv as DKV
-
-    def smem_only(dq, smem, *args):
-        smem[...] = dq
-        plgpu.commit_smem()
     variants = {"nondet": dict(deterministic=False), "fixed point": _on(FIXED)}
     for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
         (b, t, hq, hkv, d), causal = ROWS[label]
@@ -836,9 +836,7 @@ def dq_stores_cost():
                 tag = f"jaxfuse[{name}{'' if stored else ', dq never stored'}]"
 
                 def run(f=f, stored=stored, tag=tag):
-                    patch = (mock.patch.object(DKV, "add_dq", smem_only) if not stored
-                             else contextlib.nullcontext())
-                    with patch:                  # traced under it
+                    with (contextlib.nullcontext() if stored else _dq_never_stored()):
                         _profile.report(S, f"{label} {tag}", jax.jit(_fwd_bwd(f)), args,
                                         top=3)
                 guarded(S, f"{label} profile", tag, run)

@@ -52,3 +52,15 @@ $(grep -c 'FAIL\|rror' "$out/$1.log") not"
         | sed 's/  */ /g; s/HopperAttnTiles(.*fixed_dq=\(True\|False\)).*persistent=None)/[fixed_dq=\1]/' \
         | cut -c1-260
 }
+
+# attn_table LIMIT_S: the attention table against cuDNN and tokamax (`gpu_check.py attention
+# --no-check --no-sweep`; tokamax's wheels carried in .peers), log $out/attention.log.
+attn_table() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers \
+        .peers/wheels/*.whl
+    PYTHONPATH=/tmp/peers:$PWD/.peers/stub:$PYTHONPATH timeout -s KILL "$1" \
+        python benchmarks/gpu_check.py attention --no-check --no-sweep \
+        --out "$out/attention.json" > "$out/attention.log" 2>&1
+    echo "attention rc=$?"
+    grep -a "attention \|ceiling" "$out/attention.log" | sed 's/  */ /g' | cut -c1-160
+}

@@ -10,6 +10,6 @@
 #   bash benchmarks/smoke/first_call_s41.sh "$OUT"      (on the device machine)
 . "$(dirname "$0")/_lib.sh"
 attn_bwd overlap_checks 170
-model_run model 190 train157 train1b --no-reference --fixed-dq --fixed-overlap --nondet-overlap
+model_run model 190 train157 train1b --no-reference --fixed-dq --fixed-plain --nondet-plain
 attn_bwd dq_stores_cost 120
 attn_bwd overlap_profiles 150

@@ -71,6 +71,12 @@ HOPPER_CASES = [
     dict(b=2, tq=1048, tk=1112, hq=4, hkv=2, d=64, causal=True, deterministic=False),
     dict(b=1, tq=560, tk=712, hq=4, hkv=1, d=128, causal=False),
     dict(b=1, tq=560, tk=712, hq=2, hkv=1, d=256, causal=True),
+    # Since s41 the fused dQ (deterministic=False at D = 64) runs the dK/dV kernel's overlapped
+    # steps: with segment ids (s41-1 checked it compiled on the other masks only).
+    dict(b=1, tq=200, tk=333, hq=4, hkv=1, d=64, causal=True, segments=True,
+         deterministic=False),
+    dict(b=2, tq=384, tk=384, hq=4, hkv=2, d=64, causal=False, segments=True,
+         deterministic=False),
 ]
 
 
@@ -505,6 +511,9 @@ if __name__ == "__main__":
         # s34's unpadded ragged lengths alone (check_s32's last four: its whole list takes
         # longer than one call's kill timeout to compile)
         "check_s34": lambda: _check_hopper((jnp.bfloat16,), lambda c: c["tq"] in (1048, 560)),
+        # s41's fused dQ on the overlapped steps with segment ids, bf16
+        "check_s41": lambda: _check_hopper((jnp.bfloat16,), lambda c: c.get("segments") and (
+            c.get("deterministic") is False)),
         "d256": perf_d256, "guard": perf_guard,
         "persistent": lambda: (check_persistent(), perf_persistent()),
         "named": _named, "scheduled": _scheduled,

@@ -821,10 +821,10 @@ def overlap_profiles():
 
 def dq_stores_cost():
     """What the fused dQ's reducing stores cost at D = 64 (~4.3 GB of them a call at the 1B
-    shape; nothing measurable, H200, s41-1, NOTES s41 item 4): one call's kernels (profiler) of the float32 and fixed-point fused
-    dQ (on the overlapped steps, the default) against the same kernels whose dQ tiles go to
-    shared memory but never leave (diagnostic: their dq is wrong), at the 1B and 157M
-    attention shapes."""
+    shape; nothing measurable, H200, s41-1, NOTES s41 item 4): one call's kernels (profiler)
+    of the float32 and fixed-point fused dQ (on the overlapped steps, the default) against
+    the same kernels whose dQ tiles go to shared memory but never leave (diagnostic: their
+    dq is wrong), at the 1B and 157M attention shapes."""
     from benchmarks import _profile
     variants = {"nondet": dict(deterministic=False), "fixed point": _on(FIXED)}
     for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):

@@ -286,14 +286,16 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
 def test_hopper_dkv_overlap_rule(d):
     """`HopperBwdTiles.dkv_overlaps`, the rule the test above relies on to run both schedules:
     by default the overlapped steps, with the fused dQ or without (with it since checked
-    compiled, NOTES s41); False forces the plain ones; the consumers' ping-pong keeps its own
-    steps."""
+    compiled, NOTES s41); False forces the plain ones; the consumers' ping-pong and D = 256's
+    split columns keep their own steps; None (once "the default") is refused, not taken as
+    off."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles as T
-    assert T().dkv_overlaps(d, False) and T().dkv_overlaps(d, True)
-    for fused in (False, True):
-        assert T(dkv_overlap=True).dkv_overlaps(d, fused)
-        assert not T(dkv_overlap=False).dkv_overlaps(d, fused)
-        assert not T(dkv_overlap=True, pingpong=True).dkv_overlaps(d, fused)
+    assert T().dkv_overlaps(d) and T(dkv_overlap=True).dkv_overlaps(d)
+    assert not T(dkv_overlap=False).dkv_overlaps(d)
+    assert not T(dkv_overlap=True, pingpong=True).dkv_overlaps(d)
+    assert not T().dkv_overlaps(256)                  # D = 256's split columns
+    with pytest.raises(ValueError, match="dkv_overlap=None must be True or False"):
+        T(dkv_overlap=None)
 
 
 @needs_cores

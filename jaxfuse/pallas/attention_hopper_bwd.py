@@ -272,6 +272,12 @@ class HopperBwdTiles:
         if self.stages is not None and not (_checks.is_int(self.stages) and self.stages >= 1):
             raise ValueError(f"HopperBwdTiles.stages={self.stages!r} must be a positive int "
                              f"(ring slots), or None for as many as fit")
+        # Switches are True or False: None no longer means "the default" for dkv_overlap (on
+        # since s41), which would otherwise be taken quietly as off.
+        for name in ("exchange", "clean", "dkv_overlap", "fixed_dq"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"HopperBwdTiles.{name}={v!r} must be True or False")
         # A step's float32 statistics and int32 segment ids travel by TMA in whole 128-byte
         # rows (32 entries), and a wgmma's K at head_dim 64 is a multiple of 64 keys.
         for name in ("block_q", "block_k_dq"):
@@ -350,7 +356,7 @@ class HopperBwdTiles:
         """Whether the dQ kernel runs the overlapped schedule (module docstring, "Overlap")."""
         return d <= 128 if self.overlap is None else self.overlap
 
-    def dkv_overlaps(self, d: int, fused_dq: bool) -> bool:
+    def dkv_overlaps(self, d: int) -> bool:
         """Whether the dK/dV kernel's steps run the overlapped schedule (`dkv_overlap`,
         default True): S^T and dP^T issued together, P formed while dP^T runs, dS while
         dV += P^T dO runs (FlashAttention-3 sec. 3.2's intra-warpgroup overlap within a

@@ -50,7 +50,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
     dtype = q_gmem.dtype
     mma = _Mma(spec.interpret)
     exchange = tiles.exchanges(d)
-    overlap = tiles.dkv_overlaps(d, fused_dq)
+    overlap = tiles.dkv_overlaps(d)
     xq = bq // 2                  # exchange: query rows of a step whose S^T a consumer forms
     # Exchange: P^T and dS^T [64, bq] are A operands from shared memory, written in xq-column
     # halves, so every tile takes xq-element swizzle rows (wgmma: both operands one swizzle).

@@ -13,7 +13,8 @@ Sections: decode_attention (the 157M model's decoding shape: B32, 528 of 768 cac
 query and 4 KV heads of 64, bf16; plain, then with the model's packed append), dropout (the
 forward at [16384, 4096] bf16, rate 0.1), attention (the Hopper forward, B4 H32 T4096 D128
 bf16, full), block (bias_act_dropout with gelu, add_norm, bias_dropout_add and embedding at issue
-15's shapes, forward and backward).
+15's shapes, forward and backward), attention_bwd_d64 (the 1B model's attention backward: the
+kernel pair's dK/dV kernel and the fused dQ's).
 """
 from __future__ import annotations
 
@@ -82,8 +83,26 @@ def block(reps: int = 2):
             jax.block_until_ready(f(*args))
 
 
+def attention_bwd_d64(reps: int = 1):
+    """The 1B model's attention backward (B2 Hq32 Hkv8 T8192 D64 causal, bf16): the kernel
+    pair's dK/dV kernel (deterministic) and the fused dQ's kernel (deterministic=False), whose
+    5 products take ~1.4x the time of the pair's 4 although its reducing stores cost nothing
+    measurable (NOTES s41 item 4): their stall reasons and tensor-pipe use side by side."""
+    ks = jax.random.split(jax.random.key(2), 4)
+    q, do = (jax.random.normal(kk, (2, 8192, 32, 64), jnp.bfloat16) for kk in ks[:2])
+    k, v = (jax.random.normal(kk, (2, 8192, 8, 64), jnp.bfloat16) for kk in ks[2:])
+    for det in (True, False):
+        def fwd_bwd(q, k, v, do, det=det):
+            f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True,  # noqa: E731
+                                                        deterministic=det)
+            return jax.vjp(f, q, k, v)[1](do)
+        step = jax.jit(fwd_bwd)
+        for _ in range(reps):
+            jax.block_until_ready(step(q, k, v, do))
+
+
 SECTIONS = {"decode_attention": decode_attention, "dropout": dropout, "attention": attention,
-            "block": block}
+            "block": block, "attention_bwd_d64": attention_bwd_d64}
 
 if __name__ == "__main__":
     print("device", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)

@@ -775,6 +775,7 @@ def fixed_crossover():
 
 # The fused dQ on the dK/dV kernel's plain steps (its default is overlapped since s41).
 FIXED_PLAIN = HopperAttnTiles(backward=HopperBwdTiles(fixed_dq=True, dkv_overlap=False))
+NONDET_PLAIN = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=False))
 D64_CASES = [c for c in CASES if c[0][-1] == 64] + FIXED_CASES
 
 
@@ -786,7 +787,6 @@ def _fixed_checks(tiles):
         _check_case(i, shape, opts, jnp.bfloat16, True, hopper=tiles)
     _check_case(7, *FIXED_CASES[0], jnp.bfloat16, True, hopper=tiles, outlier=1e4)
     garbage([c for c in GARBAGE if c[0][-1] == 64][:2], bwd=tiles.backward)
-NONDET_PLAIN = HopperAttnTiles(backward=HopperBwdTiles(dkv_overlap=False))
 
 
 def overlap_d64():

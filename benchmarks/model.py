@@ -250,6 +250,8 @@ def _forced_tiles(**forced):
     return stack
 
 
+# The context rows that time the model with deterministic_attention=False.
+NONDET_ROWS = ("nondet_plain",)
 CONTEXT_ROWS = {
     "triton_swiglu": ("jaxfuse, Triton SwiGLU", _triton_swiglu,
                       "also time jaxfuse with SwiGLU's Triton kernels instead of the Hopper ones "
@@ -323,11 +325,11 @@ def train(name, cfg, b, t, impls, bar, reps, profile=False, profile_dir=None, to
                M.loss, cfg=dataclasses.replace(cfg, loss_token_slab=token_slab), impl="pallas"),
            "jaxfuse, y and SwiGLU product kept": _with_kept_projections(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
-           # a context row named "nondeterministic" runs the model's nondeterministic attention
+           # the context rows of NONDET_ROWS run the model's nondeterministic attention
            **{row: functools.partial(M.loss, cfg=dataclasses.replace(
                cfg, deterministic_attention=cfg.deterministic_attention
-               and "nondeterministic" not in row), impl="pallas")
-              for row, _, _ in CONTEXT_ROWS.values()},
+               and flag not in NONDET_ROWS), impl="pallas")
+              for flag, (row, _, _) in CONTEXT_ROWS.items()},
            "jaxfuse, cuDNN attention": _with_cudnn_attention(
                functools.partial(M.loss, cfg=cfg, impl="pallas")),
            # the model before s34: the stacked weights cast to bf16 before the layer loop

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# first_call_s41.sh cut to what a short call holds (the failed starts of s41 left ~500 s of
-# device time): the overlapped fused dQ's compiled checks at D = 64 (they passed in s41-1 and
+# s41's first call (since removed) cut to what a short call holds (the failed starts of s41
+# left ~500 s of device time): the overlapped fused dQ's compiled checks at D = 64 (they passed in s41-1 and
 # made it the default; since then they check the default), then what the fused dQ's reducing
 # stores cost (`attention_bwd.py dq_stores_cost`).
 #   bash benchmarks/smoke/checks_s41.sh "$OUT"      (on the device machine)

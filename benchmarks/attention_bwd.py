@@ -842,6 +842,38 @@ def dq_stores_cost():
                 guarded(S, f"{label} profile", tag, run)
 
 
+# K and V in registers as the A operands of the dK/dV kernel's S^T and dP^T
+# (`HopperBwdTiles.kv_regs`; NOTES s42 item 2: shared memory's bandwidth).
+KV_REGS = HopperAttnTiles(backward=HopperBwdTiles(kv_regs=True))
+KV_REGS_FIXED = HopperAttnTiles(backward=HopperBwdTiles(kv_regs=True, fixed_dq=True))
+
+
+def kv_regs():
+    """`HopperBwdTiles(kv_regs=True)`, compiled: checks against the float32 reference (the
+    first four D = 64 cases under the pair, bitwise repeat, and the float32 fused dQ; one
+    D = 128 case; the fixed point's checks), then one call's kernels (profiler) with and
+    without it: the three D = 64 schemes at the 1B and 157M models' attention, the pair at
+    D = 128 causal.
+    Prediction (NOTES s42 item 2): the fused kernels up to ~15% faster if shared memory's
+    bandwidth bounds them, the pair's dK/dV kernel within a few percent.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py kv_regs [OUT]
+    """
+    for i, (shape, opts) in enumerate(D64_CASES[:4]):
+        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=KV_REGS)
+        _check_case(i, shape, opts, jnp.bfloat16, False, hopper=KV_REGS)
+    _check_case(1, *CASES[1], jnp.bfloat16, True, hopper=_tiles(128, KV_REGS.backward))
+    _fixed_checks(KV_REGS_FIXED)
+    variants = {**SCHEMES, "pair, kv_regs": _on(KV_REGS),
+                "fixed point, kv_regs": _on(KV_REGS_FIXED),
+                "nondet, kv_regs": _on(KV_REGS, deterministic=False)}
+    for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
+        _profiles(label, *ROWS[label], top=3, variants=variants, default=False)
+    label = "B4 H32 T4096 D128 causal"
+    _profiles(label, *ROWS[label], top=3, default=True, variants={
+        "kv_regs": _on(_tiles(128, KV_REGS.backward))})
+
+
 def fixed_quick():
     """The fixed-point dQ after s38's last change (exact per-row key maxima, 2-norm bound, 30
     bits): the 1B model's attention kernels (profiler) against the pair and the float32 fused
@@ -1033,7 +1065,7 @@ if __name__ == "__main__":
         "fixed_crossover": fixed_crossover,
         "overlap_d64": overlap_d64, "overlap_checks": overlap_checks,
         "overlap_profiles": overlap_profiles, "dq_stores_cost": dq_stores_cost,
-        "fixed_quick": fixed_quick,
+        "fixed_quick": fixed_quick, "kv_regs": kv_regs,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone
         "dkv_overlap": lambda rounds=5: variant(

@@ -282,6 +282,34 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
         assert jnp.array_equal(a, b)
 
 
+@pytest.mark.parametrize("d,fused,overlap", [(64, False, True), (64, True, True),
+                                             (128, False, False)])
+def test_hopper_kv_regs_gives_the_same_bits(d, fused, overlap):
+    """`HopperBwdTiles(kv_regs=True)`: K and V held in registers as the A operands of S^T and
+    dP^T (loaded once a CTA) are the same products of the same values as from shared memory:
+    dq, dk, dv bitwise equal, on the overlapped steps (the pair's dK/dV kernel, and with the
+    fused dQ) and the plain ones, GQA (two query heads a CTA) and the soft cap. A K or V
+    swapped or read before its copy landed would differ."""
+    q, k, v, do = _operands(12, 256, 1, d=d)
+    kernel = (FUSED if fused else DET)[0]
+    grads = lambda **tiles: _grads(q, k, v, do, tiles, kernel, logits_soft_cap=5.0,
+                                   deterministic=not fused)
+    tiles = dict(stages=2, dkv_overlap=overlap, **(dict(fused_dq=True) if fused else TWO))
+    for a, b in zip(grads(kv_regs=True, **tiles), grads(kv_regs=False, **tiles)):
+        assert jnp.array_equal(a, b)
+
+
+def test_hopper_kv_regs_rule():
+    """`HopperBwdTiles.kv_in_regs`: off by default (until measured faster), on where asked
+    except at D = 256 (the split columns' steps); None is refused, not taken as off."""
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles as T
+    assert not T().kv_in_regs(64)
+    assert T(kv_regs=True).kv_in_regs(64) and T(kv_regs=True).kv_in_regs(128)
+    assert not T(kv_regs=True).kv_in_regs(256)
+    with pytest.raises(ValueError, match="kv_regs=None must be True or False"):
+        T(kv_regs=None)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_dkv_overlap_rule(d):
     """`HopperBwdTiles.dkv_overlaps`, the rule the test above relies on to run both schedules:

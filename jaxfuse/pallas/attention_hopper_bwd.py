@@ -252,7 +252,13 @@ class HopperBwdTiles:
     default) with its partials added as int32 fixed point (`_fixed_sum`: exact integer adds,
     so any order gives the same bits) instead of the kernel pair's 7 products; not with
     segment ids (the pair runs there). Off by default (module docstring: faster only on the
-    largest problems, by ~2% of the call at most)."""
+    largest problems, by ~2% of the call at most).
+    kv_regs: the dK/dV kernel's consumers hold their K and V tiles in registers (loaded once
+    a CTA) as the A operands of S^T = K Q^T and dP^T = V dO^T, so those products read only
+    Q and dO from shared memory: half their shared-memory bytes (a wgmma of N = 64 with
+    both operands in shared memory reads 128 bytes a cycle, all of shared memory's rate:
+    NOTES s42 item 2). Costs 16 registers a thread a tile at D = 64. Not at D = 256 (the
+    split columns' steps); off by default until measured (`kv_in_regs`)."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -264,6 +270,7 @@ class HopperBwdTiles:
     clean: bool = True
     dkv_overlap: bool = True
     fixed_dq: bool = False
+    kv_regs: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -274,7 +281,7 @@ class HopperBwdTiles:
                              f"(ring slots), or None for as many as fit")
         # Switches are True or False: None no longer means "the default" for dkv_overlap (on
         # since s41), which would otherwise be taken quietly as off.
-        for name in ("exchange", "clean", "dkv_overlap", "fixed_dq"):
+        for name in ("exchange", "clean", "dkv_overlap", "fixed_dq", "kv_regs"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"HopperBwdTiles.{name}={v!r} must be True or False")
@@ -376,6 +383,11 @@ class HopperBwdTiles:
         if self.split_d(d) or self.pingpong is True:
             return False
         return self.dkv_overlap
+
+    def kv_in_regs(self, d: int) -> bool:
+        """Whether the dK/dV kernel's S^T and dP^T take K and V from registers (`kv_regs`;
+        not with the split columns of D = 256, whose steps are their own)."""
+        return self.kv_regs and not self.split_d(d)
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong

@@ -139,6 +139,13 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     plgpu.copy_gmem_to_smem(ks_gmem.at[b, keys], kseg_smem.at[wg],
                                             kseg_full.at[wg])
                     plgpu.barrier_wait(kseg_full.at[wg])
+            # K and V as register A operands of S^T and dP^T (`HopperBwdTiles.kv_in_regs`):
+            # loaded once, in the wgmma layout, after their copy landed.
+            if tiles.kv_in_regs(d):
+                k_a, v_a = (t[...] if spec.interpret else
+                            plgpu.load(t, (), layout=plgpu.Layout.WGMMA) for t in (k_tile, v_tile))
+            else:
+                k_a, v_a = k_tile, v_tile
             # The keys' segment ids, held in registers (one a row of S^T).
             k_seg = R.load_vec(kseg_smem.at[wg], 1, spec.interpret) if spec.segments else None
             if fused_dq:       # dQ = dS K reads the other consumer's K rows too
@@ -243,7 +250,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 with jax.named_scope("wait_q"):
                     plgpu.barrier_wait(q_full.at[slot])
                 with jax.named_scope("st"):
-                    (st,) = mma.run(nt(k_tile, q_smem.at[slot]))               # S^T [64, bq]
+                    (st,) = mma.run(nt(k_a, q_smem.at[slot]))                  # S^T [64, bq]
                 pp.switch()
                 with jax.named_scope("p"):
                     p, t, keep = probs(st, q0, lse_smem.at[slot], masked, qseg(slot))
@@ -253,7 +260,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     plgpu.barrier_wait(do_full.at[slot])
                 with jax.named_scope("dv_dpt"):
                     dv, dpt = mma.run(rs(dv, pt, do_cols(slot)),                   # += P^T dO
-                                      nt(v_tile, do_smem.at[slot]))              # dP^T [64, bq]
+                                      nt(v_a, do_smem.at[slot]))                 # dP^T [64, bq]
                 pp.switch()
                 with jax.named_scope("ds"):
                     ds = _ds(spec, p, dpt, _vec(delta_smem.at[slot], 0, _ROWS, spec.interpret),
@@ -289,7 +296,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     return ds
                 with jax.named_scope("products"):
                     dk, dv = mma.dkv_overlapped(
-                        dk, dv, k_tile, q_smem.at[slot], v_tile, do_smem.at[slot],
+                        dk, dv, k_a, q_smem.at[slot], v_a, do_smem.at[slot],
                         lambda: plgpu.barrier_wait(do_full.at[slot]), p_of, ds_of)
                 end_step(gi, j, q0, slot)
                 return dk, dv

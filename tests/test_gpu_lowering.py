@@ -429,6 +429,23 @@ def test_hopper_dkv_plain_steps_lower(d, opts):
         assert name in module, name
 
 
+@pytest.mark.parametrize("d,det,extra", [(64, True, {}), (64, False, {}),
+                                         (64, True, dict(fixed_dq=True)), (128, True, {})])
+def test_hopper_kv_regs_lowers(d, det, extra):
+    """`HopperBwdTiles(kv_regs=True)`: K and V loaded from their swizzled tiles into
+    registers in the wgmma layout, then the A operands of S^T and dP^T (with B read
+    transposed): the pair's dK/dV kernel, the float32 and fixed-point fused dQ, D = 128."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
+    k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
+    tiles = HopperAttnTiles(backward=HopperBwdTiles(kv_regs=True, **extra))
+    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, causal=True, deterministic=det,
+        block_sizes=jaxfuse.AttnBlocks(hopper=tiles)), q, k, k).mlir_module()
+    assert "jaxfuse_flash_bwd_dkv" in module
+
+
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
 def test_dropout_kernels_lower(shape):
     x = jnp.zeros(shape, jnp.bfloat16)

@@ -478,22 +478,6 @@ def check_block_k():
             _check_case(i, c, jnp.bfloat16, blocks, f" hopper {blocks.hopper}")
 
 
-def q_regs(rounds: int = 5):
-    """`HopperAttnTiles(q_regs=True)` (Q in registers as S's A operand; benchmarks/NOTES.md
-    s42 item 4): five HOPPER_CASES at D <= 128 (causal, window, cap, segment ids, ragged)
-    against the float32 reference, then the forward at D128 full and causal and D64 causal,
-    interleaved against the default and cuDNN."""
-    for i in (0, 1, 2, 9, 12):
-        _check_case(i, HOPPER_CASES[i], jnp.bfloat16, _tiles(q_regs=True), " hopper q_regs")
-    rows = [(*FULL_ROWS[0], False)] + [(label, shape, True) for label, shape in
-                                       (CAUSAL_ROWS[0], CAUSAL_ROWS[1])]
-    for label, shape, causal in rows:
-        fns = _peers(causal, ("jaxfuse", "cudnn"))
-        fns["jaxfuse[q_regs]"] = functools.partial(
-            jaxfuse.flash_attention, causal=causal, block_sizes=_tiles(q_regs=True))
-        _interleaved(label, shape, causal, fns, rounds)
-
-
 def _check_hopper(dtypes=(jnp.bfloat16, jnp.float16), where=lambda case: True):
     """The Hopper path's cases alone (those `where` takes), in each of `dtypes`."""
     for dtype in dtypes:
@@ -530,7 +514,7 @@ if __name__ == "__main__":
         # s41's fused dQ on the overlapped steps with segment ids, bf16
         "check_s41": lambda: _check_hopper((jnp.bfloat16,), lambda c: c.get("segments") and (
             c.get("deterministic") is False)),
-        "d256": perf_d256, "guard": perf_guard, "q_regs": q_regs,
+        "d256": perf_d256, "guard": perf_guard,
         "persistent": lambda: (check_persistent(), perf_persistent()),
         "named": _named, "scheduled": _scheduled,
         "l2_share": perf_l2_share, "fwd_order": perf_fwd_order,

@@ -843,35 +843,36 @@ def dq_stores_cost():
 
 
 # K and V in registers as the A operands of the dK/dV kernel's S^T and dP^T
-# (`HopperBwdTiles.kv_regs`; NOTES s42 item 2: shared memory's bandwidth).
-KV_REGS = HopperAttnTiles(backward=HopperBwdTiles(kv_regs=True))
-KV_REGS_FIXED = HopperAttnTiles(backward=HopperBwdTiles(kv_regs=True, fixed_dq=True))
+# (`HopperBwdTiles.kv_regs`, the default at D = 64 since s42-1; NOTES s42 items 2-3), and
+# the same kernels with K and V read from shared memory (before s42).
+KV_OFF = HopperAttnTiles(backward=HopperBwdTiles(kv_regs=False))
+KV_OFF_FIXED = HopperAttnTiles(backward=HopperBwdTiles(kv_regs=False, fixed_dq=True))
 
 
 def kv_regs():
-    """`HopperBwdTiles(kv_regs=True)`, compiled: checks against the float32 reference (the
-    first four D = 64 cases under the pair, bitwise repeat, and the float32 fused dQ; one
-    D = 128 case; the fixed point's checks), then one call's kernels (profiler) with and
-    without it: the three D = 64 schemes at the 1B and 157M models' attention, the pair at
-    D = 128 causal.
-    Prediction (NOTES s42 item 2): the fused kernels up to ~15% faster if shared memory's
-    bandwidth bounds them, the pair's dK/dV kernel within a few percent.
+    """`HopperBwdTiles.kv_regs`, compiled: checks against the float32 reference (the first
+    four D = 64 cases under the pair, bitwise repeat, and under the float32 fused dQ; one
+    D = 128 case with it forced on; the fixed point's checks), then one call's kernels
+    (profiler) with it and without (K and V from shared memory): the three D = 64 schemes
+    at the 1B and 157M models' attention, and at D = 128 causal (off by default there).
+    s42-1 (H100) ran it when it was off by default: its variants then were the ones on.
 
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py kv_regs [OUT]
     """
     for i, (shape, opts) in enumerate(D64_CASES[:4]):
-        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=KV_REGS)
-        _check_case(i, shape, opts, jnp.bfloat16, False, hopper=KV_REGS)
-    _check_case(1, *CASES[1], jnp.bfloat16, True, hopper=_tiles(128, KV_REGS.backward))
-    _fixed_checks(KV_REGS_FIXED)
-    variants = {**SCHEMES, "pair, kv_regs": _on(KV_REGS),
-                "fixed point, kv_regs": _on(KV_REGS_FIXED),
-                "nondet, kv_regs": _on(KV_REGS, deterministic=False)}
+        _check_case(i, shape, opts, jnp.bfloat16, True, hopper=PAIR)
+        _check_case(i, shape, opts, jnp.bfloat16, False, hopper=True)
+    forced = _tiles(128, HopperBwdTiles(kv_regs=True))
+    _check_case(1, *CASES[1], jnp.bfloat16, True, hopper=forced)
+    _fixed_checks(FIXED)
+    off = "K V from shared memory"
+    variants = {**SCHEMES, f"pair, {off}": _on(KV_OFF),
+                f"fixed point, {off}": _on(KV_OFF_FIXED),
+                f"nondet, {off}": _on(KV_OFF, deterministic=False)}
     for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
         _profiles(label, *ROWS[label], top=3, variants=variants, default=False)
     label = "B4 H32 T4096 D128 causal"
-    _profiles(label, *ROWS[label], top=3, default=True, variants={
-        "kv_regs": _on(_tiles(128, KV_REGS.backward))})
+    _profiles(label, *ROWS[label], top=3, default=True, variants={"kv_regs": _on(forced)})
 
 
 def fixed_quick():

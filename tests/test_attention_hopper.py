@@ -8,8 +8,6 @@ GPU (benchmarks/attention.py). Causal cases once stalled the interpreter's simul
 a 2-core machine (XLA:CPU's pool, since s23 sized in tests/conftest.py); one runs here now,
 with the windows of the tests below.
 """
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -70,26 +68,6 @@ def test_hopper_forward_matches_reference(dtype, tiles, opts):
     assert float(jnp.abs(lse - rlse).max()) < 1e-4
     for a, b in zip(g, rg):
         assert float(jnp.abs(F32(a) - b).max()) < 2 * tol
-
-
-@pytest.mark.parametrize("tiles", [
-    HopperAttnTiles(block_k=64, stages=4, consumers=2, persistent=True, backward=False),
-    HopperAttnTiles(overlap=True, consumers=2, stages=2, backward=False)])
-def test_q_in_registers_gives_the_same_bits(tiles):
-    """`HopperAttnTiles(q_regs=True)`: Q held in registers as S's A operand is the same
-    product of the same values: o and lse bitwise equal to Q read from shared memory, on a
-    persistent walk (each consumer's Q reloaded for its next work tile: a Q kept from the
-    first tile would differ) and on the overlapped steps, GQA and a window."""
-    kq, kk, kv = keys(6, 3)
-    q = randn(kq, (1, 128, 3, 64), jnp.bfloat16)
-    k = randn(kk, (1, 192, 1, 64), jnp.bfloat16)
-    v = randn(kv, (1, 192, 1, 64), jnp.bfloat16)
-    run = lambda t: jaxfuse.flash_attention(q, k, v, return_lse=True, sliding_window=70,
-                                            block_sizes=AttnBlocks(hopper=t))
-    for a, b in zip(run(dataclasses.replace(tiles, q_regs=True)), run(tiles)):
-        assert jnp.array_equal(a, b)
-    with pytest.raises(ValueError, match="q_regs=None must be True or False"):
-        HopperAttnTiles(q_regs=None)
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(sliding_window=40)])

@@ -300,14 +300,16 @@ def test_hopper_kv_regs_gives_the_same_bits(d, fused, overlap):
 
 
 def test_hopper_kv_regs_rule():
-    """`HopperBwdTiles.kv_in_regs`: off by default (until measured faster), on where asked
-    except at D = 256 (the split columns' steps); None is refused, not taken as off."""
+    """`HopperBwdTiles.kv_in_regs`, the rule the test above relies on to run both: by default
+    at D = 64 (measured faster, s42-1) and not at 128 (its registers spill); True and False
+    force it, except at D = 256 (the split columns' steps); anything else is refused."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles as T
-    assert not T().kv_in_regs(64)
+    assert T().kv_in_regs(64) and not T().kv_in_regs(128) and not T().kv_in_regs(256)
     assert T(kv_regs=True).kv_in_regs(64) and T(kv_regs=True).kv_in_regs(128)
     assert not T(kv_regs=True).kv_in_regs(256)
-    with pytest.raises(ValueError, match="kv_regs=None must be True or False"):
-        T(kv_regs=None)
+    assert not T(kv_regs=False).kv_in_regs(64)
+    with pytest.raises(ValueError, match="kv_regs=1 must be True, False or None"):
+        T(kv_regs=1)
 
 
 @pytest.mark.parametrize("d", [64, 128])

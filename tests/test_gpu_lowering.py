@@ -446,21 +446,6 @@ def test_hopper_kv_regs_lowers(d, det, extra):
     assert "jaxfuse_flash_bwd_dkv" in module
 
 
-@pytest.mark.parametrize("d,kw", [(128, {}), (64, {}), (128, dict(overlap=True))])
-def test_hopper_q_regs_lowers(d, kw):
-    """`HopperAttnTiles(q_regs=True)`: each consumer's Q loaded from its swizzled tile into
-    registers in the wgmma layout, then S's A operand (K read transposed): two consumers
-    taking turns at D = 128, three at 64, the overlapped steps."""
-    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
-    q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
-    k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
-    tiles = HopperAttnTiles(q_regs=True, backward=False, **kw)
-    module = _lower(lambda q, k, v: jaxfuse.flash_attention(
-        q, k, v, interpret=False, causal=True, block_sizes=jaxfuse.AttnBlocks(hopper=tiles)),
-        q, k, k).mlir_module()
-    assert "jaxfuse_flash_fwd_hopper" in module
-
-
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
 def test_dropout_kernels_lower(shape):
     x = jnp.zeros(shape, jnp.bfloat16)

@@ -127,11 +127,7 @@ class HopperAttnTiles:
     soon as its last S is formed, and O leaves through a buffer of its own; None: where keys
     are at most `_PERSISTENT_KEYS` (measured faster there, slower beyond: module docstring)
     and the O buffer fits beside two ring slots, or the `stages` asked for (not at head_dim
-    256, nor with three consumers or 256-key tiles at 128);
-    q_regs: each consumer holds its Q tile in registers (loaded once a work tile, in the
-    wgmma layout) as the A operand of S = Q K^T, which then reads only K from shared memory
-    (a third less of S's shared-memory bytes at 128 keys: benchmarks/NOTES.md s42 item 4);
-    32 registers a thread at D = 128. Off by default until measured."""
+    256, nor with three consumers or 256-key tiles at 128)."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
@@ -139,7 +135,6 @@ class HopperAttnTiles:
     consumers: int | None = None
     overlap: bool = False
     persistent: bool | None = None
-    q_regs: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -156,8 +151,6 @@ class HopperAttnTiles:
         if self.stages is not None and not (_checks.is_int(self.stages) and self.stages >= 1):
             raise ValueError(f"HopperAttnTiles.stages={self.stages!r} must be a positive int "
                              f"(K/V ring slots), or None for as many as fit")
-        if not isinstance(self.q_regs, bool):
-            raise ValueError(f"HopperAttnTiles.q_regs={self.q_regs!r} must be True or False")
         from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles  # it imports this module
         if not isinstance(self.backward, (bool, HopperBwdTiles)):
             raise ValueError(f"HopperAttnTiles.backward={self.backward!r} must be True (the "
@@ -280,8 +273,7 @@ class _Mma:
         self.interpret = interpret
 
     def qk(self, q_smem, k_smem, after_issue):
-        """S = Q K^T as float32 [64, bk] (Q a shared-memory tile, or registers with
-        `q_regs`); `after_issue` runs while the wgmma is in flight."""
+        """S = Q K^T as float32 [64, bk]; `after_issue` runs while the wgmma is in flight."""
         if self.interpret:
             after_issue()
             return A.dot(q_smem[...], k_smem[...], "qd,kd->qk")
@@ -471,11 +463,6 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                 else:
                     pl.when(i == 0)(lambda: load_q(item))
                 pl.when(active)(lambda: plgpu.barrier_wait(q_full.at[wg]))
-                # Q as the register A operand of S (`q_regs`), loaded once its copy landed.
-                q_a = q_smem.at[wg]
-                if tiles.q_regs:
-                    q_a = q_a[...] if spec.interpret else plgpu.load(
-                        q_a, (), layout=plgpu.Layout.WGMMA)
                 # The rows' segment ids, held in registers through the walk (the next work
                 # tile's land in the buffer while this one's last blocks run).
                 q_seg = R.load_vec(qseg_smem.at[wg], 1, spec.interpret) if spec.segments \
@@ -528,7 +515,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     with jax.named_scope("wait_k"):
                         plgpu.barrier_wait(k_full.at[slot])
                     with jax.named_scope("qk"):
-                        s = mma.qk(q_a, k_smem.at[slot], pp.switch)
+                        s = mma.qk(q_smem.at[wg], k_smem.at[slot], pp.switch)
                     plgpu.barrier_arrive(k_empty.at[slot])
                     s_done(j)
                     with jax.named_scope("softmax"):
@@ -564,7 +551,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                         pl.when(j != c_lo + 1)(lambda: plgpu.barrier_wait(v_full.at[prev]))
                     turns.take()
                     with jax.named_scope("qk"):
-                        s = mma.qk_behind(q_a, k_smem.at[slot], o_ref, p_prev,
+                        s = mma.qk_behind(q_smem.at[wg], k_smem.at[slot], o_ref, p_prev,
                                           v_smem.at[prev], turns.give)
                     plgpu.barrier_arrive(k_empty.at[slot])
                     s_done(j)

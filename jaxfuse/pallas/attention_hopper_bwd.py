@@ -257,8 +257,13 @@ class HopperBwdTiles:
     a CTA) as the A operands of S^T = K Q^T and dP^T = V dO^T, so those products read only
     Q and dO from shared memory: half their shared-memory bytes (a wgmma of N = 64 with
     both operands in shared memory reads 128 bytes a cycle, all of shared memory's rate:
-    NOTES s42 item 2). Costs 16 registers a thread a tile at D = 64. Not at D = 256 (the
-    split columns' steps); off by default until measured (`kv_in_regs`)."""
+    benchmarks/NOTES.md s42 item 2). 16 registers a thread a tile at D = 64, 32 at 128.
+    None (default): at D <= 64 (`kv_in_regs`); True or False forces it (never at D = 256,
+    the split columns' steps). Measured (H100, s42-1, profiler, one fwd+bwd call): the
+    pair's dK/dV kernel 2.189 -> 1.953 ms at the 1B model's attention (B2 Hq32 Hkv8 T8192
+    D64 causal), 0.306 -> 0.282 at the 157M's; the float32 fused dQ's kernel 3.042 ->
+    2.986 and 0.435 -> 0.434, the fixed point's 3.241 -> 3.263 and 0.470 -> 0.469; at D =
+    128 (B4 H32 T4096 causal) 1.683 -> 2.609 ms (its 64 more registers a thread spill)."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -270,7 +275,7 @@ class HopperBwdTiles:
     clean: bool = True
     dkv_overlap: bool = True
     fixed_dq: bool = False
-    kv_regs: bool = False
+    kv_regs: bool | None = None
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -281,10 +286,13 @@ class HopperBwdTiles:
                              f"(ring slots), or None for as many as fit")
         # Switches are True or False: None no longer means "the default" for dkv_overlap (on
         # since s41), which would otherwise be taken quietly as off.
-        for name in ("exchange", "clean", "dkv_overlap", "fixed_dq", "kv_regs"):
+        for name in ("exchange", "clean", "dkv_overlap", "fixed_dq"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"HopperBwdTiles.{name}={v!r} must be True or False")
+        if self.kv_regs is not None and not isinstance(self.kv_regs, bool):
+            raise ValueError(f"HopperBwdTiles.kv_regs={self.kv_regs!r} must be True, False "
+                             f"or None (at head_dim <= 64)")
         # A step's float32 statistics and int32 segment ids travel by TMA in whole 128-byte
         # rows (32 entries), and a wgmma's K at head_dim 64 is a multiple of 64 keys.
         for name in ("block_q", "block_k_dq"):
@@ -386,8 +394,10 @@ class HopperBwdTiles:
 
     def kv_in_regs(self, d: int) -> bool:
         """Whether the dK/dV kernel's S^T and dP^T take K and V from registers (`kv_regs`;
-        not with the split columns of D = 256, whose steps are their own)."""
-        return self.kv_regs and not self.split_d(d)
+        by default at D <= 64; not with the split columns of D = 256, whose steps are their
+        own)."""
+        on = d <= 64 if self.kv_regs is None else self.kv_regs
+        return on and not self.split_d(d)
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong

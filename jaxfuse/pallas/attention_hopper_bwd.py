@@ -92,7 +92,10 @@ Counting (bf16/f16; one dK/dV step = one CTA's 128 keys x 64 query rows):
   (128 at D = 128), S^T and dP^T [64, 64] 32 each; the fused dQ's product (32 at D = 128,
   its half of the columns; 32 at D = 64 on every other step) lives after S^T and dP^T are
   dead. D = 256 would need 256 for dK and dV alone: there the consumers split the columns
-  (below).
+  (below). At D = 64 a consumer also holds its K and V tiles (16 each, bf16) as the A
+  operands of S^T and dP^T (`HopperBwdTiles.kv_regs`): those products then read only Q and
+  dO from shared memory, which took the pair's dK/dV kernel 8-11% faster (H100, s42-1); at
+  D = 128 their 64 registers spill.
 * dQ kernel (per consumer 64 query rows; key tiles of 64 at D = 128, 128 at D = 64): Q, dO of
   both consumers 4 * 64 * D * 2 (64 KiB at D = 128) + one K/V stage 2 * bk * D * 2 = 32 KiB:
   4 stages (193 KiB; 161 at D = 64); registers dQ [64, D] (64 at D = 128) + S, dP [64, bk]

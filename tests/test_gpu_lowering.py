@@ -430,11 +430,12 @@ def test_hopper_dkv_plain_steps_lower(d, opts):
 
 
 @pytest.mark.parametrize("d,det,extra", [(64, True, {}), (64, False, {}),
-                                         (64, True, dict(fixed_dq=True)), (128, True, {})])
+                                         (64, True, dict(fixed_dq=True))])
 def test_hopper_kv_regs_lowers(d, det, extra):
-    """`HopperBwdTiles(kv_regs=True)`: K and V loaded from their swizzled tiles into
-    registers in the wgmma layout, then the A operands of S^T and dP^T (with B read
-    transposed): the pair's dK/dV kernel, the float32 and fixed-point fused dQ, D = 128."""
+    """`HopperBwdTiles(kv_regs=True)` (the default at D = 64): K and V loaded from their
+    swizzled tiles into registers in the wgmma layout, then the A operands of S^T and dP^T
+    (with B read transposed): the pair's dK/dV kernel, the float32 and fixed-point fused
+    dQ."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)

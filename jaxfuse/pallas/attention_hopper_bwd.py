@@ -260,9 +260,9 @@ class HopperBwdTiles:
     a CTA) as the A operands of S^T = K Q^T and dP^T = V dO^T, so those products read only
     Q and dO from shared memory: half their shared-memory bytes (a wgmma of N = 64 with
     both operands in shared memory reads 128 bytes a cycle, all of shared memory's rate:
-    benchmarks/NOTES.md s42 item 2). 16 registers a thread a tile at D = 64, 32 at 128.
-    None (default): at D <= 64 (`kv_in_regs`); True or False forces it (never at D = 256,
-    the split columns' steps). Measured (H100, s42-1, profiler, one fwd+bwd call): the
+    benchmarks/NOTES.md s42 item 2). 16 registers a thread a tile at D = 64. None (default)
+    or True: at D = 64 (`kv_in_regs`); True at a larger head dim is refused (`check`);
+    False: K and V read from shared memory. Measured (H100, s42-1, profiler, one fwd+bwd call): the
     pair's dK/dV kernel 2.189 -> 1.953 ms at the 1B model's attention (B2 Hq32 Hkv8 T8192
     D64 causal), 0.306 -> 0.282 at the 157M's; the float32 fused dQ's kernel 3.042 ->
     2.986 and 0.435 -> 0.434, the fixed point's 3.241 -> 3.263 and 0.470 -> 0.469; at D =
@@ -308,6 +308,13 @@ class HopperBwdTiles:
         """Raises a ValueError where these tiles cannot run `spec`'s backward (the rings'
         depths, the fused dQ's rows): at plan time, before any kernel is traced."""
         d, fused = spec.head_dim, self.fuse(spec)
+        if self.kv_regs and d > 64:
+            # s42-1 (H100): 55% slower at D = 128 (spills), and a register Q of [64, 128] in
+            # the forward (since withdrawn) gave wrong outputs compiled on some schedules: a
+            # [64, D > 64] register operand is not taken until checked on every schedule.
+            raise ValueError(f"HopperBwdTiles(kv_regs=True) at head_dim {d}: K and V are held "
+                             f"in registers at head_dim 64 only; leave kv_regs=None (the "
+                             f"default) or False")
         self.dkv_stages(d, spec.itemsize, fused, spec.segments, self.fixes(spec))
         if not fused:
             self.dq_stages(d, spec.itemsize, self.cleans(spec), spec.segments)
@@ -396,11 +403,9 @@ class HopperBwdTiles:
         return self.dkv_overlap
 
     def kv_in_regs(self, d: int) -> bool:
-        """Whether the dK/dV kernel's S^T and dP^T take K and V from registers (`kv_regs`;
-        by default at D <= 64; not with the split columns of D = 256, whose steps are their
-        own)."""
-        on = d <= 64 if self.kv_regs is None else self.kv_regs
-        return on and not self.split_d(d)
+        """Whether the dK/dV kernel's S^T and dP^T take K and V from registers (`kv_regs`:
+        at D = 64 unless False)."""
+        return self.kv_regs is not False and d <= 64
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# s42's first call, the two new levers first (NOTES s42 items 2-4: shared memory's
+# s42's first call, the new lever first (NOTES s42 items 2-3: shared memory's
 # bandwidth): K and V held in registers by the dK/dV kernel (`attention_bwd.py kv_regs`:
 # compiled checks, then kernel times), then the
 # compiled check s41-1 left out (the fused dQ on the overlapped steps with segment ids,

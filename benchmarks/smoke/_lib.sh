@@ -64,3 +64,16 @@ attn_table() {
     echo "attention rc=$?"
     grep -a "attention \|ceiling" "$out/attention.log" | sed 's/  */ /g' | cut -c1-160
 }
+
+# ncu_bwd_d64 LIMIT_S: the pair's dK/dV kernel and the fused dQ's at the 1B model's attention
+# under Nsight Compute (`ncu_probe.py attention_bwd_d64`: stall reasons, tensor pipe, speed of
+# light, shared memory; NOTES s41 item 4, s42 item 2), log $out/ncu-bwd-d64.txt, rows printed.
+ncu_bwd_d64() {
+    timeout -s KILL "$1" ncu --clock-control none -k regex:flash_bwd_dkv \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables \
+        --metrics "gpu__time_duration.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,smsp__issue_active.avg.pct_of_peak_sustained_active" \
+        python benchmarks/ncu_probe.py attention_bwd_d64 > "$out/ncu-bwd-d64.txt" 2>&1
+    echo "ncu rc=$?"
+    grep -a "jaxfuse_flash\|duration\|gmma\|issue_active\|Throughput\|Shared\|Bank\|stalled_\(barrier\|long\|short\|wait\|gmma\|math\|mio\|not_sel\|selected\|dispatch\|lg\)" \
+        "$out/ncu-bwd-d64.txt" | sed 's/  */ /g' | cut -c1-130
+}

@@ -262,11 +262,11 @@ class HopperBwdTiles:
     both operands in shared memory reads 128 bytes a cycle, all of shared memory's rate:
     benchmarks/NOTES.md s42 item 2). 16 registers a thread a tile at D = 64. None (default)
     or True: at D = 64 (`kv_in_regs`); True at a larger head dim is refused (`check`);
-    False: K and V read from shared memory. Measured (H100, s42-1, profiler, one fwd+bwd call): the
-    pair's dK/dV kernel 2.189 -> 1.953 ms at the 1B model's attention (B2 Hq32 Hkv8 T8192
-    D64 causal), 0.306 -> 0.282 at the 157M's; the float32 fused dQ's kernel 3.042 ->
-    2.986 and 0.435 -> 0.434, the fixed point's 3.241 -> 3.263 and 0.470 -> 0.469; at D =
-    128 (B4 H32 T4096 causal) 1.683 -> 2.609 ms (its 64 more registers a thread spill)."""
+    False: K and V read from shared memory. Measured (H100, s42-1, profiler, one fwd+bwd
+    call): the pair's dK/dV kernel 2.189 -> 1.953 ms at the 1B model's attention (B2 Hq32
+    Hkv8 T8192 D64 causal), 0.306 -> 0.282 at the 157M's; the float32 fused dQ's kernel
+    3.042 -> 2.986 and 0.435 -> 0.434, the fixed point's 3.241 -> 3.263 and 0.470 -> 0.469;
+    at D = 128 (B4 H32 T4096 causal) 1.683 -> 2.609 ms (64 more registers a thread spill)."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -295,7 +295,7 @@ class HopperBwdTiles:
                 raise ValueError(f"HopperBwdTiles.{name}={v!r} must be True or False")
         if self.kv_regs is not None and not isinstance(self.kv_regs, bool):
             raise ValueError(f"HopperBwdTiles.kv_regs={self.kv_regs!r} must be True, False "
-                             f"or None (at head_dim <= 64)")
+                             f"or None (the default: on at head_dim 64)")
         # A step's float32 statistics and int32 segment ids travel by TMA in whole 128-byte
         # rows (32 entries), and a wgmma's K at head_dim 64 is a multiple of 64 keys.
         for name in ("block_q", "block_k_dq"):

@@ -77,3 +77,17 @@ ncu_bwd_d64() {
     grep -a "jaxfuse_flash\|duration\|gmma\|issue_active\|Throughput\|Shared\|Bank\|stalled_\(barrier\|long\|short\|wait\|gmma\|math\|mio\|not_sel\|selected\|dispatch\|lg\)" \
         "$out/ncu-bwd-d64.txt" | sed 's/  */ /g' | cut -c1-130
 }
+
+# ncu_sass LIMIT_S: the same two kernels as `ncu_bwd_d64` with warp-stall sampling per SASS
+# instruction (SourceCounters), printed per kernel as CSV: $out/ncu-sass-bwd-d64.csv.gz
+# (which instruction the consumers wait at: the other consumer's dS^T, a wgmma, a ring slot).
+ncu_sass() {
+    timeout -s KILL "$1" ncu --clock-control none -k regex:flash_bwd_dkv -c 2 \
+        --section WarpStateStats --section SourceCounters -o "$out/bwd-d64" -f \
+        python benchmarks/ncu_probe.py attention_bwd_d64 > "$out/ncu-sass.log" 2>&1
+    echo "ncu sass rc=$?"
+    ncu --import "$out/bwd-d64.ncu-rep" --page source --csv --print-source sass \
+        2>> "$out/ncu-sass.log" | gzip > "$out/ncu-sass-bwd-d64.csv.gz"
+    echo "sass csv: $(zcat "$out/ncu-sass-bwd-d64.csv.gz" | wc -l) lines"
+    tail -3 "$out/ncu-sass.log"
+}

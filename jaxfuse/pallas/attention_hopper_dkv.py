@@ -252,18 +252,24 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 turn = lax.rem(j, 2)
 
                 def take(dq):
+                    r = rows_scale(slot)
+                    plgpu.barrier_arrive(empty.at[slot])      # before the store (end_step)
                     plgpu.barrier_arrive(ds_free.at[turn])
-                    store_dq(gi, q0, 0, dq, rows_scale(slot))
+                    store_dq(gi, q0, 0, dq, r)
                 return (turn == wg, lambda: plgpu.barrier_wait(ds_full.at[turn]),
                         *dq_operands(turn, 0), take)
 
             def end_step(gi, j, q0, slot, dq_done=False):
                 """A step's close: its slot released (the rows' scales read before), then
-                with the fused dQ the step's dQ formed (`add_dq_of_step`) unless `dq_done`
-                (`dq_behind` formed it)."""
-                r = rows_scale(slot) if not dq_done else None
+                with the fused dQ the step's dQ formed (`add_dq_of_step`); with `dq_done`
+                (`dq_behind`), the consumer whose turn it was has done both."""
+                if dq_done:
+                    turn = lax.rem(j, 2)
+                    pl.when(turn != wg)(lambda: plgpu.barrier_arrive(empty.at[slot]))
+                    return
+                r = rows_scale(slot)
                 plgpu.barrier_arrive(empty.at[slot])
-                if fused_dq and not dq_done:
+                if fused_dq:
                     add_dq_of_step(gi, j, q0, r)
 
             def step(gi, i, j, carry, masked):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import re
 
 import jax
@@ -872,31 +871,6 @@ def kv_regs():
         _profiles(label, *ROWS[label], top=3, variants=variants, default=False)
 
 
-# The fused dQ's product issued behind dK's (s43: `HopperBwdTiles.dq_behind`).
-BEHIND = HopperAttnTiles(backward=HopperBwdTiles(dq_behind=True))
-BEHIND_FIXED = HopperAttnTiles(backward=HopperBwdTiles(dq_behind=True, fixed_dq=True))
-
-
-def dq_behind():
-    """`HopperBwdTiles.dq_behind`, compiled: the float32 fused dQ on the first four D = 64
-    cases and the fixed point's checks (`_fixed_checks`: bitwise repeat, a key 10^4 times the
-    others, two garbage cases), against the float32 reference; then one call's kernels
-    (profiler) with it and without, float32 and fixed point, beside the pair, at the 1B and
-    157M models' attention. s43-3's ncu samples put ~7% of the fused kernel's warp samples
-    in the wait for the other consumer's dS^T and for the dQ product alone (NOTES s43).
-
-        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py dq_behind [OUT]
-    """
-    if os.environ.get("CHECKS", "1") != "0":
-        for i, (shape, opts) in enumerate(D64_CASES[:4]):
-            _check_case(i, shape, opts, jnp.bfloat16, False, hopper=BEHIND)
-        _fixed_checks(BEHIND_FIXED)
-    variants = {**SCHEMES, "fixed point, dq behind": _on(BEHIND_FIXED),
-                "nondet, dq behind": _on(BEHIND, deterministic=False)}
-    for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
-        _profiles(label, *ROWS[label], top=3, variants=variants, default=False)
-
-
 def fixed_quick():
     """The fixed-point dQ after s38's last change (exact per-row key maxima, 2-norm bound, 30
     bits): the 1B model's attention kernels (profiler) against the pair and the float32 fused
@@ -1088,7 +1062,7 @@ if __name__ == "__main__":
         "fixed_crossover": fixed_crossover,
         "overlap_d64": overlap_d64, "overlap_checks": overlap_checks,
         "overlap_profiles": overlap_profiles, "dq_stores_cost": dq_stores_cost,
-        "fixed_quick": fixed_quick, "kv_regs": kv_regs, "dq_behind": dq_behind,
+        "fixed_quick": fixed_quick, "kv_regs": kv_regs,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone
         "dkv_overlap": lambda rounds=5: variant(

@@ -6,7 +6,6 @@ each product before the next instruction, which undoes any overlap the schedule 
 
     PYTHONPATH=. python benchmarks/hopper_ptxas.py [d ...] > ptxas.log 2>&1
     PYTHONPATH=. python benchmarks/hopper_ptxas.py bwd [d ...] > ptxas.log 2>&1
-    PYTHONPATH=. python benchmarks/hopper_ptxas.py behind > ptxas.log 2>&1   (dq_behind)
 """
 from __future__ import annotations
 
@@ -50,10 +49,6 @@ def report_bwd(d: int, causal: bool, **kw):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["behind"]:      # s43: the fused dQ's product behind dK's, or after
-        for kw in (dict(fixed_dq=True), dict(fixed_dq=True, dq_behind=True)):
-            report_bwd(64, True, **kw)
-        sys.exit()
     if sys.argv[1:2] == ["bwd"]:
         for d in [int(a) for a in sys.argv[2:]] or [128, 64]:
             for kw in ({}, dict(dkv_overlap=False)):

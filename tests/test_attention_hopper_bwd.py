@@ -301,34 +301,6 @@ def test_hopper_kv_regs_gives_the_same_bits(fused, overlap):
         assert jnp.array_equal(a, b)
 
 
-@pytest.mark.parametrize("fixed", [False, True])
-def test_hopper_dq_behind_gives_the_same_bits(fixed):
-    """`HopperBwdTiles(dq_behind=True)`: the fused dQ's product issued behind dK's on the
-    overlapped steps, its store before the step's slot is released, is the same product of
-    the same tiles: dq, dk, dv bitwise equal to the fused dQ formed after the step, float32
-    and fixed point (whose rows' scales come from the step's slot), GQA (two query heads a
-    CTA, so both consumers' turns and both dS^T slots are taken) and the soft cap. A wrong
-    turn, slot or scale would differ."""
-    q, k, v, do = _operands(13, 256, 1, d=64)
-    kernel = (FIXED if fixed else FUSED)[0]
-    grads = lambda **tiles: _grads(q, k, v, do, tiles, kernel, logits_soft_cap=5.0,
-                                   deterministic=fixed)
-    tiles = dict(stages=2, fused_dq=True, **(FIX if fixed else {}))
-    for a, b in zip(grads(dq_behind=True, **tiles), grads(dq_behind=False, **tiles)):
-        assert jnp.array_equal(a, b)
-
-
-def test_hopper_dq_behind_rule():
-    """`HopperBwdTiles.dq_behinds`: off by default (not yet measured faster); with True, the
-    turns of D = 64, not D = 128's column halves (whose consumers both form a product every
-    step); anything but a bool is refused."""
-    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles as T
-    assert not T().dq_behinds(64) and T(dq_behind=True).dq_behinds(64)
-    assert not T(dq_behind=True).dq_behinds(128)
-    with pytest.raises(ValueError, match="dq_behind=1 must be True or False"):
-        T(dq_behind=1)
-
-
 def test_hopper_kv_regs_rule():
     """`HopperBwdTiles.kv_in_regs`, the rule the test above relies on to run both: at D = 64
     by default or with True (measured faster, s42-1), never above (slower at 128, and a

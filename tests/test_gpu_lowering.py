@@ -447,22 +447,6 @@ def test_hopper_kv_regs_lowers(d, det, extra):
     assert "jaxfuse_flash_bwd_dkv" in module
 
 
-@pytest.mark.parametrize("extra", [{}, dict(fixed_dq=True)])
-def test_hopper_dq_behind_lowers(extra):
-    """`HopperBwdTiles(dq_behind=True)`: the fused dQ's product issued behind dK's, inside
-    the consumer's turn (a conditional wgmma and wait while dK's product is in flight),
-    float32 and fixed point."""
-    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
-    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-    q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
-    k = jnp.zeros((1, 384, 2, 64), jnp.bfloat16)
-    tiles = HopperAttnTiles(backward=HopperBwdTiles(dq_behind=True, **extra))
-    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
-        q, k, v, interpret=False, causal=True, deterministic=bool(extra),
-        block_sizes=jaxfuse.AttnBlocks(hopper=tiles)), q, k, k).mlir_module()
-    assert "jaxfuse_flash_bwd_dkv_dq" in module
-
-
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])
 def test_dropout_kernels_lower(shape):
     x = jnp.zeros(shape, jnp.bfloat16)

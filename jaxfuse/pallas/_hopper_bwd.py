@@ -88,7 +88,7 @@ class _Mma:
                       for f, acc, a, b in products)
         return pl.run_state(body)(inits)
 
-    def dkv_overlapped(self, dk, dv, k, q, v, do, wait_do, p_of, ds_of, behind=None):
+    def dkv_overlapped(self, dk, dv, k, q, v, do, wait_do, p_of, ds_of):
         """(dk + dS^T Q, dv + P^T dO) of one dK/dV step with its vector work under its own
         products (FlashAttention-3 sec. 3.2's intra-warpgroup overlap, within the step):
         S^T = K Q^T and dP^T = V dO^T issued together (`wait_do()` between them: dO's copy),
@@ -96,14 +96,7 @@ class _Mma:
         dV's product issued, dS^T = ds_of(P, dP^T, aux) (the input dtype) formed while it
         runs, then dK's. The same products, of the same operands, in the same order as the
         plain schedule's (`run` a product at a time): the same bits. In the interpreter,
-        that plain sequence.
-
-        behind: the fused dQ's product of the step, issued behind dK's and waited for with
-        it (`HopperBwdTiles.dq_behind`): None, or (mine, wait, a, b, take). On the consumer
-        where `mine` (traced) holds, wait() (for the other consumer's dS^T) runs while dK's
-        product does, then A^T B (`tn`) is issued and take(its float32 result) runs once
-        both are done; elsewhere dK's product alone. The product itself is `run(tn(a, b))`'s:
-        the same bits as forming it after the step."""
+        that plain sequence."""
         if self.interpret:
             (st,) = self.run(nt(k, q))
             wait_do()
@@ -112,8 +105,6 @@ class _Mma:
             (dv,) = self.run(rs(dv, pt, do))
             ds = ds_of(p, dpt, aux)
             (dk,) = self.run(rs(dk, ds, q))
-            if behind is not None:
-                self._behind(behind)
             return dk, dv
 
         def body(refs):
@@ -129,26 +120,10 @@ class _Mma:
                 plgpu.wgmma(dv_ref, pt, do)
                 ds = ds_of(p, plgpu.wgmma_accumulator_load(dpt_ref, wait_n=1), aux)
                 plgpu.wgmma(dk_ref, ds, q)
-                if behind is None:
-                    plgpu.wgmma_wait(0)
-                else:     # `run`'s wait (all groups) covers dK's product too
-                    self._behind(behind)
-
-                    @pl.when(jnp.logical_not(behind[0]))
-                    def _():
-                        plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(0)
             shape = (k.shape[0], q.shape[0])
             pl.run_scoped(scoped, plgpu.ACC(shape, _F32), plgpu.ACC(shape, _F32))
         return pl.run_state(body)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
-
-    def _behind(self, behind):
-        """`dkv_overlapped`'s fused dQ product on the consumer whose it is."""
-        mine, wait, a, b, take = behind
-
-        @pl.when(mine)
-        def _():
-            wait()
-            take(self.run(tn(a, b))[0])
 
     def accumulate(self, body, shape, scratch):
         """body(ref) with a zeroed float32 accumulator of `shape`: a wgmma accumulator on the

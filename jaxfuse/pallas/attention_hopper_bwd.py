@@ -266,14 +266,7 @@ class HopperBwdTiles:
     call): the pair's dK/dV kernel 2.189 -> 1.953 ms at the 1B model's attention (B2 Hq32
     Hkv8 T8192 D64 causal), 0.306 -> 0.282 at the 157M's; the float32 fused dQ's kernel
     3.042 -> 2.986 and 0.435 -> 0.434, the fixed point's 3.241 -> 3.263 and 0.470 -> 0.469;
-    at D = 128 (B4 H32 T4096 causal) 1.683 -> 2.609 ms (64 more registers a thread spill).
-    dq_behind: the fused dQ's product (D = 64: the consumer whose turn it is, over both
-    consumers' keys) issued right behind dK's on the overlapped steps and waited for with
-    it, the wait for the other consumer's dS^T run under dK's product, instead of both
-    after it (`dq_behinds`; same products, same bits). Off by default until measured: under
-    Nsight Compute (H100, s43-3, 1B model's attention, float32) the consumers of the fused
-    kernel spent ~4.0% of its warp samples waiting for the other's dS^T and ~3.1% waiting
-    for the dQ product alone, beside ~4.5% waiting for dK's (benchmarks/NOTES.md s43)."""
+    at D = 128 (B4 H32 T4096 causal) 1.683 -> 2.609 ms (64 more registers a thread spill)."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -286,7 +279,6 @@ class HopperBwdTiles:
     dkv_overlap: bool = True
     fixed_dq: bool = False
     kv_regs: bool | None = None
-    dq_behind: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -297,7 +289,7 @@ class HopperBwdTiles:
                              f"(ring slots), or None for as many as fit")
         # Switches are True or False: None no longer means "the default" for dkv_overlap (on
         # since s41), which would otherwise be taken quietly as off.
-        for name in ("exchange", "clean", "dkv_overlap", "fixed_dq", "dq_behind"):
+        for name in ("exchange", "clean", "dkv_overlap", "fixed_dq"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"HopperBwdTiles.{name}={v!r} must be True or False")
@@ -414,11 +406,6 @@ class HopperBwdTiles:
         """Whether the dK/dV kernel's S^T and dP^T take K and V from registers (`kv_regs`:
         at D = 64 unless False)."""
         return self.kv_regs is not False and d <= 64
-
-    def dq_behinds(self, d: int) -> bool:
-        """Whether the fused dQ's product is issued behind dK's on the overlapped steps
-        (`dq_behind`; the turns of D = 64, not the column halves of `dq_split`)."""
-        return self.dq_behind and not self.dq_split(d)
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong

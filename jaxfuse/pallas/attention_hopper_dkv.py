@@ -56,7 +56,6 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
     # halves, so every tile takes xq-element swizzle rows (wgmma: both operands one swizzle).
     transforms = _transforms(dtype, d, xq if exchange else bq)
     split, cols = tiles.dq_split(d), tiles.dq_cols(d)
-    behind = fused_dq and overlap and tiles.dq_behinds(d)
 
     def scoped(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, r_smem, ds_smem,
                dq_smem, pt_x, ds_x, kv_full, q_full, do_full, empty, ds_full, ds_free, turns,
@@ -216,9 +215,15 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     with jax.named_scope("wait_ds"):
                         plgpu.barrier_wait(ds_full.at[turn])
                     with jax.named_scope("dq"):
-                        (dq,) = mma.run(tn(*dq_operands(turn, c0)))
+                        (dq,) = mma.run(tn(ds_smem.at[pl.ds(2 * turn, 2)],
+                                           k_smem.at[:, :, pl.ds(c0, cols)]))
                     plgpu.barrier_arrive(ds_free.at[turn])
-                    store_dq(gi, q0, c0, dq, r)
+                    with jax.named_scope("dq_store"):
+                        dq = dq * spec.scale
+                        if fixed:
+                            dq = FS.quantize(dq * R.row_vec(r, dq.shape[1]))
+                        add_dq(dq, dq_smem.at[wg], dq_gmem, wg, b, q0, hk * g + gi, c0,
+                               spec.interpret)
                 if split:
                     # Both consumers every step, each its half of the columns: the same work
                     # for both, so neither waits on the other's turn. (Two static branches:
@@ -229,44 +234,9 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     # The consumer whose turn it is (steps alternate), all D columns.
                     pl.when(turn == wg)(functools.partial(dq_product, 0))
 
-            def dq_operands(turn, c0):
-                """The fused dQ's product over the CTA's keys, dS K = (dS^T)^T K: both
-                consumers' dS^T of the turn's slots and K's columns from c0 (`tn`)."""
-                return ds_smem.at[pl.ds(2 * turn, 2)], k_smem.at[:, :, pl.ds(c0, cols)]
-
-            def store_dq(gi, q0, c0, dq, r):
-                """Adds a step's dQ [bq, cols] (float32 sums over the CTA's keys) into
-                dq_gmem: scaled, in fixed point by the rows' scales r if `fixed`."""
-                with jax.named_scope("dq_store"):
-                    dq = dq * spec.scale
-                    if fixed:
-                        dq = FS.quantize(dq * R.row_vec(r, dq.shape[1]))
-                    add_dq(dq, dq_smem.at[wg], dq_gmem, wg, b, q0, hk * g + gi, c0,
-                           spec.interpret)
-
-            def dq_behind(gi, j, q0, slot):
-                """Step j's fused dQ as `Mma.dkv_overlapped`'s `behind` (`HopperBwdTiles.
-                dq_behind`): on the consumer whose turn it is, the wait for the other's
-                dS^T runs under dK's product and dQ's product is issued behind it; its
-                store follows, before the step's slot (and its rows' scales) is released."""
-                turn = lax.rem(j, 2)
-
-                def take(dq):
-                    r = rows_scale(slot)
-                    plgpu.barrier_arrive(empty.at[slot])      # before the store (end_step)
-                    plgpu.barrier_arrive(ds_free.at[turn])
-                    store_dq(gi, q0, 0, dq, r)
-                return (turn == wg, lambda: plgpu.barrier_wait(ds_full.at[turn]),
-                        *dq_operands(turn, 0), take)
-
-            def end_step(gi, j, q0, slot, dq_done=False):
+            def end_step(gi, j, q0, slot):
                 """A step's close: its slot released (the rows' scales read before), then
-                with the fused dQ the step's dQ formed (`add_dq_of_step`); with `dq_done`
-                (`dq_behind`), the consumer whose turn it was has done both."""
-                if dq_done:
-                    turn = lax.rem(j, 2)
-                    pl.when(turn != wg)(lambda: plgpu.barrier_arrive(empty.at[slot]))
-                    return
+                with the fused dQ the step's dQ formed (`add_dq_of_step`)."""
                 r = rows_scale(slot)
                 plgpu.barrier_arrive(empty.at[slot])
                 if fused_dq:
@@ -327,9 +297,8 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                 with jax.named_scope("products"):
                     dk, dv = mma.dkv_overlapped(
                         dk, dv, k_a, q_smem.at[slot], v_a, do_smem.at[slot],
-                        lambda: plgpu.barrier_wait(do_full.at[slot]), p_of, ds_of,
-                        dq_behind(gi, j, q0, slot) if behind else None)
-                end_step(gi, j, q0, slot, dq_done=behind)
+                        lambda: plgpu.barrier_wait(do_full.at[slot]), p_of, ds_of)
+                end_step(gi, j, q0, slot)
                 return dk, dv
 
             def xstep(gi, i, j, carry, masked):

@@ -6,6 +6,7 @@ each product before the next instruction, which undoes any overlap the schedule 
 
     PYTHONPATH=. python benchmarks/hopper_ptxas.py [d ...] > ptxas.log 2>&1
     PYTHONPATH=. python benchmarks/hopper_ptxas.py bwd [d ...] > ptxas.log 2>&1
+    PYTHONPATH=. python benchmarks/hopper_ptxas.py d64 > ptxas.log 2>&1   (pair, fused, fixed)
 """
 from __future__ import annotations
 
@@ -34,21 +35,28 @@ def report(d: int, causal: bool, **kw):
     sys.stdout.flush()
 
 
-def report_bwd(d: int, causal: bool, **kw):
+def report_bwd(d: int, causal: bool, deterministic: bool = True, **kw):
     """The forward and both backward kernels (fwd+bwd) with the backward tiles `kw`."""
     tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(d), backward=HopperBwdTiles(**kw))
     q = jax.ShapeDtypeStruct((1, 1024, 4, d), jnp.bfloat16)
 
     def fb(q, k, v):
         o, vjp = jax.vjp(lambda q, k, v: jaxfuse.flash_attention(
-            q, k, v, causal=causal, block_sizes=AttnBlocks(hopper=tiles)), q, k, v)
+            q, k, v, causal=causal, deterministic=deterministic,
+            block_sizes=AttnBlocks(hopper=tiles)), q, k, v)
         return vjp(o)
-    print(f"=== fwd+bwd D={d} causal={causal} {kw}", flush=True)
+    print(f"=== fwd+bwd D={d} causal={causal} deterministic={deterministic} {kw}", flush=True)
     jax.jit(fb).lower(q, q, q).compile()
     sys.stdout.flush()
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["d64"]:   # s43: the three D = 64 backwards, K and V in registers or not
+        for kv in (True, False):
+            report_bwd(64, True, kv_regs=kv)
+            report_bwd(64, True, False, kv_regs=kv)
+            report_bwd(64, True, kv_regs=kv, fixed_dq=True)
+        sys.exit()
     if sys.argv[1:2] == ["bwd"]:
         for d in [int(a) for a in sys.argv[2:]] or [128, 64]:
             for kw in ({}, dict(dkv_overlap=False)):

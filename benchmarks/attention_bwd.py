@@ -871,6 +871,22 @@ def kv_regs():
         _profiles(label, *ROWS[label], top=3, variants=variants, default=False)
 
 
+def dq_tiles():
+    """The pair's dQ kernel at D = 64 with 64-key steps (`HopperBwdTiles(block_k_dq=64)`)
+    against the default 128: one call's kernels (profiler) at the 1B and 157M models'
+    attention. s43-7 (H100, ptxas): the default dQ kernel spills 76 bytes a thread (S and
+    dP [64, 128] float32 beside dQ and the carried dS); 64-key steps hold half of S and dP.
+    Run with MOSAIC_GPU_DUMP_PTXAS=1 for ptxas's report of each kernel.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py dq_tiles [OUT]
+    """
+    variants = {"pair": _on(PAIR),
+                "pair, dQ 64-key steps": _on(HopperAttnTiles(backward=HopperBwdTiles(
+                    fixed_dq=False, block_k_dq=64)))}
+    for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
+        _profiles(label, *ROWS[label], top=3, variants=variants, default=False)
+
+
 def fixed_quick():
     """The fixed-point dQ after s38's last change (exact per-row key maxima, 2-norm bound, 30
     bits): the 1B model's attention kernels (profiler) against the pair and the float32 fused
@@ -1062,7 +1078,7 @@ if __name__ == "__main__":
         "fixed_crossover": fixed_crossover,
         "overlap_d64": overlap_d64, "overlap_checks": overlap_checks,
         "overlap_profiles": overlap_profiles, "dq_stores_cost": dq_stores_cost,
-        "fixed_quick": fixed_quick, "kv_regs": kv_regs,
+        "fixed_quick": fixed_quick, "kv_regs": kv_regs, "dq_tiles": dq_tiles,
         "perf": lambda: perf(0.0, sweep=False),      # the three workloads, no sweep
         "quick": _quick, "profile": probe,           # profile: probe's kernel times alone
         "dkv_overlap": lambda rounds=5: variant(

@@ -3,7 +3,7 @@
 # bandwidth): K and V held in registers by the dK/dV kernel (`attention_bwd.py kv_regs`:
 # compiled checks, then kernel times), then the
 # compiled check s41-1 left out (the fused dQ on the overlapped steps with segment ids,
-# `attention.py check_s41`). `second_call_s42.sh` holds ncu and the model race.
+# `attention.py check_s41`). ncu and the model race ran in s43-1 (`first_call_s43.sh`).
 # Ran as s42-1 (H100) with a third step since withdrawn with what it measured
 # (`attention.py q_regs`, NOTES s42 item 5).
 #   bash benchmarks/smoke/first_call_s42.sh "$OUT"      (on the device machine)

@@ -50,7 +50,6 @@ _CPU_POOL_THREADS = "16"
 # compile options, so what runs is the executable a fresh compile gives. Measured on 2 cores
 # (s43, -n 2): test_attention_hopper_bwd.py 118 -> 103 s, test_hardening.py and
 # test_model_scale.py 142 -> 122 s. A JAX_COMPILATION_CACHE_DIR already set is used as it is.
-_OWN_CACHE = None
 if _no_accelerator_plugin():
     _flags = os.environ.get("XLA_FLAGS", "").split()
     os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _CPU_XLA_FLAGS if f not in _flags])
@@ -59,9 +58,9 @@ if _no_accelerator_plugin():
         import atexit
         import shutil
         import tempfile
-        _OWN_CACHE = tempfile.mkdtemp(prefix="jaxfuse-test-compiles-")
-        atexit.register(shutil.rmtree, _OWN_CACHE, ignore_errors=True)
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+        _cache = tempfile.mkdtemp(prefix="jaxfuse-test-compiles-")
+        atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
         # Every program, however small or quick to compile (jax skips those by default).
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"

@@ -881,8 +881,8 @@ def dq_tiles():
         PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py dq_tiles [OUT]
     """
     variants = {"pair": _on(PAIR),
-                "pair, dQ 64-key steps": _on(HopperAttnTiles(backward=HopperBwdTiles(
-                    fixed_dq=False, block_k_dq=64)))}
+                "pair, dQ 64-key steps": _on(HopperAttnTiles(backward=dataclasses.replace(
+                    PAIR.backward, block_k_dq=64)))}
     for label in ("1B B2 Hq32 Hkv8 T8192 D64 causal", "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal"):
         _profiles(label, *ROWS[label], top=3, variants=variants, default=False)
 

@@ -51,9 +51,9 @@ def report(name, rows, top):
     by = collections.Counter({k[6:]: sum(_int(r[k]) for r in rows) for k in reasons})
     print("   by reason: " + ", ".join(f"{k} {v / total:.1%}" for k, v in by.most_common(8)))
     ops = collections.Counter()
-    for r in rows:
-        ops[r["Source"].split()[0] if r["Source"].split() else "?"] += _int(
-            r["Warp Stall Sampling (All Samples)"])
+    for r in rows:          # the opcode, past a predicate (@P0, @!UP1)
+        words = [w for w in r["Source"].split() if not w.startswith("@")]
+        ops[words[0] if words else "?"] += _int(r["Warp Stall Sampling (All Samples)"])
     print("   by opcode: " + ", ".join(f"{k} {v / total:.1%}" for k, v in ops.most_common(10)))
     ranked = sorted(range(len(rows)), key=lambda i: -_int(
         rows[i]["Warp Stall Sampling (All Samples)"]))

@@ -16,6 +16,9 @@ kernel's causal mask, which is then top-left aligned) or wholly masked (skipped)
 Backward: the same ring, with global o and lse: each visiting (K, V) travels with its dK, dV
 accumulators (float32), to which every device adds its queries' contribution; after N steps they
 are back with their owner. dQ stays put. Deterministic: fixed order of additions.
+
+The steps run in a `fori_loop` (`_ring_loop`): the program's size, and its compile time, do not
+grow with the number of devices.
 """
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ def _chunks(x, axis, c):
 
 def _kind(i, j, causal: bool):
     if not causal:
-        return jnp.int32(_FULL)
+        return _FULL          # static: the pair runs the unmasked kernel alone (no switch)
     return jnp.where(j < i, _FULL, jnp.where(j == i, _DIAG, _SKIP)).astype(jnp.int32)
 
 
@@ -118,6 +121,21 @@ class _Ring:
         return jax.tree.map(lambda x: _ppermute(x, self.axes, perm), tree)
 
 
+def _ring_loop(n: int, step, shift, carry):
+    """carry after the ring's n steps: `step(s, carry)` at s = 0 .. n - 1 with `shift` between
+    them (none after the last), as a loop of n - 1 iterations and the last step apart. A
+    device's program then holds two copies of a step's kernels whatever the ring's size:
+    unrolled, a causal ring of 8 devices held 192 kernel calls forward and backward, 4x a
+    ring of 2's (tests/multidevice: `test_ring_program_is_flat_in_the_ring_size`), and compile
+    time grew with it. `step` gives (what moves, what stays); the move of the visiting K and V
+    reads only the iteration's input, so it can run under the step's kernels."""
+    def body(s, carry):
+        moving, staying = step(s, carry)
+        return shift(moving, staying)
+    carry = jax.lax.fori_loop(0, n - 1, body, carry)
+    return step(n - 1, carry)
+
+
 def forward(axes, causal, plans, q, k, v, qs, ks):
     """(o, lse) of queries q [B, T, Hq, D] over the whole sequence (local chunks in, out)."""
     ring = _Ring(axes, causal, plans)
@@ -129,18 +147,21 @@ def forward(axes, causal, plans, q, k, v, qs, ks):
     b, t, hq, d = qc[0].shape
     acc = [(jnp.zeros((b, t, hq, d), jnp.float32), jnp.full((b, hq, t), -jnp.inf, jnp.float32))
            for _ in range(c)]
-    kv = (k, v, ks)
-    for step in range(n):
-        src = (ring.me - step) % n
+
+    def step(s, carry):
+        kv, acc = carry
+        src = (ring.me - s) % n
         kc, vc = _chunks(kv[0], 1, c), _chunks(kv[1], 1, c)
         ksc = _chunks(kv[2], 1, c) if qs is not None else [None] * c
+        acc = list(acc)
         for a in range(c):
             for bb in range(c):
                 kind = _kind(ring.index(ring.me, a), ring.index(src, bb), causal)
                 o_ab, lse_ab = _pair_fwd(kind, plans, qc[a], kc[bb], vc[bb], qsc[a], ksc[bb])
                 acc[a] = merge_states(acc[a][0], acc[a][1], o_ab.astype(jnp.float32), lse_ab)
-        if step < n - 1:
-            kv = ring.shift(kv)
+        return kv, acc
+
+    _, acc = _ring_loop(n, step, lambda kv, acc: (ring.shift(kv), acc), ((k, v, ks), acc))
     o = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     lse = jnp.concatenate([lse for _, lse in acc], axis=2)
     if causal:
@@ -157,7 +178,12 @@ def _pair_fwd(kind, plans, q, k, v, qs, ks):
     def skip():
         return jnp.zeros(q.shape, q.dtype), jnp.full((b, hq, t), -jnp.inf, jnp.float32)
 
-    return jax.lax.switch(kind, [run(plans[0]), run(plans[1]), skip])
+    return _switch(kind, [run(plans[0]), run(plans[1]), skip])
+
+
+def _switch(kind, branches):
+    """`lax.switch`, or the one branch where the kind is static (no other kernel compiled)."""
+    return branches[kind]() if isinstance(kind, int) else jax.lax.switch(kind, branches)
 
 
 def backward(axes, causal, plans, q, k, v, qs, ks, o, lse, do, dlse):
@@ -172,11 +198,14 @@ def backward(axes, causal, plans, q, k, v, qs, ks, o, lse, do, dlse):
     qc, qsc, oc, doc = split(q), split(qs), split(o), split(do)
     lsec, dlsec = split(lse, 2), split(dlse, 2)
     dq = [jnp.zeros(x.shape, jnp.float32) for x in qc]
-    travel = (k, v, ks, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    for step in range(n):
-        src = (ring.me - step) % n
-        kk, vv, kss, dk, dv = travel
-        kc, vc, ksc, dkc, dvc = split(kk), split(vv), split(kss), split(dk), split(dv)
+    kv = (k, v, ks)
+    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+
+    def step(s, carry):
+        (kv, dkv), dq = carry
+        src = (ring.me - s) % n
+        kc, vc, ksc = split(kv[0]), split(kv[1]), split(kv[2])
+        dkc, dvc, dq = split(dkv[0]), split(dkv[1]), list(dq)
         for a in range(c):
             for bb in range(c):
                 kind = _kind(ring.index(ring.me, a), ring.index(src, bb), causal)
@@ -184,10 +213,13 @@ def backward(axes, causal, plans, q, k, v, qs, ks, o, lse, do, dlse):
                               lsec[a], doc[a], dlsec[a])
                 dq[a] = dq[a] + g[0]
                 dkc[bb], dvc[bb] = dkc[bb] + g[1], dvc[bb] + g[2]
-        travel = (kk, vv, kss, jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1))
-        # K and V need n - 1 moves; dK and dV one more, which brings them home.
-        travel = ring.shift(travel) if step < n - 1 else travel[:3] + ring.shift(travel[3:])
-    dq, dk, dv = jnp.concatenate(dq, 1), travel[3], travel[4]
+        return (kv, (jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1))), dq
+
+    # K and V need n - 1 moves; dK and dV one more, which brings them home.
+    (_, (dk, dv)), dq = _ring_loop(n, step, lambda moving, dq: (ring.shift(moving), dq),
+                                   ((kv, dkv), dq))
+    dk, dv = ring.shift((dk, dv))
+    dq = jnp.concatenate(dq, 1)
     if causal:
         dq, dk, dv = (from_zigzag(x, 1, axes, n) for x in (dq, dk, dv))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -203,4 +235,4 @@ def _pair_bwd(kind, plans, q, k, v, qs, ks, o, lse, do, dlse):
     def skip():
         return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
 
-    return jax.lax.switch(kind, [run(plans[0]), run(plans[1]), skip])
+    return _switch(kind, [run(plans[0]), run(plans[1]), skip])

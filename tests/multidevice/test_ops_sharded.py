@@ -322,6 +322,46 @@ def test_ring_attention_causal_balanced_over_4():
     assert gathered_shapes(hlo) == []
 
 
+def _pallas_calls(jaxpr) -> int:
+    """pallas_call equations in a jaxpr and every jaxpr inside it (loops, switches, vjps)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "pallas_call"
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            n += _pallas_calls(sub)
+    return n
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_program_is_flat_in_the_ring_size(causal):
+    """The ring's steps run in a loop (`ring._ring_loop`): a device's program holds the same
+    kernels for a ring of 2 devices as for 8, forward and backward. Unrolled, a causal ring of
+    8 held 4x the 2-ring's (8 steps of 4 chunk pairs, each a switch of 2 kernel variants)."""
+    from jaxfuse.pallas import attention as p_attn
+    from jaxfuse.sharding import ring
+
+    def kernels(n):
+        mesh = jax.make_mesh((n,), ("seq",), axis_types=(AxisType.Auto,))
+        c = 2 if causal else 1
+        q = jnp.zeros((1, 4 * n, 2, 8), jnp.float32)
+        chunk = (1, 4 // c, 2, 8)
+        plans = tuple(p_attn.plan(chunk, chunk, q.dtype, causal=cz, scale=None, segments=False,
+                                  sliding_window=None, logits_soft_cap=None, interpret=True,
+                                  block_sizes=None) for cz in (False, True))
+        axes = ring.RingAxes(("seq",), ("seq",))
+        seq = P(None, "seq")
+
+        def fwd_bwd(q, k, v):
+            o, lse = ring.forward(axes, causal, plans, q, k, v, None, None)
+            return ring.backward(axes, causal, plans, q, k, v, None, None, o, lse, o, lse)
+        f = jax.shard_map(fwd_bwd, mesh=mesh, in_specs=(seq,) * 3, out_specs=(seq,) * 3,
+                          check_vma=False)     # as the partitioning rules run it
+        return _pallas_calls(jax.make_jaxpr(f)(q, q, q).jaxpr)
+
+    two, eight = kernels(2), kernels(8)
+    assert two > 0 and two == eight, (two, eight)
+
+
 def test_decode_batch_heads_length_split():
     b, s, hkv, g, d = 4, 40, 2, 3, 8
     k = keys(6, 3)

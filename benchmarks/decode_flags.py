@@ -80,19 +80,26 @@ def _greedy(cfg, new: int, impl: str = "pallas", **kw):
 
 def profile(out_dir: str | None):
     """Kernels and idle gaps of a 32-token greedy call (prefill + 31 steps), and its optimized
-    HLO (which kernels a step launches, which of them XLA put in command buffers)."""
+    HLO (which kernels a step launches, which of them XLA put in command buffers).
+    DECODE_MODE=beam: the same of beam search (B8, 4 beams: the same 32 rows a step as greedy's
+    B32, so what its kernels add over greedy's is the beams' own work: top-k, cache reorder,
+    bookkeeping)."""
     import gzip
     from benchmarks._profile import gaps, report
-    cfg, params, prompts, lengths = _setup()
+    mode = os.environ.get("DECODE_MODE", "greedy")
+    cfg, params, prompts, lengths = _setup(8 if mode == "beam" else 32)
     # DECODE_VARIANTS names one variant to profile (the default if unset)
     name = os.environ.get("DECODE_VARIANTS", "default").split(",")[0]
-    f = jax.jit(_greedy(cfg, 32), compiler_options=VARIANTS[name] or None)
-    report("decode", f"greedy pallas kernels (prefill + 31 steps) [{name}]", f,
+    call = (_greedy(cfg, 32) if mode != "beam" else
+            lambda p, x, l: M.beam_search(p, cfg, x, l, beam_size=4, max_new_tokens=32,
+                                          eos_id=-1, impl="pallas"))
+    f = jax.jit(call, compiler_options=VARIANTS[name] or None)
+    report("decode", f"{mode} pallas kernels (prefill + 31 steps) [{name}]", f,
            (params, prompts, lengths), top=int(os.environ.get("DECODE_TOP", 30)))
     gaps(f, (params, prompts, lengths), top=16)
     if out_dir:
         text = f.lower(params, prompts, lengths).compile().as_text()
-        with gzip.open(os.path.join(out_dir, "decode_greedy.hlo.txt.gz"), "wt") as fh:
+        with gzip.open(os.path.join(out_dir, f"decode_{mode}.hlo.txt.gz"), "wt") as fh:
             fh.write(text)
 
 

@@ -17,11 +17,13 @@ def test_multidevice_suite():
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.pop("PYTEST_XDIST_WORKER", None)
     try:
-        # -v: each test's name is printed as it starts, so a hang names its test.
-        run = subprocess.run([sys.executable, "-m", "pytest", "-v", "-x", "-p", "no:xdist",
+        # -vv (over the -q of pyproject's addopts): each test's name is printed as it starts,
+        # so a hang names its test.
+        run = subprocess.run([sys.executable, "-m", "pytest", "-vv", "-x", "-p", "no:xdist",
                               "tests/multidevice"], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=900)
     except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        out = (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes)
+               else e.stdout or "")
         pytest.fail("tests/multidevice ran past 900 s; its last lines:\n" + out[-3000:])
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]

@@ -36,7 +36,8 @@ _GPU_TILE_ELEMS = 4096     # elements per beam tile: K of them live in registers
 
 
 def _tiles(s: int, f: int, interpret: bool, blocks: RowBlocks | None) -> tuple[int, int, int]:
-    """(positions, features per program, warps). Interpreted: one program per batch row."""
+    """(positions a loop step, features per program, warps). Interpreted: one program per
+    batch row and cache, whole rows a step."""
     if blocks is not None:
         return blocks.block_rows, blocks.block_cols, blocks.num_warps
     if interpret:

@@ -229,6 +229,32 @@ def reorder():
     want = jaxfuse.reorder_beams(caches, parent[0], start, start + 128, impl="reference")
     print("reorder_beams bitwise equal to the reference:",
           all(bool(jnp.array_equal(g, w)) for g, w in zip(got, want)))
+    # Awkward shapes compiled: prime lengths and widths, one beam, ranges empty, whole, past
+    # S and not whole tiles, small tiles (many loop steps), every dtype a cache may take.
+    from jaxfuse import RowBlocks
+    cases = [((3, 4, 37, 5), jnp.bfloat16, None), ((1, 1, 5, 3), jnp.float32, None),
+             ((2, 3, 1, 64), jnp.float16, None), ((5, 2, 300, 257), jnp.bfloat16, None),
+             ((2, 5, 130, 7), jnp.int32, RowBlocks(block_rows=4, block_cols=4, num_warps=4)),
+             ((4, 4, 768, 256), jnp.bfloat16, RowBlocks(block_rows=16, block_cols=64,
+                                                         num_warps=4))]
+    ok = 0
+    for i, ((b_, k_, s_, f_), dt, blocks) in enumerate(cases):
+        kk = jax.random.split(jax.random.key(100 + i), 4)
+        cs = (jax.random.normal(kk[0], (b_, k_, s_, f_)) * 100).astype(dt),
+        par = jax.random.randint(kk[1], (b_, k_), -1, k_ + 1)       # out of range: clipped
+        st = jax.random.randint(kk[2], (b_,), 0, s_ + 1)
+        sp = st + jax.random.randint(kk[3], (b_,), 0, s_ + 2)          # past S: clipped
+        st, sp = st.at[0].set(0), sp.at[0].set(s_)                      # one row whole
+        if b_ > 1:
+            st, sp = st.at[1].set(min(3, s_)), sp.at[1].set(min(2, s_))  # empty
+        g = jax.jit(lambda c, *a: jaxfuse.reorder_beams(c, *a, block_sizes=blocks))(
+            cs, par, st, sp)
+        w = jaxfuse.reorder_beams(cs, par, st, sp, impl="reference")
+        same = all(bool(jnp.array_equal(x, y)) for x, y in zip(g, w))
+        ok += same
+        print(f"reorder_beams check {(b_, k_, s_, f_)} {jnp.dtype(dt).name} blocks={blocks}: "
+              f"{'ok' if same else 'FAIL'}")
+    print(f"reorder_beams checks: {ok} of {len(cases)} ok")
 
     def loop(cs, impl):
         body = lambda t, cs: jaxfuse.reorder_beams(cs, parent[t], start, start + 120 + t,

@@ -78,6 +78,19 @@ def _greedy(cfg, new: int, impl: str = "pallas", **kw):
                                     **kw)
 
 
+# Batch rows of each DECODE_MODE: beam search takes 4 beams a row, so 32 rows a step either way.
+_BATCH = {"greedy": 32, "beam": 8}
+
+
+def _search(mode: str, cfg, new: int, impl: str = "pallas"):
+    """The call of `mode` over a batch of `_BATCH[mode]`: greedy (`_greedy`) or beam search
+    with 4 beams (issue 16's row)."""
+    if mode != "beam":
+        return _greedy(cfg, new, impl)
+    return lambda p, x, l: M.beam_search(p, cfg, x, l, beam_size=4, max_new_tokens=new,
+                                         eos_id=-1, impl=impl)
+
+
 def profile(out_dir: str | None):
     """Kernels and idle gaps of a 32-token greedy call (prefill + 31 steps), and its optimized
     HLO (which kernels a step launches, which of them XLA put in command buffers).
@@ -87,13 +100,10 @@ def profile(out_dir: str | None):
     import gzip
     from benchmarks._profile import gaps, report
     mode = os.environ.get("DECODE_MODE", "greedy")
-    cfg, params, prompts, lengths = _setup(8 if mode == "beam" else 32)
+    cfg, params, prompts, lengths = _setup(_BATCH[mode])
     # DECODE_VARIANTS names one variant to profile (the default if unset)
     name = os.environ.get("DECODE_VARIANTS", "default").split(",")[0]
-    call = (_greedy(cfg, 32) if mode != "beam" else
-            lambda p, x, l: M.beam_search(p, cfg, x, l, beam_size=4, max_new_tokens=32,
-                                          eos_id=-1, impl="pallas"))
-    f = jax.jit(call, compiler_options=VARIANTS[name] or None)
+    f = jax.jit(_search(mode, cfg, 32), compiler_options=VARIANTS[name] or None)
     report("decode", f"{mode} pallas kernels (prefill + 31 steps) [{name}]", f,
            (params, prompts, lengths), top=int(os.environ.get("DECODE_TOP", 30)))
     gaps(f, (params, prompts, lengths), top=16)
@@ -109,14 +119,9 @@ def ratio(out: str | None, rounds: int = 7, settle_s: float = 0.0):
     so that each is timed in the state its own load holds the GPU in (s23: in a process's first
     ~5 s every call ran ~8% faster than later, at the same SM clock)."""
     mode = os.environ.get("DECODE_MODE", "greedy")   # or beam: B8, 4 beams (issue 16's row)
-    b, prompt, new = (8 if mode == "beam" else 32), 512, 256
+    b, prompt, new = _BATCH[mode], 512, 256
     cfg, params, prompts, lengths = _setup(b, prompt, new)
-    if mode == "beam":
-        call = lambda impl: lambda p, x, l: M.beam_search(  # noqa: E731
-            p, cfg, x, l, beam_size=4, max_new_tokens=new, eos_id=-1, impl=impl)
-    else:
-        call = lambda impl: _greedy(cfg, new, impl)  # noqa: E731
-    fns = {impl: jax.jit(call(impl)) for impl in ("pallas", "reference")}
+    fns = {impl: jax.jit(_search(mode, cfg, new, impl)) for impl in ("pallas", "reference")}
     args = (params, prompts, lengths)
     times = _timing.interleaved(fns, [args], rounds, settle_s, reps=1, repeats=3, warmup=1)
     label = f"interleaved x{rounds}" + (f", {settle_s:g} s alone first" if settle_s else "")

@@ -93,6 +93,9 @@ def from_zigzag(x, axis, axes, n):
 
 
 def _chunks(x, axis, c):
+    """x in c chunks along axis (None, an absent segment-id array: c Nones)."""
+    if x is None:
+        return [None] * c
     return jnp.split(x, c, axis=axis) if c > 1 else [x]
 
 
@@ -143,7 +146,7 @@ def forward(axes, causal, plans, q, k, v, qs, ks):
     if causal:
         q, k, v = (to_zigzag(x, 1, axes, n) for x in (q, k, v))
         qs, ks = (None if s is None else to_zigzag(s, 1, axes, n) for s in (qs, ks))
-    qc, qsc = _chunks(q, 1, c), _chunks(qs, 1, c) if qs is not None else [None] * c
+    qc, qsc = _chunks(q, 1, c), _chunks(qs, 1, c)
     b, t, hq, d = qc[0].shape
     acc = [(jnp.zeros((b, t, hq, d), jnp.float32), jnp.full((b, hq, t), -jnp.inf, jnp.float32))
            for _ in range(c)]
@@ -151,8 +154,7 @@ def forward(axes, causal, plans, q, k, v, qs, ks):
     def step(s, carry):
         kv, acc = carry
         src = (ring.me - s) % n
-        kc, vc = _chunks(kv[0], 1, c), _chunks(kv[1], 1, c)
-        ksc = _chunks(kv[2], 1, c) if qs is not None else [None] * c
+        kc, vc, ksc = (_chunks(x, 1, c) for x in kv)
         acc = list(acc)
         for a in range(c):
             for bb in range(c):
@@ -194,7 +196,7 @@ def backward(axes, causal, plans, q, k, v, qs, ks, o, lse, do, dlse):
         q, k, v, o, do = (to_zigzag(x, 1, axes, n) for x in (q, k, v, o, do))
         lse, dlse = to_zigzag(lse, 2, axes, n), to_zigzag(dlse, 2, axes, n)
         qs, ks = (None if s is None else to_zigzag(s, 1, axes, n) for s in (qs, ks))
-    split = lambda x, axis=1: _chunks(x, axis, c) if x is not None else [None] * c
+    split = lambda x, axis=1: _chunks(x, axis, c)
     qc, qsc, oc, doc = split(q), split(qs), split(o), split(do)
     lsec, dlsec = split(lse, 2), split(dlse, 2)
     dq = [jnp.zeros(x.shape, jnp.float32) for x in qc]
@@ -204,7 +206,7 @@ def backward(axes, causal, plans, q, k, v, qs, ks, o, lse, do, dlse):
     def step(s, carry):
         (kv, dkv), dq = carry
         src = (ring.me - s) % n
-        kc, vc, ksc = split(kv[0]), split(kv[1]), split(kv[2])
+        kc, vc, ksc = (split(x) for x in kv)
         dkc, dvc, dq = split(dkv[0]), split(dkv[1]), list(dq)
         for a in range(c):
             for bb in range(c):

@@ -7,7 +7,8 @@ decode_attention at decoding shapes across tiles and split counts; and what a ch
 dependent launches costs (`launch_chain`); and decoding's matmuls through the Hopper GEMM
 (`hopper_gemv`); the q/k/v projection as float32 partial sums (`qkv_parts`), decode_attention's
 fused input checked and timed form by form (`decode_fused`), and greedy's argmax against
-`lax.top_k` (`argmax`).
+`lax.top_k` (`argmax`); beam search's step from the logits (`beam_step`: compiled checks and
+kernel time against the XLA reference).
 
     PYTHONPATH=. python benchmarks/decode_probe.py [top_k_order beam_top_k rope decode_attention]
 """
@@ -44,6 +45,41 @@ def beam_top_k():
         for name, f in (("pallas", ours), ("lax.top_k", ref)):
             print(f"beam_top_k B{b} K{k} V{v} {name:10s} {kernel_us(f, (lp, sc)):8.2f} us "
                   "of kernels")
+
+
+def beam_step():
+    """jaxfuse.beam_step compiled against its reference on awkward shapes (bitwise: the same
+    beams, scores, lengths and flags), then kernel time at beam search's shapes against the
+    reference (XLA's log_softmax, candidates and lax.top_k)."""
+    from tests.test_beam_step import KINDS, _state
+    cases = [((8, 4, 32768), "bfloat16", 0.0, None), ((8, 4, 32768), "bfloat16", 0.6, None),
+             ((3, 5, 1009), "float32", 1.3, None), ((2, 3, 37), "float16", 0.0, None),
+             ((1, 1, 5), "float32", 0.0, None), ((5, 7, 50257), "bfloat16", 0.8, None),
+             ((4, 3, 3001), "float32", 0.0, RowBlocks(block_rows=4, block_cols=256)),
+             ((2, 8, 130), "bfloat16", 0.5, RowBlocks(block_rows=2, block_cols=8))]
+    ok = total = 0
+    for i, (shape, dt, lp, blocks) in enumerate(cases):
+        for j, kind in enumerate(KINDS):
+            args = _state(100 * i + j, shape, kind, dt)
+            for eos in (2, shape[2]):                  # in the vocabulary, and outside it
+                f = lambda *a, impl: jaxfuse.beam_step(*a, eos_id=eos, length_penalty=lp,
+                                                       impl=impl, block_sizes=blocks)
+                got = jax.jit(lambda *a: f(*a, impl="pallas"))(*args)
+                want = jax.jit(lambda *a: f(*a, impl="reference"))(*args)
+                same = all(bool(jnp.array_equal(g, w, equal_nan=True))
+                           for g, w in zip(got, want))
+                ok, total = ok + same, total + 1
+                if not same:
+                    print(f"beam_step check {shape} {dt} lp={lp} {kind} eos={eos} "
+                          f"blocks={blocks}: FAIL", [bool(jnp.array_equal(g, w, equal_nan=True))
+                                                     for g, w in zip(got, want)])
+    print(f"beam_step checks: {ok} of {total} ok")
+    for shape in ((8, 4, 32768), (8, 4, 128256), (32, 8, 50257)):
+        args = _state(7, shape, "normal", "bfloat16")
+        for impl in ("pallas", "reference"):
+            f = jax.jit(lambda *a, impl=impl: jaxfuse.beam_step(*a, eos_id=2, impl=impl))
+            print(f"beam_step B{shape[0]} K{shape[1]} V{shape[2]} {impl:9s} "
+                  f"{kernel_us(f, args):8.2f} us of kernels")
 
 
 def kernel_us(f, args) -> float:
@@ -602,7 +638,8 @@ def l2_prefetch():
             print(f"      {kname[:60]:60s} x{count} {ms * 1e3 / n_layers:6.2f} us a layer")
 
 
-SECTIONS = {"top_k_order": top_k_order, "beam_top_k": beam_top_k, "rope": rope_kernels,
+SECTIONS = {"top_k_order": top_k_order, "beam_top_k": beam_top_k, "beam_step": beam_step,
+            "rope": rope_kernels,
             "decode_attention": decode_attention_kernels, "decode_append": decode_append,
             "decode_attention_cold": decode_attention_cold,
             "reorder": reorder, "launch_chain": launch_chain, "hopper_gemv": hopper_gemv,

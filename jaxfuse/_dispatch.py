@@ -26,7 +26,8 @@ def has_zero_size(*args: Any, **kwargs: Any) -> bool:
 # The ops' scalar options that a kernel bakes in as constants: a traced one cannot be (the
 # references take some traced: scale, eps).
 STATIC_OPTIONS = ("scale", "eps", "label_smoothing", "z_loss", "logits_soft_cap", "base",
-                  "rope_base", "rms_eps", "rate", "dropout_rate", "sliding_window")
+                  "rope_base", "rms_eps", "rate", "dropout_rate", "sliding_window",
+                  "eos_id", "length_penalty")
 # The ops' flags: Python bools on both paths (a string "False" is truthy; a traced bool cannot
 # choose a branch).
 BOOL_OPTIONS = ("causal", "return_lse", "partial_sums", "rope_interleaved", "interleaved")

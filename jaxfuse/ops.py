@@ -19,6 +19,7 @@ from jaxfuse.pallas.linear_cross_entropy import LCEBlocks
 from jaxfuse.reference import add_norm as _r_an
 from jaxfuse.reference import add_norm_linear as _r_anl
 from jaxfuse.reference import attention as _r_attn
+from jaxfuse.reference import beam_step as _r_step
 from jaxfuse.reference import beam_top_k as _r_topk
 from jaxfuse.reference import bias_act_dropout as _r_bad
 from jaxfuse.reference import bias_dropout_add as _r_bda
@@ -244,6 +245,28 @@ def beam_top_k(log_probs: jax.Array, beam_scores: jax.Array, k: int, *, impl: st
     return route(impl, _s_blocks.beam_top_k, _r_topk.beam_top_k, log_probs, beam_scores,
                  _checks.python_scalar(k),
                  block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
+
+
+def beam_step(logits: jax.Array, raw_scores: jax.Array, lengths: jax.Array, done: jax.Array, *,
+              eos_id: int, length_penalty: float = 0.0, impl: str = "pallas",
+              interpret: bool | None = None, block_sizes=None):
+    """One step of beam search from each beam's next-token logits [B, K, V] (any float dtype)
+    and its state: raw_scores [B, K] (sum of log-probs so far), lengths [B, K] (int: tokens so
+    far, eos included), done [B, K] (bool: the beam emitted eos). Returns the next K beams of
+    every row as (parent, token, raw_scores, lengths, done), each [B, K]: the best K of the
+    K x V continuations scored (raw + log_softmax(logits)) * len ** -length_penalty, ties to
+    the lower flat index parent * V + token. A finished beam's one continuation is eos_id at
+    log-prob 0 (it keeps its score and competes on the same scale; whatever its logits hold,
+    NaN included, is not read); an eos_id outside [0, V) ends no beam. "pallas": the
+    candidates formed and selected in two kernels without a [B, K x V] array in memory (HARS,
+    `jaxfuse.pallas.beam_step`); "reference": XLA's log_softmax and `lax.top_k`. Both give
+    the same bits. For inference: no gradient.
+
+    >>> parent, token, raw, lengths, done = jaxfuse.beam_step(logits, raw, lengths, done,
+    ...                                                       eos_id=2, length_penalty=0.6)
+    """
+    return route(impl, _s_blocks.beam_step, _r_step.beam_step, logits, raw_scores, lengths,
+                 done, eos_id=eos_id, length_penalty=length_penalty, block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 
 def reorder_beams(caches, parent: jax.Array, start: jax.Array, stop: jax.Array, *,

@@ -97,6 +97,16 @@ def test_beam_top_k_lowers(shape, k):
            jnp.zeros(shape[:2]))
 
 
+@pytest.mark.parametrize("shape,lp", [((2, 4, 1000), 0.0), ((2, 8, 50257), 0.6)])
+def test_beam_step_lowers(shape, lp):
+    # 1 group of 1024 columns a beam; 7 groups of 8192 with a ragged last one, and the penalty.
+    b, k, _ = shape
+    _lower(lambda x, r, n, d: jaxfuse.beam_step(x, r, n, d, eos_id=2, length_penalty=lp,
+                                                interpret=False),
+           jnp.zeros(shape, jnp.bfloat16), jnp.zeros((b, k)), jnp.zeros((b, k), jnp.int32),
+           jnp.zeros((b, k), bool))
+
+
 @pytest.mark.parametrize("vmapped", [False, True])
 def test_hopper_linear_cross_entropy_lowers(vmapped):
     """The Hopper GEMMs of the LCE (the forward's, and with D = 256 the backward's dz, dx and

@@ -10,7 +10,8 @@ steps_per_sync is one fixed loop alone); steps taken after every sequence has en
 (an ended sequence emits eos at log-prob 0).
 
 Beam search (lecture 10, sec. 6): every step scores beam_size x V continuations and keeps the best
-beam_size with `jaxfuse.beam_top_k` (HARS with impl="pallas"); each beam's cache then takes its
+beam_size with `jaxfuse.beam_step` (log-softmax, length penalty and HARS top-k in two kernels
+with impl="pallas"); each beam's cache then takes its
 parent's keys and values at the positions decoded so far (`jaxfuse.reorder_beams`, in place; the
 prompt's positions are the same in every beam of a row). A finished beam's only continuation is
 `eos_id` at log-prob 0, so it keeps its score and competes with the live beams on the same scale:
@@ -29,6 +30,7 @@ from jaxfuse.model import _block_ops as ops
 from jaxfuse.model import _inputs, decoding
 from jaxfuse.model.config import Config
 from jaxfuse.model.sharding import Out, constrain, on_auto_axes
+from jaxfuse.reference import beam_step as beam_step_ref
 
 
 def _check_lengths(prompts, prompt_lengths, max_new_tokens, cfg, steps_per_sync):
@@ -140,13 +142,6 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
     raw = jnp.where(jnp.arange(k)[None] == 0, 0.0, -jnp.inf) * jnp.ones((b, 1))
     state = (jnp.int32(0), logits, cache, jnp.full((b, k, max_new_tokens), eos_id, jnp.int32),
              raw, jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), bool))
-    eos_only = jnp.where(jnp.arange(v) == eos_id, 0.0, -jnp.inf)             # [V]
-
-    def norm(score, length):
-        if length_penalty == 0.0:
-            return score
-        return score / jnp.maximum(length, 1).astype(jnp.float32) ** length_penalty
-
     # [B, K, ...] arrays pinned to a split of their B alone, as the ops' rules take them: a
     # data axis that divides B x K but not B (B 2, K 2 on data 4) would otherwise reach them
     # from the [B x K] rows of the decoding step as a split across both axes, which no
@@ -156,16 +151,11 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
     def step(state):
         t, logits, cache, tokens, raw, length, done = state
         tokens, raw, length, done = map(rows, (tokens, raw, length, done))
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(b, k, v)
-        logp = jnp.where(done[..., None], eos_only, logp)                    # finished: eos only
-        new_len = length + jnp.where(done, 0, 1)                             # [B, K]
-        cand = rows(norm(raw[..., None] + logp, new_len[..., None]))
-        _, parent, tok = jaxfuse.beam_top_k(cand, rows(jnp.zeros((b, k))), k, impl=impl)
-        parent, tok = rows(parent), rows(tok)
-        raw = jnp.take_along_axis(raw, parent, 1) + jnp.take_along_axis(
-            logp.reshape(b, k * v), parent * v + tok, 1)
-        length = jnp.take_along_axis(new_len, parent, 1)
-        done = jnp.take_along_axis(done, parent, 1) | (tok == eos_id)
+        # Scores, finished beams, length penalty and the top-k from the logits in one op
+        # (`jaxfuse.beam_step`: two small kernels with impl="pallas", no [B, K x V] array).
+        parent, tok, raw, length, done = map(rows, jaxfuse.beam_step(
+            rows(logits.reshape(b, k, v)), raw, length, done, eos_id=eos_id,
+            length_penalty=length_penalty, impl=impl))
         tokens = jax.lax.dynamic_update_slice(
             jnp.take_along_axis(tokens, parent[..., None], 1), tok[..., None], (0, 0, t))
         # Each beam takes its parent's K/V at the positions decoded so far; the prompt's are the
@@ -181,7 +171,7 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
         return t + 1, logits, cache, tokens, raw, length, done
 
     _, _, _, tokens, raw, length, _ = _loop(step, state, max_new_tokens, steps_per_sync)
-    scores = norm(raw, length)
+    scores = beam_step_ref.normalized(raw, length, length_penalty)
     order = jnp.argsort(-scores, axis=1, stable=True)
     return (jnp.take_along_axis(tokens, order[..., None], 1),
             jnp.take_along_axis(scores, order, 1))

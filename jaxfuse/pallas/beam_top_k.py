@@ -48,6 +48,33 @@ def order_key(x: jax.Array) -> jax.Array:
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
+def best_k(key, idx, k: int, out_w: int, values=()):
+    """The k best entries of each row of a tile, best first: k passes (max key, first flat
+    index of the max, retire it). key, idx int32 [br, n] (idx == _RETIRED: not a candidate);
+    `values`: float32 [br, n] arrays whose winners' entries are returned too. Returns
+    ([br, out_w] keys, flat indices, *values); slots past k hold (_KEY_MIN, _RETIRED, 0)."""
+    slots = jax.lax.broadcasted_iota(jnp.int32, (key.shape[0], out_w), 1)
+
+    def take_best(i, carry):
+        idx, top_key, top_idx, *tops = carry
+        live = idx != _RETIRED
+        m = jnp.max(jnp.where(live, key, _KEY_MIN), axis=-1, keepdims=True)   # [br, 1]
+        # Retired entries may share the key m (_KEY_MIN) but carry the index _RETIRED, above
+        # every live one, so the first index of the max is a live entry's.
+        first = jnp.min(jnp.where(key == m, idx, _RETIRED), axis=-1, keepdims=True)
+        hit = idx == first        # one entry: live flat indices are distinct
+        here = slots == i
+        tops = [jnp.where(here, jnp.sum(jnp.where(hit, v, 0.0), axis=-1, keepdims=True), t)
+                for v, t in zip(values, tops)]
+        return (jnp.where(hit, _RETIRED, idx), jnp.where(here, m, top_key),
+                jnp.where(here, first, top_idx), *tops)
+
+    init = (idx, jnp.full(slots.shape, _KEY_MIN, jnp.int32),
+            jnp.full(slots.shape, _RETIRED, jnp.int32),
+            *(jnp.zeros(slots.shape, jnp.float32) for _ in values))
+    return tuple(C.reduce_tiles(k, take_best, init)[1:])
+
+
 def group_width(n: int, k: int, *, interpret: bool, block_sizes: RowBlocks | None) -> int:
     """Columns per group: the tile's. In interpret mode one group is the whole row (a step costs
     its operands, so one big step is cheapest); on the GPU 2048 columns, wider (up to the
@@ -87,20 +114,7 @@ def group_top_k(flat: jax.Array, k: int, *, interpret: bool,
         # A group is one tile, so the fold over tiles is this one step.
         idx = (tile.rows % n_groups) * width + tile.cols                   # [br, width]
         key = jnp.where(idx < n, order_key(tile.x[0]), _KEY_MIN)            # [br, width]
-        slots = jax.lax.broadcasted_iota(jnp.int32, state[0].shape, 1)     # [br, out_w]
-
-        def take_best(i, carry):
-            idx, top_key, top_idx = carry
-            live = idx != _RETIRED
-            m = jnp.max(jnp.where(live, key, _KEY_MIN), axis=-1, keepdims=True)   # [br, 1]
-            # Retired entries may share the key m (_KEY_MIN) but carry the index _RETIRED, above
-            # every live one, so the first index of the max is a live entry's.
-            first = jnp.min(jnp.where(key == m, idx, _RETIRED), axis=-1, keepdims=True)
-            return (jnp.where(idx == first, _RETIRED, idx), jnp.where(slots == i, m, top_key),
-                    jnp.where(slots == i, first, top_idx))
-
-        _, top_key, top_idx = C.reduce_tiles(k, take_best, (idx, *state))
-        return top_key, top_idx
+        return best_k(key, idx, k, out_w)
 
     top_key, top_idx = _rows.reduce_pass(
         init, step, lambda s, _: s, tiled=[groups], fills=[0.0], out_dtypes=(jnp.int32,) * 2,

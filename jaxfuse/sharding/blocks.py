@@ -31,6 +31,7 @@ from jaxfuse import _auto_axes, _philox
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _dropout, _norm, _rng, _rows
 from jaxfuse.pallas import add_norm as _p_an
+from jaxfuse.pallas import beam_step as _p_step
 from jaxfuse.pallas import beam_top_k as _p_topk
 from jaxfuse.pallas import embedding as _p_emb
 from jaxfuse.pallas import reorder_beams as _p_reo
@@ -40,6 +41,7 @@ from jaxfuse.pallas import swiglu as _p_swiglu
 from jaxfuse.pallas._rows import RowBlocks, as_rows
 from jaxfuse.reference import add_norm as _r_an
 from jaxfuse.reference import add_norm_linear as _r_anl
+from jaxfuse.reference import beam_step as _r_step
 from jaxfuse.reference import beam_top_k as _r_topk
 from jaxfuse.reference import bias_act_dropout as _r_bad
 from jaxfuse.reference import bias_dropout_add as _r_bda
@@ -583,6 +585,21 @@ def beam_top_k(log_probs, beam_scores, k, *, interpret=None, block_sizes=None, c
     out = ("b", "j")
     layout = Layout((("b", "n", "v"), ("b", "n")), (out, out, out), ("b",))
     return partitioned(local, layout, (log_probs, beam_scores))
+
+
+# ---- beam_step -------------------------------------------------------------------------------
+
+def beam_step(logits, raw_scores, lengths, done, *, eos_id, length_penalty=0.0, interpret=None,
+              block_sizes=None):
+    """`jaxfuse.pallas.beam_step` partitioned over the batch (a row's beams and vocabulary stay
+    whole: its top-k needs all of them). Not differentiable (a selection)."""
+    _r_step.validate(logits, raw_scores, lengths, done, eos_id, length_penalty)
+    local = lambda plan, *args: _p_step.beam_step(
+        *args, eos_id=eos_id, length_penalty=length_penalty, interpret=interpret,
+        block_sizes=block_sizes)
+    beams = ("b", "n")
+    layout = Layout((("b", "n", "v"), beams, beams, beams), (beams,) * 5, ("b",))
+    return partitioned(local, layout, (logits, raw_scores, lengths, done))
 
 
 # ---- reorder_beams ---------------------------------------------------------------------------

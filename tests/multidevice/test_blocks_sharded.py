@@ -222,6 +222,24 @@ def test_flash_attention_dropout_batch_heads_split():
     assert gathered_shapes(hlo) == []
 
 
+def test_beam_step_batch_split():
+    k = keys(47, 3)
+    logits = randn(k[0], (8, 3, 37))
+    raw = randn(k[1], (8, 3))
+    lengths = jax.random.randint(k[2], (8, 3), 0, 5)
+    done = raw > 1.0
+    f = jax.jit(lambda *a: jaxfuse.beam_step(*a, eos_id=4, length_penalty=0.6))
+    one = f(logits, raw, lengths, done)
+    with jax.set_mesh(AUTO):
+        placed = [jax.device_put(a, NamedSharding(AUTO, P(("data", "tensor", "seq"))))
+                  for a in (logits, raw, lengths, done)]
+        compiled = f.lower(*placed).compile()      # one compile for the run and the text
+        many, hlo = compiled(*placed), compiled.as_text()
+    for a, b in zip(many, one, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert gathered_shapes(hlo) == []
+
+
 def test_beam_top_k_batch_split():
     k = keys(46, 2)
     lp = jax.nn.log_softmax(randn(k[0], (8, 3, 37)), axis=-1)

@@ -1,0 +1,128 @@
+"""Beam-search step from the logits: log-softmax, finished beams, length penalty and the top-k
+in two small kernels (HARS, as `beam_top_k`; lecture 10 sec. 6.1).
+
+Written in XLA, a step of beam search over [B, K, V] logits makes and reads several
+[B, K * V] float32 arrays (log-probs, the finished beams' eos-only rows, the candidates, a
+padded copy for the groups) and sorts the survivors: about ten launches of a few microseconds
+each, which at the 157M model's decoding shape (32 beams, V = 32768) cost as much as a third
+of the weights' read. Here:
+
+1. XLA computes each beam's log-softmax statistics (`reference.beam_step.row_stats`: the
+   row's max and log of the shifted sum, one small reduction).
+2. Retrieve (kernel 1): program (row block, group) reads a [rows, width] tile of the logits,
+   forms the candidates in registers (`reference.beam_step.candidate`: log-prob, the finished
+   beams' eos-only row, the raw score and the length penalty) and keeps the group's k best
+   with their log-probs (`beam_top_k.best_k`). Groups lie inside one beam's row: no padded
+   copy of the logits, the ragged last group is masked.
+3. Re-rank (kernel 2): each batch row's k best of its K * G * k survivors, the same passes.
+4. XLA gathers the parents' raw scores, lengths and done flags (`reference.beam_step.finish`).
+
+Exact by construction, as `beam_top_k`: a candidate in a row's top k has fewer than k
+candidates above it, so fewer than k in its group, so it survives; both steps rank by
+`order_key` and take the lowest flat index among equal keys, which is `lax.top_k`'s order. The
+kernel evaluates the reference's own `candidate` on the same float32 inputs, so the two paths
+select the same beams and return the same bits.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxfuse.pallas import _common as C
+from jaxfuse.pallas import _rows
+from jaxfuse.pallas._rows import RowBlocks
+from jaxfuse.pallas.beam_top_k import _KEY_MIN, _MAX_PASSES, _RETIRED, best_k, group_width, \
+    order_key
+from jaxfuse.reference import beam_step as ref
+
+
+def _retrieve(x, per_row, k: int, beams: int, eos_id: int, width: int, blocks: RowBlocks,
+              interpret: bool):
+    """Every group's k best of logits x [R = B * K, V]: (keys, flat indices i * V + j,
+    log-probs), each [R, G * out_w], group after group, each group's list best first."""
+    r, v = x.shape
+    n_groups = C.cdiv(v, width)
+    out_w = k if interpret else C.next_pow2(k)   # Triton tiles are powers of two
+    br = blocks.block_rows
+    has_norm = len(per_row) == 5
+
+    def kernel(x_ref, *refs):
+        row_refs, (key_ref, idx_ref, lp_ref) = refs[:len(per_row)], refs[len(per_row):]
+        row0, col0 = pl.program_id(0) * br, pl.program_id(1) * width
+        tile, rows, cols, valid = C.load_tile(x_ref, row0, col0, br, width, r, v)
+        m, ls, raw, done, *norm = (C.load_vec(ref_, row0, br, r)[:, None] for ref_ in row_refs)
+        cand, logp = ref.candidate(tile.astype(jnp.float32), m, ls, raw,
+                                   norm[0] if has_norm else None, done != 0, cols, eos_id)
+        key = jnp.where(valid, order_key(cand), _KEY_MIN)
+        idx = jnp.where(valid, (rows % beams) * v + cols, _RETIRED)
+        out_col = pl.program_id(1) * out_w
+        for ref_, val in zip((key_ref, idx_ref, lp_ref), best_k(key, idx, k, out_w, (logp,))):
+            C.store_tile(ref_, val, row0, out_col, r, n_groups * out_w)
+
+    shape = (r, n_groups * out_w)
+    return C.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct(shape, d)
+                           for d in (jnp.int32, jnp.int32, jnp.float32)],
+        grid=(C.cdiv(r, br), n_groups), name="jaxfuse_beam_step_retrieve", interpret=interpret,
+        num_warps=blocks.num_warps)(x, *per_row)
+
+
+def _rerank(keys, idx, logp, k: int, interpret: bool):
+    """Each row's k best survivors: (flat indices, log-probs), each [B, k]."""
+    b, n = keys.shape
+    if not interpret and n > _rows._GPU_MAX_TILE_COLS:
+        # More survivors than a program holds (a wide beam over a huge vocabulary): XLA's
+        # top_k of the keys, whose ties go to the lower position, i.e. the lower flat index
+        # (groups lie in flat order, and a group's list in index order among equal keys; an
+        # empty slot's key _KEY_MIN ties only with a -NaN whose payload bits are all set).
+        _, pos = jax.lax.top_k(keys, k)
+        take = lambda a: jnp.take_along_axis(a, pos, axis=1)
+        return take(idx), take(logp)
+    out_w = k if interpret else C.next_pow2(k)
+    blocks = _rows.RowBlocks.for_shape(b, n, interpret=interpret)
+    br, bc = blocks.block_rows, blocks.block_cols
+
+    def kernel(key_ref, idx_ref, lp_ref, flat_ref, win_ref):
+        row0 = pl.program_id(0) * br
+        load = lambda ref_, fill: C.load_tile(ref_, row0, 0, br, bc, b, n, other=fill)[0]
+        _, flat, lp = best_k(load(key_ref, _KEY_MIN), load(idx_ref, _RETIRED),
+                             k, out_w, (load(lp_ref, 0.0),))
+        C.store_tile(flat_ref, flat, row0, 0, b, out_w)
+        C.store_tile(win_ref, lp, row0, 0, b, out_w)
+
+    flat, lp = C.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct((b, out_w), d) for d in (jnp.int32, jnp.float32)],
+        grid=(C.cdiv(b, br),), name="jaxfuse_beam_step_rerank", interpret=interpret,
+        num_warps=blocks.num_warps)(keys, idx, logp)
+    return flat[:, :k], lp[:, :k]
+
+
+def beam_step(logits: jax.Array, raw_scores: jax.Array, lengths: jax.Array, done: jax.Array,
+              *, eos_id: int, length_penalty: float = 0.0, interpret: bool | None = None,
+              block_sizes: RowBlocks | None = None):
+    """Pallas beam-search step; the same results as `jaxfuse.reference.beam_step`, bit for bit.
+    `block_sizes`: rows and columns of the retrieval's tile (`block_cols`, the group width,
+    at least the beam count K)."""
+    ref.validate(logits, raw_scores, lengths, done, eos_id, length_penalty)
+    interpret = C.resolve_interpret(interpret)
+    b, k, v = logits.shape
+    if k > _MAX_PASSES:          # k passes would be a slow sort: the reference's top_k
+        return ref.beam_step(logits, raw_scores, lengths, done, eos_id=eos_id,
+                             length_penalty=length_penalty)
+    eos_id = ref.eos_index(eos_id, v)
+    m, ls = ref.row_stats(logits)
+    raw = raw_scores.astype(jnp.float32)
+    length = ref.new_lengths(lengths, done)
+    norm = ref.scale(length, length_penalty)
+    # Groups inside a beam's row, as wide as `beam_top_k`'s over the flat row would be.
+    width = min(group_width(k * v, k, interpret=interpret, block_sizes=block_sizes),
+                max(v if interpret else C.next_pow2(v), k if interpret else C.next_pow2(k)))
+    blocks = _rows.resolve_blocks(block_sizes, b * k, width, interpret)
+    per_row = [a.reshape(b * k) for a in (m, ls, raw, done.astype(jnp.int32))]
+    if norm is not None:
+        per_row.append(norm.reshape(b * k))
+    keys, idx, logp = _retrieve(logits.reshape(b * k, v), per_row, k, k, eos_id, width, blocks,
+                                interpret)
+    flat, win = _rerank(*(a.reshape(b, -1) for a in (keys, idx, logp)), k, interpret)
+    return ref.finish(flat, win, raw, length, done, v, eos_id)

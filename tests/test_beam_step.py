@@ -79,11 +79,14 @@ class BeamStepTest(parameterized.TestCase):
             else:
                 np.testing.assert_array_equal(a[live], b[live], err_msg=name)
 
-    @parameterized.product(shape=[(2, 4, 37), (1, 1, 13), (3, 5, 2), (2, 3, 16)],
-                           blocks=[None, (2, 8), (3, 5)], length_penalty=[0.0, 1.3])
+    # Every shape meets every tile and both penalties (8 of the 24 combinations, each its own
+    # kernel): one group per row (interpret mode's default) or many, with ragged last groups
+    # and row blocks that do not divide B x K.
+    @parameterized.parameters(
+        ((2, 4, 37), None, 0.0), ((2, 4, 37), (3, 5), 1.3), ((1, 1, 13), (2, 8), 0.0),
+        ((1, 1, 13), None, 1.3), ((3, 5, 2), (3, 5), 0.0), ((3, 5, 2), (2, 8), 1.3),
+        ((2, 3, 16), (2, 8), 0.0), ((2, 3, 16), (3, 5), 1.3))
     def test_kernel_equals_reference(self, shape, blocks, length_penalty):
-        # One group per row (interpret mode's default) or many, with ragged last groups and
-        # row blocks that do not divide B x K.
         k = shape[1]
         bs = None if blocks is None else RowBlocks(blocks[0], max(blocks[1], k))
         f = jax.jit(lambda *a: P.beam_step(*a, eos_id=2, length_penalty=length_penalty,
@@ -136,6 +139,17 @@ class BeamStepTest(parameterized.TestCase):
         prims = {e.primitive.name for e in jaxpr.jaxpr.eqns}
         assert names == ["jaxfuse_beam_step_retrieve", "jaxfuse_beam_step_rerank"], names
         assert not prims & {"cond", "while", "top_k", "sort"}, prims
+
+    def test_gradient_only_through_the_reference(self):
+        logits, raw, lengths, done = _state(12, (2, 3, 7), "normal")
+        raw = jnp.where(jnp.isfinite(raw), raw, -1.0)
+        logits = jnp.where(done[..., None], 0.5, logits)   # no NaN rows to differentiate
+        loss = lambda impl: lambda x: jaxfuse.beam_step(x, raw, lengths, done, eos_id=1,
+                                                        impl=impl)[2].sum()
+        with self.assertRaisesRegex(ValueError, "beam_step .* no gradient.*impl=.reference."):
+            jax.grad(loss("pallas"))(logits)
+        g = jax.grad(loss("reference"))(logits)
+        assert bool(jnp.all(jnp.isfinite(g))) and bool(jnp.any(g != 0))
 
     def test_bad_input_raises(self):
         logits, raw, lengths, done = _state(10, (2, 3, 7), "normal")

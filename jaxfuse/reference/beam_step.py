@@ -58,6 +58,18 @@ def row_stats(logits: jax.Array):
     return m, jnp.log(jnp.sum(jnp.exp(x - m[..., None]), axis=-1))
 
 
+def beam_values(logits, raw_scores, lengths, done, length_penalty: float):
+    """What both paths compute per beam before the candidates, in XLA: (m, ls, raw, length with
+    this step's token, norm or None). Behind an optimization barrier: without it XLA fuses
+    them into their consumers, which differ (the reference's log-softmax diamond became one
+    fusion on an H100 and summed in another order than the kernel path's reduction: raw
+    scores a last bit apart, s45-1); behind it both paths compute them alike."""
+    m, ls = row_stats(logits)
+    length = new_lengths(lengths, done)
+    return jax.lax.optimization_barrier(
+        (m, ls, raw_scores.astype(jnp.float32), length, scale(length, length_penalty)))
+
+
 def new_lengths(lengths, done):
     """A beam's length with this step's token: finished beams do not grow."""
     return lengths.astype(jnp.int32) + jnp.where(done, 0, 1)
@@ -104,13 +116,10 @@ def beam_step(logits: jax.Array, raw_scores: jax.Array, lengths: jax.Array, done
     validate(logits, raw_scores, lengths, done, eos_id, length_penalty)
     b, k, v = logits.shape
     eos_id = eos_index(eos_id, v)
-    m, ls = row_stats(logits)
-    raw = raw_scores.astype(jnp.float32)
-    length = new_lengths(lengths, done)
-    norm = scale(length, length_penalty)
+    m, ls, raw, length, norm = beam_values(logits, raw_scores, lengths, done, length_penalty)
     cand, logp = candidate(logits.astype(jnp.float32), m[..., None], ls[..., None],
                            raw[..., None], None if norm is None else norm[..., None],
                            done[..., None], jnp.arange(v), eos_id)
-    _, flat = jax.lax.top_k(cand.reshape(b, k * v), k)
-    return finish(flat, jnp.take_along_axis(logp.reshape(b, k * v), flat, axis=1), raw, length,
-                  done, v, eos_id)
+    cand, logp = cand.reshape(b, k * v), logp.reshape(b, k * v)
+    _, flat = jax.lax.top_k(cand, k)
+    return finish(flat, jnp.take_along_axis(logp, flat, axis=1), raw, length, done, v, eos_id)

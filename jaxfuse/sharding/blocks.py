@@ -584,7 +584,7 @@ def beam_top_k(log_probs, beam_scores, k, *, interpret=None, block_sizes=None, c
                                                     block_sizes=block_sizes, capacity=capacity)
     out = ("b", "j")
     layout = Layout((("b", "n", "v"), ("b", "n")), (out, out, out), ("b",))
-    return partitioned(local, layout, (log_probs, beam_scores))
+    return _inference_only("beam_top_k", "lax.top_k", local, layout, (log_probs, beam_scores))
 
 
 # ---- beam_step -------------------------------------------------------------------------------
@@ -599,7 +599,8 @@ def beam_step(logits, raw_scores, lengths, done, *, eos_id, length_penalty=0.0, 
         block_sizes=block_sizes)
     beams = ("b", "n")
     layout = Layout((("b", "n", "v"), beams, beams, beams), (beams,) * 5, ("b",))
-    return partitioned(local, layout, (logits, raw_scores, lengths, done))
+    return _inference_only("beam_step", "log_softmax, lax.top_k and gathers", local, layout,
+                           (logits, raw_scores, lengths, done))
 
 
 # ---- reorder_beams ---------------------------------------------------------------------------
@@ -618,13 +619,20 @@ def reorder_beams(caches, parent, start, stop, *, interpret=None, block_sizes=No
             for i, c in enumerate(caches)]
     layout = Layout((("b", "k"), ("b",), ("b",), *dims), tuple(dims),
                     ("b",) + tuple(dict.fromkeys(d[3] for d in dims if len(d) > 3)))
+    return _inference_only("reorder_beams", "a gather", local, layout,
+                           (parent, start, stop, *caches))
+
+
+def _inference_only(name: str, what: str, local, layout: Layout, args):
+    """`partitioned(local, layout, args)` with a gradient that fails with a ValueError naming
+    the op and the fix (without it: NotImplementedError from custom_partitioning)."""
     @jax.custom_jvp
     def op(*args):
         return partitioned(local, layout, args)
 
     @op.defjvp
     def _no_gradient(primals, tangents):
-        raise ValueError("reorder_beams (impl=\"pallas\") is for inference and has no gradient; "
-                         "impl=\"reference\" (a gather) differentiates")
+        raise ValueError(f"{name} (impl=\"pallas\") is for inference and has no gradient; "
+                         f"impl=\"reference\" ({what}) differentiates")
 
-    return op(parent, start, stop, *caches)
+    return op(*args)

@@ -99,7 +99,10 @@ def beam_step():
             f = jax.jit(lambda *a, impl=impl: jaxfuse.beam_step(*a, eos_id=2, impl=impl))
             print(f"beam_step B{shape[0]} K{shape[1]} V{shape[2]} {impl:9s} "
                   f"{kernel_us(f, args):8.2f} us of kernels")
-    # Tiles: the retrieval's rows and warps a program (group width 2048), the re-rank's warps.
+    if not os.environ.get("BEAM_TILES"):
+        return
+    # Tiles (BEAM_TILES=1): the retrieval's rows and warps a program (group width 2048), the
+    # re-rank's warps.
     from benchmarks._profile import kernel_times
     from jaxfuse.pallas import beam_step as P
     args = _state(7, (8, 4, 32768), "normal", "bfloat16")

@@ -14,8 +14,9 @@ of the weights' read. Here:
    beams' eos-only row, the raw score and the length penalty) and keeps the group's k best
    with their log-probs (`beam_top_k.best_k`). Groups lie inside one beam's row: no padded
    copy of the logits, the ragged last group is masked.
-3. Re-rank (kernel 2): each batch row's k best of its K * G * k survivors, the same passes.
-4. XLA gathers the parents' raw scores, lengths and done flags (`reference.beam_step.finish`).
+3. Re-rank (kernel 2): each batch row's k best of its K * G * k survivors, the same passes,
+   made the next beams there: the parents' raw scores, lengths and done flags gathered, the
+   winners' log-probs added (what `reference.beam_step.finish` does in XLA).
 
 Exact by construction, as `beam_top_k`: a candidate in a row's top k has fewer than k
 candidates above it, so fewer than k in its group, so it survives; both steps rank by
@@ -74,9 +75,11 @@ def _retrieve(x, per_row, k: int, beams: int, eos_id: int, width: int, blocks: R
 _RERANK_WARPS = 4
 
 
-def _rerank(keys, idx, logp, k: int, interpret: bool):
-    """Each row's k best survivors: (flat indices, log-probs), each [B, k]."""
+def _rerank(keys, idx, logp, beams, v: int, eos_id: int, interpret: bool):
+    """Each row's k best survivors made the next beams: (parent, token, raw, lengths, done),
+    each [B, k], from `beams` = (raw, length with this step's token, done), each [B, k]."""
     b, n = keys.shape
+    k = beams[0].shape[1]
     if not interpret and n > _rows._GPU_MAX_TILE_COLS:
         # More survivors than a program holds (a wide beam over a huge vocabulary): XLA's
         # top_k of the keys, whose ties go to the lower position, i.e. the lower flat index
@@ -84,24 +87,44 @@ def _rerank(keys, idx, logp, k: int, interpret: bool):
         # empty slot's key _KEY_MIN ties only with a -NaN whose payload bits are all set).
         _, pos = jax.lax.top_k(keys, k)
         take = lambda a: jnp.take_along_axis(a, pos, axis=1)
-        return take(idx), take(logp)
+        return ref.finish(take(idx), take(logp), *beams, v, eos_id)
     out_w = k if interpret else C.next_pow2(k)
     blocks = _rows.RowBlocks.for_shape(b, n, interpret=interpret)
     br, bc = blocks.block_rows, blocks.block_cols
+    # The parents' raw scores, lengths and flags as int32 bits: an integer sum of one nonzero
+    # term is that term exactly (a float sum would turn -0.0 into +0.0).
+    raw, length, done = beams
+    bits = (jax.lax.bitcast_convert_type(raw, jnp.int32), length, done.astype(jnp.int32))
 
-    def kernel(key_ref, idx_ref, lp_ref, flat_ref, win_ref):
+    def kernel(key_ref, idx_ref, lp_ref, raw_ref, len_ref, done_ref, *out_refs):
         row0 = pl.program_id(0) * br
-        load = lambda ref_, fill: C.load_tile(ref_, row0, 0, br, bc, b, n, other=fill)[0]
-        _, flat, lp = best_k(load(key_ref, _KEY_MIN), load(idx_ref, _RETIRED),
-                             k, out_w, (load(lp_ref, 0.0),))
-        C.store_tile(flat_ref, flat, row0, 0, b, out_w)
-        C.store_tile(win_ref, lp, row0, 0, b, out_w)
+        load = lambda ref_, fill, w, n_: C.load_tile(ref_, row0, 0, br, w, b, n_, other=fill)[0]
+        _, flat, lp = best_k(load(key_ref, _KEY_MIN, bc, n), load(idx_ref, _RETIRED, bc, n),
+                             k, out_w, (load(lp_ref, 0.0, bc, n),))
+        parent, token = flat // v, flat % v                                  # [br, out_w]
+        beam = jax.lax.broadcasted_iota(jnp.int32, (br, out_w), 1)
 
-    flat, lp = C.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct((b, out_w), d) for d in (jnp.int32, jnp.float32)],
+        def of_parent(ref_):     # [br, out_w]: the parent's entry of a [B, k] int32 array
+            vals = load(ref_, 0, out_w, k)
+            out = jnp.zeros_like(parent)
+            for i in range(k):   # k is small (<= _MAX_PASSES) and static
+                vi = jnp.sum(jnp.where(beam == i, vals, 0), axis=-1, keepdims=True)
+                out = jnp.where(parent == i, vi, out)
+            return out
+
+        new_raw = jax.lax.bitcast_convert_type(of_parent(raw_ref), jnp.float32) + lp
+        new_done = (of_parent(done_ref) != 0) | (token == eos_id)
+        for ref_, val in zip(out_refs, (parent, token, new_raw, of_parent(len_ref),
+                                        new_done.astype(jnp.int32))):
+            C.store_tile(ref_, val, row0, 0, b, out_w)
+
+    dtypes = (jnp.int32, jnp.int32, jnp.float32, jnp.int32, jnp.int32)
+    outs = C.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct((b, out_w), d) for d in dtypes],
         grid=(C.cdiv(b, br),), name="jaxfuse_beam_step_rerank", interpret=interpret,
-        num_warps=_RERANK_WARPS or blocks.num_warps)(keys, idx, logp)
-    return flat[:, :k], lp[:, :k]
+        num_warps=_RERANK_WARPS or blocks.num_warps)(keys, idx, logp, *bits)
+    parent, token, raw, length, done = (o[:, :k] for o in outs)
+    return parent, token, raw, length, done != 0
 
 
 def beam_step(logits: jax.Array, raw_scores: jax.Array, lengths: jax.Array, done: jax.Array,
@@ -128,5 +151,5 @@ def beam_step(logits: jax.Array, raw_scores: jax.Array, lengths: jax.Array, done
         per_row.append(norm.reshape(b * k))
     keys, idx, logp = _retrieve(logits.reshape(b * k, v), per_row, k, k, eos_id, width, blocks,
                                 interpret)
-    flat, win = _rerank(*(a.reshape(b, -1) for a in (keys, idx, logp)), k, interpret)
-    return ref.finish(flat, win, raw, length, done, v, eos_id)
+    return _rerank(*(a.reshape(b, -1) for a in (keys, idx, logp)), (raw, length, done), v,
+                   eos_id, interpret)

@@ -106,15 +106,18 @@ def beam_step():
     from benchmarks._profile import kernel_times
     from jaxfuse.pallas import beam_step as P
     args = _state(7, (8, 4, 32768), "normal", "bfloat16")
-    for br, warps in ((2, 4), (1, 4), (1, 2), (2, 8), (4, 8), (1, 8)):
-        for rw in (None, 1, 4):
-            P._RERANK_WARPS = rw
-            blocks = RowBlocks(block_rows=br, block_cols=2048, num_warps=warps)
-            f = jax.jit(lambda *a: jaxfuse.beam_step(*a, eos_id=2, block_sizes=blocks))
-            kt = kernel_times(f, args, reps=20)
-            print(f"beam_step tiles rows={br} warps={warps} rerank_warps={rw}: "
-                  + ", ".join(f"{n[:32]} {ms * 1e3:.2f}" for n, _, ms in kt))
-    P._RERANK_WARPS = None
+    default = P._RERANK_WARPS
+    try:
+        for br, warps in ((2, 4), (1, 4), (1, 2), (2, 8), (4, 8), (1, 8)):
+            for rw in (2, 1, 4):
+                P._RERANK_WARPS = rw
+                blocks = RowBlocks(block_rows=br, block_cols=2048, num_warps=warps)
+                f = jax.jit(lambda *a: jaxfuse.beam_step(*a, eos_id=2, block_sizes=blocks))
+                kt = kernel_times(f, args, reps=20)
+                print(f"beam_step tiles rows={br} warps={warps} rerank_warps={rw}: "
+                      + ", ".join(f"{n[:32]} {ms * 1e3:.2f}" for n, _, ms in kt))
+    finally:
+        P._RERANK_WARPS = default
 
 
 def kernel_us(f, args) -> float:

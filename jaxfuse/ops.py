@@ -257,16 +257,21 @@ def beam_step(logits: jax.Array, raw_scores: jax.Array, lengths: jax.Array, done
     K x V continuations scored (raw + log_softmax(logits)) * len ** -length_penalty, ties to
     the lower flat index parent * V + token. A finished beam's one continuation is eos_id at
     log-prob 0 (it keeps its score and competes on the same scale; whatever its logits hold,
-    NaN included, is not read); an eos_id outside [0, V) ends no beam. "pallas": the
-    candidates formed and selected in two kernels without a [B, K x V] array in memory (HARS,
-    `jaxfuse.pallas.beam_step`); "reference": XLA's log_softmax and `lax.top_k`. Both give
-    the same bits. For inference: no gradient.
+    NaN included, is not read); an eos_id outside [0, V) ends no beam (and leaves a done beam
+    no continuation). lengths come back int32. "pallas": the candidates formed and selected
+    in two kernels without a [B, K x V] array in memory (HARS, `jaxfuse.pallas.beam_step`);
+    "reference": XLA's log_softmax and `lax.top_k`. Both give the same bits, NaN candidates
+    included where `lax.top_k` keeps its total order (+NaN above +inf, -NaN below -inf: a
+    CPU; XLA's GPU top_k ranks +NaN below +inf, the kernels keep the total order). A live
+    beam whose logits are all -inf or hold a NaN has NaN candidates (its log-softmax is NaN),
+    which a GPU makes +NaN: they outrank every real one. For inference: no gradient.
 
     >>> parent, token, raw, lengths, done = jaxfuse.beam_step(logits, raw, lengths, done,
     ...                                                       eos_id=2, length_penalty=0.6)
     """
     return route(impl, _s_blocks.beam_step, _r_step.beam_step, logits, raw_scores, lengths,
-                 done, eos_id=eos_id, length_penalty=length_penalty, block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
+                 done, eos_id=eos_id, length_penalty=length_penalty, block_type=RowBlocks,
+                 interpret=interpret, block_sizes=block_sizes)
 
 
 def reorder_beams(caches, parent: jax.Array, start: jax.Array, stop: jax.Array, *,

@@ -1,6 +1,8 @@
 """Beam-search step from the logits (`jaxfuse.beam_step`): the reference against a NumPy
 brute force of the rule, and the Pallas kernels bit-identical to the reference (ties, NaN,
 finished beams, length penalty, group widths and row blocks that do not divide)."""
+from unittest import mock
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -128,6 +130,19 @@ class BeamStepTest(parameterized.TestCase):
                     int(length[0, 0]), bool(done[0, 0])) == (0, 4, np.float32(-0.1), 3, True)
             assert int(parent[0, 1]) == 1 and int(length[0, 1]) == 3
 
+    def test_survivors_beyond_a_program_take_xla_top_k(self):
+        # The GPU's fallback when a row's survivors outgrow a re-rank program, run on the CPU:
+        # XLA's top_k of the survivors' keys must pick what the kernel's passes pick.
+        for kind in KINDS:
+            args = _state(13, (3, 4, 40), kind)
+            want = P.beam_step(*args, eos_id=2, length_penalty=0.4,
+                               block_sizes=RowBlocks(2, 8))
+            with mock.patch.object(P, "_rerank_max_cols", lambda interpret: 8):
+                got = P.beam_step(*args, eos_id=2, length_penalty=0.4,
+                                  block_sizes=RowBlocks(2, 8))
+            with self.subTest(kind=kind):
+                assert_identical(got, want)
+
     def test_large_k_takes_the_reference(self):
         args = _state(8, (2, P_topk._MAX_PASSES + 1, 3), "ties")
         assert_identical(P.beam_step(*args, eos_id=1), R.beam_step(*args, eos_id=1))
@@ -156,20 +171,32 @@ class BeamStepTest(parameterized.TestCase):
         cases = [
             ((logits[0], raw, lengths, done), {}, "logits.*3"),
             ((logits.astype(jnp.int32), raw, lengths, done), {}, "logits"),
-            ((logits, raw[:, :2], lengths, done), {}, r"raw_scores.shape=\(2, 2\) must be \(2, 3\)"),
+            ((logits, raw[:, :2], lengths, done), {},
+             r"raw_scores.shape=\(2, 2\) must be \(2, 3\)"),
             ((logits, raw, lengths.astype(jnp.float32), done), {}, "lengths"),
-            ((logits, raw, lengths, done.astype(jnp.int32)), {}, "done.dtype=int32 must be bool"),
+            ((logits, raw, lengths, done.astype(jnp.int32)), {},
+             "done.dtype=int32 must be bool"),
             ((logits, raw, lengths, done), dict(eos_id=1.5), "eos_id=1.5 must be an int"),
             ((logits, raw, lengths, done), dict(length_penalty=float("nan")), "length_penalty"),
-            ((jnp.zeros((2, 0, 7)), raw[:, :0], lengths[:, :0], done[:, :0]), {}, "must not be empty"),
+            ((jnp.zeros((2, 0, 7)), raw[:, :0], lengths[:, :0], done[:, :0]), {},
+             "must not be empty"),
         ]
         for impl in ("pallas", "reference"):
             for args, kw, msg in cases:
                 kw = {"eos_id": 1, **kw}
                 with self.subTest(impl=impl, msg=msg), self.assertRaisesRegex(ValueError, msg):
                     jaxfuse.beam_step(*args, impl=impl, **kw)
-        with self.assertRaisesRegex(ValueError, "eos_id is a traced value"):
-            jax.jit(lambda e: jaxfuse.beam_step(logits, raw, lengths, done, eos_id=e))(1)
+        for impl in ("pallas", "reference"):
+            with self.assertRaisesRegex(ValueError, "eos_id is a traced value"):
+                jax.jit(lambda e: jaxfuse.beam_step(logits, raw, lengths, done, eos_id=e,
+                                                    impl=impl))(1)
+            with self.assertRaisesRegex(ValueError, "length_penalty is a traced value"):
+                jax.jit(lambda p: jaxfuse.beam_step(logits, raw, lengths, done, eos_id=1,
+                                                    length_penalty=p, impl=impl))(0.5)
+        with self.assertRaisesRegex(ValueError, "overflow the int32 flat index"):
+            big = jax.ShapeDtypeStruct((1, 2, 2 ** 30), jnp.bfloat16)
+            jax.eval_shape(lambda x: jaxfuse.beam_step(x, raw[:1, :2], lengths[:1, :2],
+                                                       done[:1, :2], eos_id=1), big)
         with self.assertRaisesRegex(ValueError, "block_cols=2 is the group width"):
             jaxfuse.beam_step(logits, raw, lengths, done, eos_id=1, block_sizes=RowBlocks(1, 2))
 

@@ -97,9 +97,11 @@ def test_beam_top_k_lowers(shape, k):
            jnp.zeros(shape[:2]))
 
 
-@pytest.mark.parametrize("shape,lp", [((2, 4, 1000), 0.0), ((2, 8, 50257), 0.6)])
+@pytest.mark.parametrize("shape,lp", [((2, 4, 1000), 0.0), ((2, 8, 50257), 0.6),
+                                      ((2, 5, 1000), 0.0), ((1, 64, 131072), 0.0)])
 def test_beam_step_lowers(shape, lp):
-    # 1 group of 1024 columns a beam; 7 groups of 8192 with a ragged last one, and the penalty.
+    # 1 group of 1024 columns a beam; 7 groups of 8192 with a ragged last one, and the penalty;
+    # K = 5 in lists of 8 slots; 32768 survivors, re-ranked by XLA's top_k (over a program's).
     b, k, _ = shape
     _lower(lambda x, r, n, d: jaxfuse.beam_step(x, r, n, d, eos_id=2, length_penalty=lp,
                                                 interpret=False),

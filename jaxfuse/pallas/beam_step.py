@@ -3,9 +3,9 @@ in two small kernels (HARS, as `beam_top_k`; lecture 10 sec. 6.1).
 
 Written in XLA, a step of beam search over [B, K, V] logits makes and reads several
 [B, K * V] float32 arrays (log-probs, the finished beams' eos-only rows, the candidates, a
-padded copy for the groups) and sorts the survivors: about ten launches of a few microseconds
-each, which at the 157M model's decoding shape (32 beams, V = 32768) cost as much as a third
-of the weights' read. Here:
+padded copy for the groups) and sorts the survivors: about ten launches of 1-3 us each, ~14 us
+a step beside the top-k kernel and the sort at the 157M model's decoding shape (32 beams,
+V = 32768; H100, benchmarks/NOTES.md s44-3). Here:
 
 1. XLA computes each beam's log-softmax statistics (`reference.beam_step.row_stats`: the
    row's max and log of the shifted sum, one small reduction).
@@ -17,6 +17,10 @@ of the weights' read. Here:
 3. Re-rank (kernel 2): each batch row's k best of its K * G * k survivors, the same passes,
    made the next beams there: the parents' raw scores, lengths and done flags gathered, the
    winners' log-probs added (what `reference.beam_step.finish` does in XLA).
+
+On the GPU a group's list has next_pow2(k) slots (Triton's tiles), the last ones empty
+(key _KEY_MIN, index _RETIRED: never a winner); more survivors than one program holds (a wide
+beam over a huge vocabulary) are re-ranked by XLA's top_k of their keys instead.
 
 Exact by construction, as `beam_top_k`: a candidate in a row's top k has fewer than k
 candidates above it, so fewer than k in its group, so it survives; both steps rank by
@@ -75,25 +79,31 @@ def _retrieve(x, per_row, k: int, beams: int, eos_id: int, width: int, blocks: R
 _RERANK_WARPS = 4
 
 
-def _rerank(keys, idx, logp, beams, v: int, eos_id: int, interpret: bool):
+def _rerank_max_cols(interpret: bool) -> int | None:
+    """Most survivors a re-rank program holds (None: any; interpreted, a step is the row)."""
+    return None if interpret else _rows._GPU_MAX_TILE_COLS
+
+
+def _rerank(keys, idx, logp, parents, v: int, eos_id: int, interpret: bool):
     """Each row's k best survivors made the next beams: (parent, token, raw, lengths, done),
-    each [B, k], from `beams` = (raw, length with this step's token, done), each [B, k]."""
+    each [B, k], from `parents` = (raw, length with this step's token, done), each [B, k]."""
     b, n = keys.shape
-    k = beams[0].shape[1]
-    if not interpret and n > _rows._GPU_MAX_TILE_COLS:
+    k = parents[0].shape[1]
+    limit = _rerank_max_cols(interpret)
+    if limit is not None and n > limit:
         # More survivors than a program holds (a wide beam over a huge vocabulary): XLA's
         # top_k of the keys, whose ties go to the lower position, i.e. the lower flat index
         # (groups lie in flat order, and a group's list in index order among equal keys; an
         # empty slot's key _KEY_MIN ties only with a -NaN whose payload bits are all set).
         _, pos = jax.lax.top_k(keys, k)
         take = lambda a: jnp.take_along_axis(a, pos, axis=1)
-        return ref.finish(take(idx), take(logp), *beams, v, eos_id)
+        return ref.finish(take(idx), take(logp), *parents, v, eos_id)
     out_w = k if interpret else C.next_pow2(k)
     blocks = _rows.RowBlocks.for_shape(b, n, interpret=interpret)
     br, bc = blocks.block_rows, blocks.block_cols
     # The parents' raw scores, lengths and flags as int32 bits: an integer sum of one nonzero
     # term is that term exactly (a float sum would turn -0.0 into +0.0).
-    raw, length, done = beams
+    raw, length, done = parents
     bits = (jax.lax.bitcast_convert_type(raw, jnp.int32), length, done.astype(jnp.int32))
 
     def kernel(key_ref, idx_ref, lp_ref, raw_ref, len_ref, done_ref, *out_refs):
@@ -122,7 +132,7 @@ def _rerank(keys, idx, logp, beams, v: int, eos_id: int, interpret: bool):
     outs = C.pallas_call(
         kernel, out_shape=[jax.ShapeDtypeStruct((b, out_w), d) for d in dtypes],
         grid=(C.cdiv(b, br),), name="jaxfuse_beam_step_rerank", interpret=interpret,
-        num_warps=_RERANK_WARPS or blocks.num_warps)(keys, idx, logp, *bits)
+        num_warps=_RERANK_WARPS)(keys, idx, logp, *bits)
     parent, token, raw, length, done = (o[:, :k] for o in outs)
     return parent, token, raw, length, done != 0
 

@@ -62,7 +62,9 @@ def best_k(key, idx, k: int, out_w: int, values=()):
         # Retired entries may share the key m (_KEY_MIN) but carry the index _RETIRED, above
         # every live one, so the first index of the max is a live entry's.
         first = jnp.min(jnp.where(key == m, idx, _RETIRED), axis=-1, keepdims=True)
-        hit = idx == first        # one entry: live flat indices are distinct
+        # One entry (live flat indices are distinct), or none where the tile has fewer than
+        # k live entries and `first` is _RETIRED.
+        hit = (idx == first) & (first != _RETIRED)
         here = slots == i
         tops = [jnp.where(here, jnp.sum(jnp.where(hit, v, 0.0), axis=-1, keepdims=True), t)
                 for v, t in zip(values, tops)]

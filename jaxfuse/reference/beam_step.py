@@ -10,7 +10,9 @@ One step of beam search (lecture 10, sec. 6) over B rows of K beams, with logits
 
 the K best candidates of a row (ties to the lower flat index i * V + j, `lax.top_k`'s order)
 are the new beams: parent i, token j, raw = raw[b, i] + logp[b, i, j] (the unnormalized sum
-of log-probs), lengths = len[b, i], done = done[b, i] | (j == eos_id).
+of log-probs), lengths = len[b, i] (int32), done = done[b, i] | (j == eos_id). An eos_id
+outside [0, V) ends no beam, and a beam already done then has no continuation at all (every
+candidate -inf): beam search never marks one done without an eos to emit.
 
 Written once for both paths: `row_stats` (the log-softmax's max and log of the shifted sum,
 computed by XLA on both), `candidate` (the Pallas kernel evaluates it in its tiles) and
@@ -29,12 +31,18 @@ from jaxfuse import _checks
 
 
 def validate(logits, raw_scores, lengths, done, eos_id, length_penalty) -> None:
+    # Both paths branch on the two options in Python (the eos row, the penalty's multiply).
+    _checks.check_static("eos_id", eos_id)
+    _checks.check_static("length_penalty", length_penalty)
     _checks.check_float("logits", logits)
     _checks.check_ndim("logits", logits, 3)
     b, k, v = logits.shape
     if k * v == 0:
         raise ValueError(f"logits.shape={tuple(logits.shape)}: the beams and the vocabulary "
                          "(axes 1 and 2) must not be empty")
+    if k * v >= 2 ** 31 - 1:
+        raise ValueError(f"logits.shape={tuple(logits.shape)}: K x V = {k * v} candidates a "
+                         "row overflow the int32 flat index; split the beams over calls")
     for name, x in (("raw_scores", raw_scores), ("lengths", lengths), ("done", done)):
         _checks.check_array(name, x)
         if tuple(x.shape) != (b, k):

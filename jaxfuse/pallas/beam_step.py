@@ -8,7 +8,7 @@ a step beside the top-k kernel and the sort at the 157M model's decoding shape (
 V = 32768; H100, benchmarks/NOTES.md s44-3). Here:
 
 1. XLA computes each beam's log-softmax statistics (`reference.beam_step.row_stats`: the
-   row's max and log of the shifted sum, one small reduction).
+   row's max, then the log of the shifted sum: two small reductions).
 2. Retrieve (kernel 1): program (row block, group) reads a [rows, width] tile of the logits,
    forms the candidates in registers (`reference.beam_step.candidate`: log-prob, the finished
    beams' eos-only row, the raw score and the length penalty) and keeps the group's k best

@@ -91,3 +91,18 @@ ncu_sass() {
     echo "sass csv: $(zcat "$out/ncu-sass-bwd-d64.csv.gz" | wc -l) lines"
     tail -3 "$out/ncu-sass.log"
 }
+
+# baseline_pkg: the previous package (carried as .baseline/jaxfuse, git-excluded) in
+# /tmp/base beside a link to this tree's benchmarks/, for a baseline in the same lease.
+baseline_pkg() {
+    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r .baseline/jaxfuse /tmp/base/
+    ln -s "$PWD/benchmarks" /tmp/base/benchmarks
+}
+
+# beam_profile NAME DIR: beam search's kernels per 32-token call (`DECODE_MODE=beam
+# decode_flags.py profile`) run from the package in DIR, log $out/profile_NAME.log.
+beam_profile() {
+    (cd "$2" && DECODE_MODE=beam DECODE_TOP=60 timeout -s KILL 150 python \
+        benchmarks/decode_flags.py profile > "$out/profile_$1.log" 2>&1; echo "profile $1 rc=$?")
+    grep -a "kernels per call\|by kind" "$out/profile_$1.log" | cut -c1-200
+}

@@ -8,8 +8,7 @@ timeout -s KILL 150 python benchmarks/decode_probe.py beam_step > "$out/probe.lo
 echo "probe rc=$?"; grep -a "beam_step" "$out/probe.log" | cut -c1-200
 model_run decode 200 decode --no-reference
 if [ -d .baseline/jaxfuse ]; then
-    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r .baseline/jaxfuse /tmp/base/
-    ln -s "$PWD/benchmarks" /tmp/base/benchmarks
+    baseline_pkg
     here=$PWD
     (cd /tmp/base && timeout -s KILL 200 python benchmarks/model.py decode --no-reference \
         --out "$out/decode_base" > "$out/decode_base.log" 2>&1; echo "baseline rc=$?")

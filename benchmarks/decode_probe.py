@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxfuse  # noqa: E402
+from benchmarks import _timing  # noqa: E402
 from jaxfuse.pallas._rows import RowBlocks  # noqa: E402
 
 
@@ -97,8 +98,12 @@ def beam_step():
         args = _state(7, shape, "normal", "bfloat16")
         for impl in ("pallas", "reference"):
             f = jax.jit(lambda *a, impl=impl: jaxfuse.beam_step(*a, eos_id=2, impl=impl))
+            us = kernel_us(f, args)
             print(f"beam_step B{shape[0]} K{shape[1]} V{shape[2]} {impl:9s} "
-                  f"{kernel_us(f, args):8.2f} us of kernels")
+                  f"{us:8.2f} us of kernels")
+            # kernel time as the row's time (`PROBE_JSON=path` saves the rows for charts.py)
+            _timing.record("beam_step", f"B{shape[0]} K{shape[1]} V{shape[2]} bf16",
+                           "jaxfuse" if impl == "pallas" else "reference", us * 1e-6)
     if not os.environ.get("BEAM_TILES"):
         return
     # Tiles (BEAM_TILES=1): the retrieval's rows and warps a program (group width 2048), the
@@ -689,6 +694,7 @@ def main():
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
     for name in sys.argv[1:] or list(SECTIONS):
         SECTIONS[name]()
+    _timing.save(os.environ.get("PROBE_JSON"))
 
 
 if __name__ == "__main__":

@@ -53,15 +53,12 @@ def _beam_step_total_order(logits, raw, lengths, done, *, eos_id, length_penalty
     which the kernels keep: XLA's GPU top_k ranks +NaN below +inf for long rows)."""
     from jaxfuse.pallas.beam_top_k import order_key
     from jaxfuse.reference import beam_step as R
-    b, k, v = logits.shape
+    k, v = logits.shape[1:]
     eos_id = R.eos_index(eos_id, v)
-    m, ls, raw, length, norm = R.beam_values(logits, raw, lengths, done, length_penalty)
-    cand, logp = R.candidate(logits.astype(jnp.float32), m[..., None], ls[..., None],
-                             raw[..., None], None if norm is None else norm[..., None],
-                             done[..., None], jnp.arange(v), eos_id)
-    _, flat = jax.lax.top_k(order_key(cand.reshape(b, k * v)), k)
-    return R.finish(flat, jnp.take_along_axis(logp.reshape(b, k * v), flat, axis=1), raw,
-                    length, done, v, eos_id)
+    cand, logp, raw, length = R.flat_candidates(logits, raw, lengths, done, eos_id,
+                                                length_penalty)
+    _, flat = jax.lax.top_k(order_key(cand), k)
+    return R.finish(flat, jnp.take_along_axis(logp, flat, axis=1), raw, length, done, v, eos_id)
 
 
 def beam_step():

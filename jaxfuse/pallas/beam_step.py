@@ -42,15 +42,17 @@ from jaxfuse.pallas.beam_top_k import _KEY_MIN, _MAX_PASSES, _RETIRED, best_k, g
 from jaxfuse.reference import beam_step as ref
 
 
-def _retrieve(x, per_row, k: int, beams: int, eos_id: int, width: int, blocks: RowBlocks,
-              interpret: bool):
-    """Every group's k best of logits x [R = B * K, V]: (keys, flat indices i * V + j,
+def _retrieve(x, per_row, norm, k: int, eos_id: int, width: int, blocks: RowBlocks,
+               interpret: bool):
+    """Every group's k best of logits x [R = B * K, V] (K = k beams a batch row), with the
+    beams' (m, ls, raw, done) and norm (or None), each [R]: (keys, flat indices i * V + j,
     log-probs), each [R, G * out_w], group after group, each group's list best first."""
     r, v = x.shape
     n_groups = C.cdiv(v, width)
     out_w = k if interpret else C.next_pow2(k)   # Triton tiles are powers of two
     br = blocks.block_rows
-    has_norm = len(per_row) == 5
+    has_norm = norm is not None
+    per_row = list(per_row) + ([norm] if has_norm else [])
 
     def kernel(x_ref, *refs):
         row_refs, (key_ref, idx_ref, lp_ref) = refs[:len(per_row)], refs[len(per_row):]
@@ -60,7 +62,7 @@ def _retrieve(x, per_row, k: int, beams: int, eos_id: int, width: int, blocks: R
         cand, logp = ref.candidate(tile.astype(jnp.float32), m, ls, raw,
                                    norm[0] if has_norm else None, done != 0, cols, eos_id)
         key = jnp.where(valid, order_key(cand), _KEY_MIN)
-        idx = jnp.where(valid, (rows % beams) * v + cols, _RETIRED)
+        idx = jnp.where(valid, (rows % k) * v + cols, _RETIRED)
         out_col = pl.program_id(1) * out_w
         for ref_, val in zip((key_ref, idx_ref, lp_ref), best_k(key, idx, k, out_w, (logp,))):
             C.store_tile(ref_, val, row0, out_col, r, n_groups * out_w)
@@ -86,7 +88,8 @@ def _rerank_max_cols(interpret: bool) -> int | None:
 
 def _rerank(keys, idx, logp, parents, v: int, eos_id: int, interpret: bool):
     """Each row's k best survivors made the next beams: (parent, token, raw, lengths, done),
-    each [B, k], from `parents` = (raw, length with this step's token, done), each [B, k]."""
+    each [B, k], from `parents` = (raw, length with this step's token, done as int32), each
+    [B, k]."""
     b, n = keys.shape
     k = parents[0].shape[1]
     limit = _rerank_max_cols(interpret)
@@ -97,14 +100,15 @@ def _rerank(keys, idx, logp, parents, v: int, eos_id: int, interpret: bool):
         # empty slot's key _KEY_MIN ties only with a -NaN whose payload bits are all set).
         _, pos = jax.lax.top_k(keys, k)
         take = lambda a: jnp.take_along_axis(a, pos, axis=1)
-        return ref.finish(take(idx), take(logp), *parents, v, eos_id)
+        raw, length, done = parents
+        return ref.finish(take(idx), take(logp), raw, length, done != 0, v, eos_id)
     out_w = k if interpret else C.next_pow2(k)
     blocks = _rows.RowBlocks.for_shape(b, n, interpret=interpret)
     br, bc = blocks.block_rows, blocks.block_cols
     # The parents' raw scores, lengths and flags as int32 bits: an integer sum of one nonzero
     # term is that term exactly (a float sum would turn -0.0 into +0.0).
     raw, length, done = parents
-    bits = (jax.lax.bitcast_convert_type(raw, jnp.int32), length, done.astype(jnp.int32))
+    bits = (jax.lax.bitcast_convert_type(raw, jnp.int32), length, done)
 
     def kernel(key_ref, idx_ref, lp_ref, raw_ref, len_ref, done_ref, *out_refs):
         row0 = pl.program_id(0) * br
@@ -156,10 +160,9 @@ def beam_step(logits: jax.Array, raw_scores: jax.Array, lengths: jax.Array, done
     width = min(group_width(k * v, k, interpret=interpret, block_sizes=block_sizes),
                 max(v if interpret else C.next_pow2(v), k if interpret else C.next_pow2(k)))
     blocks = _rows.resolve_blocks(block_sizes, b * k, width, interpret)
-    per_row = [a.reshape(b * k) for a in (m, ls, raw, done.astype(jnp.int32))]
-    if norm is not None:
-        per_row.append(norm.reshape(b * k))
-    keys, idx, logp = _retrieve(logits.reshape(b * k, v), per_row, k, k, eos_id, width, blocks,
-                                interpret)
+    done = done.astype(jnp.int32)           # both kernels read the flags as int32
+    flat = lambda a: None if a is None else a.reshape(b * k)
+    keys, idx, logp = _retrieve(logits.reshape(b * k, v), [flat(a) for a in (m, ls, raw, done)],
+                                flat(norm), k, eos_id, width, blocks, interpret)
     return _rerank(*(a.reshape(b, -1) for a in (keys, idx, logp)), (raw, length, done), v,
                    eos_id, interpret)

@@ -118,16 +118,24 @@ def finish(flat, logp, raw, length, done, v: int, eos_id: int):
             take(done) | (token == eos_id))
 
 
+def flat_candidates(logits, raw_scores, lengths, done, eos_id: int, length_penalty: float):
+    """Every candidate of a row, flat: (cand, logp) [B, K * V], and the beams' raw scores and
+    lengths with this step's token [B, K]; `eos_id` as `eos_index` gives it."""
+    b, k, v = logits.shape
+    m, ls, raw, length, norm = beam_values(logits, raw_scores, lengths, done, length_penalty)
+    cand, logp = candidate(logits.astype(jnp.float32), m[..., None], ls[..., None],
+                           raw[..., None], None if norm is None else norm[..., None],
+                           done[..., None], jnp.arange(v), eos_id)
+    return cand.reshape(b, k * v), logp.reshape(b, k * v), raw, length
+
+
 def beam_step(logits: jax.Array, raw_scores: jax.Array, lengths: jax.Array, done: jax.Array,
               *, eos_id: int, length_penalty: float = 0.0):
     """(parent, token, raw_scores, lengths, done) of the next beams, each [B, K]."""
     validate(logits, raw_scores, lengths, done, eos_id, length_penalty)
     b, k, v = logits.shape
     eos_id = eos_index(eos_id, v)
-    m, ls, raw, length, norm = beam_values(logits, raw_scores, lengths, done, length_penalty)
-    cand, logp = candidate(logits.astype(jnp.float32), m[..., None], ls[..., None],
-                           raw[..., None], None if norm is None else norm[..., None],
-                           done[..., None], jnp.arange(v), eos_id)
-    cand, logp = cand.reshape(b, k * v), logp.reshape(b, k * v)
+    cand, logp, raw, length = flat_candidates(logits, raw_scores, lengths, done, eos_id,
+                                              length_penalty)
     _, flat = jax.lax.top_k(cand, k)
     return finish(flat, jnp.take_along_axis(logp, flat, axis=1), raw, length, done, v, eos_id)

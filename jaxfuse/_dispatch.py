@@ -79,7 +79,17 @@ def _call_kernel(pallas_fn: Callable, args: tuple, kwargs: dict) -> Any:
     cached by the op, the arguments' structure and every non-array argument (module
     docstring). Under a transformation, with a 0-d array argument (an option a rule may need
     as a Python number, which a jit would turn into a tracer) or an unhashable option, the
-    call is made as it is."""
+    call is made as it is. Like any jit, the cache takes a kernel to be a function of its
+    arguments and options: module state patched between two calls of the same key is not
+    seen (`_jitted.cache_clear()` forgets every program)."""
+    from jaxfuse.pallas._common import resolve_interpret
+    # Resolved here, so that the key holds the mode (JAXFUSE_INTERPRET read at each call).
+    kwargs = dict(kwargs, interpret=resolve_interpret(kwargs.get("interpret")))
+    # Hopper kernels forced in interpret mode run in Mosaic GPU's interpreter, whose ordered
+    # IO effects jax 0.10.2 cannot lower under a jit through custom_partitioning
+    # (KeyError(OrderedIOEffect)): those calls keep the eager path.
+    if kwargs["interpret"] and getattr(kwargs.get("block_sizes"), "hopper", None):
+        return pallas_fn(*args, **kwargs)
     leaves, tree = jax.tree.flatten((args, kwargs))
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return pallas_fn(*args, **kwargs)

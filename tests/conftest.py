@@ -32,7 +32,18 @@ def _no_accelerator_plugin() -> bool:
 # is read once, when jax starts its backend, so it is set here (the multidevice subprocess
 # inherits it through the environment), and only where jax can start nothing but its CPU
 # backend, so a GPU run of this suite compiles as it always did.
-_CPU_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+# jaxlib 0.11's XLA no longer has the flag, and XLA aborts the process on a flag it does not
+# know ("Unknown flag in XLA_FLAGS", seen on the device machine's jax 0.11.2 with
+# JAX_PLATFORMS=cpu: every test worker died): it is set for the jaxlib releases that read it.
+def _release_before(package: str, major: int, minor: int) -> bool:
+    try:
+        version = importlib.metadata.version(package).split(".")
+        return (int(version[0]), int(version[1])) < (major, minor)
+    except (importlib.metadata.PackageNotFoundError, ValueError, IndexError):
+        return False
+
+
+_CPU_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",) if _release_before("jaxlib", 0, 11) else ()
 # Mosaic GPU's interpreter runs a CTA's warpgroups as Python threads, each executing its
 # compiled body, whose barrier waits are io_callbacks that block until every warpgroup has
 # arrived. XLA:CPU runs some of those callbacks on its intra-op thread pool, one thread a core
@@ -114,8 +125,13 @@ def _interpreter_callbacks_on_numpy():
     those conversions (two tests of test_attention_hopper_bwd.py: 74 -> 47 s; NOTES s46). Here those callbacks alone take the NumPy arrays as they come; their
     bodies are NumPy-compatible (ints, shapes, dtypes, `np.array(val)` into the simulated
     memories) and their results go back through `np.asarray` as before, so what the kernels
-    compute is unchanged. Any other io_callback keeps jax's own path; another jax without
-    these private names keeps its interpreter as it is: slower, not different."""
+    compute is unchanged. Any other io_callback keeps jax's own path; jax 0.11 and any jax
+    without these private names keep the interpreter as it is: slower, not different."""
+    if not _release_before("jax", 0, 11):
+        # jax 0.11's interpreter takes no NumPy array where it counts on a jax one
+        # (`shared_memory._to_int`: "Unsupported type: <class 'numpy.ndarray'>", seen on the
+        # device machine's 0.11.2), so there it keeps jax's path.
+        return
     try:
         from jax._src import callback as jax_callback
         from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks

@@ -24,6 +24,9 @@ def test_xla_cpu_pool_outnumbers_a_ctas_warpgroups():
     assert pool >= 8, (pool, os.environ.get("PJRT_NPROC"))
 
 
+@pytest.mark.skipif(not __import__("conftest")._release_before("jax", 0, 11),
+                    reason="conftest hands the interpreter NumPy arrays on jax 0.10 only (0.11's "
+                           "interpreter needs jax arrays): nothing patched to check")
 def test_only_the_interpreters_callbacks_skip_the_device_copy():
     """conftest hands the Mosaic GPU interpreter's host callbacks XLA's NumPy arrays as they
     come (jax would first put them on the device as jax Arrays, which the callbacks then read

@@ -50,7 +50,6 @@ def test_an_eager_kernel_call_compiles_once_per_shape_and_options():
     again before), an op that binds an option with functools.partial (flash_attention) hits
     too, and options that compare equal but differ (1 and 1.0, 0.0 and -0.0) or that differ
     (causal) never share a program: each result equals the reference's."""
-    import jax.numpy as jnp
     import numpy as np
     import jaxfuse
     from tests._util import keys, randn

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from jaxfuse import _auto_axes, _checks
+from jaxfuse.pallas._common import resolve_interpret
 
 
 def has_zero_size(*args: Any, **kwargs: Any) -> bool:
@@ -82,7 +83,6 @@ def _call_kernel(pallas_fn: Callable, args: tuple, kwargs: dict) -> Any:
     call is made as it is. Like any jit, the cache takes a kernel to be a function of its
     arguments and options: module state patched between two calls of the same key is not
     seen (`_jitted.cache_clear()` forgets every program)."""
-    from jaxfuse.pallas._common import resolve_interpret
     # Resolved here, so that the key holds the mode (JAXFUSE_INTERPRET read at each call).
     kwargs = dict(kwargs, interpret=resolve_interpret(kwargs.get("interpret")))
     # Hopper kernels forced in interpret mode run in Mosaic GPU's interpreter, whose ordered

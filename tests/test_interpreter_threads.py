@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import _release_before
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
@@ -24,7 +25,7 @@ def test_xla_cpu_pool_outnumbers_a_ctas_warpgroups():
     assert pool >= 8, (pool, os.environ.get("PJRT_NPROC"))
 
 
-@pytest.mark.skipif(not __import__("conftest")._release_before("jax", 0, 11),
+@pytest.mark.skipif(not _release_before("jax", 0, 11),
                     reason="conftest hands the interpreter NumPy arrays on jax 0.10 only (0.11's "
                            "interpreter needs jax arrays): nothing patched to check")
 def test_only_the_interpreters_callbacks_skip_the_device_copy():

@@ -15,12 +15,20 @@ from jax import export
 import jaxfuse
 
 
+# The GPU the kernels are lowered for. jax < 0.11 lowers Triton for sm90 when no GPU is
+# attached; jax >= 0.11 reads the GPU from the abstract mesh in context and, on a host without
+# one, raises ("please specify an abstract GPU device"). An H100 is named for both.
+_SM90 = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+
+
 def _lower(f, *args):
     try:
-        return export.export(
-            jax.jit(f), platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args)
+        with jax.sharding.use_abstract_mesh(_SM90):
+            return export.export(
+                jax.jit(f), platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+            )(*args)
     except (ImportError, ModuleNotFoundError) as e:  # a jaxlib built without Triton lowering
         pytest.skip(f"Triton lowering unavailable in this jaxlib: {e}")
 

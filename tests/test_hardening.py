@@ -6,6 +6,7 @@ the two implementations); each test pins the documented behaviour in both implem
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -822,7 +823,7 @@ def _kernel_dot_precisions(jaxpr) -> list:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             found.append(eqn.params["precision"])
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             found += _kernel_dot_precisions(sub)
     return found
 

@@ -153,6 +153,22 @@ def partitioned(local: Callable, layout: Layout, args: Sequence[jax.Array]) -> t
                                    check_vma=False)(*args))
 
 
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _per_shard(local: Callable, plan: dict, *args) -> tuple:
+    """`local(plan, *args)` as custom_partitioning's partition callback traces it: under no mesh.
+
+    XLA calls that callback while it compiles, so the mesh in context is the caller's (the
+    `jax.set_mesh` around the jitted call), not the one the callback returns. On a mesh with
+    Explicit axes jax (>= 0.11) would then type the kernels' new values (an interpreted
+    kernel's constants, say) replicated over that mesh, while the per-shard arguments come
+    untyped, and the first store of one into the other fails (a ShardingTypeError inside
+    XLA's compile). The per-shard body is a one-device program, so it is traced as one."""
+    with jax.sharding.use_abstract_mesh(_NO_MESH):
+        return tuple(local(plan, *args))
+
+
 def _auto(local: Callable, layout: Layout):
     whole = functools.partial(local, {})
 
@@ -165,7 +181,7 @@ def _auto(local: Callable, layout: Layout):
                  for s in arg_shapes]
         plan = make_plan(layout, specs, [s.shape for s in arg_shapes], dict(mesh.shape))
         shard = lambda dims: NamedSharding(mesh, spec_of(dims, plan))
-        return (mesh, lambda *a: tuple(local(plan, *a)),
+        return (mesh, functools.partial(_per_shard, local, plan),
                 tuple(shard(d) for d in layout.results), tuple(shard(d) for d in layout.operands))
 
     def infer(mesh, arg_shapes, result_shape):       # GSPMD (jax_use_shardy_partitioner=False)

@@ -54,7 +54,8 @@ def _ppermute(x, axes: RingAxes, perm):
     and as the data split over them lies: over a tuple of axes that is the tuple's own order,
     while ppermute numbers a group of several axes in the mesh's order (it sorts the group's
     devices). So the pairs are renumbered where the tuple lists the axes otherwise (a sequence
-    split `P(None, ("seq", "tensor"))` on a ("tensor", "seq") mesh moved the wrong chunks)."""
+    split `P(None, ("seq", "tensor"))` on a ("tensor", "seq") mesh moved the wrong chunks), and
+    the group is named in the mesh's order too, as jax >= 0.11 requires (it raises otherwise)."""
     names = axes.names
     in_mesh = sorted(names, key=axes.mesh_order.index)
     if list(names) != in_mesh:
@@ -69,7 +70,7 @@ def _ppermute(x, axes: RingAxes, perm):
                 j = j * sizes[a] + coord[a]
             return j
         perm = [(renumber(s), renumber(d)) for s, d in perm]
-    return jax.lax.ppermute(x, names, perm)
+    return jax.lax.ppermute(x, tuple(in_mesh), perm)
 
 
 def _move(x, axis: int, axes: RingAxes, table):

@@ -608,3 +608,31 @@ def test_reorder_beams_batch_and_heads_split():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
         assert tuple(g.sharding.spec)[:4] == ("data", None, None, "tensor")
     assert gathered_shapes(compiled.as_text()) == []
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "flash_attention"])
+def test_ops_on_auto_axes_inside_an_explicit_mesh(op):
+    """Whole-array code run on Auto axes inside a mesh with Explicit ones
+    (`jax.sharding.auto_axes`, as `jaxfuse.model` runs its blocks): there an op partitions
+    through custom_partitioning, whose per-shard body XLA traces while it compiles, with the
+    caller's Explicit mesh in context. jax 0.11 typed the interpreted kernels' new values
+    with that mesh, and every op failed to compile (ShardingTypeError in a
+    dynamic_update_slice); the body is now traced under no mesh (`_core._per_shard`)."""
+    mesh = jax.make_mesh((2, 2, 2), ("data", "tensor", "seq"),
+                         axis_types=(AxisType.Explicit,) * 3)
+    if op == "rms_norm":
+        k = keys(21, 2)
+        args = (randn(k[0], (4, 12, 13), shift=3.0), randn(k[1], (13,)))
+        specs, op_fn = [P("data"), P()], lambda x, w: jaxfuse.rms_norm(x, w)
+    else:
+        args = _qkv(22, b=2, tq=16, tk=16, hkv=2, g=2)
+        specs = [P("data")] * 3
+        op_fn = lambda q, k, v: jaxfuse.flash_attention(q, k, v, causal=True)  # noqa: E731
+
+    def f(*a):
+        if jax.sharding.get_abstract_mesh().empty:   # the one-device run
+            return op_fn(*a)
+        return jax.sharding.auto_axes(op_fn, out_sharding=P("data"))(*a)
+
+    one, many, _ = run_both(f, args, specs, diff=tuple(range(len(args))), mesh=mesh)
+    assert_same(one, many)

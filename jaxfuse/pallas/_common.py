@@ -188,10 +188,27 @@ def start(i):
     return jnp.asarray(i).astype(np.int64)
 
 
+def _unchecked(i, n: int, dim: int):
+    """A static tile start `i` as a traced index where its tile runs past the ref's end `dim`
+    (a power-of-two tile over a shorter axis, the overhang masked by the load or store): jax
+    >= 0.12 rejects such a slice when its start is static, though the masked access itself
+    is valid (and compiles as before). A program id times 0 is an index no trace folds."""
+    if isinstance(i, (int, np.integer)) and i + n > dim:
+        return i + 0 * pl.program_id(0)
+    return i
+
+
 def _at(ref, row0, n: int, col0=None, n_cols: int | None = None, head=None):
     """`ref.at[...]` for rows [row0, row0+n) (and columns [col0, col0+n_cols)) over any leading
     axes, or at one `head` of a [rows, heads, cols] ref. One indexer per load: Triton's lowering
     does not compose `ref.at[...]` twice."""
+    if head is None:
+        rows_at = -1 if col0 is None else -2
+    else:
+        rows_at = 0 if col0 is not None else 1
+    row0 = _unchecked(row0, n, ref.shape[rows_at])
+    if col0 is not None:
+        col0 = _unchecked(col0, n_cols, ref.shape[-1])
     row0, col0, head = start(row0), start(col0), start(head)
     idx = (pl.ds(row0, n),) if col0 is None else (pl.ds(row0, n), pl.ds(col0, n_cols))
     if head is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
+import inspect
 from collections.abc import Callable, Sequence
 
 import jax
@@ -218,6 +219,17 @@ def kernel(body, out_types, *, grid, num_threads, interpret: bool, batchable: bo
                             **({"interpret": _interpret_params()} if interpret else {}))
     return pl.kernel(body, out_type=out_types, compiler_params=params, mesh=plgpu.Mesh(**mesh),
                      interpret=_interpret_params() if interpret else False, name=name)
+
+
+# jax 0.12 dropped `plgpu.load`'s index argument (a ref is sliced with `.at[...]` first).
+_LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
+
+
+def load(ref, layout) -> jax.Array:
+    """The whole of shared-memory `ref` in registers, in `layout` (`plgpu.load`)."""
+    if _LOAD_TAKES_INDEX:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
 
 
 def uninitialized(shape, dtype, interpret: bool) -> jax.Array:

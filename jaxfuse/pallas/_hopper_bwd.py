@@ -76,12 +76,12 @@ class _Mma:
         def body(refs):
             for ref, (form, _, a, b) in zip(refs, products):
                 if form == "nt":
-                    plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
+                    plgpu.wgmma(ref, a, b.transpose((1, 0)))
                 elif form == "tn" and len(a.shape) == 3:
                     for i in range(a.shape[0]):
-                        plgpu.wgmma(ref, plgpu.transpose_ref(a.at[i], (1, 0)), b.at[i])
+                        plgpu.wgmma(ref, a.at[i].transpose((1, 0)), b.at[i])
                 elif form == "tn":
-                    plgpu.wgmma(ref, plgpu.transpose_ref(a, (1, 0)), b)
+                    plgpu.wgmma(ref, a.transpose((1, 0)), b)
                 else:
                     plgpu.wgmma(ref, a, b)
         inits = tuple(plgpu.ACC.init(R.zeros(shape(f, a, b), False) if acc is None else acc)
@@ -113,9 +113,9 @@ class _Mma:
             def scoped(st_ref, dpt_ref):
                 # Each wgmma is one group, waited for in order: wait_n = 1 leaves the last
                 # one issued in flight.
-                plgpu.wgmma(st_ref, k, plgpu.transpose_ref(q, (1, 0)))
+                plgpu.wgmma(st_ref, k, q.transpose((1, 0)))
                 wait_do()
-                plgpu.wgmma(dpt_ref, v, plgpu.transpose_ref(do, (1, 0)))
+                plgpu.wgmma(dpt_ref, v, do.transpose((1, 0)))
                 p, pt, aux = p_of(plgpu.wgmma_accumulator_load(st_ref, wait_n=1))
                 plgpu.wgmma(dv_ref, pt, do)
                 ds = ds_of(p, plgpu.wgmma_accumulator_load(dpt_ref, wait_n=1), aux)
@@ -148,7 +148,7 @@ class _Mma:
 
         def body(*refs):
             for ref, (_, _, a, b) in zip(refs, products):
-                plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
+                plgpu.wgmma(ref, a, b.transpose((1, 0)))
             for ref, a, b in behind:
                 plgpu.wgmma(ref, a, b)
             if not refs:

@@ -231,8 +231,8 @@ class _Gemm:
 
     def operands(self, a_smem, b_smem):
         """The wgmma operands of one stage's tiles (transposed in place where stored so)."""
-        return (plgpu.transpose_ref(a_smem, (1, 0)) if self.a_t else a_smem,
-                plgpu.transpose_ref(b_smem, (1, 0)) if self.b_t else b_smem)
+        return (a_smem.transpose((1, 0)) if self.a_t else a_smem,
+                b_smem.transpose((1, 0)) if self.b_t else b_smem)
 
     def tile(self, lin, n_iters):
         """The first row and column tile of the `lin`-th tile in the walk (see the module

@@ -327,7 +327,7 @@ def hide_masked_garbage(k_tile, v_tile, interpret: bool, minor: int | None = Non
         if interpret:
             return ref[...]
         # The layout TMA's swizzled tiles are copied with (vectorized, one tile a warp).
-        return plgpu.load(ref, (), layout=layout)
+        return H.load(ref, layout)
 
     def rows(c):
         return pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
@@ -362,7 +362,7 @@ def load_vec(smem, axis: int, interpret: bool):
     `axis` of (1: one value a row of S, 0: one a column) when compiled."""
     if interpret:
         return smem[...]
-    return plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(axis))
+    return H.load(smem, plgpu.Layout.WGMMA.reduce(axis))
 
 
 def outer_equal(rows, cols):

@@ -279,7 +279,7 @@ class _Mma:
             return A.dot(q_smem[...], k_smem[...], "qd,kd->qk")
 
         def body(acc):
-            plgpu.wgmma(acc, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+            plgpu.wgmma(acc, q_smem, k_smem.transpose((1, 0)))
             after_issue()
             return acc[...]
         return pl.run_scoped(body, plgpu.ACC((_ROWS, k_smem.shape[0]), jnp.float32))
@@ -323,7 +323,7 @@ class _Mma:
             return s
 
         def body(s_acc):
-            plgpu.wgmma(s_acc, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+            plgpu.wgmma(s_acc, q_smem, k_smem.transpose((1, 0)))
             plgpu.wgmma(o_ref, p, v_smem)
             after_issue()
             return plgpu.wgmma_accumulator_load(s_acc, wait_n=1)

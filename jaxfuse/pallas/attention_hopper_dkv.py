@@ -143,7 +143,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
             # loaded once, in the wgmma layout, after their copy landed.
             if tiles.kv_in_regs(d):
                 k_a, v_a = (t[...] if spec.interpret else
-                            plgpu.load(t, (), layout=plgpu.Layout.WGMMA) for t in (k_tile, v_tile))
+                            H.load(t, plgpu.Layout.WGMMA) for t in (k_tile, v_tile))
             else:
                 k_a, v_a = k_tile, v_tile
             # The keys' segment ids, held in registers (one a row of S^T).

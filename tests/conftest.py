@@ -28,14 +28,10 @@ def _no_accelerator_plugin() -> bool:
     return not list(importlib.metadata.entry_points(group="jax_plugins"))
 
 
-# XLA:CPU compiles the interpreted kernels faster (see `_fast_cpu_compiles`). The emitter flag
-# is read once, when jax starts its backend, so it is set here (the multidevice subprocess
-# inherits it through the environment), and only where jax can start nothing but its CPU
-# backend, so a GPU run of this suite compiles as it always did.
-# jaxlib 0.11's XLA no longer has the flag, and XLA aborts the process on a flag it does not
-# know ("Unknown flag in XLA_FLAGS", seen on the device machine's jax 0.11.2 with
-# JAX_PLATFORMS=cpu: every test worker died): it is set for the jaxlib releases that read it.
 def _release_before(package: str, major: int, minor: int) -> bool:
+    """Whether the installed `package` is older than major.minor, read without importing it
+    (jaxlib's version decides an XLA flag before jax starts). False when unknown: the
+    version-gated settings below are then left off."""
     try:
         version = importlib.metadata.version(package).split(".")
         return (int(version[0]), int(version[1])) < (major, minor)
@@ -43,7 +39,15 @@ def _release_before(package: str, major: int, minor: int) -> bool:
         return False
 
 
-_CPU_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",) if _release_before("jaxlib", 0, 11) else ()
+# XLA:CPU compiles the interpreted kernels faster (see `_fast_cpu_compiles`). The emitter flag
+# is read once, when jax starts its backend, so it is set here (the multidevice subprocess
+# inherits it through the environment), and only where jax can start nothing but its CPU
+# backend, so a GPU run of this suite compiles as it always did.
+# jaxlib 0.11's XLA no longer has the flag, and XLA aborts the process on a flag it does not
+# know ("Unknown flag in XLA_FLAGS", seen on the device machine's jax 0.11.2 with
+# JAX_PLATFORMS=cpu: every test worker died): it is set for the jaxlib releases that read it.
+_CPU_XLA_FLAGS = (("--xla_cpu_use_fusion_emitters=false",) if _release_before("jaxlib", 0, 11)
+                  else ())
 # Mosaic GPU's interpreter runs a CTA's warpgroups as Python threads, each executing its
 # compiled body, whose barrier waits are io_callbacks that block until every warpgroup has
 # arrived. XLA:CPU runs some of those callbacks on its intra-op thread pool, one thread a core
@@ -122,8 +126,9 @@ def _interpreter_callbacks_on_numpy():
     `io_callback_impl` first puts them on the CPU device as jax Arrays, and the callbacks then
     read them back element by element (`int(x)`, iterating a key array, slicing it), each an
     eager jax operation: a py-spy profile of a Hopper backward test put ~40% of its CPU in
-    those conversions (two tests of test_attention_hopper_bwd.py: 74 -> 47 s; NOTES s46). Here those callbacks alone take the NumPy arrays as they come; their
-    bodies are NumPy-compatible (ints, shapes, dtypes, `np.array(val)` into the simulated
+    those conversions (two tests of test_attention_hopper_bwd.py: 74 -> 47 s; NOTES s46).
+    Here those callbacks alone take the NumPy arrays as they come; their bodies are
+    NumPy-compatible (ints, shapes, dtypes, `np.array(val)` into the simulated
     memories) and their results go back through `np.asarray` as before, so what the kernels
     compute is unchanged. Any other io_callback keeps jax's own path; jax 0.11 and any jax
     without these private names keep the interpreter as it is: slower, not different."""

@@ -56,6 +56,11 @@ def test_an_eager_kernel_call_compiles_once_per_shape_and_options():
     k = keys(3, 4)
     x = randn(k[0], (6, 37))
     q, kk, v = (randn(kx, (1, 9, 2, 8)) for kx in k[1:])
+    # jax 0.11 registers a config value of its own while it traces the first kernel of the
+    # process (the trace context grows from 50 to 51 values), so a process's very first
+    # kernel is compiled a second time at its next call, whatever the cache; one kernel of
+    # another shape is traced first to leave that out of the count.
+    jax.block_until_ready(jaxfuse.softmax(randn(k[0], (3, 5))))
     calls = [lambda: jaxfuse.softmax(x, scale=0.5),
              lambda: jaxfuse.flash_attention(q, kk, v, causal=True),
              lambda: jaxfuse.rms_norm(x, x[0])]

@@ -1058,6 +1058,17 @@ def d64_tiles(rounds: int = 3, names=None):
                                 "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal")})
 
 
+def waves():
+    """s48's question: do the kernels lose a last, nearly empty round of CTAs? B4 T4096 D128
+    without a mask at 31, 32 and 33 heads: 3968, 4096 and 4224 work tiles of 128 rows (or
+    keys) over 132 multiprocessors, i.e. 30.06, 31.03 and 32.00 tiles a multiprocessor, run
+    in 31, 32 and 32 rounds. A kernel whose time follows the rounds takes as long at 32 heads
+    as at 33 (and 31/32 of it at 31); one whose time follows the work grows with the heads.
+    Kernel times of one fwd+bwd call (profiler), ours and cuDNN's."""
+    for hq in (31, 32, 33):
+        _profiles(f"B4 H{hq} T4096 D128 full", (4, 4096, hq, hq, 128), False, cudnn=True)
+
+
 def _quick():
     """Checks, the three workloads against cuDNN, kernel times with the consumers' ping-pong
     (the default, s9) against their running free."""
@@ -1093,7 +1104,7 @@ if __name__ == "__main__":
         "long": long_rows,
         # OTHER_ROWS (T32768, D256) fwd+bwd interleaved against cuDNN, nothing else
         "other_rows": lambda rounds=3: _rows(rounds, {}, OTHER_ROWS), "groups": groups,
-        "ragged": ragged, "d64_tiles": d64_tiles,
+        "ragged": ragged, "d64_tiles": d64_tiles, "waves": waves,
         # s35's open question: is T32768's fwd+bwd (0.92x cuDNN) the dK/dV kernel's rate?
         # Kernel times of one call, ours and cuDNN's, at T32768 beside T4096 causal.
         "kernels_long": lambda: (

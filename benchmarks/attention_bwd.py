@@ -41,7 +41,7 @@ from benchmarks._timing import bench, guarded, record, rel_err
 
 S = "attn_bwd"
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
-KERNELS = ("jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper",
+KERNELS = ("jaxfuse_flash_bwd_hopper", "jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper",
            "jaxfuse_flash_bwd_dkv_dq_hopper", "jaxfuse_flash_bwd_dkv_dq_fixed_hopper",
            "jaxfuse_flash_bwd_dkv")   # the last: Triton
 
@@ -1065,8 +1065,14 @@ def waves():
     in 31, 32 and 32 rounds. A kernel whose time follows the rounds takes as long at 32 heads
     as at 33 (and 31/32 of it at 31); one whose time follows the work grows with the heads.
     Kernel times of one fwd+bwd call (profiler), ours and cuDNN's."""
+    one = {"one launch": dict(block_sizes=AttnBlocks(hopper=_tiles(128, ONE)))}
     for hq in (31, 32, 33):
-        _profiles(f"B4 H{hq} T4096 D128 full", (4, 4096, hq, hq, 128), False, cudnn=True)
+        _profiles(f"B4 H{hq} T4096 D128 full", (4, 4096, hq, hq, 128), False, cudnn=True,
+                  variants=one)
+
+
+# s48: the kernel pair in one launch (`HopperBwdTiles.one_launch`).
+ONE = HopperBwdTiles(one_launch=True)
 
 
 def _quick():
@@ -1105,6 +1111,7 @@ if __name__ == "__main__":
         # OTHER_ROWS (T32768, D256) fwd+bwd interleaved against cuDNN, nothing else
         "other_rows": lambda rounds=3: _rows(rounds, {}, OTHER_ROWS), "groups": groups,
         "ragged": ragged, "d64_tiles": d64_tiles, "waves": waves,
+        "one_launch": lambda rounds=3: variant("one launch", ONE, rounds),
         # s35's open question: is T32768's fwd+bwd (0.92x cuDNN) the dK/dV kernel's rate?
         # Kernel times of one call, ours and cuDNN's, at T32768 beside T4096 causal.
         "kernels_long": lambda: (

@@ -148,6 +148,12 @@ def compiler_params(name: str, **kw) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(**kw)
 
 
+# Mosaic GPU's interpreter as jax 0.10 has it (0.11 rewrote parts): it needs a kernel's refs'
+# memory space spelled out (`linear_cross_entropy`) and fails to lower a kernel whose two
+# branches each allocate shared memory (`attention_hopper_bwd`'s one launch).
+INTERPRETER_010 = jax.__version_info__ < (0, 11)
+
+
 def _interpret_params():
     # Mosaic GPU's interpreter is only reachable through a private module in jax 0.10 / 0.11.
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams

@@ -349,13 +349,14 @@ _NAMED_PINGPONG = True
 
 
 def query_tile(spec: AttnSpec, hq: int, n_q_tiles: int, bk: int, consumers: int = 2,
-               item=None, groups=None):
+               item=None, groups=None, first_cta: int = 0):
     """(b, h, row0, key block bounds `A.key_blocks`) of consumers x 64 query rows: this CTA's,
     grid ("cta",) launched in `_hopper.heavy_first` order, groups = (n_bh, heads), causal
-    heaviest first (the last query tiles see the most keys); or work tile `item` = bh *
-    n_q_tiles + query tile of a persistent walk (`work_schedule` orders them)."""
+    heaviest first (the last query tiles see the most keys), counting from CTA `first_cta`
+    (a grid whose first CTAs do other work); or work tile `item` = bh * n_q_tiles + query
+    tile of a persistent walk (`work_schedule` orders them)."""
     if item is None:
-        tile, bh = H.heavy_first(lax.axis_index("cta"), n_q_tiles, *groups)
+        tile, bh = H.heavy_first(lax.axis_index("cta") - first_cta, n_q_tiles, *groups)
         if spec.causal:
             tile = n_q_tiles - 1 - tile
     else:

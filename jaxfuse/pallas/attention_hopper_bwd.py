@@ -199,6 +199,7 @@ import math
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxfuse import _checks
@@ -266,7 +267,10 @@ class HopperBwdTiles:
     call): the pair's dK/dV kernel 2.189 -> 1.953 ms at the 1B model's attention (B2 Hq32
     Hkv8 T8192 D64 causal), 0.306 -> 0.282 at the 157M's; the float32 fused dQ's kernel
     3.042 -> 2.986 and 0.435 -> 0.434, the fixed point's 3.241 -> 3.263 and 0.470 -> 0.469;
-    at D = 128 (B4 H32 T4096 causal) 1.683 -> 2.609 ms (64 more registers a thread spill)."""
+    at D = 128 (B4 H32 T4096 causal) 1.683 -> 2.609 ms (64 more registers a thread spill).
+    one_launch: the kernel pair (deterministic, or dQ not fused) in one launch whose first
+    CTAs run the dK/dV body and the rest the dQ body (`launches_once`), so the dQ CTAs fill
+    the multiprocessors that the dK/dV grid's last round leaves idle; False: two launches."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -279,6 +283,7 @@ class HopperBwdTiles:
     dkv_overlap: bool = True
     fixed_dq: bool = False
     kv_regs: bool | None = None
+    one_launch: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -289,7 +294,7 @@ class HopperBwdTiles:
                              f"(ring slots), or None for as many as fit")
         # Switches are True or False: None no longer means "the default" for dkv_overlap (on
         # since s41), which would otherwise be taken quietly as off.
-        for name in ("exchange", "clean", "dkv_overlap", "fixed_dq"):
+        for name in ("exchange", "clean", "dkv_overlap", "fixed_dq", "one_launch"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"HopperBwdTiles.{name}={v!r} must be True or False")
@@ -318,6 +323,11 @@ class HopperBwdTiles:
         self.dkv_stages(d, spec.itemsize, fused, spec.segments, self.fixes(spec))
         if not fused:
             self.dq_stages(d, spec.itemsize, self.cleans(spec), spec.segments)
+
+    def launches_once(self, d: int) -> bool:
+        """Whether the kernel pair runs as one launch (`one_launch`): both bodies then share
+        its warpgroups, so the dK/dV kernel's consumers must be the dQ kernel's two."""
+        return self.one_launch and self.dkv_consumers(d, False) == 2
 
     def dkv_consumers(self, d: int, fused_dq: bool) -> int:
         if fused_dq or self.split_d(d):
@@ -529,22 +539,70 @@ def _kernel(body, out_type, grid, names, name: str, spec: AttnSpec, batchable: b
                      interpret=interpret or False, name=name)
 
 
-def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
-    """The dK/dV kernel (with the fused dQ: taking the dQ ref last, after the rows' scales
-    when it adds in fixed point) for q's and k's shapes."""
+def _dkv_plan(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
+    """(body, CTAs, consumers) of the dK/dV kernel for q's and k's shapes."""
     b, _, _, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     fixed = fused_dq and tiles.fixes(spec)
     stages = tiles.dkv_stages(d, q.dtype.itemsize, fused_dq, spec.segments, fixed)
+    n_k_tiles = pl.cdiv(tk, tiles.key_rows(d, fused_dq))
     body = functools.partial(DKV.dkv_body, spec=spec, tiles=tiles, stages=stages,
-                             fused_dq=fused_dq, fixed=fixed)
+                             fused_dq=fused_dq, fixed=fixed, n_k_tiles=n_k_tiles,
+                             heads=_dkv_heads(q, k))
+    return body, n_k_tiles * b * hkv, tiles.dkv_consumers(d, fused_dq)
+
+
+def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
+    """The dK/dV kernel (with the fused dQ: taking the dQ ref last, after the rows' scales
+    when it adds in fixed point) for q's and k's shapes."""
+    fixed = fused_dq and tiles.fixes(spec)
     name = ("jaxfuse_flash_bwd_dkv_dq_fixed_hopper" if fixed else
             "jaxfuse_flash_bwd_dkv_dq_hopper" if fused_dq else "jaxfuse_flash_bwd_dkv_hopper")
-    nc = tiles.dkv_consumers(d, fused_dq)
-    n_k_tiles = pl.cdiv(tk, tiles.key_rows(d, fused_dq))
-    return _kernel(functools.partial(body, n_k_tiles=n_k_tiles, heads=_dkv_heads(q, k)),
-                   (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (n_k_tiles * b * hkv,),
-                   ("cta",), name, spec, batchable=not fused_dq, consumers=nc)
+    body, ctas, nc = _dkv_plan(q, k, spec, tiles, fused_dq)
+    return _kernel(body, (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (ctas,), ("cta",),
+                   name, spec, batchable=not fused_dq, consumers=nc)
+
+
+def _dq_plan(q, k, spec: AttnSpec, tiles: HopperBwdTiles):
+    """(body, CTAs) of the dQ kernel for q's and k's shapes (two consumers)."""
+    b, tq, hq, d = q.shape
+    clean = tiles.cleans(spec)
+    stages = tiles.dq_stages(d, q.dtype.itemsize, clean, spec.segments)
+    n_q_tiles = pl.cdiv(tq, 2 * _ROWS)
+    # The overlap holds two K tiles at once: with a one-slot ring it would wait forever.
+    # Every head's heaviest query tile first (`_hopper.heavy_first`, module docstring).
+    body = functools.partial(DQ.dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,
+                             n_q_tiles=n_q_tiles, overlap=tiles.dq_overlap(d) and stages >= 2,
+                             pingpong=tiles.dq_pingpong(d), clean=clean,
+                             heads=_dq_heads(k, spec))
+    return body, n_q_tiles * b * hq
+
+
+def _pair(args, spec: AttnSpec, tiles: HopperBwdTiles):
+    """(dq, dk, dv) by the kernel pair: two launches, or one whose first CTAs run the dK/dV
+    body and the rest the dQ body (`HopperBwdTiles.one_launch`)."""
+    q, k = args[:2]
+    dkv, n_dkv, nc = _dkv_plan(q, k, spec, tiles, False)
+    dq, n_dq = _dq_plan(q, k, spec, tiles)
+    kv_type = (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2
+    q_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if not tiles.launches_once(spec.head_dim) or (spec.interpret and H.INTERPRETER_010):
+        dk, dv = _kernel(dkv, kv_type, (n_dkv,), ("cta",), "jaxfuse_flash_bwd_dkv_hopper",
+                         spec, consumers=nc)(*args)
+        return _kernel(dq, q_type, (n_dq,), ("cta",), "jaxfuse_flash_bwd_dq_hopper",
+                       spec)(*args), dk, dv
+
+    def both(*refs):
+        ins, (dk_gmem, dv_gmem, dq_gmem) = refs[:len(args)], refs[len(args):]
+        cta = lax.axis_index("cta")
+        # Each branch allocates its own shared memory and barriers (`pl.run_scoped`): the
+        # launch takes the larger of the two.
+        pl.when(cta < n_dkv)(lambda: dkv(*ins, dk_gmem, dv_gmem))
+        pl.when(cta >= n_dkv)(lambda: dq(*ins, dq_gmem, first_cta=n_dkv))
+
+    dk, dv, dq = _kernel(both, kv_type + (q_type,), (n_dkv + n_dq,), ("cta",),
+                         "jaxfuse_flash_bwd_hopper", spec)(*args)
+    return dq, dk, dv
 
 
 # Bytes of shared operands a head group of the backward's grids holds (`attention_hopper.
@@ -627,22 +685,8 @@ def backward(q, k, v, o, lse_u, do, dlse, spec: AttnSpec,
 def _grads(args, spec: AttnSpec, tiles: HopperBwdTiles):
     """(dq, dk, dv) of `backward`'s operands (q, k, v, do, lse_u, delta, and the
     segment ids qs, ks with spec.segments)."""
-    q, k = args[:2]
     if not tiles.fuse(spec):
-        dk, dv = _dkv(q, k, spec, tiles, False)(*args)
-        b, tq, hq, d = q.shape
-        clean = tiles.cleans(spec)
-        stages = tiles.dq_stages(d, q.dtype.itemsize, clean, spec.segments)
-        # The overlap holds two K tiles at once: with a one-slot ring it would wait forever.
-        body = functools.partial(DQ.dq_body, spec=spec, bk=tiles.k_dq(d), stages=stages,
-                                 n_q_tiles=pl.cdiv(tq, 2 * _ROWS),
-                                 overlap=tiles.dq_overlap(d) and stages >= 2,
-                                 pingpong=tiles.dq_pingpong(d), clean=clean)
-        # Every head's heaviest query tile first (`_hopper.heavy_first`, module docstring).
-        dq = _kernel(functools.partial(body, heads=_dq_heads(k, spec)),
-                     jax.ShapeDtypeStruct(q.shape, q.dtype), (pl.cdiv(tq, 2 * _ROWS) * b * hq,),
-                     ("cta",), "jaxfuse_flash_bwd_dq_hopper", spec)(*args)
-        return dq, dk, dv
+        return _pair(args, spec, tiles)
     # The fused dQ is a ref that the kernel adds into, which pallas kernels do not batch:
     # under vmap the mapped axis folds into the batch instead.
     run = jax.custom_batching.custom_vmap(

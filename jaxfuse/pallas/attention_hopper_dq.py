@@ -23,10 +23,11 @@ from jaxfuse.pallas._hopper_bwd import (_F32, _ROWS, _ds, _lse_c2, _Mma, _prev_s
 
 def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs,
             spec: AttnSpec, bk: int, stages: int, n_q_tiles: int, overlap: bool,
-            pingpong: bool, heads: int, clean: bool = False):
+            pingpong: bool, heads: int, clean: bool = False, first_cta: int = 0):
     # As the forward (`attention_hopper`): a CTA per (batch * query head, 128 query rows),
     # consumer wg on rows wg * 64.., the producer streaming the K and V tiles its rows see;
-    # launched in `_hopper.heavy_first` order. refs: the segment ids qs [B, Tq] and ks [B, Tk]
+    # launched in `_hopper.heavy_first` order from CTA `first_cta` (the CTAs before it run the
+    # dK/dV kernel's body in a launch of both, `HopperBwdTiles.one_launch`). refs: the segment ids qs [B, Tq] and ks [B, Tk]
     # (int32) if spec.segments, then the output dq. As in the forward, each consumer copies
     # its rows' ids with its Q, the producer each key block's into a ring slot of their own.
     (qs_gmem, ks_gmem), (dq_gmem,) = A.split_refs(refs, spec, 1)
@@ -48,7 +49,7 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs,
             else (None,) * 3
         b, h, row0, (lo, f_lo, f_hi, hi) = AH.query_tile(
             spec, q_gmem.shape[2], n_q_tiles, bk, groups=(q_gmem.shape[0] * q_gmem.shape[2],
-                                                          heads))
+                                                          heads), first_cta=first_cta)
         n = hi - lo
         wg = lax.axis_index("wg")
 

@@ -433,8 +433,7 @@ def _backward_fused(x2, w, labels, lse, g, st: _Static):
     # Mosaic GPU's interpreter in jax 0.10 needs the refs' memory space spelled out; jax 0.11's
     # discharge of the loop below (compiled, and interpreted under vmap's lax.map) sees unequal
     # carry types with it (float32<gmem> in, float32 out), and its interpreter does without.
-    space = ({"memory_space": plgpu.GMEM} if st.interpret and jax.__version_info__ < (0, 11)
-             else {})
+    space = {"memory_space": plgpu.GMEM} if st.interpret and _hopper.INTERPRETER_010 else {}
     dx = jax.new_ref(jnp.zeros((n, d), jnp.float32), **space)
     dw = jax.new_ref(_hopper.uninitialized(w.shape, w.dtype, st.interpret), **space)
 

@@ -282,6 +282,38 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
         assert jnp.array_equal(a, b)
 
 
+ONE = "jaxfuse_flash_bwd_hopper"      # the kernel pair in one launch (`one_launch`)
+
+
+@pytest.mark.parametrize("d,hq,hkv,tk,opts", [
+    (64, 2, 1, 256, dict(logits_soft_cap=5.0)),       # GQA: 2 dK/dV CTAs, then 2 dQ CTAs
+    (256, 2, 2, 128, dict()),                          # D = 256: the split columns
+])
+def test_hopper_one_launch_gives_the_two_launches_bits(d, hq, hkv, tk, opts):
+    """`HopperBwdTiles(one_launch=True)`: the kernel pair as one launch, its first CTAs
+    running the dK/dV body and the rest the dQ body (each CTA after the last dK/dV one counts
+    its query tile from there): dq, dk, dv bitwise equal to two launches'. Mosaic GPU's
+    interpreter in jax 0.10 cannot run a kernel whose branches each allocate shared memory
+    (`_hopper.INTERPRETER_010`): there the interpreted call runs two launches, which the
+    jaxpr must say (the sm90 lowering test lowers the one launch on every version)."""
+    from jaxfuse.pallas import _hopper as H
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    q, k, v, do = _operands(13, tk, hkv, hq=hq, d=d)
+    f = lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, block_sizes=_blocks(one_launch=True), **opts)
+    jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
+    launches = DET if H.INTERPRETER_010 else (ONE,)
+    for name in DET + (ONE,):
+        assert (name in jaxpr) == (name in launches), name
+    one = jax.vjp(f, q, k, v)[1](do)
+    two = _grads(q, k, v, do, dict(one_launch=False), DET[0], **opts)
+    for x, y in zip(one, two):
+        assert jnp.array_equal(x, y)
+    # Three dK/dV consumers do not share the dQ body's warpgroups: two launches there.
+    assert not HopperBwdTiles(one_launch=True, consumers=3).launches_once(64)
+    assert HopperBwdTiles(one_launch=True).launches_once(64)
+
+
 # The pair's overlapped steps (the default) with K and V in registers run in every D = 64
 # test of this file against the reference; here the fused dQ's overlapped steps and the
 # pair's plain ones against K and V from shared memory.

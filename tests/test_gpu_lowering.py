@@ -189,6 +189,32 @@ def test_hopper_flash_attention_lowers(d, opts, det):
     assert '"jaxfuse_flash_bwd_dkv"' not in module
 
 
+@pytest.mark.parametrize("d,opts", [(64, dict(causal=True, segments=True)),
+                                    (128, dict(causal=True, sliding_window=200)),
+                                    (256, dict(logits_soft_cap=20.0))])
+def test_hopper_backward_one_launch_lowers(d, opts):
+    """`HopperBwdTiles(one_launch=True)`: the kernel pair as one kernel whose CTAs branch on
+    their index into the dK/dV body or the dQ body, each allocating its own shared memory
+    and barriers, lowers for sm90 (the interpreter of jax 0.10 cannot run it: tests/
+    test_attention_hopper_bwd.py), and replaces both launches."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+    q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
+    k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
+    opts = dict(opts)
+    if opts.pop("segments", False):
+        opts.update(q_segment_ids=jnp.zeros((1, 256), jnp.int32),
+                    kv_segment_ids=jnp.zeros((1, 384), jnp.int32))
+    tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(d),
+                                backward=HopperBwdTiles(one_launch=True))
+    module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
+        q, k, k).mlir_module()
+    assert "jaxfuse_flash_bwd_hopper" in module
+    for name in _HOPPER_BWD[True]:
+        assert name not in module, name
+
+
 # Lengths that are not whole tiles: compiled, q, k, v and dO reach the kernels unpadded where
 # their lengths are whole 8-row TMA tiles, and TMA's bounds take the last tiles
 # (`_attn.pad_rows`), so the kernels see arrays of other lengths than in the tests above: Tq =

@@ -240,10 +240,11 @@ def _forced_tiles(**forced):
     `dkv_overlaps`) are asked of tiles with the fields `forced`, whatever tiles the model
     passes: `fixed_dq=True` runs the deterministic fused dQ in int32 fixed point wherever it
     can (opt-in since s38: D = 64, no segment ids) instead of the kernel pair;
-    `dkv_overlap=False` the dK/dV kernel's plain steps (overlapped by default)."""
+    `dkv_overlap=False` the dK/dV kernel's plain steps (overlapped by default); `one_launch`
+    the kernel pair in one launch or two."""
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     stack = contextlib.ExitStack()
-    for name in ("fixes", "dkv_overlaps"):   # the tiles' rules, asked of forced tiles
+    for name in ("fixes", "dkv_overlaps", "launches_once"):   # asked of forced tiles
         rule = getattr(HopperBwdTiles, name)
         stack.enter_context(mock.patch.object(HopperBwdTiles, name, lambda self, *a, rule=rule: (
             rule(dataclasses.replace(self, **forced), *a))))
@@ -277,6 +278,14 @@ CONTEXT_ROWS = {
                      functools.partial(_forced_tiles, dkv_overlap=False),
                      "also time jaxfuse with nondeterministic attention whose fused dQ runs "
                      "on the dK/dV kernel's plain steps (HopperBwdTiles(dkv_overlap=False))"),
+    "one_launch": ("jaxfuse, attention backward pair in one launch",
+                   functools.partial(_forced_tiles, one_launch=True),
+                   "also time jaxfuse with the attention backward's kernel pair in one launch "
+                   "(HopperBwdTiles(one_launch=True): dQ CTAs fill the dK/dV grid's last round)"),
+    "two_launches": ("jaxfuse, attention backward pair in two launches",
+                     functools.partial(_forced_tiles, one_launch=False),
+                     "also time jaxfuse with the attention backward's kernel pair in two "
+                     "launches (HopperBwdTiles(one_launch=False))"),
     "unguarded": ("jaxfuse, attention without the garbage guard", _timing.unguarded_attention,
                   "also time jaxfuse without the guard against masked keys' garbage in the "
                   "Hopper attention kernels (forward: the producer cleans edge tiles; "

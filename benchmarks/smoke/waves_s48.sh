@@ -11,3 +11,5 @@ case "${2:-both}" in
     one) attn_bwd one_launch 540 ;;
     both) attn_bwd waves 200; attn_bwd one_launch 380 ;;
 esac
+# "model": the race's training rows with the pair in one launch beside the default (~300 s).
+[ "${2:-}" = model ] && model_run model 560 train157 train1b --no-reference --one-launch

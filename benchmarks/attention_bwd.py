@@ -1112,6 +1112,9 @@ if __name__ == "__main__":
         "other_rows": lambda rounds=3: _rows(rounds, {}, OTHER_ROWS), "groups": groups,
         "ragged": ragged, "d64_tiles": d64_tiles, "waves": waves,
         "one_launch": lambda rounds=3: variant("one launch", ONE, rounds),
+        "one_profiles": lambda: [_profiles(label, *row, variants={"one launch": dict(
+            block_sizes=AttnBlocks(hopper=_tiles(row[0][-1], ONE)))})
+            for label, row in {**ROWS, **OTHER_ROWS}.items()],
         # s35's open question: is T32768's fwd+bwd (0.92x cuDNN) the dK/dV kernel's rate?
         # Kernel times of one call, ours and cuDNN's, at T32768 beside T4096 causal.
         "kernels_long": lambda: (

@@ -37,13 +37,26 @@ FIXED = ("jaxfuse_flash_bwd_dkv_dq_fixed_hopper",)
 FIX = dict(fixed_dq=True)       # the deterministic fused dQ in fixed point (opt-in)
 
 
-def _kernels(d: int, deterministic: bool, fused_dq=None, fixed_dq=False, segments=False):
+ONE = "jaxfuse_flash_bwd_hopper"      # the kernel pair in one launch (`one_launch`)
+
+
+def _pair(groups: int, one_launch=None, consumers: int = 2):
+    """The kernel pair's launches: one (`HopperBwdTiles.launches_once`: by default with
+    GQA, never with three dK/dV consumers) where the interpreter runs it (jax >= 0.11,
+    `_hopper.INTERPRETER_010`), else two."""
+    from jaxfuse.pallas import _hopper as H
+    one = (groups > 1 if one_launch is None else one_launch) and consumers == 2
+    return (ONE,) if one and not H.INTERPRETER_010 else DET
+
+
+def _kernels(d: int, deterministic: bool, fused_dq=None, fixed_dq=False, segments=False,
+             groups: int = 1, one_launch=None, consumers: int = 2):
     """The backward kernels `HopperBwdTiles` picks (its docstring): the fused dQ at D = 64
     (or where forced, never at 256), float32 with deterministic=False, int32 fixed point
-    with the default if `fixed_dq` and no segment ids; else the kernel pair."""
+    with the default if `fixed_dq` and no segment ids; else the kernel pair (`_pair`)."""
     fused = d <= 128 and (d <= 64 if fused_dq is None else fused_dq)
     if not fused or (deterministic and (not fixed_dq or segments)):
-        return DET
+        return _pair(groups, one_launch, consumers)
     return FIXED if deterministic else FUSED
 TWO = dict(consumers=2)     # see the module docstring
 # Four simulated threads at once (three consumers and the producer), see the module docstring:
@@ -132,8 +145,9 @@ def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, op
     run, run_ref = jax.tree.map(lambda h: (jax.vmap(h) if vmapped else h),
                                 (functools.partial(grads, f), functools.partial(grads, r)))
     jaxpr = str(jax.make_jaxpr(run)(q, k, v, do, dlse))
-    want = _kernels(d, deterministic, tiles.get("fused_dq"), tiles.get("fixed_dq", False))
-    for name in DET + FUSED + FIXED:
+    want = _kernels(d, deterministic, tiles.get("fused_dq"), tiles.get("fixed_dq", False),
+                    groups=hq // hkv, consumers=tiles.get("consumers", 2))
+    for name in DET + FUSED + FIXED + (ONE,):
         assert (name in jaxpr) == (name in want), name
     g = run(q, k, v, do, dlse)
     rg = run_ref(F32(q), F32(k), F32(v), F32(do), dlse)
@@ -219,7 +233,8 @@ def test_lengths_that_are_not_whole_tiles(tq, tk, hq, hkv, d, deterministic, opt
         q, k, v, return_lse=True, deterministic=deterministic, block_sizes=_blocks(**tiles),
         **opts)
     jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1]((do, dlse)))(q, k, v))
-    for name in ("jaxfuse_flash_fwd_hopper",) + _kernels(d, deterministic, **tiles):
+    for name in ("jaxfuse_flash_fwd_hopper",) + _kernels(d, deterministic, groups=hq // hkv,
+                                                          **tiles):
         assert name in jaxpr
     (o, lse), vjp = jax.vjp(f, q, k, v)
     (ro, rlse), rvjp = jax.vjp(lambda q, k, v: ref.attention(q, k, v, return_lse=True, **opts),
@@ -273,16 +288,13 @@ def test_hopper_dkv_overlap_adds_in_the_plain_order(d, fused):
     steps also hand dS^T to dQ's product: its reducing adds (read-add-writes here) keep their
     order too."""
     q, k, v, do = _operands(11, 256, 1, d=d)
-    kernel = (FIXED if fused == "fixed" else FUSED if fused else DET)[0]
+    kernel = (FIXED if fused == "fixed" else FUSED if fused else _pair(2))[0]
     grads = lambda **tiles: _grads(q, k, v, do, tiles, kernel, logits_soft_cap=5.0,
                                    deterministic=fused in (False, "fixed"))
     tiles = (dict(stages=2, fused_dq=True, **(FIX if fused == "fixed" else {})) if fused
              else dict(stages=2, **TWO))
     for a, b in zip(grads(dkv_overlap=True, **tiles), grads(dkv_overlap=False, **tiles)):
         assert jnp.array_equal(a, b)
-
-
-ONE = "jaxfuse_flash_bwd_hopper"      # the kernel pair in one launch (`one_launch`)
 
 
 @pytest.mark.parametrize("d,hq,hkv,tk,opts", [
@@ -296,22 +308,33 @@ def test_hopper_one_launch_gives_the_two_launches_bits(d, hq, hkv, tk, opts):
     interpreter in jax 0.10 cannot run a kernel whose branches each allocate shared memory
     (`_hopper.INTERPRETER_010`): there the interpreted call runs two launches, which the
     jaxpr must say (the sm90 lowering test lowers the one launch on every version)."""
-    from jaxfuse.pallas import _hopper as H
-    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
     q, k, v, do = _operands(13, tk, hkv, hq=hq, d=d)
     f = lambda q, k, v: jaxfuse.flash_attention(
         q, k, v, block_sizes=_blocks(one_launch=True), **opts)
     jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
-    launches = DET if H.INTERPRETER_010 else (ONE,)
+    launches = _pair(hq // hkv, one_launch=True)
     for name in DET + (ONE,):
         assert (name in jaxpr) == (name in launches), name
     one = jax.vjp(f, q, k, v)[1](do)
     two = _grads(q, k, v, do, dict(one_launch=False), DET[0], **opts)
     for x, y in zip(one, two):
         assert jnp.array_equal(x, y)
-    # Three dK/dV consumers do not share the dQ body's warpgroups: two launches there.
-    assert not HopperBwdTiles(one_launch=True, consumers=3).launches_once(64)
-    assert HopperBwdTiles(one_launch=True).launches_once(64)
+
+
+def test_hopper_one_launch_rule():
+    """The pair runs as one launch by default with GQA/MQA only (`launches_once`, measured
+    there), as asked with one_launch=True/False, and never where three dK/dV consumers
+    would not share the dQ body's two; one_launch takes True, False or None."""
+    from jaxfuse.pallas._attn import AttnSpec
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles as T
+    spec = lambda g: AttnSpec.make(n_q=256, n_k=256, head_dim=64, groups=g,
+                                   dtype=jnp.bfloat16, scale=0.125, interpret=False)
+    assert T().launches_once(spec(4)) and not T().launches_once(spec(1))
+    assert T(one_launch=True).launches_once(spec(1))
+    assert not T(one_launch=False).launches_once(spec(4))
+    assert not T(one_launch=True, consumers=3).launches_once(spec(4))
+    with pytest.raises(ValueError, match=r"HopperBwdTiles.one_launch=1 must be True, False"):
+        T(one_launch=1)
 
 
 # The pair's overlapped steps (the default) with K and V in registers run in every D = 64
@@ -325,7 +348,7 @@ def test_hopper_kv_regs_gives_the_same_bits(fused, overlap):
     fused dQ) and the plain ones, GQA (two query heads a CTA) and the soft cap. A K or V
     swapped or read before its copy landed would differ."""
     q, k, v, do = _operands(12, 256, 1, d=64)
-    kernel = (FUSED if fused else DET)[0]
+    kernel = (FUSED if fused else _pair(2))[0]
     grads = lambda **tiles: _grads(q, k, v, do, tiles, kernel, logits_soft_cap=5.0,
                                    deterministic=not fused)
     tiles = dict(stages=2, dkv_overlap=overlap, **(dict(fused_dq=True) if fused else TWO))
@@ -443,7 +466,8 @@ def test_segment_ids_on_the_hopper_backward(tq, tk, d, deterministic, opts):
     (o, lse), vjp = jax.vjp(f, q, k, v)
     dlse = jnp.where(jnp.isfinite(lse), randn(kl, (1, 2, tq)), 0.0)   # rows that see no key
     jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1]((do, dlse)))(q, k, v))
-    for name in ("jaxfuse_flash_fwd_hopper",) + _kernels(d, deterministic, segments=True):
+    for name in ("jaxfuse_flash_fwd_hopper",) + _kernels(d, deterministic, segments=True,
+                                                          groups=2):
         assert name in jaxpr
     (ro, rlse), rvjp = jax.vjp(lambda q, k, v: ref.attention(q, k, v, return_lse=True, **seg),
                                F32(q), F32(k), F32(v))

@@ -120,6 +120,15 @@ T8192 D64 causal 5.303 / 5.379 / 5.508 / 4.880: never the slowest, within the ro
 CUDA's x, which launches fastest: the two-dimensional grids before s17 ran every head's
 heaviest tile first.)
 
+One launch (`HopperBwdTiles.one_launch`, by default with GQA/MQA): the kernel pair as one
+grid whose first CTAs run the dK/dV body and the rest the dQ body (each branch allocates its
+own shared memory and barriers; the launch takes the larger), so dQ CTAs start on the
+multiprocessors that the dK/dV grid's last round leaves idle. A GQA dK/dV CTA walks every
+query head of its group: G times fewer, longer CTAs, whose last round idles most. Measured
+(H100, s48, backward kernels of one call, two launches -> one): GQA 32/8 T4096 D128 causal
+3.247 -> 2.943 ms, the 1B model's attention 3.396 -> 3.332, the 157M's 0.539 -> 0.526;
+without groups mixed (`launches_once`). The same bits as two launches (tested).
+
 Overlap: the dQ kernel issues each step's dQ += dS K behind the next step's S and dP and
 computes the next step's dS while the tensor cores finish it (FlashAttention-3 sec. 3.2's
 intra-warpgroup overlap; dQ in a wgmma accumulator for the whole key loop). A K tile is then
@@ -269,8 +278,9 @@ class HopperBwdTiles:
     3.042 -> 2.986 and 0.435 -> 0.434, the fixed point's 3.241 -> 3.263 and 0.470 -> 0.469;
     at D = 128 (B4 H32 T4096 causal) 1.683 -> 2.609 ms (64 more registers a thread spill).
     one_launch: the kernel pair (deterministic, or dQ not fused) in one launch whose first
-    CTAs run the dK/dV body and the rest the dQ body (`launches_once`), so the dQ CTAs fill
-    the multiprocessors that the dK/dV grid's last round leaves idle; False: two launches."""
+    CTAs run the dK/dV body and the rest the dQ body, so the dQ CTAs fill the
+    multiprocessors that the dK/dV grid's last round leaves idle (True); two launches
+    (False); None (default): one launch with GQA/MQA (`launches_once`)."""
     block_q: int | None = None
     block_k_dq: int | None = None
     stages: int | None = None
@@ -283,7 +293,7 @@ class HopperBwdTiles:
     dkv_overlap: bool = True
     fixed_dq: bool = False
     kv_regs: bool | None = None
-    one_launch: bool = False
+    one_launch: bool | None = None
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -294,13 +304,16 @@ class HopperBwdTiles:
                              f"(ring slots), or None for as many as fit")
         # Switches are True or False: None no longer means "the default" for dkv_overlap (on
         # since s41), which would otherwise be taken quietly as off.
-        for name in ("exchange", "clean", "dkv_overlap", "fixed_dq", "one_launch"):
+        for name in ("exchange", "clean", "dkv_overlap", "fixed_dq"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"HopperBwdTiles.{name}={v!r} must be True or False")
         if self.kv_regs is not None and not isinstance(self.kv_regs, bool):
             raise ValueError(f"HopperBwdTiles.kv_regs={self.kv_regs!r} must be True, False "
                              f"or None (the default: on at head_dim 64)")
+        if self.one_launch is not None and not isinstance(self.one_launch, bool):
+            raise ValueError(f"HopperBwdTiles.one_launch={self.one_launch!r} must be True, "
+                             f"False or None (the default: one launch with GQA/MQA)")
         # A step's float32 statistics and int32 segment ids travel by TMA in whole 128-byte
         # rows (32 entries), and a wgmma's K at head_dim 64 is a multiple of 64 keys.
         for name in ("block_q", "block_k_dq"):
@@ -324,10 +337,22 @@ class HopperBwdTiles:
         if not fused:
             self.dq_stages(d, spec.itemsize, self.cleans(spec), spec.segments)
 
-    def launches_once(self, d: int) -> bool:
-        """Whether the kernel pair runs as one launch (`one_launch`): both bodies then share
-        its warpgroups, so the dK/dV kernel's consumers must be the dQ kernel's two."""
-        return self.one_launch and self.dkv_consumers(d, False) == 2
+    def launches_once(self, spec: AttnSpec) -> bool:
+        """Whether the kernel pair runs as one launch (`one_launch`; both bodies then share
+        its warpgroups, so the dK/dV kernel's consumers must be the dQ kernel's two). By
+        default with GQA/MQA: there each dK/dV CTA walks every query head of its group, so
+        its grid is G times fewer, G times longer CTAs, and the last round leaves
+        multiprocessors idle for longer. Measured (H100, s48-2, profiler, the backward
+        kernels of one fwd+bwd call, two launches -> one): GQA 32/8 T4096 D128 causal 3.247
+        -> 2.943 ms, the 1B model's attention (B2 Hq32 Hkv8 T8192 D64 causal) 3.396 -> 3.332,
+        the 157M's (B8 Hq16 Hkv4 T2048 D64 causal) 0.539 -> 0.526; without groups it is
+        mixed: B4 H32 T4096 D128 full 5.261 -> 5.206, D256 B2 H16 T4096 causal 2.095 ->
+        2.002, but causal D128 2.908 -> 2.933, D64 B8 H16 T2048 causal 0.567 -> 0.585,
+        T32768 D128 causal 20.958 -> 21.774 (why the one launch loses there is not known:
+        those grids are 2048-4096 short CTAs whose time follows the work, s48-3)."""
+        if self.dkv_consumers(spec.head_dim, False) != 2:
+            return False
+        return spec.groups > 1 if self.one_launch is None else self.one_launch
 
     def dkv_consumers(self, d: int, fused_dq: bool) -> int:
         if fused_dq or self.split_d(d):
@@ -586,7 +611,7 @@ def _pair(args, spec: AttnSpec, tiles: HopperBwdTiles):
     dq, n_dq = _dq_plan(q, k, spec, tiles)
     kv_type = (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2
     q_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    if not tiles.launches_once(spec.head_dim) or (spec.interpret and H.INTERPRETER_010):
+    if not tiles.launches_once(spec) or (spec.interpret and H.INTERPRETER_010):
         dk, dv = _kernel(dkv, kv_type, (n_dkv,), ("cta",), "jaxfuse_flash_bwd_dkv_hopper",
                          spec, consumers=nc)(*args)
         return _kernel(dq, q_type, (n_dq,), ("cta",), "jaxfuse_flash_bwd_dq_hopper",

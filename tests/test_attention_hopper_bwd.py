@@ -315,6 +315,8 @@ def test_hopper_one_launch_gives_the_two_launches_bits(d, hq, hkv, tk, opts):
     launches = _pair(hq // hkv, one_launch=True)
     for name in DET + (ONE,):
         assert (name in jaxpr) == (name in launches), name
+    if launches == DET:        # jax 0.10's interpreter: the two launches against themselves
+        return
     one = jax.vjp(f, q, k, v)[1](do)
     two = _grads(q, k, v, do, dict(one_launch=False), DET[0], **opts)
     for x, y in zip(one, two):

@@ -11,5 +11,8 @@ case "${2:-both}" in
     one) attn_bwd one_launch 540 ;;
     both) attn_bwd waves 200; attn_bwd one_launch 380 ;;
 esac
-# "model": the race's training rows with the pair in one launch beside the default (~300 s).
-[ "${2:-}" = model ] && model_run model 560 train157 train1b --no-reference --one-launch
+# "model": the race's training rows, the default (one launch with GQA) beside two launches
+# (~300 s).
+if [ "${2:-}" = model ]; then
+    model_run model 560 train157 train1b --no-reference --two-launches
+fi

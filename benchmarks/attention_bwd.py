@@ -41,8 +41,8 @@ from benchmarks._timing import bench, guarded, record, rel_err
 
 S = "attn_bwd"
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
-KERNELS = ("jaxfuse_flash_bwd_hopper", "jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper",
-           "jaxfuse_flash_bwd_dkv_dq_hopper", "jaxfuse_flash_bwd_dkv_dq_fixed_hopper",
+KERNELS = ("jaxfuse_flash_bwd_hopper", "jaxfuse_flash_bwd_dkv_hopper",
+           "jaxfuse_flash_bwd_dq_hopper", "jaxfuse_flash_bwd_dkv_dq_hopper", "jaxfuse_flash_bwd_dkv_dq_fixed_hopper",
            "jaxfuse_flash_bwd_dkv")   # the last: Triton
 
 CASES = [   # (b, tq, tk, hq, hkv, d), options
@@ -1058,6 +1058,12 @@ def d64_tiles(rounds: int = 3, names=None):
                                 "GQA 157M B8 Hq16 Hkv4 T2048 D64 causal")})
 
 
+# s48: the kernel pair in one launch (`HopperBwdTiles.one_launch`) forced, and as
+# flash_attention's keyword arguments at head dim d.
+ONE = HopperBwdTiles(one_launch=True)
+one_launch = lambda d: {"one launch": _on(_tiles(d, ONE))}    # noqa: E731
+
+
 def waves():
     """s48's question: do the kernels lose a last, nearly empty round of CTAs? B4 T4096 D128
     without a mask at 31, 32 and 33 heads: 3968, 4096 and 4224 work tiles of 128 rows (or
@@ -1065,14 +1071,9 @@ def waves():
     in 31, 32 and 32 rounds. A kernel whose time follows the rounds takes as long at 32 heads
     as at 33 (and 31/32 of it at 31); one whose time follows the work grows with the heads.
     Kernel times of one fwd+bwd call (profiler), ours and cuDNN's."""
-    one = {"one launch": dict(block_sizes=AttnBlocks(hopper=_tiles(128, ONE)))}
     for hq in (31, 32, 33):
         _profiles(f"B4 H{hq} T4096 D128 full", (4, 4096, hq, hq, 128), False, cudnn=True,
-                  variants=one)
-
-
-# s48: the kernel pair in one launch (`HopperBwdTiles.one_launch`).
-ONE = HopperBwdTiles(one_launch=True)
+                  variants=one_launch(128))
 
 
 def _quick():
@@ -1112,9 +1113,8 @@ if __name__ == "__main__":
         "other_rows": lambda rounds=3: _rows(rounds, {}, OTHER_ROWS), "groups": groups,
         "ragged": ragged, "d64_tiles": d64_tiles, "waves": waves,
         "one_launch": lambda rounds=3: variant("one launch", ONE, rounds),
-        "one_profiles": lambda: [_profiles(label, *row, variants={"one launch": dict(
-            block_sizes=AttnBlocks(hopper=_tiles(row[0][-1], ONE)))})
-            for label, row in {**ROWS, **OTHER_ROWS}.items()],
+        "one_profiles": lambda: [_profiles(label, *row, variants=one_launch(row[0][-1]))
+                                 for label, row in {**ROWS, **OTHER_ROWS}.items()],
         # s35's open question: is T32768's fwd+bwd (0.92x cuDNN) the dK/dV kernel's rate?
         # Kernel times of one call, ours and cuDNN's, at T32768 beside T4096 causal.
         "kernels_long": lambda: (

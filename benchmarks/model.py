@@ -278,14 +278,11 @@ CONTEXT_ROWS = {
                      functools.partial(_forced_tiles, dkv_overlap=False),
                      "also time jaxfuse with nondeterministic attention whose fused dQ runs "
                      "on the dK/dV kernel's plain steps (HopperBwdTiles(dkv_overlap=False))"),
-    "one_launch": ("jaxfuse, attention backward pair in one launch",
-                   functools.partial(_forced_tiles, one_launch=True),
-                   "also time jaxfuse with the attention backward's kernel pair in one launch "
-                   "(HopperBwdTiles(one_launch=True): dQ CTAs fill the dK/dV grid's last round)"),
     "two_launches": ("jaxfuse, attention backward pair in two launches",
                      functools.partial(_forced_tiles, one_launch=False),
                      "also time jaxfuse with the attention backward's kernel pair in two "
-                     "launches (HopperBwdTiles(one_launch=False))"),
+                     "launches (HopperBwdTiles(one_launch=False); one with GQA, as both "
+                     "presets have, is the default since s48)"),
     "unguarded": ("jaxfuse, attention without the garbage guard", _timing.unguarded_attention,
                   "also time jaxfuse without the guard against masked keys' garbage in the "
                   "Hopper attention kernels (forward: the producer cleans edge tiles; "

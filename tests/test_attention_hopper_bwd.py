@@ -50,13 +50,13 @@ def _pair(groups: int, one_launch=None, consumers: int = 2):
 
 
 def _kernels(d: int, deterministic: bool, fused_dq=None, fixed_dq=False, segments=False,
-             groups: int = 1, one_launch=None, consumers: int = 2):
+             groups: int = 1, consumers: int = 2):
     """The backward kernels `HopperBwdTiles` picks (its docstring): the fused dQ at D = 64
     (or where forced, never at 256), float32 with deterministic=False, int32 fixed point
     with the default if `fixed_dq` and no segment ids; else the kernel pair (`_pair`)."""
     fused = d <= 128 and (d <= 64 if fused_dq is None else fused_dq)
     if not fused or (deterministic and (not fixed_dq or segments)):
-        return _pair(groups, one_launch, consumers)
+        return _pair(groups, consumers=consumers)
     return FIXED if deterministic else FUSED
 TWO = dict(consumers=2)     # see the module docstring
 # Four simulated threads at once (three consumers and the producer), see the module docstring:

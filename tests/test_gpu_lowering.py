@@ -496,8 +496,8 @@ def test_hopper_kv_regs_lowers(d, det, extra):
         q, k, v, interpret=False, causal=True, deterministic=det,
         block_sizes=jaxfuse.AttnBlocks(hopper=tiles)), q, k, k).mlir_module()
     # The pair's dK/dV body runs in the one launch of GQA; the fused dQ's kernels otherwise.
-    fused = not det or extra.get("fixed_dq", False)
-    assert (_FIXED[0] if det else _HOPPER_BWD[False][0]) in module if fused else _ONE[0] in module
+    want = _ONE if det and not extra else _FIXED if det else _HOPPER_BWD[False]
+    assert want[0] in module
 
 
 @pytest.mark.parametrize("shape", [(33, 1000), (4, 70000)])

@@ -577,15 +577,15 @@ def _dkv_plan(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
     return body, n_k_tiles * b * hkv, tiles.dkv_consumers(d, fused_dq)
 
 
-def _dkv(q, k, spec: AttnSpec, tiles: HopperBwdTiles, fused_dq: bool):
-    """The dK/dV kernel (with the fused dQ: taking the dQ ref last, after the rows' scales
-    when it adds in fixed point) for q's and k's shapes."""
-    fixed = fused_dq and tiles.fixes(spec)
-    name = ("jaxfuse_flash_bwd_dkv_dq_fixed_hopper" if fixed else
-            "jaxfuse_flash_bwd_dkv_dq_hopper" if fused_dq else "jaxfuse_flash_bwd_dkv_hopper")
-    body, ctas, nc = _dkv_plan(q, k, spec, tiles, fused_dq)
+def _dkv_fused(q, k, spec: AttnSpec, tiles: HopperBwdTiles):
+    """The dK/dV kernel with the fused dQ (taking the dQ ref last, after the rows' scales
+    when it adds in fixed point) for q's and k's shapes; a ref it adds into, so not batched
+    (`_fused`). The kernel pair is `_pair`'s."""
+    name = ("jaxfuse_flash_bwd_dkv_dq_fixed_hopper" if tiles.fixes(spec) else
+            "jaxfuse_flash_bwd_dkv_dq_hopper")
+    body, ctas, nc = _dkv_plan(q, k, spec, tiles, True)
     return _kernel(body, (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (ctas,), ("cta",),
-                   name, spec, batchable=not fused_dq, consumers=nc)
+                   name, spec, batchable=False, consumers=nc)
 
 
 def _dq_plan(q, k, spec: AttnSpec, tiles: HopperBwdTiles):
@@ -663,7 +663,7 @@ def _fused(*args, spec: AttnSpec, tiles: HopperBwdTiles):
             dq_ref = jax.new_ref(jnp.zeros((2,) + q.shape, acc), memory_space=plgpu.GMEM)
         else:
             dq_ref = jax.new_ref(jnp.zeros(q.shape, acc))
-        dk, dv = _dkv(q, k, spec, tiles, True)(*args, *(r,) * fixed, dq_ref)
+        dk, dv = _dkv_fused(q, k, spec, tiles)(*args, *(r,) * fixed, dq_ref)
         dq = dq_ref[...]
         if spec.interpret:
             dq = dq[0] + dq[1]

@@ -7,6 +7,8 @@ each product before the next instruction, which undoes any overlap the schedule 
     PYTHONPATH=. python benchmarks/hopper_ptxas.py [d ...] > ptxas.log 2>&1
     PYTHONPATH=. python benchmarks/hopper_ptxas.py bwd [d ...] > ptxas.log 2>&1
     PYTHONPATH=. python benchmarks/hopper_ptxas.py d64 > ptxas.log 2>&1   (pair, fused, fixed)
+    PYTHONPATH=. python benchmarks/hopper_ptxas.py one > ptxas.log 2>&1   (the pair in one
+        launch against two, MHA: why one launch loses there, NOTES s48)
 """
 from __future__ import annotations
 
@@ -56,6 +58,12 @@ if __name__ == "__main__":
             report_bwd(64, True, kv_regs=kv)
             report_bwd(64, True, False, kv_regs=kv)
             report_bwd(64, True, kv_regs=kv, fixed_dq=True)
+        sys.exit()
+    if sys.argv[1:2] == ["one"]:   # s49: the kernel pair as one launch or two, without groups
+        for d in (64, 128):
+            for causal in (True, False):
+                for one in (True, False):
+                    report_bwd(d, causal, one_launch=one)
         sys.exit()
     if sys.argv[1:2] == ["bwd"]:
         for d in [int(a) for a in sys.argv[2:]] or [128, 64]:

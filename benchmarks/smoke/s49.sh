@@ -7,3 +7,10 @@ case "${2:-model}" in
     model) model_run model 570 train157 train1b decode --no-reference --two-launches ;;
     attention) attn_table 560 ;;
 esac
+# "ptxas": ptxas's report (registers, spills) of the backward pair in one launch and in two,
+# without groups, D 64 and 128, causal or not (NOTES s48: why one launch loses there; ~60 s).
+if [ "${2:-}" = ptxas ]; then
+    timeout -s KILL 200 python benchmarks/hopper_ptxas.py one > "$out/ptxas-one.log" 2>&1
+    echo "ptxas rc=$?"
+    grep -a "===\|registers\|spill\|serializ" "$out/ptxas-one.log" | cut -c1-200
+fi

@@ -92,6 +92,38 @@ def test_persistent_walk_matches_reference(opts):
     assert float(jnp.abs(lse - rlse).max()) < 1e-4
 
 
+def test_split_tail_matches_reference_and_the_whole_walk():
+    """`HopperAttnTiles(split_tail=True)`: two persistent CTAs (the interpreter's) and three
+    equal work tiles, so the last round's one tile is split over its three 64-key blocks into
+    two parts (one on each CTA), each writing its rows' (o, lse), merged after the kernel.
+    Within the reference's tolerance like the unsplit walk, lse to float32 rounding, o
+    within one bf16 rounding of the unsplit walk (the parts' o round once more), and
+    gradients through the split forward; a merge that dropped a part, or a part that saw the
+    wrong keys, moves the split tile's rows by far more."""
+    import numpy as np
+    kq, kk, kv, kd = keys(5, 4)
+    q = randn(kq, (1, 128, 3, 64), jnp.bfloat16)
+    k = randn(kk, (1, 192, 1, 64), jnp.bfloat16)
+    v = randn(kv, (1, 192, 1, 64), jnp.bfloat16)
+    do = randn(kd, (1, 128, 3, 64), jnp.bfloat16)
+    ro, rlse = ref.attention(F32(q), F32(k), F32(v), return_lse=True)
+    got = {}
+    for split in (False, True):
+        tiles = HopperAttnTiles(block_k=64, stages=4, consumers=2, persistent=True,
+                                backward=False, split_tail=split)
+        f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, return_lse=True,
+                                                    block_sizes=AttnBlocks(hopper=tiles))
+        (o, lse), vjp = jax.vjp(f, q, k, v)
+        got[split] = (o, lse, vjp((do, jnp.zeros_like(lse))))
+        assert float(jnp.abs(F32(o) - ro).max()) < 2e-2
+        assert float(jnp.abs(lse - rlse).max()) < 1e-4
+    (o1, lse1, g1), (o0, lse0, g0) = got[True], got[False]
+    np.testing.assert_allclose(F32(o1), F32(o0), atol=4e-3, rtol=8e-3)
+    np.testing.assert_allclose(lse1, lse0, atol=1e-5)
+    for a, b in zip(g1, g0):
+        np.testing.assert_allclose(F32(a), F32(b), atol=2e-2, rtol=2e-2)
+
+
 def test_causal_forward_matches_reference():
     """The default D = 128 tiles with a causal mask: two consumers taking turns on a 2-slot
     ring, the diagonal blocks masked and cleaned of garbage by the producer, blocks above it
@@ -275,6 +307,50 @@ def test_work_schedule_deals_every_tile_once_and_balances(n, rows, n_bh, kw):
         # 32 tiles of 1..32 blocks a head, 8 heads a group (16 MiB of K and V): within 1%
         # (round robin: ~10% over the mean).
         assert loads.max() <= 1.01 * loads.mean(), (loads.max(), loads.mean())
+
+
+@pytest.mark.parametrize("n,rows,n_bh,ctas", [
+    (4096, 128, 128, 132),        # B4 H32 T4096: 31 rounds and 4 tiles, 32 one-block parts
+    (2048, 192, 16 * 8, 132),     # three consumers: 11 tiles a head, 1408 = 10 x 132 + 88
+    (1000, 128, 5, 36),           # 40 tiles over 36 CTAs: 4 tiles of 8 blocks in 8 parts
+])
+def test_tail_schedule_splits_the_last_round(n, rows, n_bh, ctas):
+    """`tail_schedule`: every tile once, whole or as parts that cover its key blocks in order
+    without overlap; the parts of the last round spread over the CTAs, so that the busiest
+    CTA's load (key blocks plus a quarter a work item) is within one part of the mean; None
+    where the last round is more than half full, or the tiles are unequal (causal)."""
+    import numpy as np
+    from jaxfuse.pallas import _attn as A
+    from jaxfuse.pallas.attention_hopper import tail_schedule
+    spec, n_q_tiles = _spec(n), -(-n // rows)
+    n_items = n_bh * n_q_tiles
+    split = tail_schedule(spec, n_bh, n_q_tiles, rows, 128, ctas)
+    if n_items % ctas > ctas // 2:
+        assert split is None
+        return
+    table, parts = split
+    lo, _, _, hi = A.key_blocks(spec, jnp.arange(n_q_tiles) * rows, rows, 128)
+    blocks = int(np.max(hi - lo))
+    counts, items = table[:, 0], table[:, 1:]
+    dealt = np.concatenate([items[c, :counts[c]] for c in range(ctas)])
+    assert len(dealt) == len(set(dealt.tolist()))
+    whole = dealt[dealt < n_items]
+    part_ids = dealt[dealt >= n_items] - n_items
+    np.testing.assert_array_equal(np.sort(part_ids), np.arange(len(parts)))
+    split_tiles = np.unique(parts[:, 0])
+    assert len(split_tiles) == n_items % ctas
+    np.testing.assert_array_equal(np.sort(np.concatenate([whole, split_tiles])),
+                                  np.arange(n_items))
+    for t in split_tiles:
+        mine = parts[parts[:, 0] == t]
+        np.testing.assert_array_equal(mine[1:, 1], mine[:-1, 2])    # contiguous, in order
+        assert mine[0, 1] == 0 and mine[-1, 2] == blocks and (mine[:, 2] > mine[:, 1]).all()
+    cost = lambda i: (blocks if i < n_items else parts[i - n_items, 2]
+                      - parts[i - n_items, 1]) + 0.25
+    loads = np.array([sum(cost(i) for i in items[c, :counts[c]]) for c in range(ctas)])
+    biggest_part = (parts[:, 2] - parts[:, 1]).max() + 0.25
+    assert loads.max() <= loads.mean() + biggest_part, (loads.max(), loads.mean())
+    assert tail_schedule(_spec(n, causal=True), n_bh, n_q_tiles, rows, 128, ctas) is None
 
 
 def test_list_schedule_deals_equal_items_round_robin():

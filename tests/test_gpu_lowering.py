@@ -418,6 +418,24 @@ def test_hopper_persistent_lowers(d, overlap, opts):
     assert "jaxfuse_flash_fwd_hopper" in module
 
 
+@pytest.mark.parametrize("vmapped", [False, True])
+def test_hopper_split_tail_lowers(vmapped, monkeypatch):
+    """`HopperAttnTiles(split_tail=True)`: 134 work tiles of two 128-key blocks (67 heads)
+    over the abstract H100's 132 CTAs: one round, then the last 2 tiles split in two parts
+    each (item codes past the tiles, a parts table read in the kernel, the parts' (o, lse)
+    as two more outputs, merged by XLA after it); under jax.vmap too."""
+    from jaxfuse.pallas import _common
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    monkeypatch.setattr(_common, "num_multiprocessors", lambda: 132)   # a CPU host has 1
+    q = jnp.zeros((3,) * vmapped + (1, 256, 67, 128), jnp.bfloat16)
+    tiles = HopperAttnTiles(persistent=True, split_tail=True, backward=False)
+    f = lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles))
+    module = _lower(jax.vmap(f) if vmapped else f, q, q, q).mlir_module()
+    assert "jaxfuse_flash_fwd_hopper" in module
+    assert "scatter" in module      # the parts' merge
+
+
 def test_hopper_persistent_lowers_under_vmap():
     """The persistent forward's schedule operand (a table made under a nested jit,
     `_hopper.constant`) under jax.vmap, which batches the kernel and leaves the table whole."""

@@ -95,6 +95,7 @@ from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _hopper as H
 from jaxfuse.pallas import _hopper_ring as R
 from jaxfuse.pallas._attn import AttnSpec
+from jaxfuse.reference import attention as ref_attn
 
 _ROWS = H.ROWS      # query rows per consumer warpgroup: one wgmma M
 # Shared memory the forward's tiles plan with: 7 KiB under `_hopper.SMEM_BYTES` for its
@@ -127,7 +128,11 @@ class HopperAttnTiles:
     soon as its last S is formed, and O leaves through a buffer of its own; None: where keys
     are at most `_PERSISTENT_KEYS` (measured faster there, slower beyond: module docstring)
     and the O buffer fits beside two ring slots, or the `stages` asked for (not at head_dim
-    256, nor with three consumers or 256-key tiles at 128)."""
+    256, nor with three consumers or 256-key tiles at 128);
+    split_tail: a persistent walk of equal tiles whose last round would leave at least half
+    the multiprocessors idle splits that round's tiles over their key blocks (stream-K on the
+    tail, `tail_schedule`): each part writes its rows' (o, lse) over its keys, merged after
+    the kernel (bf16/f16 partial o, so those rows round twice)."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
@@ -135,6 +140,7 @@ class HopperAttnTiles:
     consumers: int | None = None
     overlap: bool = False
     persistent: bool | None = None
+    split_tail: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -148,6 +154,9 @@ class HopperAttnTiles:
         if self.block_k not in (64, 128, 256):
             raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128 or 256 "
                              f"(keys a step; 128 is the default, 64 at head_dim 256)")
+        if not isinstance(self.split_tail, bool):
+            raise ValueError(f"HopperAttnTiles.split_tail={self.split_tail!r} must be True or "
+                             f"False")
         if self.stages is not None and not (_checks.is_int(self.stages) and self.stages >= 1):
             raise ValueError(f"HopperAttnTiles.stages={self.stages!r} must be a positive int "
                              f"(K/V ring slots), or None for as many as fit")
@@ -372,15 +381,19 @@ _AUTO_BARRIERS = True
 
 
 def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAttnTiles,
-                  stages: int, n_q_tiles: int, ctas: int | None):
+                  stages: int, n_q_tiles: int, ctas: int | None, n_parts: int = 0):
     """ctas: None, a CTA a work tile (grid ("cta",), in `launch_groups` order); else a
     persistent grid ("sm",) of `ctas` CTAs walking the work tiles that `refs[0]`
-    (`work_schedule`) deals them (`HopperAttnTiles.persistent`)."""
+    (`work_schedule`) deals them (`HopperAttnTiles.persistent`); n_parts: the last round's
+    tiles split over key blocks (`tail_schedule`): `refs[1]` holds the parts, whose
+    (o, lse) go to two more outputs."""
     refs = list(refs)
     sched_gmem = refs.pop(0) if ctas is not None else None
+    parts_gmem = refs.pop(0) if n_parts else None
     # Segment ids (int32 [B, Tq] and [B, Tk]): each consumer reads its rows' once per work
     # tile with its Q, the producer streams each key block's beside its V.
-    (qs_gmem, ks_gmem), (o_gmem, lse_gmem) = A.split_refs(refs, spec, 2)
+    (qs_gmem, ks_gmem), outs = A.split_refs(refs, spec, 4 if n_parts else 2)
+    (o_gmem, lse_gmem), part_outs = outs[:2], outs[2:]
     bk, d, g = tiles.block_k, spec.head_dim, spec.groups
     nc = tiles.n_consumers(d)
     mma = _Mma(spec.interpret)
@@ -390,7 +403,26 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
     hq = q_gmem.shape[2]
     n_bh = q_gmem.shape[0] * hq
     groups = (n_bh, launch_groups(n_bh, kv_head_bytes(spec), _FWD_GROUP_BYTES))
-    where = lambda item: query_tile(spec, hq, n_q_tiles, bk, nc, item, groups)
+    n_items = n_bh * n_q_tiles
+
+    def part_of(item):
+        """(whether work item `item` is a part of a split tile, the part's index)."""
+        if not n_parts:
+            return False, 0
+        return item >= n_items, jnp.maximum(item - n_items, 0)
+
+    def where(item):
+        """`query_tile` of work item `item`; a part of a split tile (`tail_schedule`) sees
+        its key blocks [lo + start, lo + stop) of the tile's, its edges clipped to them."""
+        is_part, p = part_of(item)
+        if not n_parts:
+            return query_tile(spec, hq, n_q_tiles, bk, nc, item, groups)
+        b, h, row0, (lo, flo, fhi, hi) = query_tile(
+            spec, hq, n_q_tiles, bk, nc, jnp.where(is_part, parts_gmem[p, 0], item), groups)
+        plo = jnp.where(is_part, lo + parts_gmem[p, 1], lo)
+        phi = jnp.where(is_part, lo + parts_gmem[p, 2], hi)
+        flo = jnp.clip(flo, plo, phi)
+        return b, h, row0, (plo, flo, jnp.clip(fhi, flo, phi), phi)
 
     def walk(body, carry):
         """body(i, item, next_item, has_next, carry) over this CTA's work tiles (i: its own
@@ -474,8 +506,9 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                 # This consumer's own key blocks within the CTA's [lo, hi): blocks wholly
                 # masked for its 64 rows (causal, window) are passed over, only its own edges
                 # masked.
-                c_lo, c_flo, c_fhi, c_hi = (jnp.where(active, x, lo) - lo for x in
-                                            A.key_blocks(spec, r0, _ROWS, bk))
+                # A part of a split tile (`tail_schedule`): within the part's blocks.
+                c_lo, c_flo, c_fhi, c_hi = (jnp.where(active, jnp.clip(x, lo, hi), lo) - lo
+                                            for x in A.key_blocks(spec, r0, _ROWS, bk))
                 ring = lambda j: lax.rem(base + j, stages)     # slot of key block j
 
                 def s_done(j):
@@ -635,9 +668,20 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     o_smem[wg] = (acc * R.row_vec(inv, d)).astype(dtype)
                     lse_smem[wg] = lse
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[b, pl.ds(r0, _ROWS), h])
-                    plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                                            lse_gmem.at[b, h, pl.ds(r0, _ROWS)])
+                    def store(o_dst, lse_dst):
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_dst)
+                        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_dst)
+
+                    whole = lambda: store(o_gmem.at[b, pl.ds(r0, _ROWS), h],
+                                          lse_gmem.at[b, h, pl.ds(r0, _ROWS)])
+                    if n_parts:     # a part's (o, lse) over its keys, merged after the kernel
+                        is_part, p = part_of(item)
+                        rows = pl.ds(wg * _ROWS, _ROWS)
+                        pl.when(is_part)(lambda: store(part_outs[0].at[p, rows],
+                                                       part_outs[1].at[p, rows]))
+                        pl.when(jnp.logical_not(is_part))(whole)
+                    else:
+                        whole()
                     if ctas is None:
                         plgpu.wait_smem_to_gmem(0)
                 return base + n
@@ -698,18 +742,28 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
     stages = tiles.stages_for(d, q.dtype.itemsize, persistent, spec.segments)
     nc = tiles.n_consumers(d)
     n_q_tiles = C.cdiv(tq, nc * _ROWS)
-    ctas, sched = None, ()
+    ctas, sched, parts = None, (), None
     grid, grid_names = (b * hq * n_q_tiles,), ("cta",)
     if persistent:
         # Two CTAs in the interpreter, so that each walks several tiles.
         ctas = min(b * hq * n_q_tiles, 2 if spec.interpret else C.num_multiprocessors())
         grid, grid_names = (ctas,), ("sm",)
-        sched = (H.constant(work_schedule(spec, b * hq, n_q_tiles, nc * _ROWS,
-                                          tiles.block_k, ctas, _L2_SHARE)),)
+        split = tiles.split_tail and tail_schedule(spec, b * hq, n_q_tiles, nc * _ROWS,
+                                                   tiles.block_k, ctas, _L2_SHARE)
+        if split:
+            table, parts = split
+            sched = (H.constant(table), H.constant(parts))
+        else:
+            sched = (H.constant(work_schedule(spec, b * hq, n_q_tiles, nc * _ROWS,
+                                              tiles.block_k, ctas, _L2_SHARE)),)
+    n_parts = 0 if parts is None else len(parts)
     body = functools.partial(_forward_body, spec=spec, tiles=tiles, stages=stages,
-                             n_q_tiles=n_q_tiles, ctas=ctas)
+                             n_q_tiles=n_q_tiles, ctas=ctas, n_parts=n_parts)
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, hq, C.cdiv(tq, 2 * _ROWS) * 2 * _ROWS), jnp.float32))
+    if n_parts:    # each part's (o, lse) over its keys
+        out_types += (jax.ShapeDtypeStruct((n_parts, nc * _ROWS, d), q.dtype),
+                      jax.ShapeDtypeStruct((n_parts, nc * _ROWS), jnp.float32))
     name = "jaxfuse_flash_fwd_hopper"
     kw = {"interpret": H._interpret_params()} if spec.interpret else {}
     f = plgpu.kernel(body, out_type=out_types, grid=grid, grid_names=grid_names,
@@ -722,8 +776,34 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
     # cloned the custom call into a fusion that writes the residual stack, keeping the
     # original for the other user: measured on the H200, 16 forward launches for 8 layers
     # (0.235 ms each, 157M model). Behind the barrier the stack takes a copy of o instead.
-    o, lse_u = jax.lax.optimization_barrier(f(q, k, v, *sched, *segs))
+    outs = jax.lax.optimization_barrier(f(q, k, v, *sched, *segs))
+    o, lse_u = outs[:2]
+    if n_parts:
+        o, lse_u = _merge_parts(o, lse_u, *outs[2:], parts, spec, n_q_tiles, nc * _ROWS)
     return o[:, :n_q], lse_u[..., :n_q]          # no-ops where nothing was padded
+
+
+def _merge_parts(o, lse_u, o_parts, lse_parts, parts, spec: AttnSpec, n_q_tiles: int,
+                 rows: int):
+    """o and lse_u with the split tiles' rows (`tail_schedule`) merged from their parts
+    (`merge_many`: lse = logsumexp of the parts', o their weighted sum, in float32), put in
+    place by one scatter each."""
+    b, tq, hq, _ = o.shape
+    n_tiles = len(np.unique(parts[:, 0]))
+    per = len(parts) // n_tiles                  # parts a tile, consecutive
+    item = parts[::per, 0]
+    bh, tile = item // n_q_tiles, item % n_q_tiles
+    rows_of = (tile * rows)[:, None] + np.arange(rows)             # [n_tiles, rows]
+    o_m, lse_m = ref_attn.merge_many(
+        o_parts.reshape(n_tiles, per, rows, -1),
+        lse_parts.reshape(n_tiles, per, rows) * spec.unit, axis=1)
+    # Indices as operands (`_hopper.constant`: a traced constant breaks custom_partitioning).
+    bi, hi, rows_of = (H.constant(a.astype(np.int32)) for a in
+                       ((bh // hq)[:, None], (bh % hq)[:, None], rows_of))
+    # Rows past the padded length (a last tile of three consumers) are dropped.
+    o = o.at[bi, rows_of, hi].set(o_m.astype(o.dtype), mode="drop")
+    lse_u = lse_u.at[bi, hi, rows_of].set(lse_m * (1.0 / spec.unit), mode="drop")
+    return o, lse_u
 
 
 # K and V bytes that the CTAs of a persistent walk share at a time (`work_schedule`): a slice
@@ -780,3 +860,43 @@ def work_schedule(spec: AttnSpec, n_bh: int, n_q_tiles: int, rows: int, bk: int,
     table = np.concatenate([table[:, :1], order[table[:, 1:]].astype(np.int32)], axis=1)
     table.setflags(write=False)              # cached: shared by every caller
     return table
+
+
+@functools.lru_cache(maxsize=64)
+def tail_schedule(spec: AttnSpec, n_bh: int, n_q_tiles: int, rows: int, bk: int, ctas: int,
+                  l2_share: int = _L2_SHARE):
+    """`work_schedule` with the last round's tiles split over their key blocks (stream-K on
+    the tail, `HopperAttnTiles.split_tail`), or None where it does not apply: tiles of equal
+    work (no causal mask or window) whose last round would leave at least half the CTAs idle
+    (B4 H32 T4096 at 128 rows: 4096 tiles over 132 CTAs, 31 full rounds and 4 tiles; s48
+    item 2 measured that round at ~3% of the kernel). Each of the r tail tiles becomes
+    min(key blocks, ctas // r) parts of consecutive key blocks, dealt like any item, each
+    writing its own (o, lse); `forward` merges them.
+
+    Returns (table as `work_schedule`'s, whose items past the n_bh * n_q_tiles tiles are
+    parts: item = n_bh * n_q_tiles + part; parts int32 [n_parts, 3]: the part's tile, its
+    first and its last + 1 key block counted from the tile's first)."""
+    with jax.ensure_compile_time_eval():
+        lo, _, _, hi = A.key_blocks(spec, jnp.arange(n_q_tiles, dtype=jnp.int32) * rows,
+                                    rows, bk)
+        blocks = np.broadcast_to(np.asarray(hi - lo), (n_q_tiles,))
+    n_items = n_bh * n_q_tiles
+    tail = n_items % ctas
+    per = min(int(blocks[0]), ctas // max(tail, 1))
+    if (blocks != blocks[0]).any() or not 0 < tail <= ctas // 2 or per < 2:
+        return None
+    heads = launch_groups(n_bh, kv_head_bytes(spec), l2_share)
+    item = np.arange(n_items)
+    order = np.lexsort((item % n_q_tiles, item // n_q_tiles, item // n_q_tiles // heads))
+    whole, split = order[:n_items - tail], order[n_items - tail:]
+    cuts = [np.linspace(0, blocks[0], per + 1).round().astype(int)] * tail
+    parts = np.array([(t, c[i], c[i + 1]) for t, c in zip(split, cuts) for i in range(per)],
+                     np.int32)
+    costs = np.concatenate([np.full(len(whole), blocks[0] + 0.25),
+                            parts[:, 2] - parts[:, 1] + 0.25])
+    table = H.list_schedule(costs, ctas)
+    codes = np.concatenate([whole, n_items + np.arange(len(parts))]).astype(np.int32)
+    table = np.concatenate([table[:, :1], codes[table[:, 1:]]], axis=1)
+    for a in (table, parts):
+        a.setflags(write=False)              # cached: shared by every caller
+    return table, parts

@@ -463,6 +463,39 @@ def perf_named(rounds: int = 7):
         _interleaved(label, shape, causal, fns, rounds)
 
 
+# Shapes where `HopperAttnTiles(split_tail=True)` splits the last round over 132 CTAs
+# (`attention_hopper.tail_schedule`): work tiles % 132 at most 66. The issue's row (4 of
+# 4096 tiles, 32 one-block parts), two tiles of two blocks, GQA with ragged lengths (8 tiles
+# a head of 1000 keys: 24 split in 5), three consumers at D = 64 (192-row tiles, 11 a head:
+# 11 split in 12), segment ids (8 split in 4).
+SPLIT_CASES = [
+    dict(b=4, tq=4096, tk=4096, hq=32, hkv=32, d=128, causal=False),
+    dict(b=1, tq=256, tk=256, hq=67, hkv=67, d=128, causal=False),
+    dict(b=3, tq=1000, tk=1000, hq=45, hkv=15, d=128, causal=False),
+    dict(b=1, tq=2048, tk=2048, hq=25, hkv=5, d=64, causal=False),
+    dict(b=2, tq=512, tk=512, hq=67, hkv=67, d=128, causal=False, segments=True),
+]
+
+
+def check_split_tail():
+    """SPLIT_CASES through the split last round, bf16, against the float32 reference
+    (forward, lse and the default backward's gradients; bitwise repeatable)."""
+    for i, c in enumerate(SPLIT_CASES):
+        _check_case(i, c, jnp.bfloat16, _tiles(split_tail=True), " split tail")
+
+
+def perf_split_tail(rounds: int = 7):
+    """The forward at B4 T4096 D128 without a mask at 31, 32 and 33 heads (31, 32 and 32
+    rounds of 132 tiles; s48 item 2: at 32 heads the last round holds 4 tiles), the default
+    against the split last round and cuDNN, interleaved (the split's merge after the kernel
+    included)."""
+    for hq in (31, 32, 33):
+        fns = _peers(False, ("jaxfuse", "cudnn"))
+        fns["jaxfuse[split tail]"] = functools.partial(
+            jaxfuse.flash_attention, causal=False, block_sizes=_tiles(split_tail=True))
+        _interleaved(f"B4 H{hq} T4096 D128 full", (4, 4096, hq, hq, 128), False, fns, rounds)
+
+
 def check_block_k():
     """The Hopper forward at D <= 128 with the key tile and persistence of the environment
     (BLOCK_K; PERSISTENT = 1 / 0 / unset for the rule; CASES: indices into HOPPER_CASES),
@@ -519,4 +552,5 @@ if __name__ == "__main__":
         "named": _named, "scheduled": _scheduled,
         "l2_share": perf_l2_share, "fwd_order": perf_fwd_order,
         "persistent_overlap": perf_persistent_overlap, "check_block_k": check_block_k,
-        "overlap": lambda: (check_overlap(), perf_overlap())})
+        "overlap": lambda: (check_overlap(), perf_overlap()),
+        "split_tail": lambda: (check_split_tail(), perf_split_tail())})

@@ -230,6 +230,7 @@ def test_overlap_needs_two_slots():
     (64, dict(stages=0), r"HopperAttnTiles.stages=0 must be a positive int"),
     (64, dict(backward=None), r"HopperAttnTiles.backward=None must be True .*, False .* or a "
      r"HopperBwdTiles"),
+    (64, dict(split_tail=None), r"HopperAttnTiles.split_tail=None must be True or False"),
     (128, dict(stages=3), r"HopperAttnTiles\(stages=3, backward=False\) at head_dim 128 "
      r"\(2 consumers\): stages=3 of 65536 bytes beside 32768 bytes of other buffers: 2 "
      r"slots fit the 224256 bytes .*; pass stages=None or block_k=64$"),

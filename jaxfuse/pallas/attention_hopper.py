@@ -788,7 +788,7 @@ def _merge_parts(o, lse_u, o_parts, lse_parts, parts, spec: AttnSpec, n_q_tiles:
     """o and lse_u with the split tiles' rows (`tail_schedule`) merged from their parts
     (`merge_many`: lse = logsumexp of the parts', o their weighted sum, in float32), put in
     place by one scatter each."""
-    b, tq, hq, _ = o.shape
+    hq = o.shape[2]
     n_tiles = len(np.unique(parts[:, 0]))
     per = len(parts) // n_tiles                  # parts a tile, consecutive
     item = parts[::per, 0]

@@ -486,13 +486,13 @@ def check_split_tail():
 
 def perf_split_tail(rounds: int = 7):
     """The forward at B4 T4096 D128 without a mask at 31, 32 and 33 heads (31, 32 and 32
-    rounds of 132 tiles; s48 item 2: at 32 heads the last round holds 4 tiles), the default
-    against the split last round and cuDNN, interleaved (the split's merge after the kernel
-    included)."""
+    rounds of 132 tiles; s48 item 2: at 32 heads the last round holds 4 tiles): the default
+    (since s49 the split last round, merge included) against the unsplit walk and cuDNN,
+    interleaved. (s49-1 ran it as "jaxfuse" unsplit against "jaxfuse[split tail]".)"""
     for hq in (31, 32, 33):
         fns = _peers(False, ("jaxfuse", "cudnn"))
-        fns["jaxfuse[split tail]"] = functools.partial(
-            jaxfuse.flash_attention, causal=False, block_sizes=_tiles(split_tail=True))
+        fns["jaxfuse[no split]"] = functools.partial(
+            jaxfuse.flash_attention, causal=False, block_sizes=_tiles(split_tail=False))
         _interleaved(f"B4 H{hq} T4096 D128 full", (4, 4096, hq, hq, 128), False, fns, rounds)
 
 

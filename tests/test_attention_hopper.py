@@ -93,8 +93,9 @@ def test_persistent_walk_matches_reference(opts):
 
 
 def test_split_tail_matches_reference_and_the_whole_walk():
-    """`HopperAttnTiles(split_tail=True)`: two persistent CTAs (the interpreter's) and three
-    equal work tiles, so the last round's one tile is split over its three 64-key blocks into
+    """`HopperAttnTiles.split_tail` (None, the default): two persistent CTAs (the
+    interpreter's) and three equal work tiles, so the last round's one tile is split over its
+    three 64-key blocks into
     two parts (one on each CTA), each writing its rows' (o, lse), merged after the kernel.
     Within the reference's tolerance like the unsplit walk, lse to float32 rounding, o
     within one bf16 rounding of the unsplit walk (the parts' o round once more), and
@@ -108,7 +109,7 @@ def test_split_tail_matches_reference_and_the_whole_walk():
     do = randn(kd, (1, 128, 3, 64), jnp.bfloat16)
     ro, rlse = ref.attention(F32(q), F32(k), F32(v), return_lse=True)
     got = {}
-    for split in (False, True):
+    for split in (False, None):     # None: the default, split where it applies
         tiles = HopperAttnTiles(block_k=64, stages=4, consumers=2, persistent=True,
                                 backward=False, split_tail=split)
         f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, return_lse=True,
@@ -117,7 +118,7 @@ def test_split_tail_matches_reference_and_the_whole_walk():
         got[split] = (o, lse, vjp((do, jnp.zeros_like(lse))))
         assert float(jnp.abs(F32(o) - ro).max()) < 2e-2
         assert float(jnp.abs(lse - rlse).max()) < 1e-4
-    (o1, lse1, g1), (o0, lse0, g0) = got[True], got[False]
+    (o1, lse1, g1), (o0, lse0, g0) = got[None], got[False]
     np.testing.assert_allclose(F32(o1), F32(o0), atol=4e-3, rtol=8e-3)
     np.testing.assert_allclose(lse1, lse0, atol=1e-5)
     for a, b in zip(g1, g0):
@@ -230,7 +231,8 @@ def test_overlap_needs_two_slots():
     (64, dict(stages=0), r"HopperAttnTiles.stages=0 must be a positive int"),
     (64, dict(backward=None), r"HopperAttnTiles.backward=None must be True .*, False .* or a "
      r"HopperBwdTiles"),
-    (64, dict(split_tail=None), r"HopperAttnTiles.split_tail=None must be True or False"),
+    (64, dict(split_tail="yes"), r"HopperAttnTiles.split_tail='yes' must be True, False or "
+     r"None"),
     (128, dict(stages=3), r"HopperAttnTiles\(stages=3, backward=False\) at head_dim 128 "
      r"\(2 consumers\): stages=3 of 65536 bytes beside 32768 bytes of other buffers: 2 "
      r"slots fit the 224256 bytes .*; pass stages=None or block_k=64$"),

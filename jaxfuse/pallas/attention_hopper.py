@@ -31,6 +31,10 @@ static schedule built at trace time (`work_schedule`: greedy list scheduling of 
 heaviest first within groups of heads whose K and V fit in 16 MiB of L2), read by each CTA
 from a small table: causal tiles see 1 to n key blocks, and round robin over them left some
 CTAs 9% more work than others (s16-1: 5% slower at D128, 43% at D64 than a CTA a tile).
+Equal tiles (no mask) whose last round would leave half the CTAs idle or more have that
+round's tiles split over their key blocks, the parts' (o, lse) merged after the kernel
+(`HopperAttnTiles.split_tail`, `tail_schedule`; H100, s49-1: B4 H32 T4096 D128 1.933 ->
+1.883 ms).
 H200, interleaved medians: without masks (s16-1, round robin, which the schedule deals equal
 tiles) B4 H32 T4096 D128 1.895 ms against 2.008 with a CTA a tile (cuDNN 1.918), GQA 32/8
 1.879 against 1.945, D64 B8 H16 T2048 0.312 against 0.344 (cuDNN 0.346); causal (s17-3)

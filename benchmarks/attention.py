@@ -553,4 +553,5 @@ if __name__ == "__main__":
         "l2_share": perf_l2_share, "fwd_order": perf_fwd_order,
         "persistent_overlap": perf_persistent_overlap, "check_block_k": check_block_k,
         "overlap": lambda: (check_overlap(), perf_overlap()),
-        "split_tail": lambda: (check_split_tail(), perf_split_tail())})
+        "split_tail": lambda: (check_split_tail(), perf_split_tail()),
+        "perf_split_tail": perf_split_tail})

@@ -85,11 +85,6 @@ def _call_kernel(pallas_fn: Callable, args: tuple, kwargs: dict) -> Any:
     seen (`_jitted.cache_clear()` forgets every program)."""
     # Resolved here, so that the key holds the mode (JAXFUSE_INTERPRET read at each call).
     kwargs = dict(kwargs, interpret=resolve_interpret(kwargs.get("interpret")))
-    # Hopper kernels forced in interpret mode run in Mosaic GPU's interpreter, whose ordered
-    # IO effects jax 0.10.2 cannot lower under a jit through custom_partitioning
-    # (KeyError(OrderedIOEffect)): those calls keep the eager path.
-    if kwargs["interpret"] and getattr(kwargs.get("block_sizes"), "hopper", None):
-        return pallas_fn(*args, **kwargs)
     leaves, tree = jax.tree.flatten((args, kwargs))
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return pallas_fn(*args, **kwargs)

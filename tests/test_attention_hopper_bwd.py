@@ -142,7 +142,7 @@ def test_hopper_backward_matches_reference(dtype, hq, hkv, tk, deterministic, op
         q, k, v, return_lse=True, deterministic=deterministic, block_sizes=_blocks(**tiles),
         **opts)
     r = lambda q, k, v: ref.attention(q, k, v, return_lse=True, **opts)
-    run, run_ref = jax.tree.map(lambda h: (jax.vmap(h) if vmapped else h),
+    run, run_ref = jax.tree.map(lambda h: jax.jit(jax.vmap(h) if vmapped else h),
                                 (functools.partial(grads, f), functools.partial(grads, r)))
     jaxpr = str(jax.make_jaxpr(run)(q, k, v, do, dlse))
     want = _kernels(d, deterministic, tiles.get("fused_dq"), tiles.get("fixed_dq", False),

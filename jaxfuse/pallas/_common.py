@@ -68,6 +68,15 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return jax.default_backend() == "cpu"
 
 
+def mosaic_interpreted(interpret: bool | None, block_sizes) -> bool:
+    """Whether a call runs forced Hopper kernels (`block_sizes.hopper`) in Mosaic GPU's
+    interpreter. Its simulated memory and barriers are ordered IO callbacks, which
+    `jax.experimental.custom_partitioning` cannot lower inside a jit (a KeyError naming
+    OrderedIOEffect, jax 0.10-0.12): such calls run on one device, unpartitioned
+    (`jaxfuse.sharding.partitioned(..., partition=False)`)."""
+    return resolve_interpret(interpret) and bool(getattr(block_sizes, "hopper", None))
+
+
 @functools.lru_cache(maxsize=None)
 def num_multiprocessors() -> int:
     """Streaming multiprocessors of the default device (132 on an H200); 1 on a CPU."""

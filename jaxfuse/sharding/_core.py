@@ -138,11 +138,17 @@ def placed_for(layout: Layout, args: Sequence[jax.Array]) -> tuple:
         return tuple(jax.sharding.reshard(a, s) for a, s in zip(args, in_specs))
 
 
-def partitioned(local: Callable, layout: Layout, args: Sequence[jax.Array]) -> tuple:
-    """`local(plan, *args)` (a tuple of arrays) run per shard; see the module docstring."""
+def partitioned(local: Callable, layout: Layout, args: Sequence[jax.Array],
+                partition: bool = True) -> tuple:
+    """`local(plan, *args)` (a tuple of arrays) run per shard; see the module docstring.
+    `partition=False` (kernels in Mosaic GPU's interpreter, `_common.mosaic_interpreted`):
+    outside an Explicit mesh `local` runs once on the whole arrays, without
+    custom_partitioning, which cannot lower their ordered IO effects under a jit."""
     args = tuple(args)
     found = _auto_axes.explicit_mesh(args)
     if found is None:
+        if not partition:
+            return tuple(local({}, *args))
         return _auto(local, layout)(*args)
     mesh, enter = found
     with enter():
@@ -208,7 +214,7 @@ def _auto(local: Callable, layout: Layout):
 
 def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
            n_out: int, diff: Sequence[bool], saved: Sequence[bool] | None = None, *,
-           name: str) -> Callable:
+           name: str, partition: bool = True) -> Callable:
     """A differentiable op of which both passes run per shard.
 
     `fwd(plan, *args)` returns its `n_out` outputs followed by extra residuals; the backward's
@@ -231,15 +237,18 @@ def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
     array too. Arguments are not named: a name makes a new value, and an argument that is a
     slice of a `lax.scan`'s inputs (a layer's weight) would then get its own stacked copy; name
     them where they are made where they are worth keeping (the model names attention's q, k, v).
+
+    `partition`: as `partitioned`'s, for both passes.
     """
     tag = residual_name(name)
 
     @jax.custom_vjp
     def op(*args):
-        return partitioned(fwd, fwd_layout, args)[:n_out]
+        return partitioned(fwd, fwd_layout, args, partition)[:n_out]
 
     def op_fwd(*args):
-        outs = tuple(checkpoint_name(o, tag) for o in partitioned(fwd, fwd_layout, args))
+        outs = tuple(checkpoint_name(o, tag)
+                     for o in partitioned(fwd, fwd_layout, args, partition))
         res = (*args, *outs)
         keep = (True,) * len(res) if saved is None else tuple(saved)
         if len(keep) != len(res):
@@ -247,7 +256,7 @@ def vjp_op(fwd: Callable, bwd: Callable, fwd_layout: Layout, bwd_layout: Layout,
         return outs[:n_out], tuple(r for r, k in zip(res, keep) if k)
 
     def op_bwd(res, cts):
-        grads = iter(partitioned(bwd, bwd_layout, (*res, *cts)))
+        grads = iter(partitioned(bwd, bwd_layout, (*res, *cts), partition))
         return tuple(next(grads) if d else None for d in diff)
 
     op.defvjp(op_fwd, op_bwd)

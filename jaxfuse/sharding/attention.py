@@ -129,7 +129,8 @@ def _flash_op(hkv: int, groups: int, self_attention: bool, segments: bool, causa
     bwd = Layout((q_dims, kv, kv, *segs, q_dims, lse_dims, lse_dims, q_dims, lse_dims),
                  (q_dims, kv, kv), splittable, sizes, multiples)
     return vjp_op(functools.partial(_flash_fwd, cfg), functools.partial(_flash_bwd, cfg), fwd,
-                  bwd, n_out=2, diff=(True, True, True) + (False,) * len(segs), name="attention")
+                  bwd, n_out=2, diff=(True, True, True) + (False,) * len(segs), name="attention",
+                  partition=not C.mosaic_interpreted(interpret, block_sizes))
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, q_segment_ids=None,

@@ -100,16 +100,19 @@ def _vjp_local(local, n_args: int, diff, summed=(), shape_only=()):
     return bwd
 
 
-def _simple_op(name, local, operands, results, splittable, diff, summed=(), shape_only=()):
+def _simple_op(name, local, operands, results, splittable, diff, summed=(), shape_only=(),
+               partition=True):
     """A differentiable op whose backward is `_vjp_local` (no residuals but its inputs, less
-    those in `shape_only`, which the backward reads for their shape only: see `_vjp_local`)."""
+    those in `shape_only`, which the backward reads for their shape only: see `_vjp_local`);
+    `partition` as `_core.partitioned`'s."""
     n = len(operands)
     fwd = Layout(operands, results, splittable)
     kept = tuple(i not in shape_only for i in range(n))
     bwd = Layout((*(d for d, k in zip(operands, kept) if k), *results),
                  tuple(d for d, ok in zip(operands, diff) if ok), splittable)
     return vjp_op(local, _vjp_local(local, n, diff, summed, shape_only), fwd, bwd,
-                  n_out=len(results), diff=diff, saved=kept + (False,) * len(results), name=name)
+                  n_out=len(results), diff=diff, saved=kept + (False,) * len(results), name=name,
+                  partition=partition)
 
 
 # ---- swiglu ----------------------------------------------------------------------------------
@@ -119,7 +122,8 @@ def _swiglu_op(ndim: int, interpret, block_sizes):
     x = (*lead(ndim - 1), "f")
     local = lambda plan, g, u: (_p_swiglu.swiglu(g, u, interpret=interpret,
                                                  block_sizes=block_sizes),)
-    return _simple_op("swiglu", local, (x, x), (x,), x, (True, True))
+    return _simple_op("swiglu", local, (x, x), (x,), x, (True, True),
+                      partition=not C.mosaic_interpreted(interpret, block_sizes))
 
 
 def swiglu(gate, up, *, interpret=None, block_sizes=None):
@@ -164,20 +168,22 @@ def _swiglu_linear_op(ndim: int, interpret, block_sizes):
     product = lambda plan, g, u: (_p_swiglu.swiglu(g, u, **kw),)
     grads = lambda plan, g, u, ds: _p_swiglu.swiglu_grads(g, u, ds, **kw)
     fwd, bwd = Layout((x, x), (x,), x), Layout((x, x, x), (x, x, x), x)
+    partition = not C.mosaic_interpreted(interpret, block_sizes)
 
     # The kernels run per shard; the projections are XLA's matmuls, which XLA partitions (a
     # split F is a split contraction: XLA sums the partial products, Megatron's row-parallel
     # down projection).
     @jax.custom_vjp
     def op(g, u, w):
-        return _project(partitioned(product, fwd, (g, u))[0], w)
+        return _project(partitioned(product, fwd, (g, u), partition)[0], w)
 
     def op_fwd(g, u, w):
         return op(g, u, w), (g, u, w)      # not the product: the backward rebuilds it
 
     def op_bwd(res, dout):
         g, u, w = res
-        dg, du, s = partitioned(grads, bwd, (g, u, _project_input_grad(dout, w, g)))
+        dg, du, s = partitioned(grads, bwd, (g, u, _project_input_grad(dout, w, g)),
+                                partition)
         return dg, du, _project_weight_grad(s, dout, w)
 
     op.defvjp(op_fwd, op_bwd)

@@ -98,7 +98,6 @@ def test_hopper_forward_hides_masked_garbage(stages, overlap):
     v = randn(kv, (1, 256, 1, 64), jnp.bfloat16)
     blocks = AttnBlocks(hopper=HopperAttnTiles(consumers=2, stages=stages, overlap=overlap,
                                                backward=False))
-    # eager: Mosaic GPU's interpreter (io callbacks) does not run under jit's partitioning
     f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, sliding_window=40, return_lse=True,
                                                 block_sizes=blocks)
     o0, lse0 = f(q, k, v)
@@ -138,7 +137,8 @@ def test_hopper_backward_hides_masked_garbage(clean, fixed):
     v = randn(kv, (1, 256, 1, 64), jnp.bfloat16)
     blocks = AttnBlocks(hopper=HopperAttnTiles(
         consumers=2, backward=HopperBwdTiles(clean=clean, consumers=2, fixed_dq=fixed)))
-    run = lambda k, v: _run("pallas", blocks, q, k, v, do, sliding_window=40)
+    # jitted: one compile of the vjp for every call below (eagerly each primitive compiled alone)
+    run = jax.jit(lambda k, v: _run("pallas", blocks, q, k, v, do, sliding_window=40))
     jaxpr = str(jax.make_jaxpr(lambda k, v: run(k, v))(k, v))
     assert ("jaxfuse_flash_bwd_dkv_dq_fixed_hopper" in jaxpr) == fixed
     assert ("jaxfuse_flash_bwd_dq_hopper" in jaxpr) != fixed
@@ -168,7 +168,8 @@ def test_fixed_point_dq_rows_ignore_finite_garbage_they_do_not_see():
     v = randn(kv, (1, 256, 1, 64), jnp.bfloat16)
     blocks = AttnBlocks(hopper=HopperAttnTiles(consumers=2,
                                                backward=HopperBwdTiles(fixed_dq=True)))
-    run = lambda k, v: _run("pallas", blocks, q, k, v, do, sliding_window=40)[1][0]
+    # jitted: one compile of the vjp for every call below (eagerly each primitive compiled alone)
+    run = jax.jit(lambda k, v: _run("pallas", blocks, q, k, v, do, sliding_window=40)[1][0])
     assert "jaxfuse_flash_bwd_dkv_dq_fixed_hopper" in str(jax.make_jaxpr(run)(k, v))
     dq0 = run(k, v)
     np.testing.assert_array_equal(run(k.at[:, 60].set(1e4), v.at[:, 60].set(1e4)), dq0)

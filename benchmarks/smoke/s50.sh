@@ -5,7 +5,7 @@
 # perf_split_tail`, no compiled checks: s49-1 ran those), then ptxas's report of the backward
 # pair in one launch and in two (`hopper_ptxas.py one`: why one launch loses without groups).
 . "$(dirname "$0")/_lib.sh" "$@"
-timeout -s KILL 240 python benchmarks/attention.py perf_split_tail "$out/split.json" \
+timeout -s KILL 200 python benchmarks/attention.py perf_split_tail "$out/split.json" \
     > "$out/split.log" 2>&1
 echo "split rc=$?"
 grep -a "interleaved\|FAIL\|rror" "$out/split.log" | sed 's/  */ /g' | cut -c1-220

@@ -81,7 +81,8 @@ def _grads(q, k, v, do, tiles, kernel=None, **opts):
     f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**tiles), **opts)
     if kernel is not None:
         assert kernel in str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
-    return jax.vjp(f, q, k, v)[1](do)
+    # jitted: one compile of the whole vjp (eagerly each primitive compiled on its own)
+    return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))(q, k, v, do)
 
 
 def _blocks(fwd_consumers=2, **bwd):

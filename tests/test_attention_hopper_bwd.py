@@ -79,10 +79,11 @@ def _grads(q, k, v, do, tiles, kernel=None, **opts):
     tiles `tiles` (`_blocks`' keywords) against the cotangent do, interpreted; `kernel`: the
     name of a backward kernel the program must run."""
     f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(**tiles), **opts)
-    if kernel is not None:
-        assert kernel in str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
     # jitted: one compile of the whole vjp (eagerly each primitive compiled on its own)
-    return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))(q, k, v, do)
+    run = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+    if kernel is not None:
+        assert kernel in str(jax.make_jaxpr(run)(q, k, v, do))
+    return run(q, k, v, do)
 
 
 def _blocks(fwd_consumers=2, **bwd):

@@ -6,7 +6,8 @@ peers, all in one process, and print one table (also written as JSON).
 Sections: rows (softmax, norms, cross-entropy), attention, decode, lce (linear + cross-entropy),
 hardening (issue 19's extreme-value and NaN cases, compiled; checks only), block (dropout
 family, add_norm, swiglu, rope, embedding), rope_qkv (the q/k/v split with RoPE).
-No section named = all. `--no-sweep` skips the block-size sweeps. Peers that are not installed
+No section named = all. `--no-sweep` skips the block-size sweeps; `--no-check` the checks,
+`--no-perf` the timings (a correctness pass over every section). Peers that are not installed
 (tokamax) are reported as such, not fatal.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-perf", action="store_true")
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"device={dev.device_kind} jax={jax.__version__} backend={jax.default_backend()}")
@@ -46,7 +48,8 @@ def main() -> None:
             continue
         if not args.no_check:
             mod.check()
-        mod.perf(copy_bw, sweep=not args.no_sweep)
+        if not args.no_perf:
+            mod.perf(copy_bw, sweep=not args.no_sweep)
         _timing.save(args.out)
     _timing.save(args.out)
 

@@ -761,6 +761,11 @@ def _x64_cases():
             rope_base=100.0, impl=i)),
         ("beam_top_k", lambda i: jaxfuse.beam_top_k(lp, jnp.zeros((2, 3), jnp.float32), 3,
                                                     impl=i)),
+        # Its kernel summed int32 parents' entries into int64 under x64, then bitcast them
+        # to float32 pairs: "Invalid shape for 'swap'".
+        ("beam_step", lambda i: jaxfuse.beam_step(
+            randn(k[2], (2, 3, 5)), lp[..., 0], jnp.arange(6).reshape(2, 3),   # int64 lengths
+            jnp.array([[False, True, False]] * 2), eos_id=1, impl=i)),
         ("reorder_beams", lambda i: jaxfuse.reorder_beams(
             (jnp.arange(36.0, dtype=jnp.float32).reshape(2, 3, 6),), jnp.array([[2, 0, 1]] * 2),
             jnp.array([1, 1]), jnp.array([3, 4]), impl=i)),
@@ -791,6 +796,31 @@ class TestX64:
                     assert a.dtype == b.dtype, name
                     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5,
                                                atol=2e-5, err_msg=name)
+
+    def test_decoding_follows_the_run_without_x64(self):
+        """greedy and beam_search with x64 on give what they give without it: greedy's
+        token write failed (lax refused an int64 0 beside the int32 step), beam search built
+        float64 start scores (which beam_step refuses) and its kernel split int64 sums."""
+        from jaxfuse import model as M
+        cfg = M.Config(vocab_size=32, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64,
+                       max_len=16)
+        params = M.init(jax.random.key(3), cfg)
+        lengths = np.array([4, 2])
+        prompts = np.array([[3, 4, 5, 6], [7, 8, 0, 0]])
+
+        def decode(impl):
+            p, n = jnp.asarray(prompts), jnp.asarray(lengths)   # int64 with x64 on
+            return (M.greedy(params, cfg, p, n, max_new_tokens=3, eos_id=2, impl=impl),
+                    M.beam_search(params, cfg, p, n, beam_size=2, max_new_tokens=3, eos_id=2,
+                                  impl=impl))
+        for impl in ("pallas", "reference"):
+            want = decode(impl)
+            with jax.enable_x64(True):
+                got = decode(impl)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                assert a.dtype == b.dtype, impl
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5,
+                                           err_msg=impl)
 
     def test_hopper_kernels_step_aside(self, monkeypatch):
         """The Mosaic GPU kernels' index arithmetic is int32, and their sm90 lowering failed

@@ -98,7 +98,8 @@ def greedy(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: jax.Ar
         tok = jnp.where(done, eos_id, jnp.argmax(logits, axis=-1).astype(jnp.int32))
         # t lies in [0, max_new_tokens): lax's update, without `.at[]`'s normalization of a
         # negative index and its bounds check (a kernel of their own in every step).
-        out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, t))
+        # (An int32 0 beside t: with jax_enable_x64 a Python 0 is int64, which lax refuses.)
+        out = jax.lax.dynamic_update_slice(out, tok[:, None], (jnp.int32(0), t))
         done = done | (tok == eos_id)
         logits, cache = decoding.decode_step(params, cache, tok, cfg, impl=impl)
         return t + 1, logits, cache, out, done
@@ -139,7 +140,8 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
     logits = constrain(logits, "batch", None)
     cache = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), cache)
     logits = jnp.repeat(logits, k, axis=0)                                   # [B*K, V]
-    raw = jnp.where(jnp.arange(k)[None] == 0, 0.0, -jnp.inf) * jnp.ones((b, 1))
+    raw = (jnp.where(jnp.arange(k)[None] == 0, 0.0, -jnp.inf).astype(jnp.float32)
+           * jnp.ones((b, 1), jnp.float32))          # float32 with jax_enable_x64 on too
     state = (jnp.int32(0), logits, cache, jnp.full((b, k, max_new_tokens), eos_id, jnp.int32),
              raw, jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), bool))
     # [B, K, ...] arrays pinned to a split of their B alone, as the ops' rules take them: a
@@ -157,7 +159,8 @@ def beam_search(params: dict, cfg: Config, prompts: jax.Array, prompt_lengths: j
             rows(logits.reshape(b, k, v)), raw, length, done, eos_id=eos_id,
             length_penalty=length_penalty, impl=impl))
         tokens = jax.lax.dynamic_update_slice(
-            jnp.take_along_axis(tokens, parent[..., None], 1), tok[..., None], (0, 0, t))
+            jnp.take_along_axis(tokens, parent[..., None], 1), tok[..., None],
+            (jnp.int32(0), jnp.int32(0), t))
         # Each beam takes its parent's K/V at the positions decoded so far; the prompt's are the
         # same in every beam of a row (`reorder_beams`: in place, one launch for all layers).
         n = rows(cache["lengths"].reshape(b, k)[:, 0])                       # prompt + t

@@ -122,7 +122,10 @@ def _rerank(keys, idx, logp, parents, v: int, eos_id: int, interpret: bool):
             vals = load(ref_, 0, out_w, k)
             out = jnp.zeros_like(parent)
             for i in range(k):   # k is small (<= _MAX_PASSES) and static
-                vi = jnp.sum(jnp.where(beam == i, vals, 0), axis=-1, keepdims=True)
+                # dtype: under jax_enable_x64 an int32 sum is int64, which the bitcast to
+                # float32 below would split in two.
+                vi = jnp.sum(jnp.where(beam == i, vals, 0), axis=-1, keepdims=True,
+                             dtype=jnp.int32)
                 out = jnp.where(parent == i, vi, out)
             return out
 

@@ -359,6 +359,26 @@ class PresetTest(chex.TestCase):
         width = jax.jit(lambda c, x: x * c.d_model)(cfg, jnp.float32(2.0))
         self.assertEqual(float(width), 2.0 * cfg.d_model)
 
+    def test_head_dim_the_kernels_do_not_take(self):
+        # Config takes any even head dim (the references run it); the Pallas path refused
+        # head_dim 12 only deep in flash_attention's tracing, in the kernel's terms. Now each
+        # model entry point says it in the Config's, before tracing; the reference runs.
+        cfg = M.Config(vocab_size=37, d_model=48, n_heads=4, n_kv_heads=2, d_ff=80, max_len=24)
+        params = M.init(jax.random.key(0), cfg)
+        tokens = jnp.array([[5, 6, 7]])
+        calls = (lambda impl: M.apply(params, tokens, cfg, impl=impl),
+                 lambda impl: M.greedy(params, cfg, tokens, jnp.array([3]), max_new_tokens=2,
+                                       eos_id=2, impl=impl),
+                 lambda impl: M.decode_step(params, M.init_cache(cfg, 1), tokens[:, 0], cfg,
+                                            impl=impl))
+        for call in calls:
+            with self.assertRaisesRegex(ValueError, "Config\\(d_model=48, n_heads=4\\) gives "
+                                        "head_dim=12, .* or run impl='reference'"):
+                call("pallas")
+            self.assertTrue(all(bool(jnp.isfinite(x).all())
+                                for x in jax.tree.leaves(call("reference"))
+                                if jnp.issubdtype(x.dtype, jnp.floating)))
+
     def test_bad_config(self):
         with self.assertRaisesRegex(ValueError, "dtype='int32'"):
             M.Config(dtype="int32")

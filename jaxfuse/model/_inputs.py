@@ -31,6 +31,20 @@ def targets(y, cfg: Config) -> None:
                       f"cfg.vocab_size={cfg.vocab_size} (-100: no target)", ignore=-100)
 
 
+def kernels(cfg: Config, impl: str) -> None:
+    """The Pallas attention kernels' head dims (Config takes any even one: the references do)."""
+    from jaxfuse.pallas.attention import check_head_dim
+    if impl == "pallas":
+        try:
+            check_head_dim(cfg.head_dim)
+        except ValueError as e:      # the kernels' rule, said in the model's terms
+            rule = str(e).split(": ", 1)[1]
+            raise ValueError(f"Config(d_model={cfg.d_model}, n_heads={cfg.n_heads}) gives "
+                             f"head_dim={cfg.head_dim}, which the Pallas attention kernels do "
+                             f"not take ({rule}): pick d_model and n_heads for one, or run "
+                             f"impl='reference'") from None
+
+
 def head_mask(mask, cfg: Config) -> None:
     if mask is not None and tuple(mask.shape) != (cfg.n_layers, cfg.n_heads):
         raise ValueError(f"head_mask.shape={tuple(mask.shape)} must be [n_layers, n_heads] = "

@@ -168,6 +168,7 @@ def decode_step(params: dict, cache: dict, tokens: jax.Array, cfg: Config, *,
     donate_argnums=1)` updates the cache in place (greedy and beam search do it in their loop)."""
     _inputs.tokens(tokens, cfg, ndim=1)
     _inputs.head_mask(head_mask, cfg)
+    _inputs.kernels(cfg, impl)
     _inputs.cache(cache, cfg, tokens.shape[0], 1, after_lengths=True)
     p = decode_params(params, cfg)
     lengths = cache["lengths"]                              # [B], the same for every layer

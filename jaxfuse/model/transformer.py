@@ -216,6 +216,7 @@ def hidden(params: dict, tokens: jax.Array, cfg: Config, *, impl: str = "pallas"
     `key` turns dropout on (cfg.dropout > 0); without it the pass is deterministic."""
     _inputs.tokens(tokens, cfg)
     _inputs.head_mask(head_mask, cfg)
+    _inputs.kernels(cfg, impl)
     p = cast_outer(params, cfg)          # the layers' weights are cast inside the loop
     b, t = tokens.shape
     positions = constrain(jnp.broadcast_to(jnp.arange(t), (b, t)), "batch", "seq")

@@ -192,6 +192,23 @@ def test_gelu_tanh_is_float32_accurate():
     assert np.abs(grad - want_grad).max() <= np.abs(xla - want_grad).max()
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "relu"])
+def test_activation_gradients_stay_finite_at_huge_inputs(activation):
+    """Finite inputs give finite gradients, however large: gelu_tanh's were NaN at |z| ~ 1e19
+    on both paths (its slope's z^2 overflowed to inf, times a gate slope of 0), as autodiff of
+    jax.nn.gelu(approximate=True) still is. At such z every activation's slope is its limit,
+    0 on the left and 1 on the right; in between, kernel and reference agree."""
+    z = jnp.array([[-3e38, -1e30, -1e19, -100.0, -20.5, -19.5, -3.0, 0.5, 19.5, 20.5, 100.0, 1e19,
+                    1e30, 3e38]], jnp.float32)
+    grads = {impl: np.asarray(jax.grad(lambda x: jaxfuse.bias_act_dropout(
+        x, None, activation=activation, impl=impl).sum())(z)) for impl in ("pallas", "reference")}
+    for impl, g in grads.items():
+        assert np.isfinite(g).all(), (impl, g)
+        np.testing.assert_array_equal(g[0, :3], 0.0, err_msg=impl)
+        np.testing.assert_array_equal(g[0, -3:], 1.0, err_msg=impl)
+    np.testing.assert_allclose(grads["pallas"], grads["reference"], rtol=1e-5, atol=1e-6)
+
+
 def _ops(op, blocks, rate, key, activation="gelu"):
     """(pallas fn, reference fn) over the op's array arguments."""
     kw = dict(rate=rate, key=key)

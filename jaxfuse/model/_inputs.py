@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxfuse import _checks
 from jaxfuse.model.config import Config
+from jaxfuse.pallas.attention import check_head_dim
 
 
 def tokens(x, cfg: Config, name: str = "tokens", ndim: int = 2) -> None:
@@ -33,15 +34,12 @@ def targets(y, cfg: Config) -> None:
 
 def kernels(cfg: Config, impl: str) -> None:
     """The Pallas attention kernels' head dims (Config takes any even one: the references do)."""
-    from jaxfuse.pallas.attention import check_head_dim
     if impl == "pallas":
         try:
             check_head_dim(cfg.head_dim)
-        except ValueError as e:      # the kernels' rule, said in the model's terms
-            rule = str(e).split(": ", 1)[1]
-            raise ValueError(f"Config(d_model={cfg.d_model}, n_heads={cfg.n_heads}) gives "
-                             f"head_dim={cfg.head_dim}, which the Pallas attention kernels do "
-                             f"not take ({rule}): pick d_model and n_heads for one, or run "
+        except ValueError as e:      # the kernels' rule, traced back to the Config
+            raise ValueError(f"Config(d_model={cfg.d_model}, n_heads={cfg.n_heads}): {e}; pick "
+                             f"d_model and n_heads for a head dim it takes, or run "
                              f"impl='reference'") from None
 
 

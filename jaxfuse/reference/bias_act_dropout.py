@@ -13,6 +13,7 @@ import numpy as np
 from jaxfuse import _checks
 from jaxfuse.reference import dropout as _dropout
 
+
 def _gelu_tanh(z):
     """jax.nn.gelu(z, approximate=True), whose values it gives, with z clamped to [-20, 20]
     inside tanh, where tanh is +-1 in float32 already: autodiff of the unclamped form made

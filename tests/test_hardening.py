@@ -813,14 +813,14 @@ class TestX64:
             return (M.greedy(params, cfg, p, n, max_new_tokens=3, eos_id=2, impl=impl),
                     M.beam_search(params, cfg, p, n, beam_size=2, max_new_tokens=3, eos_id=2,
                                   impl=impl))
-        for impl in ("pallas", "reference"):
-            want = decode(impl)
-            with jax.enable_x64(True):
-                got = decode(impl)
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-                assert a.dtype == b.dtype, impl
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5,
-                                           err_msg=impl)
+        # The Pallas path alone: the search loop is the same code with either impl, and
+        # beam_step's reference ran under x64 already (the every-op test above).
+        want = decode("pallas")
+        with jax.enable_x64(True):
+            got = decode("pallas")
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert a.dtype == b.dtype
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
     def test_hopper_kernels_step_aside(self, monkeypatch):
         """The Mosaic GPU kernels' index arithmetic is int32, and their sm90 lowering failed

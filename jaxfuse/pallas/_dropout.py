@@ -25,6 +25,7 @@ from jaxfuse import _philox
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _rng, _rows
 from jaxfuse.pallas._rows import RowBlocks
+from jaxfuse.reference.bias_act_dropout import GELU_TANH_FLAT
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -62,10 +63,6 @@ def _sigmoid(z, recip=C.exact_recip):
     return recip(1.0 + jnp.exp(-z))
 
 
-# |z| past which gelu_tanh's gate is 0 or 1 in float32 (`act_grad`; the reference's too).
-_GELU_TANH_FLAT = 20.0
-
-
 def _tanh_gate(z, recip):
     """gelu_tanh's 0.5 (1 + tanh(y)) = sigmoid(2 y), y = sqrt(2 / pi) (z + 0.044715 z^3), by one
     exp2 and one reciprocal, with no cancellation where tanh(y) nears -1 (the tail keeps its
@@ -99,7 +96,7 @@ def act_grad(name: str, z, recip=C.exact_recip):
     if name == "gelu_tanh":
         # Past |z| = 20 the gate is 0 or 1 in float32 (2y > 600) and the slope its limit; the
         # clamp keeps z^2 in y' finite there (at |z| ~ 1e19 it was inf times s (1 - s) = 0: NaN).
-        z = jnp.clip(z, -_GELU_TANH_FLAT, _GELU_TANH_FLAT)
+        z = jnp.clip(z, -GELU_TANH_FLAT, GELU_TANH_FLAT)
         s, dy = _tanh_gate(z, recip)                   # d/dz z s(2y) = s + 2 z s (1 - s) y'
         return s + 2.0 * z * s * (1.0 - s) * dy
     if name == "relu":

@@ -14,11 +14,16 @@ from jaxfuse import _checks
 from jaxfuse.reference import dropout as _dropout
 
 
+# |z| past which gelu_tanh's gate (0.5 (1 + tanh)) is 0 or 1 in float32; both paths clamp z
+# there for the slope (the kernels' `_dropout.act_grad` too).
+GELU_TANH_FLAT = 20.0
+
+
 def _gelu_tanh(z):
-    """jax.nn.gelu(z, approximate=True), whose values it gives, with z clamped to [-20, 20]
-    inside tanh, where tanh is +-1 in float32 already: autodiff of the unclamped form made
-    0 * inf = NaN gradients at |z| ~ 1e19 (sech^2 0 times the cube's inf)."""
-    zc = jnp.clip(z, -20.0, 20.0)
+    """jax.nn.gelu(z, approximate=True), whose values it gives, with z clamped to
+    +-GELU_TANH_FLAT inside tanh, where tanh is +-1 in float32 already: autodiff of the
+    unclamped form made 0 * inf = NaN gradients at |z| ~ 1e19 (sech^2 0 times the cube's inf)."""
+    zc = jnp.clip(z, -GELU_TANH_FLAT, GELU_TANH_FLAT)
     sqrt_2_over_pi = np.sqrt(2 / np.pi).astype(z.dtype)        # jax.nn's arithmetic, in order
     return z * (0.5 * (1.0 + jnp.tanh(sqrt_2_over_pi * (zc + 0.044715 * (zc ** 3)))))
 

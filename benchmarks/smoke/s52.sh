@@ -1,0 +1,15 @@
+#!/bin/bash
+# Session s52, any card (an H200 when one comes: no H200 table since s35). $2:
+#   "first" (~450 s): the direct-store probe (NOTES s51 item 6), the model race with decoding,
+#       and the attention table against cuDNN and tokamax (.peers carried);
+#   "checks SECTIONS": s51.sh's correctness pass for SECTIONS (420 s, no backward checks).
+. "$(dirname "$0")/_lib.sh" "$@"
+probe() {
+    timeout -s KILL 90 python benchmarks/probe_direct_store.py > "$out/probe.log" 2>&1
+    echo "probe rc=$?"; tail -3 "$out/probe.log" | cut -c1-300
+}
+case "${2:-first}" in
+    first) probe; model_run model 250 train157 train1b decode --no-reference --two-launches
+           attn_table 230 ;;
+    checks) bash "$(dirname "$0")/s51.sh" "$out" 420 0 "$3" ;;
+esac

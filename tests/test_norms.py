@@ -8,7 +8,7 @@ from absl.testing import parameterized
 
 import jaxfuse
 from jaxfuse import RowBlocks
-from jaxfuse.reference.layer_norm import welford_merge
+from jaxfuse.reference.layer_norm import scaled_merge, welford_merge
 from tests._util import DTYPES, assert_close, keys, randn, vjp_both
 
 # Whole rows; rows and columns split at awkward places (dweight summed over 2 groups of rows);
@@ -114,6 +114,51 @@ class NormTest(chex.TestCase):
             y = jaxfuse.rms_norm(x, w, block_sizes=blocks)
             assert_close(y, jaxfuse.rms_norm(x, w, impl="reference"), jnp.float32, scale=5.0)
 
+    @parameterized.product(kind=["layer_norm", "rms_norm"], dtype=[jnp.float32, jnp.bfloat16],
+                           blocks=[None, RowBlocks(2, 8)])
+    def test_huge_rows_are_normalized_not_zeroed(self, kind, dtype, blocks):
+        """Rows whose squares overflow float32 (max|x| 1e19 to 1e33) are normalized like any
+        other (they were all zeros: rsqrt(inf) = 0). With 8-column tiles, the last row is huge
+        in one tile only: states at different scales merge at the larger one. Gradients
+        against the reference, compared after multiplying by the row's magnitude (they are
+        ~1/|x|: an absolute tolerance would pass anything). Not 1e37: its gradients, ~1e-37,
+        lose bits to float32's subnormal range in both impls."""
+        kx, kw, kc = keys(41, 3)
+        mags = np.array([1e19, 1e25, 1e33, 1.0, 1.0], np.float32)[:, None]
+        x = np.asarray(randn(kx, (5, 37), shift=0.5)) * mags
+        x[4, 8:16] *= np.float32(1e30)
+        x = jnp.asarray(x).astype(dtype)
+        w = randn(kw, (37,), dtype)
+        b = randn(kc, (37,), dtype) if kind == "layer_norm" else None
+        x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+        mean = x64.mean(-1, keepdims=True) if kind == "layer_norm" else 0.0
+        var = ((x64 - mean) ** 2).mean(-1, keepdims=True)
+        want = (x64 - mean) / np.sqrt(var + (1e-5 if kind == "layer_norm" else 1e-6)) * w64
+        if b is not None:
+            want = want + np.asarray(b, np.float64)
+        f, fr, ps = _ops(kind, blocks, [w, b])
+        ct = randn(keys(42, 1)[0], (5, 37), dtype)
+        (y, g), (yr, gr) = vjp_both(f, fr, (x, *ps), ct)
+        assert_close(y, want, dtype)
+        assert_close(yr, want, dtype)
+        row_mag = np.abs(x64).max(-1, keepdims=True)
+        self.assertTrue(np.all(np.isfinite(np.asarray(g[0], np.float64) * row_mag)))
+        assert_close(np.asarray(g[0], np.float64) * row_mag,
+                     np.asarray(gr[0], np.float64) * row_mag, dtype, scale=4.0)
+        assert_close(g[1:], gr[1:], dtype, scale=4.0)
+
+    def test_rows_below_2_41_are_not_rescaled(self):
+        """max|x| < 2^41: s = 1 and the reference is today's formula bit for bit."""
+        x = randn(keys(43, 1)[0], (6, 33), scale=3e11)
+        self.assertLess(float(jnp.abs(x).max()), 2.0 ** 41)
+        y = jaxfuse.rms_norm(x, impl="reference")
+        np.testing.assert_array_equal(
+            y, x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6))
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        np.testing.assert_array_equal(jaxfuse.layer_norm(x, impl="reference"),
+                                      (x - mean) * jax.lax.rsqrt(var + 1e-5))
+
     def test_welford_merge(self):
         x = np.asarray(randn(keys(7, 1)[0], (50,), shift=3.0), np.float64)
         def state(v):
@@ -130,6 +175,15 @@ class NormTest(chex.TestCase):
         a32 = np.asarray(a, np.float32)
         np.testing.assert_array_equal(np.asarray(welford_merge(a32, (0.0, 0.0, 0.0)), np.float32), a32)
         np.testing.assert_array_equal(np.asarray(welford_merge((0.0, 0.0, 0.0), a32), np.float32), a32)
+        # Scaled states (count, mean / s, m2 / s^2, s) merge at the larger s to the same state.
+        x32 = np.asarray(x, np.float32)
+        def scaled(v, s):
+            n, mean, m2 = state(np.asarray(v, np.float64))
+            return (np.float32(n), np.float32(mean / s), np.float32(m2 / s / s), np.float32(s))
+        n, mean, m2, s = scaled_merge(scaled(x32[:20], 2.0 ** 50), scaled(x32[20:], 1.0))
+        self.assertEqual(float(s), 2.0 ** 50)
+        np.testing.assert_allclose([n, mean * s, m2 * s * s / n], [50, x.mean(), x.var()],
+                                   rtol=1e-5)
 
     def test_vmap_and_jit_grad(self):
         x = randn(keys(8, 1)[0], (3, 4, 9))

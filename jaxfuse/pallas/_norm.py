@@ -4,7 +4,9 @@ Forward, per row: statistics, then y = (x - mean) * rstd * weight + bias. A row 
 tile is read once and written once. A longer row is first reduced tile by tile: LayerNorm merges
 each tile's exact `(count, mean, m2)` with the Welford/Chan rule (`welford_merge`, Chan, Golub and
 LeVeque 1979), so it stays accurate when |mean| >> std where E[x^2] - E[x]^2 cancels
-catastrophically (lecture 10, sec. 4.2); RMSNorm just sums squares.
+catastrophically (lecture 10, sec. 4.2); RMSNorm just sums squares. Both take their statistics
+of x / s, s a power of two from the tile's largest |x| (1 unless max|x| >= 2^41: huge rows'
+squares would overflow float32), and merge states at the larger s (`reference.layer_norm`).
 
 Backward (`custom_vjp`, saves x, mean, rstd), with xhat = (x - mean) * rstd and wg = weight * g:
 
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _dropout, _rows
 from jaxfuse.pallas._rows import RowBlocks
-from jaxfuse.reference.layer_norm import welford_merge
+from jaxfuse.reference.layer_norm import row_scale, scaled_merge, scaled_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,32 +47,29 @@ class _Static:
 
 
 def _tile_state(tile: _rows.Tile, center: bool):
-    """Exact statistics of one tile: (count, mean, m2) for LayerNorm, (count, 0, sum x^2) for RMS."""
-    x, valid = tile.x[0], tile.valid
+    """Exact statistics of one tile in units of its scale s: (count, mean, m2, s) for LayerNorm,
+    (count, 0, sum (x/s)^2, s) for RMSNorm."""
+    x, valid = tile.x[0], tile.valid       # x is 0 where not valid
     n = jnp.sum(valid.astype(jnp.float32), axis=-1, keepdims=True)
+    s, inv = row_scale(jnp.max(jnp.abs(x), axis=-1, keepdims=True))
+    x = x * inv
     if not center:
-        return n, jnp.zeros_like(n), jnp.sum(x * x, axis=-1, keepdims=True)
+        return n, jnp.zeros_like(n), jnp.sum(x * x, axis=-1, keepdims=True), s
     mean = jnp.sum(x, axis=-1, keepdims=True) / jnp.maximum(n, 1.0)
     d = jnp.where(valid, x - mean, 0.0)
-    return n, mean, jnp.sum(d * d, axis=-1, keepdims=True)
-
-
-def _finalize(state, eps: float):
-    n, mean, m2 = state
-    rstd = jax.lax.rsqrt(m2 / jnp.maximum(n, 1.0) + eps)
-    return mean, rstd
+    return n, mean, jnp.sum(d * d, axis=-1, keepdims=True), s
 
 
 def _stats_step(center: bool):
     def step(state, tile):
         t = _tile_state(tile, center)
-        return t if state is None else welford_merge(state, t)
+        return t if state is None else scaled_merge(state, t)
     return step
 
 
 def _forward(x2, weight, bias, st: _Static, merge=None):
     """(y, mean, rstd). `merge` (rows split across devices along the columns, `sharding.rows`)
-    combines the per-row (count, mean, m2) states of every device's columns."""
+    combines the per-row (count, mean, m2, s) states of every device's columns."""
     b = st.fwd_blocks
     n_cols = x2.shape[1]
     n_tiles = C.cdiv(n_cols, b.block_cols)
@@ -78,16 +77,17 @@ def _forward(x2, weight, bias, st: _Static, merge=None):
     step = _stats_step(st.center)
     stats = ()
     if n_tiles > 1 or merge is not None:
-        zero = lambda _: tuple(jnp.zeros((b.block_rows, 1), jnp.float32) for _ in range(3))
+        zero = lambda _: (*(jnp.zeros((b.block_rows, 1), jnp.float32) for _ in range(3)),
+                          jnp.ones((b.block_rows, 1), jnp.float32))
         if merge is None:
-            finalize, n_out = (lambda s, _: _finalize(s, st.eps)), 2
+            finalize, n_out = (lambda s, _: scaled_stats(s, st.eps)), 2
         else:
-            finalize, n_out = (lambda s, _: s), 3
+            finalize, n_out = (lambda s, _: s), 4
         stats = tuple(_rows.reduce_pass(
             zero, step, finalize, tiled=[x2], fills=[0.0], out_dtypes=(jnp.float32,) * n_out,
             blocks=b, name=f"jaxfuse_{st.name}_stats", interpret=st.interpret))
         if merge is not None:
-            stats = _finalize(merge(stats), st.eps)
+            stats = scaled_stats(merge(stats), st.eps)
         n_tiles = max(n_tiles, 2)       # the pass below reads the statistics
 
     def emit(tile):
@@ -95,7 +95,7 @@ def _forward(x2, weight, bias, st: _Static, merge=None):
             mean, rstd = tile.per_row
             row_outs = ()
         else:
-            mean, rstd = _finalize(step(None, tile), st.eps)
+            mean, rstd = scaled_stats(step(None, tile), st.eps)
             row_outs = (mean, rstd)
         y = (tile.x[0] - mean) * rstd
         cols = iter(tile.per_col)

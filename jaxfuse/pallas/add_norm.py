@@ -23,6 +23,7 @@ from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _dropout, _norm, _rows
 from jaxfuse.pallas._rows import RowBlocks
 from jaxfuse.reference import add_norm as ref
+from jaxfuse.reference.layer_norm import scaled_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,7 @@ def _forward(x2, res2, weight, bias, key_w, st: _Static):
         # y normalizes h as stored (rounded to the output dtype), as the unfused ops would.
         h = (res + x).astype(x2.dtype).astype(jnp.float32)
         h = jnp.where(tile.valid, h, 0.0)
-        mean, rstd = _norm._finalize(_norm._tile_state(tile._replace(x=(h,)), ns.center), ns.eps)
+        mean, rstd = scaled_stats(_norm._tile_state(tile._replace(x=(h,)), ns.center), ns.eps)
         y = (h - mean) * rstd
         cols = iter(tile.per_col)
         if ns.has_weight:

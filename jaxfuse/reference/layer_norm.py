@@ -10,6 +10,14 @@ m2 = sum((x - mean)^2) (Chan, Golub and LeVeque 1979):
 It is exact in exact arithmetic and, unlike var = E[x^2] - E[x]^2, never subtracts two large
 nearly equal numbers: the kernel merges per-tile states with it so that a row longer than one
 tile still needs one pass over the data and stays accurate when |mean| >> std.
+
+Huge rows. A row whose sum of squares overflows float32 (|x| ~ 1e19 and up) would give
+rsqrt(inf) = 0 and an output of zeros. So both norms take their statistics of x / s, with s a
+power of two chosen from the row's largest |x| (`row_scale`): s = 1 (nothing changes, bit for
+bit) unless max|x| >= 2^41, and then x / s < 2^41, whose squares sum without overflow. Scaling
+by a power of two is exact, so mean = s * mean(x / s) and rstd = rsqrt(var(x / s) + eps / s^2)
+/ s (`scaled_stats`). Tile states then carry their s: `(count, mean, m2, s)` in units of s,
+merged at the larger s (`scaled_merge`).
 """
 from __future__ import annotations
 
@@ -31,6 +39,39 @@ def welford_merge(a, b):
     return n, mean, m2
 
 
+SCALE_FREE_EXPONENT = 40      # rows with max|x| < 2^41 are never rescaled (s = 1)
+
+
+def row_scale(amax):
+    """(s, 1 / s): powers of two, s = 1 unless amax >= 2^41, else amax / s in [2^40, 2^41).
+
+    Bit arithmetic, not log2/exp2, so that s is exact on every backend. With x / s < 2^41 a row
+    of n < 2^46 entries sums its squares below 2^128. A NaN or inf amax gives the largest s (the
+    output is NaN, as it would be anyway)."""
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.int32)
+    e = jnp.clip((bits >> 23) - (127 + SCALE_FREE_EXPONENT), 0, 126 - SCALE_FREE_EXPONENT)
+    as_float = lambda biased: jax.lax.bitcast_convert_type(biased << 23, jnp.float32)
+    return as_float(127 + e), as_float(127 - e)
+
+
+def scaled_stats(state, eps: float):
+    """(mean, rstd) in x's units from a `(count, mean, m2, s)` state in units of s."""
+    n, mean, m2, s = state
+    inv = 1.0 / s                 # exact: s is a power of two
+    # eps / s^2 underflows to 0 for s > 2^60 or so: keep it at least float32's smallest normal
+    # (when eps is) so a constant row (m2 = 0) still gets a finite rstd. At s = 1 it is eps.
+    eps_s = jnp.maximum(eps * inv * inv, min(eps, float(jnp.finfo(jnp.float32).tiny)))
+    return mean * s, jax.lax.rsqrt(m2 / jnp.maximum(n, 1.0) + eps_s) * inv
+
+
+def scaled_merge(a, b):
+    """`welford_merge` of two `(count, mean, m2, s)` states, each first brought to the larger s
+    (an exact division by a power of two; at equal s a multiplication by 1)."""
+    s = jnp.maximum(a[3], b[3])
+    at = lambda st: (st[0], st[1] * (st[3] / s), st[2] * jnp.square(st[3] / s))
+    return (*welford_merge(at(a), at(b)), s)
+
+
 def validate(x, weight, bias, eps=1e-5) -> None:
     _checks.check_finite("eps", eps, minimum=0.0)
     _checks.check_float("x", x)
@@ -44,9 +85,12 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
     """LayerNorm over the last axis, computed in float32, returned in x.dtype."""
     validate(x, weight, bias, eps)
     xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    s, inv = row_scale(jnp.max(jnp.abs(xf), axis=-1, keepdims=True))
+    xs = xf * inv
+    mean_s = jnp.mean(xs, axis=-1, keepdims=True)
+    m2_s = jnp.sum(jnp.square(xs - mean_s), axis=-1, keepdims=True)
+    mean, rstd = scaled_stats((x.shape[-1], mean_s, m2_s, s), eps)
+    y = (xf - mean) * rstd
     if weight is not None:
         y = y * weight.astype(jnp.float32)
     if bias is not None:

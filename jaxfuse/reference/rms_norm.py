@@ -1,6 +1,7 @@
 """Reference RMSNorm over the last axis: y = x / sqrt(mean(x^2) + eps) * weight.
 
-One reduction instead of LayerNorm's mean and variance (Zhang and Sennrich 2019).
+One reduction instead of LayerNorm's mean and variance (Zhang and Sennrich 2019). A row whose
+squares would overflow float32 is first divided by a power of two (`layer_norm.row_scale`).
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse import _checks
+from jaxfuse.reference.layer_norm import row_scale, scaled_stats
 
 
 def validate(x, weight, eps=1e-6) -> None:
@@ -21,7 +23,9 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, *, eps: float = 1e-6
     """RMSNorm over the last axis, computed in float32, returned in x.dtype."""
     validate(x, weight, eps)
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+    s, inv = row_scale(jnp.max(jnp.abs(xf), axis=-1, keepdims=True))
+    ss = jnp.sum(jnp.square(xf * inv), axis=-1, keepdims=True)
+    y = xf * scaled_stats((x.shape[-1], 0.0, ss, s), eps)[1]
     if weight is not None:
         y = y * weight.astype(jnp.float32)
     return y.astype(x.dtype)

@@ -5,8 +5,8 @@ rows and nothing crosses devices, except the weight and bias gradients of the no
 rows: one psum of a [D] float32 vector over the axes that split the rows).
 
 The last axis split across devices: the norms run their statistics pass on each device's
-columns and merge the per-row states across devices (LayerNorm's (count, mean, m2) with
-`welford_merge`, RMSNorm's sums of squares with a psum; the backward psums its two row sums);
+columns and merge the per-row states across devices (LayerNorm's (count, mean, m2, s) and
+RMSNorm's sums of squares with `scaled_merge`; the backward psums its two row sums);
 cross-entropy merges per-row (m, l, sum of logits, label's logit) the same way (Megatron's
 vocab-parallel loss), softmax its per-row (m, l) (and sum(dy y) backward). A causal softmax
 keeps its query and key axes whole (the mask needs global indices): a sharding there is
@@ -42,21 +42,19 @@ def _norm_fwd(cfg, plan, x, *params):
     st = _norm.static((x.size // x.shape[-1], x.shape[-1]), *cfg[:2], **cfg[2])
     w, b = _params(cfg, params)
     axes = plan.get("d", ())
-    merge = None
-    if axes and cfg[2]["center"]:
-        merge = functools.partial(_welford_across, axes)
-    elif axes:                          # RMSNorm's state is (count, 0, sum x^2): sums merge it
-        merge = lambda state: jax.lax.psum(state, axes)
+    # RMSNorm's state (count, 0, sum (x/s)^2, s) merges by the same rule (its means are 0): a
+    # psum would add sums of squares in different units s.
+    merge = functools.partial(_welford_across, axes) if axes else None
     y2, mean, rstd = _norm._forward(as_rows(x), w, b, st, merge=merge)
     return y2.reshape(x.shape), mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
 
 
 def _welford_across(axes, state):
-    """Per-row (count, mean, m2) of every device's columns, merged with Chan's rule."""
-    parts = jax.lax.all_gather(jnp.stack(state), axes)          # [devices, 3, rows]
+    """Per-row (count, mean, m2, s) of every device's columns, merged with Chan's rule."""
+    parts = jax.lax.all_gather(jnp.stack(state), axes)          # [devices, 4, rows]
     merged = tuple(parts[0])
     for i in range(1, parts.shape[0]):
-        merged = _r_ln.welford_merge(merged, tuple(parts[i]))
+        merged = _r_ln.scaled_merge(merged, tuple(parts[i]))
     return merged
 
 

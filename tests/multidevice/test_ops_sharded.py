@@ -78,19 +78,33 @@ def test_norms_rows_split(kind):
     assert "all-reduce" in hlo          # dweight (and dbias): one psum of partial column sums
 
 
+@pytest.mark.parametrize("huge", [False, True])
 @pytest.mark.parametrize("kind", ["rms_norm", "layer_norm"])
-def test_norms_columns_split(kind):
+def test_norms_columns_split(kind, huge):
     """The normalized axis split across devices: per-device statistics merged (Welford/Chan
-    for LayerNorm, which stays accurate with |mean| >> std), no gather of x."""
+    for LayerNorm, which stays accurate with |mean| >> std), no gather of x. `huge`: some
+    rows' squares overflow float32 on one device's columns only, so states of different
+    scales s meet in the merge (a psum of sums of squares in different units was wrong)."""
     k = keys(13, 3)
     x = randn(k[0], (6, 5, 24), shift=30.0)
+    if huge:
+        x = x.at[::2, :, 6:12].multiply(1e25)
     w, b = randn(k[1], (24,)), randn(k[2], (24,))
     f, args = _norm(kind, x, w, b)
     specs = [P("data", None, ("tensor", "seq")), P(("tensor", "seq")), P(("tensor", "seq"))]
     one, many, hlo = run_both(f, args, specs[:len(args)], diff=tuple(range(len(args))))
     assert_same(one, many)
-    # only per-row (count, mean, m2) states cross devices: 4 devices x 3 x 15 local rows
-    assert all(np.prod(s) <= 4 * 3 * 15 for s in gathered_shapes(hlo))
+    # only per-row (count, mean, m2, s) states cross devices: 4 devices x 4 x 15 local rows
+    assert all(np.prod(s) <= 4 * 4 * 15 for s in gathered_shapes(hlo))
+    if huge:
+        y64 = np.asarray(x, np.float64)
+        if kind == "layer_norm":
+            y64 = y64 - y64.mean(-1, keepdims=True)
+        eps = 1e-5 if kind == "layer_norm" else 1e-6
+        y64 = y64 / np.sqrt((y64 ** 2).mean(-1, keepdims=True) + eps) * np.asarray(w)
+        if kind == "layer_norm":
+            y64 = y64 + np.asarray(b)
+        np.testing.assert_allclose(np.asarray(many[0]), y64, rtol=1e-4, atol=1e-4)
 
 
 def test_softmax_mask_rows_split():

@@ -13,3 +13,12 @@ case "${2:-first}" in
            attn_table 230 ;;
     checks) bash "$(dirname "$0")/s51.sh" "$out" 420 0 "$3" ;;
 esac
+# "norms": benchmarks/norm_cost.py against the tree before the norms' overflow guard (carry
+#   .baseline: `git archive e1f18c8 jaxfuse | tar -x -C .baseline`), renamed jaxfuse_base.
+if [ "${2:-}" = norms ]; then
+    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r .baseline/jaxfuse /tmp/base/jaxfuse_base
+    find /tmp/base -name '*.py' -exec sed -i 's/\bjaxfuse\b/jaxfuse_base/g' {} +
+    PYTHONPATH=/tmp/base:. timeout -s KILL "${3:-300}" python benchmarks/norm_cost.py \
+        "$out/norm_cost.json" > "$out/norm_cost.log" 2>&1
+    echo "norm_cost rc=$?"; grep -a "norm_cost\|rror" "$out/norm_cost.log" | cut -c1-200
+fi

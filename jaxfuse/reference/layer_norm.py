@@ -85,7 +85,7 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
     """LayerNorm over the last axis, computed in float32, returned in x.dtype."""
     validate(x, weight, bias, eps)
     xf = x.astype(jnp.float32)
-    s, inv = row_scale(jnp.max(jnp.abs(xf), axis=-1, keepdims=True))
+    s, inv = row_scale(jnp.max(jnp.abs(xf), axis=-1, keepdims=True, initial=0.0))
     xs = xf * inv
     mean_s = jnp.mean(xs, axis=-1, keepdims=True)
     m2_s = jnp.sum(jnp.square(xs - mean_s), axis=-1, keepdims=True)

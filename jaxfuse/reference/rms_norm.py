@@ -23,7 +23,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, *, eps: float = 1e-6
     """RMSNorm over the last axis, computed in float32, returned in x.dtype."""
     validate(x, weight, eps)
     xf = x.astype(jnp.float32)
-    s, inv = row_scale(jnp.max(jnp.abs(xf), axis=-1, keepdims=True))
+    s, inv = row_scale(jnp.max(jnp.abs(xf), axis=-1, keepdims=True, initial=0.0))
     ss = jnp.sum(jnp.square(xf * inv), axis=-1, keepdims=True)
     y = xf * scaled_stats((x.shape[-1], 0.0, ss, s), eps)[1]
     if weight is not None:

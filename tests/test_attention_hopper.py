@@ -93,6 +93,42 @@ def test_persistent_walk_matches_reference(opts):
     assert float(jnp.abs(lse - rlse).max()) < 1e-4
 
 
+@pytest.mark.parametrize("split", [False, None])
+def test_direct_o_store_is_the_buffered_walk_bit_for_bit(split):
+    """`HopperAttnTiles.direct_o`: each consumer stores its O tile from registers into o (no O
+    buffer): the persistent walk's o and lse bit for bit those of the walk through the buffer,
+    also with the last round split (`split_tail`: the parts' o stored so too). 128 query rows
+    a head, so the store is taken (a whole number of CTA tiles)."""
+    import numpy as np
+    kq, kk, kv = keys(5, 3)
+    q = randn(kq, (1, 128, 3, 64), jnp.bfloat16)
+    k = randn(kk, (1, 192, 1, 64), jnp.bfloat16)
+    v = randn(kv, (1, 192, 1, 64), jnp.bfloat16)
+    got = []
+    for direct in (False, True):
+        tiles = HopperAttnTiles(block_k=64, stages=4, consumers=2, persistent=True,
+                                backward=False, split_tail=split, direct_o=direct)
+        got.append(jaxfuse.flash_attention(q, k, v, return_lse=True,
+                                           block_sizes=AttnBlocks(hopper=tiles)))
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(F32(a), F32(b))
+    ro = ref.attention(F32(q), F32(k), F32(v))
+    assert float(jnp.abs(F32(got[1][0]) - ro).max()) < 2e-2
+
+
+def test_direct_o_frees_o_buffer_only_on_whole_tiles():
+    """`direct_o` gives the ring the O buffer's room (3 slots at head_dim 128 against 2) where
+    Tq is a whole number of CTA tiles, and keeps the buffer where it is not (a direct store
+    cannot stop at o's end)."""
+    spec = lambda n_q: AttnSpec.make(n_q=n_q, n_k=1024, head_dim=128, groups=1,
+                                     dtype=jnp.bfloat16, scale=None, interpret=False)
+    tiles = HopperAttnTiles(direct_o=True)
+    assert tiles.direct(spec(1024), True) and not tiles.direct(spec(1000), True)
+    assert not tiles.direct(spec(1024), False) and not HopperAttnTiles().direct(spec(1024), True)
+    assert HopperAttnTiles().stages_for(128, 2, True) == 2
+    assert tiles.stages_for(128, 2, True, direct=True) == 3
+
+
 def test_split_tail_matches_reference_and_the_whole_walk():
     """`HopperAttnTiles.split_tail` (None, the default): two persistent CTAs (the
     interpreter's) and three equal work tiles, so the last round's one tile is split over its

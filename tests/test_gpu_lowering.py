@@ -760,3 +760,27 @@ def test_hopper_tiles_at_the_edge_of_shared_memory_lower():
         q, q, q).mlir_module()
     for name in ("jaxfuse_flash_fwd_hopper",) + _TWO:      # no GQA: two launches
         assert name in module, name
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), "segments"])
+def test_hopper_forward_with_o_from_registers_lowers_at_its_ring_depth(opts):
+    """`HopperAttnTiles(direct_o=True)`, persistent at D = 128: O and lse stored from registers,
+    no buffer for either, so the plan takes a three-slot ring (two with segment ids), which
+    Mosaic GPU's count of shared memory (its lowering refuses past the 227 KiB) accepts."""
+    from jaxfuse.pallas._attn import AttnSpec
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    q = jnp.zeros((2, 512, 4, 128), jnp.bfloat16)
+    tiles = HopperAttnTiles(direct_o=True, persistent=True, backward=False)
+    segments = opts == "segments"
+    spec = AttnSpec.make(n_q=512, n_k=512, head_dim=128, groups=1, dtype=q.dtype, scale=None,
+                         interpret=False, segments=segments)
+    assert tiles.direct(spec, True)
+    assert tiles.stages_for(128, 2, True, segments, True) == (2 if segments else 3)
+    kw = dict(interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles))
+    if segments:
+        ids = jnp.zeros((2, 512), jnp.int32)
+        kw.update(q_segment_ids=ids, kv_segment_ids=ids)
+    else:
+        kw.update(opts)
+    module = _lower(lambda q, k, v: jaxfuse.flash_attention(q, k, v, **kw), q, q, q)
+    assert "jaxfuse_flash_fwd_hopper" in module.mlir_module()

@@ -102,9 +102,11 @@ from jaxfuse.pallas._attn import AttnSpec
 from jaxfuse.reference import attention as ref_attn
 
 _ROWS = H.ROWS      # query rows per consumer warpgroup: one wgmma M
-# Shared memory the forward's tiles plan with: 7 KiB under `_hopper.SMEM_BYTES` for its
-# barriers and what Mosaic GPU reserves.
-_SMEM_BYTES = H.SMEM_BYTES - 7 * 1024
+# Shared memory the forward's buffers plan with (`HopperAttnTiles._buffers` counts them all):
+# 2 KiB under `_hopper.SMEM_BYTES` for the barriers, which took 2.2 KiB at D = 128 in Mosaic
+# GPU's count (its sm90 lowering, s52: a three-slot ring with O leaving from registers came to
+# 231,576 of the 232,448 bytes a CTA has).
+_SMEM_BYTES = H.SMEM_BYTES - 2 * 1024
 
 
 # Keys up to which the forward's CTAs are persistent by default (`HopperAttnTiles.persistent`).
@@ -139,7 +141,12 @@ class HopperAttnTiles:
     the kernel (bf16/f16 partial o, so those rows round twice); None (the default): wherever
     `tail_schedule` applies; False: never. H100, s49-1, B4 T4096 D128 without a mask, forward
     interleaved: 32 heads (4 tiles in the last of 32 rounds) 1.933 -> 1.883 ms (cuDNN 1.887),
-    31 heads (8 tiles) 1.837 -> 1.793 (cuDNN 1.811); 33 heads (no tail) 1.873 / 1.878."""
+    31 heads (8 tiles) 1.837 -> 1.793 (cuDNN 1.811); 33 heads (no tail) 1.873 / 1.878;
+    direct_o: a persistent CTA's consumers store their O tiles from registers straight into
+    o in global memory (no O buffer in shared memory, so the ring gets its room: 3 slots at
+    D = 128 where the buffer leaves 2; benchmarks/NOTES.md s51 item 6), only where Tq is a
+    whole number of CTA tiles (such a store cannot stop at the end of o), else the buffer as
+    before. Off by default until measured."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
@@ -148,6 +155,7 @@ class HopperAttnTiles:
     overlap: bool = False
     persistent: bool | None = None
     split_tail: bool | None = None
+    direct_o: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -221,24 +229,37 @@ class HopperAttnTiles:
             return False
         # Where O's own buffer leaves room for two ring slots (or the slots asked for): not
         # at head_dim 256, nor with three consumers or 256-key tiles at 128.
-        fixed, stage = self._buffers(spec.head_dim, spec.itemsize, True, spec.segments)
+        fixed, stage = self._buffers(spec.head_dim, spec.itemsize, True, spec.segments,
+                                     self.direct(spec, True))
         return fixed + (self.stages or 2) * stage <= _SMEM_BYTES
 
-    def _buffers(self, d: int, itemsize: int, persistent: bool, segments: bool):
+    def direct(self, spec: AttnSpec, persistent: bool) -> bool:
+        """Whether O leaves from registers (`direct_o`) in the forward of `spec`."""
+        return (self.direct_o and persistent
+                and spec.n_q % (self.n_consumers(spec.head_dim) * _ROWS) == 0)
+
+    def _buffers(self, d: int, itemsize: int, persistent: bool, segments: bool,
+                 direct: bool = False):
         """(bytes of the forward's fixed buffers, bytes of one K/V ring slot)."""
         # Q tiles, reused for O on the way out; a persistent CTA's O has a buffer of its own
-        # (the next Q lands while O leaves). Segment ids: the rows' and the slots' buffers,
-        # 1 KiB or 2 as Mosaic GPU aligns them (the slots' 2 KiB under the 7 KiB margin).
-        fixed = self.n_consumers(d) * _ROWS * d * itemsize * (2 if persistent else 1)
-        return fixed + (2 * 1024 if segments else 0), 2 * self.block_k * d * itemsize
+        # (the next Q lands while O leaves) unless it leaves from registers (`direct_o`), as
+        # lse then does too; else lse's buffer, 1 KiB as Mosaic GPU aligns it. Segment ids:
+        # the rows' and the slots' buffers and barriers, 3 KiB (measured as `_SMEM_BYTES`).
+        # Before s52 the buffers counted Q, O and segments' 2 KiB against 7 KiB under
+        # SMEM_BYTES: the same ring depths wherever O has a buffer.
+        own_o = persistent and not direct
+        fixed = self.n_consumers(d) * _ROWS * d * itemsize * (2 if own_o else 1)
+        fixed += (0 if direct else 1024) + (3 * 1024 if segments else 0)
+        return fixed, 2 * self.block_k * d * itemsize
 
     def stages_for(self, d: int, itemsize: int, persistent: bool = False,
-                   segments: bool = False) -> int:
+                   segments: bool = False, direct: bool = False) -> int:
         """The K/V ring's depth (`stages`, or as many slots as fit, at most 4; the overlap
         needs two); a ValueError naming what would fit where these tiles do not."""
         def layout(t):
             held = persistent if t.persistent is None else t.persistent
-            return t._buffers(d, itemsize, held, segments) + (2 if t.overlap else 1,)
+            return t._buffers(d, itemsize, held, segments, direct and held) + (
+                2 if t.overlap else 1,)
         fixes = ([dict(stages=None)] * (self.stages is not None)
                  + [dict(block_k=64)] * (self.block_k > 64)
                  + [dict(consumers=2)] * (self.n_consumers(d) > 2)
@@ -270,7 +291,9 @@ def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
     tiles.check_head_dim(spec.head_dim)
     if fits(dtype, spec, tiles):
         # The rings' depths, checked now rather than when the kernels are traced.
-        tiles.stages_for(spec.head_dim, spec.itemsize, tiles.persists(spec), spec.segments)
+        held = tiles.persists(spec)
+        tiles.stages_for(spec.head_dim, spec.itemsize, held, spec.segments,
+                         tiles.direct(spec, held))
         if not isinstance(tiles.backward, bool):       # HopperBwdTiles (`__post_init__`)
             tiles.backward.check(spec)
         return tiles
@@ -388,12 +411,13 @@ _AUTO_BARRIERS = True
 
 
 def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAttnTiles,
-                  stages: int, n_q_tiles: int, ctas: int | None, n_parts: int = 0):
+                  stages: int, n_q_tiles: int, ctas: int | None, n_parts: int = 0,
+                  direct: bool = False):
     """ctas: None, a CTA a work tile (grid ("cta",), in `launch_groups` order); else a
     persistent grid ("sm",) of `ctas` CTAs walking the work tiles that `refs[0]`
     (`work_schedule`) deals them (`HopperAttnTiles.persistent`); n_parts: the last round's
     tiles split over key blocks (`tail_schedule`): `refs[1]` holds the parts, whose
-    (o, lse) go to two more outputs."""
+    (o, lse) go to two more outputs; direct: O is stored from registers (`direct_o`)."""
     refs = list(refs)
     sched_gmem = refs.pop(0) if ctas is not None else None
     parts_gmem = refs.pop(0) if n_parts else None
@@ -441,15 +465,18 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         return lax.fori_loop(0, local, lambda i, c: body(
             i, sched_gmem[sm, 1 + i], lambda: sched_gmem[sm, 2 + i], i + 1 < local, c), carry)
 
-    def scoped(q_smem, k_smem, v_smem, lse_smem, k_full, v_full, q_full, k_empty, v_empty,
-               turn, *rest):
+    def scoped(q_smem, k_smem, v_smem, *rest):
+        # lse's buffer, none where O and lse leave from registers (`direct`)
+        lse_smem, rest = (None, rest) if direct else (rest[0], rest[1:])
+        k_full, v_full, q_full, k_empty, v_empty, turn, *rest = rest
         landed = rest[:1] if A.hides_keys(spec) else ()
         takes_turns = tiles.pingpong and nc == 2 and stages >= 2   # the consumers' turns
         rest = rest[len(landed):]
         if spec.segments:     # allocated last (`pl.run_scoped` below)
             rest, (qseg_smem, kseg_smem, seg_full) = rest[:-3], rest[-3:]
-        o_smem = rest[0] if ctas is not None else q_smem     # O leaves through here
-        o_scratch = rest[1:] if ctas is not None else rest
+        own_o = ctas is not None and not direct
+        o_smem = rest[0] if own_o else q_smem     # O leaves through here (unless direct)
+        o_scratch = rest[1:] if own_o else rest
         wg = lax.axis_index("wg")
 
         @pl.when(wg == nc)
@@ -672,12 +699,19 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                                     m + jnp.log2(jnp.where(empty, 1.0, lsum)) * (1.0 / spec.c2))
                     if ctas is not None:    # the last tile's O and lse have left the buffers
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    o_smem[wg] = (acc * R.row_vec(inv, d)).astype(dtype)
-                    lse_smem[wg] = lse
-                    plgpu.commit_smem()
+                    o = (acc * R.row_vec(inv, d)).astype(dtype)
+                    if not direct:
+                        o_smem[wg] = o
+                        lse_smem[wg] = lse
+                        plgpu.commit_smem()
+
                     def store(o_dst, lse_dst):
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_dst)
-                        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_dst)
+                        if direct:      # from registers: nothing to wait for before the next
+                            o_dst[...] = o
+                            lse_dst[...] = lse
+                        else:
+                            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_dst)
+                            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_dst)
 
                     whole = lambda: store(o_gmem.at[b, pl.ds(r0, _ROWS), h],
                                           lse_gmem.at[b, h, pl.ds(r0, _ROWS)])
@@ -706,7 +740,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         plgpu.SMEM((nc, _ROWS, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
-        plgpu.SMEM((nc, _ROWS), jnp.float32),
+        *([] if direct else [plgpu.SMEM((nc, _ROWS), jnp.float32)]),     # lse
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=1 + spec.segments, num_barriers=nc),   # Q (segment ids)
@@ -718,8 +752,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         # Masks hide keys: the producer cleans the CTA's edge tiles, which land here first.
         *([plgpu.Barrier(num_arrivals=2, num_barriers=stages)] if A.hides_keys(spec) else []),
         # A persistent CTA's O buffer (the next Q lands in Q's while O leaves).
-        *([plgpu.SMEM((nc, _ROWS, d), dtype, transforms=transforms)] if ctas is not None
-          else []),
+        *([plgpu.SMEM((nc, _ROWS, d), dtype, transforms=transforms)]
+          if ctas is not None and not direct else []),
         # The overlapped O in the interpreter (a wgmma accumulator on the GPU). Allocated last:
         # a small buffer between the lse tile and the barriers stalled Mosaic GPU's
         # interpreter (jax 0.10.2) on every forward.
@@ -746,7 +780,8 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
         else ()
     b, tq, hq, d = q.shape
     persistent = tiles.persists(spec)
-    stages = tiles.stages_for(d, q.dtype.itemsize, persistent, spec.segments)
+    direct = tiles.direct(spec, persistent)
+    stages = tiles.stages_for(d, q.dtype.itemsize, persistent, spec.segments, direct)
     nc = tiles.n_consumers(d)
     n_q_tiles = C.cdiv(tq, nc * _ROWS)
     ctas, sched, parts = None, (), None
@@ -765,7 +800,7 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
                                               tiles.block_k, ctas, _L2_SHARE)),)
     n_parts = 0 if parts is None else len(parts)
     body = functools.partial(_forward_body, spec=spec, tiles=tiles, stages=stages,
-                             n_q_tiles=n_q_tiles, ctas=ctas, n_parts=n_parts)
+                             n_q_tiles=n_q_tiles, ctas=ctas, n_parts=n_parts, direct=direct)
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, hq, C.cdiv(tq, 2 * _ROWS) * 2 * _ROWS), jnp.float32))
     if n_parts:    # each part's (o, lse) over its keys

@@ -2,7 +2,9 @@
 # Session s52, any card (an H200 when one comes: no H200 table since s35). $2:
 #   "first" (~450 s): the direct-store probe (NOTES s51 item 6), the model race with decoding,
 #       and the attention table against cuDNN and tokamax (.peers carried);
-#   "checks SECTIONS": s51.sh's correctness pass for SECTIONS (420 s, no backward checks).
+#   "checks SECTIONS": s51.sh's correctness pass for SECTIONS (420 s, no backward checks);
+#   "direct" (~520 s): the probe, then `attention.py direct_o` (O and lse from registers:
+#       compiled checks, then interleaved against the default and cuDNN), then "norms" below.
 . "$(dirname "$0")/_lib.sh" "$@"
 probe() {
     timeout -s KILL 90 python benchmarks/probe_direct_store.py > "$out/probe.log" 2>&1
@@ -12,6 +14,14 @@ case "${2:-first}" in
     first) probe; model_run model 250 train157 train1b decode --no-reference --two-launches
            attn_table 230 ;;
     checks) bash "$(dirname "$0")/s51.sh" "$out" 420 0 "$3" ;;
+    direct) probe
+        timeout -s KILL 300 python benchmarks/attention.py direct_o "$out/direct_o.json" \
+            > "$out/direct_o.log" 2>&1
+        echo "direct_o rc=$?: $(grep -ac 'status=ok' "$out/direct_o.log") ok, \
+$(grep -ac 'status=FAIL\|rror' "$out/direct_o.log") not"
+        grep -a "check\|interleaved\|FAIL\|rror" "$out/direct_o.log" | grep -av "status=ok" \
+            | sed 's/  */ /g' | cut -c1-200
+        set -- "$1" norms 130 ;;
 esac
 # "norms": benchmarks/norm_cost.py against the tree before the norms' overflow guard (carry
 #   .baseline: `git archive e1f18c8 jaxfuse | tar -x -C .baseline`), renamed jaxfuse_base.

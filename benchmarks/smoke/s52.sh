@@ -1,7 +1,8 @@
 #!/bin/bash
 # Session s52, any card (an H200 when one comes: no H200 table since s35). $2:
-#   "first" (~450 s): the direct-store probe (NOTES s51 item 6), the model race with decoding,
+#   "race" (~450 s): the direct-store probe (NOTES s51 item 6), the model race with decoding,
 #       and the attention table against cuDNN and tokamax (.peers carried);
+#   "first": "direct" below (the session's new kernels first);
 #   "checks SECTIONS": s51.sh's correctness pass for SECTIONS (420 s, no backward checks);
 #   "direct" (~520 s): the probe, then `attention.py direct_o` (O and lse from registers:
 #       compiled checks, then interleaved against the default and cuDNN), then "norms" below.
@@ -11,10 +12,10 @@ probe() {
     echo "probe rc=$?"; tail -3 "$out/probe.log" | cut -c1-300
 }
 case "${2:-first}" in
-    first) probe; model_run model 250 train157 train1b decode --no-reference --two-launches
+    race) probe; model_run model 250 train157 train1b decode --no-reference --two-launches
            attn_table 230 ;;
     checks) bash "$(dirname "$0")/s51.sh" "$out" 420 0 "$3" ;;
-    direct) probe
+    direct|first) probe
         timeout -s KILL 300 python benchmarks/attention.py direct_o "$out/direct_o.json" \
             > "$out/direct_o.log" 2>&1
         echo "direct_o rc=$?: $(grep -ac 'status=ok' "$out/direct_o.log") ok, \

@@ -27,7 +27,8 @@ esac
 # "norms": benchmarks/norm_cost.py against the tree before the norms' overflow guard (carry
 #   .baseline: `git archive e1f18c8 jaxfuse | tar -x -C .baseline`), renamed jaxfuse_base.
 if [ "${2:-}" = norms ]; then
-    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r .baseline/jaxfuse /tmp/base/jaxfuse_base
+    base=.baseline/jaxfuse; [ -d "$base" ] || base=.norm_base/jaxfuse    # untracked, not ignored
+    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r "$base" /tmp/base/jaxfuse_base
     find /tmp/base -name '*.py' -exec sed -i 's/\bjaxfuse\b/jaxfuse_base/g' {} +
     PYTHONPATH=/tmp/base:. timeout -s KILL "${3:-300}" python benchmarks/norm_cost.py \
         "$out/norm_cost.json" > "$out/norm_cost.log" 2>&1

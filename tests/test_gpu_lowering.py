@@ -784,3 +784,19 @@ def test_hopper_forward_with_o_from_registers_lowers_at_its_ring_depth(opts):
         kw.update(opts)
     module = _lower(lambda q, k, v: jaxfuse.flash_attention(q, k, v, **kw), q, q, q)
     assert "jaxfuse_flash_fwd_hopper" in module.mlir_module()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_forward_192_key_tiles_lower_persistent_with_o_from_registers(causal):
+    """192-key tiles at D = 128 in persistent CTAs with O from registers: two 192-key slots
+    beside Q, within a KiB of the 227 KiB by Mosaic GPU's count, and S folded over an odd count
+    of column groups in the wgmma layout."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    q = jnp.zeros((2, 512, 4, 128), jnp.bfloat16)
+    k = jnp.zeros((2, 4096, 4, 128), jnp.bfloat16)
+    tiles = HopperAttnTiles(block_k=192, direct_o=True, backward=False)
+    assert tiles.stages_for(128, 2, True, False, True) == 2
+    module = _lower(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, causal=causal, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles)),
+        q, k, k)
+    assert "jaxfuse_flash_fwd_hopper" in module.mlir_module()

@@ -161,14 +161,14 @@ class HopperAttnTiles:
         if self.consumers is not None and self.consumers not in R.REGISTERS:
             raise ValueError(f"HopperAttnTiles.consumers={self.consumers} must be one of "
                              f"{tuple(R.REGISTERS)} (consumer warpgroups of 64 rows a CTA)")
-        # P V's K (keys) must be a multiple of 64 for a wgmma with P in registers, and the
-        # softmax folds S's columns in halves. 192 keys, made to lower, ran 5.5% faster than
-        # 128 a CTA a tile without masks at T = 4224 (H200, s28), the gain persistence gives
-        # 128 (s16), which 192's two slots leave no room for: not taken (benchmarks/NOTES.md
-        # s28). 256 needs room in registers (`check_head_dim`).
-        if self.block_k not in (64, 128, 256):
-            raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128 or 256 "
-                             f"(keys a step; 128 is the default, 64 at head_dim 256)")
+        # P V's K (keys) must be a multiple of 64 for a wgmma with P in registers. 192 keys
+        # ran 5.5% faster than 128 a CTA a tile without masks at T = 4224 (H200, s28), the
+        # gain persistence gives 128 (s16); with O leaving from registers (`direct_o`) two
+        # 192-key slots fit beside Q in a persistent CTA (s52). 192 and 256 need room in
+        # registers (`check_head_dim`).
+        if self.block_k not in (64, 128, 192, 256):
+            raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128, 192 or "
+                             f"256 (keys a step; 128 is the default, 64 at head_dim 256)")
         if self.split_tail is not None and not isinstance(self.split_tail, bool):
             raise ValueError(f"HopperAttnTiles.split_tail={self.split_tail!r} must be True, "
                              f"False or None (where `tail_schedule` applies)")
@@ -198,13 +198,14 @@ class HopperAttnTiles:
 
     def check_head_dim(self, d: int) -> None:
         """Raises ValueError where the key tile does not fit a consumer's registers: S [64,
-        block_k] float32 beside O [64, d] float32. 256 keys take two consumers and head_dim <=
-        128 (at head_dim 64 with three consumers' 160 registers ptxas refused the kernel on an
-        H200, s28; two consumers' 232 hold it at 128)."""
-        if self.block_k == 256 and (d > 128 or self.n_consumers(d) != 2):
+        block_k] float32 beside O [64, d] float32. 192 and 256 keys take two consumers and
+        head_dim <= 128 (at head_dim 64 with three consumers' 160 registers ptxas refused 256
+        on an H200, s28; two consumers' 232 hold it at 128)."""
+        if self.block_k > 128 and (d > 128 or self.n_consumers(d) != 2):
             raise ValueError(
-                f"HopperAttnTiles(block_k=256) at head_dim {d} with {self.n_consumers(d)} "
-                f"consumers: a [64, 256] float32 S does not fit beside O in a consumer's "
+                f"HopperAttnTiles(block_k={self.block_k}) at head_dim {d} with "
+                f"{self.n_consumers(d)} consumers: a [64, {self.block_k}] float32 S does not "
+                f"fit beside O in a consumer's "
                 f"registers; it takes head_dim <= 128 with consumers=2 (pass consumers=2 at "
                 f"head_dim 64), else block_k <= 128")
 

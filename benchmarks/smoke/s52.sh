@@ -4,11 +4,12 @@
 #       and the attention table against cuDNN and tokamax (.peers carried);
 #   "first": "direct" below (the session's new kernels first);
 #   "checks SECTIONS": s51.sh's correctness pass for SECTIONS (420 s, no backward checks);
-#   "direct" (~520 s): the probe, then `attention.py direct_o` (O and lse from registers:
-#       compiled checks, then interleaved against the default and cuDNN), then "norms" below.
+#   "direct" (~550 s): the probe, then `attention.py direct_o` (O and lse from registers, and
+#       192-key tiles with it: interleaved against the default and cuDNN, then compiled
+#       checks), then "norms" below.
 . "$(dirname "$0")/_lib.sh" "$@"
 probe() {
-    timeout -s KILL 90 python benchmarks/probe_direct_store.py > "$out/probe.log" 2>&1
+    timeout -s KILL 60 python benchmarks/probe_direct_store.py > "$out/probe.log" 2>&1
     echo "probe rc=$?"; tail -3 "$out/probe.log" | cut -c1-300
 }
 case "${2:-first}" in
@@ -16,13 +17,13 @@ case "${2:-first}" in
            attn_table 230 ;;
     checks) bash "$(dirname "$0")/s51.sh" "$out" 420 0 "$3" ;;
     direct|first) probe
-        timeout -s KILL 300 python benchmarks/attention.py direct_o "$out/direct_o.json" \
+        timeout -s KILL 380 python benchmarks/attention.py direct_o "$out/direct_o.json" \
             > "$out/direct_o.log" 2>&1
         echo "direct_o rc=$?: $(grep -ac 'status=ok' "$out/direct_o.log") ok, \
 $(grep -ac 'status=FAIL\|rror' "$out/direct_o.log") not"
         grep -a "check\|interleaved\|FAIL\|rror" "$out/direct_o.log" | grep -av "status=ok" \
             | sed 's/  */ /g' | cut -c1-200
-        set -- "$1" norms 130 ;;
+        set -- "$1" norms 110 ;;
 esac
 # "norms": benchmarks/norm_cost.py against the tree before the norms' overflow guard (carry
 #   .baseline: `git archive e1f18c8 jaxfuse | tar -x -C .baseline`), renamed jaxfuse_base.

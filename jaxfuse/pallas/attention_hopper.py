@@ -429,6 +429,16 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
     bk, d, g = tiles.block_k, spec.head_dim, spec.groups
     nc = tiles.n_consumers(d)
     mma = _Mma(spec.interpret)
+    # The keys' partial last block in a narrow step: its first `narrow` keys (a multiple of
+    # 64, as a wgmma with P in registers needs) where that is fewer than bk: 64 of 192 at
+    # T = 4096 (21 x 192 + 64), where a whole step would multiply 128 masked keys a row (3%
+    # of the work). Not with segment ids (their key ids are the whole block's) nor the
+    # overlap (whose steps hold the tile a step longer); only with 192-key tiles until the
+    # narrow step has run on the GPU for 128's ragged rows too (s52: interpreted and lowered).
+    n_blocks = C.cdiv(spec.n_k, bk)
+    narrow = C.cdiv(spec.n_k - (n_blocks - 1) * bk, 64) * 64
+    if spec.segments or bk != 192:
+        narrow = bk
     dtype = q_gmem.dtype
     transforms = H._tma_transforms(dtype, d)
     producer_regs, consumer_regs = R.REGISTERS[nc]
@@ -561,30 +571,36 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                                                            spec.interpret))
 
                 def softmax(j, s, m, l, masked, same=None):
-                    """(p in the input dtype, alpha, m, l) of raw scores s of key block j."""
+                    """(p in the input dtype, alpha, m, l) of raw scores s of key block j (its
+                    first s.shape[1] keys: all, or the narrow last step's)."""
                     keep = None
+                    w = s.shape[1]
                     if masked:   # positions made here, not held across the loop (registers)
-                        q_pos = r0 + R.iota((_ROWS, bk), 0, spec.interpret)
-                        k_pos = (lo + j) * bk + R.iota((_ROWS, bk), 1, spec.interpret)
+                        q_pos = r0 + R.iota((_ROWS, w), 0, spec.interpret)
+                        k_pos = (lo + j) * bk + R.iota((_ROWS, w), 1, spec.interpret)
                         keep = A.visible(spec, q_pos, k_pos, same=same)
                     u, _ = A.transform(spec, s, keep)
                     m_new = jnp.maximum(m, jnp.max(R.fold_columns(u, jnp.maximum), axis=1))
                     shift = C.safe_max(m_new) * spec.c2
                     alpha = jnp.exp2(m * spec.c2 - shift)
                     # One FMA and one exp2 an element: u c2 - m c2 (FlashAttention-3's form).
-                    p = jnp.exp2(u * spec.c2 - R.row_vec(shift, bk))
+                    p = jnp.exp2(u * spec.c2 - R.row_vec(shift, w))
                     l = l * R.row_vec(alpha, R.LANES) + R.fold_columns(p, jnp.add)
                     return p.astype(dtype), alpha, m_new, l
 
                 # The named scopes are what `_hopper.traced` stamps
                 # (benchmarks/attention_trace.py).
-                def step(j, carry, masked):
+                def step(j, carry, masked, width=bk):
+                    """Key block j; `width` < bk: its first `width` keys only (the narrow
+                    last step: the rest lie past the keys' end)."""
                     acc, m, l = carry
                     slot = ring(j)
+                    keys_of = lambda ref: ref.at[slot] if width == bk else ref.at[
+                        slot, pl.ds(0, width)]
                     with jax.named_scope("wait_k"):
                         plgpu.barrier_wait(k_full.at[slot])
                     with jax.named_scope("qk"):
-                        s = mma.qk(q_smem.at[wg], k_smem.at[slot], pp.switch)
+                        s = mma.qk(q_smem.at[wg], keys_of(k_smem), pp.switch)
                     plgpu.barrier_arrive(k_empty.at[slot])
                     s_done(j)
                     with jax.named_scope("softmax"):
@@ -595,7 +611,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                         plgpu.barrier_wait(v_full.at[slot])
                         pp.wait()                             # the other's GEMMs are issued
                     with jax.named_scope("pv"):
-                        acc = mma.pv(acc, p, v_smem.at[slot], lambda: None)
+                        acc = mma.pv(acc, p, keys_of(v_smem), lambda: None)
                     plgpu.barrier_arrive(v_empty.at[slot])
                     return acc, m, l
 
@@ -660,11 +676,19 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
 
                 def blocks(step, carry):
                     """The consumer's key blocks: passed over, masked edge, visible, masked
-                    edge, passed over."""
+                    edge, passed over; the last edge's last block narrow where it is the
+                    keys' partial last block (`narrow`)."""
                     carry = lax.fori_loop(0, c_lo, pass_over, carry)
                     carry = lax.fori_loop(c_lo, c_flo, lambda j, c: step(j, c, True), carry)
                     carry = lax.fori_loop(c_flo, c_fhi, lambda j, c: step(j, c, False), carry)
-                    return lax.fori_loop(c_fhi, c_hi, lambda j, c: step(j, c, True), carry)
+                    if narrow == bk or tiles.overlap:
+                        return lax.fori_loop(c_fhi, c_hi, lambda j, c: step(j, c, True), carry)
+                    # A loop of 0 or 1 steps rather than a branch (the carry stays a loop's).
+                    last = ((lo + c_hi == n_blocks) & (c_hi > c_fhi)).astype(jnp.int32)
+                    carry = lax.fori_loop(c_fhi, c_hi - last, lambda j, c: step(j, c, True),
+                                          carry)
+                    return lax.fori_loop(c_hi - last, c_hi,
+                                         lambda j, c: step(j, c, True, narrow), carry)
 
                 l = R.zeros((_ROWS, R.LANES), spec.interpret)     # per-thread partial row sums
                 m = jnp.full((_ROWS,), C.NEG_INF, jnp.float32)

@@ -328,8 +328,8 @@ def test_overlap_needs_two_slots():
     (64, dict(split_tail="yes"), r"HopperAttnTiles.split_tail='yes' must be True, False or "
      r"None"),
     (128, dict(stages=3), r"HopperAttnTiles\(stages=3, backward=False\) at head_dim 128 "
-     r"\(2 consumers\): stages=3 of 65536 bytes beside 32768 bytes of other buffers: 2 "
-     r"slots fit the 224256 bytes .*; pass stages=None or block_k=64$"),
+     r"\(2 consumers\): stages=3 of 65536 bytes beside 33792 bytes of other buffers: 2 "
+     r"slots fit the 229376 bytes .*; pass stages=None or block_k=64$"),
     (256, dict(block_k=64, consumers=3, pingpong=False, persistent=True),
      r"one slot of 65536 bytes .*: 0 slots fit .*; pass consumers=2 or persistent=False$"),
     (256, dict(overlap=True, pingpong=False), r"\(2 consumers\): 2 slots of 131072 bytes \(the "

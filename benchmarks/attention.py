@@ -496,48 +496,6 @@ def perf_split_tail(rounds: int = 7):
         _interleaved(f"B4 H{hq} T4096 D128 full", (4, 4096, hq, hq, 128), False, fns, rounds)
 
 
-def check_direct_o():
-    """HOPPER_CASES at D <= 128 through persistent CTAs whose O and lse leave from registers
-    (`HopperAttnTiles(direct_o=True)`, s52; whole tiles of rows only, else the buffer as
-    before: those cases are left out), bf16, against the float32 reference."""
-    for i, c in enumerate(HOPPER_CASES):
-        if c["d"] <= 128 and c["tq"] % 128 == 0:
-            _check_case(i, c, jnp.bfloat16, _tiles(persistent=True, direct_o=True),
-                        " hopper direct_o")
-    # 192-key tiles beside them (two consumers, whose tiles they need), D = 128 only
-    for i, c in enumerate(HOPPER_CASES):
-        if c["d"] == 128 and c["tq"] % 128 == 0:
-            _check_case(i, c, jnp.bfloat16, _tiles(persistent=True, direct_o=True, block_k=192,
-                                                   consumers=2), " hopper direct_o 192")
-
-
-def perf_direct_o(rounds: int = 5):
-    """O and lse from registers (`direct_o`: a three-slot ring at D = 128 where O's buffer
-    left two), and 192-key tiles with it (two slots, persistent), against the default and
-    cuDNN, forward, interleaved: D128 without a mask (T4096 and T4224), causal and GQA at
-    T4096; T32768 causal, where the default runs a CTA a tile (persistence lost there with
-    two slots, s17) and `direct_o` needs `persistent=True`."""
-    rows = [("B4 H32 T4096 D128 full", (4, 4096, 32, 32, 128), False, {}),
-            ("B4 H32 T4224 D128 full", (4, 4224, 32, 32, 128), False, {}),
-            ("GQA B4 Hq32 Hkv8 T4096 D128 full", (4, 4096, 32, 8, 128), False, {}),
-            ("B4 H32 T4096 D128 causal", (4, 4096, 32, 32, 128), True, {}),
-            ("B1 H16 T32768 D128 causal", (1, 32768, 16, 16, 128), True,
-             dict(persistent=True))]
-    for label, shape, causal, kw in rows:
-        fns = _peers(causal, ("jaxfuse", "cudnn"))
-        fns["jaxfuse[direct_o]"] = functools.partial(
-            jaxfuse.flash_attention, causal=causal, block_sizes=_tiles(direct_o=True, **kw))
-        # 192-key tiles, persistent (two slots beside Q with O from registers); T4224 = 22 x
-        # 192 has no partial last tile, T4096 = 21 x 192 + 64 works 128 masked keys a row
-        fns["jaxfuse[192 direct_o]"] = functools.partial(
-            jaxfuse.flash_attention, causal=causal,
-            block_sizes=_tiles(direct_o=True, block_k=192, **kw))
-        if kw:
-            fns["jaxfuse[persistent]"] = functools.partial(
-                jaxfuse.flash_attention, causal=causal, block_sizes=_tiles(**kw))
-        _interleaved(label, shape, causal, fns, rounds)
-
-
 def check_block_k():
     """The Hopper forward at D <= 128 with the key tile and persistence of the environment
     (BLOCK_K; PERSISTENT = 1 / 0 / unset for the rule; CASES: indices into HOPPER_CASES),
@@ -596,7 +554,4 @@ if __name__ == "__main__":
         "persistent_overlap": perf_persistent_overlap, "check_block_k": check_block_k,
         "overlap": lambda: (check_overlap(), perf_overlap()),
         "split_tail": lambda: (check_split_tail(), perf_split_tail()),
-        "perf_split_tail": perf_split_tail,
-        # timings first (a lease's limit may cut the checks), then the checks
-        "direct_o": lambda: (perf_direct_o(), check_direct_o()),
-        "perf_direct_o": perf_direct_o})
+        "perf_split_tail": perf_split_tail})

@@ -37,15 +37,11 @@ LANES = 8
 
 
 def fold_columns(x, op):
-    """x [64, n] (n a multiple of 8) -> [64, 8]: column halves combined by `op` until 8
-    columns are left; an odd count of 8-column groups (192 keys: 24 -> 12 -> 6 -> 3) folds all
-    but its last group, then adds that one."""
-    n = x.shape[1]
-    if n == LANES:
-        return x
-    if (n // LANES) % 2:
-        return op(fold_columns(x[:, :n - LANES], op), x[:, n - LANES:])
-    return fold_columns(op(x[:, :n // 2], x[:, n // 2:]), op)
+    """x [64, n] -> [64, 8]: column halves combined by `op` until 8 columns are left."""
+    while x.shape[1] > LANES:
+        h = x.shape[1] // 2
+        x = op(x[:, :h], x[:, h:])
+    return x
 
 
 class PingPong:

@@ -103,9 +103,9 @@ from jaxfuse.reference import attention as ref_attn
 
 _ROWS = H.ROWS      # query rows per consumer warpgroup: one wgmma M
 # Shared memory the forward's buffers plan with (`HopperAttnTiles._buffers` counts them all):
-# 2 KiB under `_hopper.SMEM_BYTES` for the barriers, which took 2.2 KiB at D = 128 in Mosaic
-# GPU's count (its sm90 lowering, s52: a three-slot ring with O leaving from registers came to
-# 231,576 of the 232,448 bytes a CTA has).
+# 2 KiB under `_hopper.SMEM_BYTES` for the barriers and Mosaic GPU's 2 KiB of reduction
+# scratch, which took 2.2 KiB at D = 128 in its count (the sm90 lowering, s52: a three-slot
+# ring beside Q alone, no O or lse buffer, came to 231,576 of the 232,448 bytes a CTA has).
 _SMEM_BYTES = H.SMEM_BYTES - 2 * 1024
 
 
@@ -141,12 +141,7 @@ class HopperAttnTiles:
     the kernel (bf16/f16 partial o, so those rows round twice); None (the default): wherever
     `tail_schedule` applies; False: never. H100, s49-1, B4 T4096 D128 without a mask, forward
     interleaved: 32 heads (4 tiles in the last of 32 rounds) 1.933 -> 1.883 ms (cuDNN 1.887),
-    31 heads (8 tiles) 1.837 -> 1.793 (cuDNN 1.811); 33 heads (no tail) 1.873 / 1.878;
-    direct_o: a persistent CTA's consumers store their O tiles from registers straight into
-    o in global memory (no O buffer in shared memory, so the ring gets its room: 3 slots at
-    D = 128 where the buffer leaves 2; benchmarks/NOTES.md s51 item 6), only where Tq is a
-    whole number of CTA tiles (such a store cannot stop at the end of o), else the buffer as
-    before. Off by default until measured."""
+    31 heads (8 tiles) 1.837 -> 1.793 (cuDNN 1.811); 33 heads (no tail) 1.873 / 1.878."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
@@ -155,20 +150,19 @@ class HopperAttnTiles:
     overlap: bool = False
     persistent: bool | None = None
     split_tail: bool | None = None
-    direct_o: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
             raise ValueError(f"HopperAttnTiles.consumers={self.consumers} must be one of "
                              f"{tuple(R.REGISTERS)} (consumer warpgroups of 64 rows a CTA)")
-        # P V's K (keys) must be a multiple of 64 for a wgmma with P in registers. 192 keys
-        # ran 5.5% faster than 128 a CTA a tile without masks at T = 4224 (H200, s28), the
-        # gain persistence gives 128 (s16); with O leaving from registers (`direct_o`) two
-        # 192-key slots fit beside Q in a persistent CTA (s52). 192 and 256 need room in
-        # registers (`check_head_dim`).
-        if self.block_k not in (64, 128, 192, 256):
-            raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128, 192 or "
-                             f"256 (keys a step; 128 is the default, 64 at head_dim 256)")
+        # P V's K (keys) must be a multiple of 64 for a wgmma with P in registers, and the
+        # softmax folds S's columns in halves. 192 keys, made to lower, ran 5.5% faster than
+        # 128 a CTA a tile without masks at T = 4224 (H200, s28), the gain persistence gives
+        # 128 (s16), which 192's two slots leave no room for: not taken (benchmarks/NOTES.md
+        # s28). 256 needs room in registers (`check_head_dim`).
+        if self.block_k not in (64, 128, 256):
+            raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128 or 256 "
+                             f"(keys a step; 128 is the default, 64 at head_dim 256)")
         if self.split_tail is not None and not isinstance(self.split_tail, bool):
             raise ValueError(f"HopperAttnTiles.split_tail={self.split_tail!r} must be True, "
                              f"False or None (where `tail_schedule` applies)")
@@ -198,14 +192,13 @@ class HopperAttnTiles:
 
     def check_head_dim(self, d: int) -> None:
         """Raises ValueError where the key tile does not fit a consumer's registers: S [64,
-        block_k] float32 beside O [64, d] float32. 192 and 256 keys take two consumers and
-        head_dim <= 128 (at head_dim 64 with three consumers' 160 registers ptxas refused 256
-        on an H200, s28; two consumers' 232 hold it at 128)."""
-        if self.block_k > 128 and (d > 128 or self.n_consumers(d) != 2):
+        block_k] float32 beside O [64, d] float32. 256 keys take two consumers and head_dim <=
+        128 (at head_dim 64 with three consumers' 160 registers ptxas refused the kernel on an
+        H200, s28; two consumers' 232 hold it at 128)."""
+        if self.block_k == 256 and (d > 128 or self.n_consumers(d) != 2):
             raise ValueError(
-                f"HopperAttnTiles(block_k={self.block_k}) at head_dim {d} with "
-                f"{self.n_consumers(d)} consumers: a [64, {self.block_k}] float32 S does not "
-                f"fit beside O in a consumer's "
+                f"HopperAttnTiles(block_k=256) at head_dim {d} with {self.n_consumers(d)} "
+                f"consumers: a [64, 256] float32 S does not fit beside O in a consumer's "
                 f"registers; it takes head_dim <= 128 with consumers=2 (pass consumers=2 at "
                 f"head_dim 64), else block_k <= 128")
 
@@ -230,37 +223,27 @@ class HopperAttnTiles:
             return False
         # Where O's own buffer leaves room for two ring slots (or the slots asked for): not
         # at head_dim 256, nor with three consumers or 256-key tiles at 128.
-        fixed, stage = self._buffers(spec.head_dim, spec.itemsize, True, spec.segments,
-                                     self.direct(spec, True))
+        fixed, stage = self._buffers(spec.head_dim, spec.itemsize, True, spec.segments)
         return fixed + (self.stages or 2) * stage <= _SMEM_BYTES
 
-    def direct(self, spec: AttnSpec, persistent: bool) -> bool:
-        """Whether O leaves from registers (`direct_o`) in the forward of `spec`."""
-        return (self.direct_o and persistent
-                and spec.n_q % (self.n_consumers(spec.head_dim) * _ROWS) == 0)
-
-    def _buffers(self, d: int, itemsize: int, persistent: bool, segments: bool,
-                 direct: bool = False):
+    def _buffers(self, d: int, itemsize: int, persistent: bool, segments: bool):
         """(bytes of the forward's fixed buffers, bytes of one K/V ring slot)."""
         # Q tiles, reused for O on the way out; a persistent CTA's O has a buffer of its own
-        # (the next Q lands while O leaves) unless it leaves from registers (`direct_o`), as
-        # lse then does too; else lse's buffer, 1 KiB as Mosaic GPU aligns it. Segment ids:
-        # the rows' and the slots' buffers and barriers, 3 KiB (measured as `_SMEM_BYTES`).
-        # Before s52 the buffers counted Q, O and segments' 2 KiB against 7 KiB under
-        # SMEM_BYTES: the same ring depths wherever O has a buffer.
-        own_o = persistent and not direct
-        fixed = self.n_consumers(d) * _ROWS * d * itemsize * (2 if own_o else 1)
-        fixed += (0 if direct else 1024) + (3 * 1024 if segments else 0)
+        # (the next Q lands while O leaves); lse's buffer, 1 KiB as Mosaic GPU aligns it.
+        # Segment ids: the rows' and the slots' buffers and barriers, 3 KiB (measured as
+        # `_SMEM_BYTES`). Before s52 Q, O and segments' 2 KiB were counted against 7 KiB
+        # under SMEM_BYTES: the same ring depths (648 tile settings compared).
+        fixed = self.n_consumers(d) * _ROWS * d * itemsize * (2 if persistent else 1)
+        fixed += 1024 + (3 * 1024 if segments else 0)
         return fixed, 2 * self.block_k * d * itemsize
 
     def stages_for(self, d: int, itemsize: int, persistent: bool = False,
-                   segments: bool = False, direct: bool = False) -> int:
+                   segments: bool = False) -> int:
         """The K/V ring's depth (`stages`, or as many slots as fit, at most 4; the overlap
         needs two); a ValueError naming what would fit where these tiles do not."""
         def layout(t):
             held = persistent if t.persistent is None else t.persistent
-            return t._buffers(d, itemsize, held, segments, direct and held) + (
-                2 if t.overlap else 1,)
+            return t._buffers(d, itemsize, held, segments) + (2 if t.overlap else 1,)
         fixes = ([dict(stages=None)] * (self.stages is not None)
                  + [dict(block_k=64)] * (self.block_k > 64)
                  + [dict(consumers=2)] * (self.n_consumers(d) > 2)
@@ -292,9 +275,7 @@ def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
     tiles.check_head_dim(spec.head_dim)
     if fits(dtype, spec, tiles):
         # The rings' depths, checked now rather than when the kernels are traced.
-        held = tiles.persists(spec)
-        tiles.stages_for(spec.head_dim, spec.itemsize, held, spec.segments,
-                         tiles.direct(spec, held))
+        tiles.stages_for(spec.head_dim, spec.itemsize, tiles.persists(spec), spec.segments)
         if not isinstance(tiles.backward, bool):       # HopperBwdTiles (`__post_init__`)
             tiles.backward.check(spec)
         return tiles
@@ -412,13 +393,12 @@ _AUTO_BARRIERS = True
 
 
 def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAttnTiles,
-                  stages: int, n_q_tiles: int, ctas: int | None, n_parts: int = 0,
-                  direct: bool = False):
+                  stages: int, n_q_tiles: int, ctas: int | None, n_parts: int = 0):
     """ctas: None, a CTA a work tile (grid ("cta",), in `launch_groups` order); else a
     persistent grid ("sm",) of `ctas` CTAs walking the work tiles that `refs[0]`
     (`work_schedule`) deals them (`HopperAttnTiles.persistent`); n_parts: the last round's
     tiles split over key blocks (`tail_schedule`): `refs[1]` holds the parts, whose
-    (o, lse) go to two more outputs; direct: O is stored from registers (`direct_o`)."""
+    (o, lse) go to two more outputs."""
     refs = list(refs)
     sched_gmem = refs.pop(0) if ctas is not None else None
     parts_gmem = refs.pop(0) if n_parts else None
@@ -429,16 +409,6 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
     bk, d, g = tiles.block_k, spec.head_dim, spec.groups
     nc = tiles.n_consumers(d)
     mma = _Mma(spec.interpret)
-    # The keys' partial last block in a narrow step: its first `narrow` keys (a multiple of
-    # 64, as a wgmma with P in registers needs) where that is fewer than bk: 64 of 192 at
-    # T = 4096 (21 x 192 + 64), where a whole step would multiply 128 masked keys a row (3%
-    # of the work). Not with segment ids (their key ids are the whole block's) nor the
-    # overlap (whose steps hold the tile a step longer); only with 192-key tiles until the
-    # narrow step has run on the GPU for 128's ragged rows too (s52: interpreted and lowered).
-    n_blocks = C.cdiv(spec.n_k, bk)
-    narrow = C.cdiv(spec.n_k - (n_blocks - 1) * bk, 64) * 64
-    if spec.segments or bk != 192:
-        narrow = bk
     dtype = q_gmem.dtype
     transforms = H._tma_transforms(dtype, d)
     producer_regs, consumer_regs = R.REGISTERS[nc]
@@ -476,18 +446,15 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         return lax.fori_loop(0, local, lambda i, c: body(
             i, sched_gmem[sm, 1 + i], lambda: sched_gmem[sm, 2 + i], i + 1 < local, c), carry)
 
-    def scoped(q_smem, k_smem, v_smem, *rest):
-        # lse's buffer, none where O and lse leave from registers (`direct`)
-        lse_smem, rest = (None, rest) if direct else (rest[0], rest[1:])
-        k_full, v_full, q_full, k_empty, v_empty, turn, *rest = rest
+    def scoped(q_smem, k_smem, v_smem, lse_smem, k_full, v_full, q_full, k_empty, v_empty,
+               turn, *rest):
         landed = rest[:1] if A.hides_keys(spec) else ()
         takes_turns = tiles.pingpong and nc == 2 and stages >= 2   # the consumers' turns
         rest = rest[len(landed):]
         if spec.segments:     # allocated last (`pl.run_scoped` below)
             rest, (qseg_smem, kseg_smem, seg_full) = rest[:-3], rest[-3:]
-        own_o = ctas is not None and not direct
-        o_smem = rest[0] if own_o else q_smem     # O leaves through here (unless direct)
-        o_scratch = rest[1:] if own_o else rest
+        o_smem = rest[0] if ctas is not None else q_smem     # O leaves through here
+        o_scratch = rest[1:] if ctas is not None else rest
         wg = lax.axis_index("wg")
 
         @pl.when(wg == nc)
@@ -571,36 +538,30 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                                                            spec.interpret))
 
                 def softmax(j, s, m, l, masked, same=None):
-                    """(p in the input dtype, alpha, m, l) of raw scores s of key block j (its
-                    first s.shape[1] keys: all, or the narrow last step's)."""
+                    """(p in the input dtype, alpha, m, l) of raw scores s of key block j."""
                     keep = None
-                    w = s.shape[1]
                     if masked:   # positions made here, not held across the loop (registers)
-                        q_pos = r0 + R.iota((_ROWS, w), 0, spec.interpret)
-                        k_pos = (lo + j) * bk + R.iota((_ROWS, w), 1, spec.interpret)
+                        q_pos = r0 + R.iota((_ROWS, bk), 0, spec.interpret)
+                        k_pos = (lo + j) * bk + R.iota((_ROWS, bk), 1, spec.interpret)
                         keep = A.visible(spec, q_pos, k_pos, same=same)
                     u, _ = A.transform(spec, s, keep)
                     m_new = jnp.maximum(m, jnp.max(R.fold_columns(u, jnp.maximum), axis=1))
                     shift = C.safe_max(m_new) * spec.c2
                     alpha = jnp.exp2(m * spec.c2 - shift)
                     # One FMA and one exp2 an element: u c2 - m c2 (FlashAttention-3's form).
-                    p = jnp.exp2(u * spec.c2 - R.row_vec(shift, w))
+                    p = jnp.exp2(u * spec.c2 - R.row_vec(shift, bk))
                     l = l * R.row_vec(alpha, R.LANES) + R.fold_columns(p, jnp.add)
                     return p.astype(dtype), alpha, m_new, l
 
                 # The named scopes are what `_hopper.traced` stamps
                 # (benchmarks/attention_trace.py).
-                def step(j, carry, masked, width=bk):
-                    """Key block j; `width` < bk: its first `width` keys only (the narrow
-                    last step: the rest lie past the keys' end)."""
+                def step(j, carry, masked):
                     acc, m, l = carry
                     slot = ring(j)
-                    keys_of = lambda ref: ref.at[slot] if width == bk else ref.at[
-                        slot, pl.ds(0, width)]
                     with jax.named_scope("wait_k"):
                         plgpu.barrier_wait(k_full.at[slot])
                     with jax.named_scope("qk"):
-                        s = mma.qk(q_smem.at[wg], keys_of(k_smem), pp.switch)
+                        s = mma.qk(q_smem.at[wg], k_smem.at[slot], pp.switch)
                     plgpu.barrier_arrive(k_empty.at[slot])
                     s_done(j)
                     with jax.named_scope("softmax"):
@@ -611,7 +572,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                         plgpu.barrier_wait(v_full.at[slot])
                         pp.wait()                             # the other's GEMMs are issued
                     with jax.named_scope("pv"):
-                        acc = mma.pv(acc, p, keys_of(v_smem), lambda: None)
+                        acc = mma.pv(acc, p, v_smem.at[slot], lambda: None)
                     plgpu.barrier_arrive(v_empty.at[slot])
                     return acc, m, l
 
@@ -676,19 +637,11 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
 
                 def blocks(step, carry):
                     """The consumer's key blocks: passed over, masked edge, visible, masked
-                    edge, passed over; the last edge's last block narrow where it is the
-                    keys' partial last block (`narrow`)."""
+                    edge, passed over."""
                     carry = lax.fori_loop(0, c_lo, pass_over, carry)
                     carry = lax.fori_loop(c_lo, c_flo, lambda j, c: step(j, c, True), carry)
                     carry = lax.fori_loop(c_flo, c_fhi, lambda j, c: step(j, c, False), carry)
-                    if narrow == bk or tiles.overlap:
-                        return lax.fori_loop(c_fhi, c_hi, lambda j, c: step(j, c, True), carry)
-                    # A loop of 0 or 1 steps rather than a branch (the carry stays a loop's).
-                    last = ((lo + c_hi == n_blocks) & (c_hi > c_fhi)).astype(jnp.int32)
-                    carry = lax.fori_loop(c_fhi, c_hi - last, lambda j, c: step(j, c, True),
-                                          carry)
-                    return lax.fori_loop(c_hi - last, c_hi,
-                                         lambda j, c: step(j, c, True, narrow), carry)
+                    return lax.fori_loop(c_fhi, c_hi, lambda j, c: step(j, c, True), carry)
 
                 l = R.zeros((_ROWS, R.LANES), spec.interpret)     # per-thread partial row sums
                 m = jnp.full((_ROWS,), C.NEG_INF, jnp.float32)
@@ -724,19 +677,12 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                                     m + jnp.log2(jnp.where(empty, 1.0, lsum)) * (1.0 / spec.c2))
                     if ctas is not None:    # the last tile's O and lse have left the buffers
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    o = (acc * R.row_vec(inv, d)).astype(dtype)
-                    if not direct:
-                        o_smem[wg] = o
-                        lse_smem[wg] = lse
-                        plgpu.commit_smem()
-
+                    o_smem[wg] = (acc * R.row_vec(inv, d)).astype(dtype)
+                    lse_smem[wg] = lse
+                    plgpu.commit_smem()
                     def store(o_dst, lse_dst):
-                        if direct:      # from registers: nothing to wait for before the next
-                            o_dst[...] = o
-                            lse_dst[...] = lse
-                        else:
-                            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_dst)
-                            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_dst)
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_dst)
+                        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_dst)
 
                     whole = lambda: store(o_gmem.at[b, pl.ds(r0, _ROWS), h],
                                           lse_gmem.at[b, h, pl.ds(r0, _ROWS)])
@@ -765,7 +711,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         plgpu.SMEM((nc, _ROWS, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, bk, d), dtype, transforms=transforms),
-        *([] if direct else [plgpu.SMEM((nc, _ROWS), jnp.float32)]),     # lse
+        plgpu.SMEM((nc, _ROWS), jnp.float32),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=1 + spec.segments, num_barriers=nc),   # Q (segment ids)
@@ -777,8 +723,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         # Masks hide keys: the producer cleans the CTA's edge tiles, which land here first.
         *([plgpu.Barrier(num_arrivals=2, num_barriers=stages)] if A.hides_keys(spec) else []),
         # A persistent CTA's O buffer (the next Q lands in Q's while O leaves).
-        *([plgpu.SMEM((nc, _ROWS, d), dtype, transforms=transforms)]
-          if ctas is not None and not direct else []),
+        *([plgpu.SMEM((nc, _ROWS, d), dtype, transforms=transforms)] if ctas is not None
+          else []),
         # The overlapped O in the interpreter (a wgmma accumulator on the GPU). Allocated last:
         # a small buffer between the lse tile and the barriers stalled Mosaic GPU's
         # interpreter (jax 0.10.2) on every forward.
@@ -805,8 +751,7 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
         else ()
     b, tq, hq, d = q.shape
     persistent = tiles.persists(spec)
-    direct = tiles.direct(spec, persistent)
-    stages = tiles.stages_for(d, q.dtype.itemsize, persistent, spec.segments, direct)
+    stages = tiles.stages_for(d, q.dtype.itemsize, persistent, spec.segments)
     nc = tiles.n_consumers(d)
     n_q_tiles = C.cdiv(tq, nc * _ROWS)
     ctas, sched, parts = None, (), None
@@ -825,7 +770,7 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
                                               tiles.block_k, ctas, _L2_SHARE)),)
     n_parts = 0 if parts is None else len(parts)
     body = functools.partial(_forward_body, spec=spec, tiles=tiles, stages=stages,
-                             n_q_tiles=n_q_tiles, ctas=ctas, n_parts=n_parts, direct=direct)
+                             n_q_tiles=n_q_tiles, ctas=ctas, n_parts=n_parts)
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, hq, C.cdiv(tq, 2 * _ROWS) * 2 * _ROWS), jnp.float32))
     if n_parts:    # each part's (o, lse) over its keys

@@ -16,7 +16,7 @@ rsqrt(inf) = 0 and an output of zeros. So both norms take their statistics of x 
 power of two chosen from the row's largest |x| (`row_scale`): s = 1 (nothing changes, bit for
 bit) unless max|x| >= 2^41, and then x / s < 2^41, whose squares sum without overflow. Scaling
 by a power of two is exact, so mean = s * mean(x / s) and rstd = rsqrt(var(x / s) + eps / s^2)
-/ s (`scaled_stats`). Tile states then carry their s: `(count, mean, m2, s)` in units of s,
+/ s (`scaled_rstd`, `scaled_stats`). Tile states then carry their s: `(count, mean, m2, s)` in units of s,
 merged at the larger s (`scaled_merge`).
 """
 from __future__ import annotations
@@ -54,14 +54,19 @@ def row_scale(amax):
     return as_float(127 + e), as_float(127 - e)
 
 
+def scaled_rstd(var, s, eps: float):
+    """1 / sqrt(var(x) + eps) from var = var(x / s) (s a power of two, `row_scale`)."""
+    inv = 1.0 / s                 # exact: s is a power of two
+    # eps / s^2 underflows to 0 for s > 2^60 or so: keep it at least float32's smallest normal
+    # (when eps is) so a constant row (var = 0) still gets a finite rstd. At s = 1 it is eps.
+    eps_s = jnp.maximum(eps * inv * inv, min(eps, float(jnp.finfo(jnp.float32).tiny)))
+    return jax.lax.rsqrt(var + eps_s) * inv
+
+
 def scaled_stats(state, eps: float):
     """(mean, rstd) in x's units from a `(count, mean, m2, s)` state in units of s."""
     n, mean, m2, s = state
-    inv = 1.0 / s                 # exact: s is a power of two
-    # eps / s^2 underflows to 0 for s > 2^60 or so: keep it at least float32's smallest normal
-    # (when eps is) so a constant row (m2 = 0) still gets a finite rstd. At s = 1 it is eps.
-    eps_s = jnp.maximum(eps * inv * inv, min(eps, float(jnp.finfo(jnp.float32).tiny)))
-    return mean * s, jax.lax.rsqrt(m2 / jnp.maximum(n, 1.0) + eps_s) * inv
+    return mean * s, scaled_rstd(m2 / jnp.maximum(n, 1.0), s, eps)
 
 
 def scaled_merge(a, b):
@@ -88,9 +93,8 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
     s, inv = row_scale(jnp.max(jnp.abs(xf), axis=-1, keepdims=True, initial=0.0))
     xs = xf * inv
     mean_s = jnp.mean(xs, axis=-1, keepdims=True)
-    m2_s = jnp.sum(jnp.square(xs - mean_s), axis=-1, keepdims=True)
-    mean, rstd = scaled_stats((x.shape[-1], mean_s, m2_s, s), eps)
-    y = (xf - mean) * rstd
+    var_s = jnp.mean(jnp.square(xs - mean_s), axis=-1, keepdims=True)
+    y = (xf - mean_s * s) * scaled_rstd(var_s, s, eps)
     if weight is not None:
         y = y * weight.astype(jnp.float32)
     if bias is not None:

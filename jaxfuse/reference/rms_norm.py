@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfuse import _checks
-from jaxfuse.reference.layer_norm import row_scale, scaled_stats
+from jaxfuse.reference.layer_norm import row_scale, scaled_rstd
 
 
 def validate(x, weight, eps=1e-6) -> None:
@@ -24,8 +24,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, *, eps: float = 1e-6
     validate(x, weight, eps)
     xf = x.astype(jnp.float32)
     s, inv = row_scale(jnp.max(jnp.abs(xf), axis=-1, keepdims=True, initial=0.0))
-    ss = jnp.sum(jnp.square(xf * inv), axis=-1, keepdims=True)
-    y = xf * scaled_stats((x.shape[-1], 0.0, ss, s), eps)[1]
+    y = xf * scaled_rstd(jnp.mean(jnp.square(xf * inv), axis=-1, keepdims=True), s, eps)
     if weight is not None:
         y = y * weight.astype(jnp.float32)
     return y.astype(x.dtype)

@@ -36,7 +36,7 @@ def has_zero_size(*args: Any, **kwargs: Any) -> bool:
 # references take some traced: scale, eps).
 STATIC_OPTIONS = ("scale", "eps", "label_smoothing", "z_loss", "logits_soft_cap", "base",
                   "rope_base", "rms_eps", "rate", "dropout_rate", "sliding_window",
-                  "eos_id", "length_penalty")
+                  "eos_id", "length_penalty", "ignore_index")
 # The ops' flags: Python bools on both paths (a string "False" is truthy; a traced bool cannot
 # choose a branch).
 BOOL_OPTIONS = ("causal", "return_lse", "partial_sums", "rope_interleaved", "interleaved")

@@ -86,7 +86,8 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: floa
     Target p = (1 - label_smoothing) onehot + label_smoothing / V. `reduction`: "mean" (over
     tokens whose label is not `ignore_index`), "sum" or "none". A label outside [0, V) that is
     not `ignore_index` gives NaN for that token. Labels of any integer dtype are compared as
-    integers (a uint8 label never equals ignore_index=-100); `ignore_index` must be an int.
+    integers (a uint8 label never equals ignore_index=-100); `ignore_index` must be an int
+    (Python, NumPy or a concrete jax integer).
     A logit of -inf (a masked entry) is fine without smoothing; with label_smoothing > 0 it
     makes that token's loss +inf, as the formula says (the smoothing term sums every logit).
 
@@ -300,7 +301,8 @@ def dropout(x: jax.Array, rate: float, key, *, impl: str = "pallas",
 
     >>> y = jaxfuse.dropout(x, 0.1, jax.random.fold_in(key, step))
     """
-    return route(impl, _s_blocks.dropout, _r_drop.dropout, x, rate, key,
+    # rate by keyword: `route` reads a concrete jax scalar option as its number
+    return route(impl, _s_blocks.dropout, _r_drop.dropout, x, rate=rate, key=key,
                  block_type=RowBlocks, interpret=interpret, block_sizes=block_sizes)
 
 

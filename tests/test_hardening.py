@@ -527,6 +527,23 @@ class TestScalarOptions:
             b = jaxfuse.linear_cross_entropy(x, w, lab, logits_soft_cap=5.0, impl=impl)
             np.testing.assert_array_equal(a, b)
 
+    def test_concrete_jax_rate_and_ignore_index(self):
+        """dropout's positional rate and the losses' ignore_index as concrete jax scalars were
+        refused ("must be a Python number", "must be an int"; s52's bug hunt), though the
+        README's options take them and NumPy's were taken."""
+        x, key = randn(keys(66, 1)[0], (4, 8)), jax.random.key(0)
+        lab = jnp.array([2, 0, 2, 5], jnp.int32)
+        for impl in IMPLS:
+            np.testing.assert_array_equal(jaxfuse.dropout(x, jnp.float32(0.5), key, impl=impl),
+                                          jaxfuse.dropout(x, 0.5, key, impl=impl))
+            for op in (lambda **kw: jaxfuse.cross_entropy(x, lab, impl=impl, **kw),
+                       lambda **kw: jaxfuse.linear_cross_entropy(x, x.T, lab, impl=impl,
+                                                                 **kw)):
+                np.testing.assert_array_equal(op(ignore_index=jnp.int32(2)),
+                                              op(ignore_index=2))
+        with pytest.raises(ValueError, match="rate is a traced value"):
+            jax.jit(lambda r: jaxfuse.dropout(x, r, key))(0.5)
+
     def test_traced_options_are_named(self):
         x, lab = jnp.ones((2, 3)), jnp.zeros((2,), jnp.int32)
         q = jnp.ones((1, 4, 2, 8))

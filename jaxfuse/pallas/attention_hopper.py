@@ -159,7 +159,10 @@ class HopperAttnTiles:
         # softmax folds S's columns in halves. 192 keys, made to lower, ran 5.5% faster than
         # 128 a CTA a tile without masks at T = 4224 (H200, s28), the gain persistence gives
         # 128 (s16), which 192's two slots leave no room for: not taken (benchmarks/NOTES.md
-        # s28). 256 needs room in registers (`check_head_dim`).
+        # s28). s52 made the room (O and lse stored from registers, no buffers) and measured
+        # 192 persistent 17% slower than the default on an H100 at B4 H32 T4096 (the register
+        # store alone cost ~6-7 us a work tile): removed again (NOTES s52 item 4). 256 needs
+        # room in registers (`check_head_dim`).
         if self.block_k not in (64, 128, 256):
             raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128 or 256 "
                              f"(keys a step; 128 is the default, 64 at head_dim 256)")

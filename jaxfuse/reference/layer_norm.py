@@ -49,7 +49,8 @@ def row_scale(amax):
     of n < 2^46 entries sums its squares below 2^128. A NaN or inf amax gives the largest s (the
     output is NaN, as it would be anyway)."""
     bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.int32)
-    e = jnp.clip((bits >> 23) - (127 + SCALE_FREE_EXPONENT), 0, 126 - SCALE_FREE_EXPONENT)
+    # 254: the largest finite float32's biased exponent (inf and NaN, 255, take its s)
+    e = jnp.clip((bits >> 23) - (127 + SCALE_FREE_EXPONENT), 0, 254 - 127 - SCALE_FREE_EXPONENT)
     as_float = lambda biased: jax.lax.bitcast_convert_type(biased << 23, jnp.float32)
     return as_float(127 + e), as_float(127 - e)
 
@@ -73,7 +74,11 @@ def scaled_merge(a, b):
     """`welford_merge` of two `(count, mean, m2, s)` states, each first brought to the larger s
     (an exact division by a power of two; at equal s a multiplication by 1)."""
     s = jnp.maximum(a[3], b[3])
-    at = lambda st: (st[0], st[1] * (st[3] / s), st[2] * jnp.square(st[3] / s))
+
+    def at(state):
+        n, mean, m2, s_own = state
+        r = s_own / s
+        return n, mean * r, m2 * r * r
     return (*welford_merge(at(a), at(b)), s)
 
 

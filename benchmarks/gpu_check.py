@@ -7,7 +7,8 @@ Sections: rows (softmax, norms, cross-entropy), attention, decode, lce (linear +
 hardening (issue 19's extreme-value and NaN cases, compiled; checks only), block (dropout
 family, add_norm, swiglu, rope, embedding), rope_qkv (the q/k/v split with RoPE).
 No section named = all. `--no-sweep` skips the block-size sweeps; `--no-check` the checks,
-`--no-perf` the timings (a correctness pass over every section). Peers that are not installed
+`--no-perf` the timings (a correctness pass over every section); `--resume N` skips the
+first N checks or timings (a pass that a time limit cut goes on there). Peers that are not installed
 (tokamax) are reported as such, not fatal.
 """
 from __future__ import annotations
@@ -33,7 +34,10 @@ def main() -> None:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-perf", action="store_true")
+    ap.add_argument("--resume", type=int, default=0,
+                    help="skip the first N guarded checks/timings (a pass cut by a time limit)")
     args = ap.parse_args()
+    _timing.RESUME["skip"] = args.resume
     dev = jax.devices()[0]
     print(f"device={dev.device_kind} jax={jax.__version__} backend={jax.default_backend()}")
     copy_bw = _timing.copy_ceiling()

@@ -499,3 +499,56 @@ def test_fixed_point_dq_agrees_with_the_kernel_pair():
     row = jnp.max(big, axis=-1, keepdims=True)
     assert bool((jnp.abs(a - b) <= ulp + row * 2.0 ** -16).all())
     assert not bool(jnp.array_equal(dq, dq0))     # (the two paths did run)
+
+
+class TestLargeLogits:
+    """tests/test_hardening.py's classes 3 and 4 on the Hopper kernels: scores near 4e9 keep o,
+    lse and the gradients finite, and one visible key gives P = 1 exactly (o = v, dv = do).
+    The kernels once formed exponents as one FMA, u c2 - m c2 (FlashAttention-3's form): the
+    FMA subtracts the rounded m c2 from the exact product, so at |u c2| ~ 2^31 the largest key
+    got exp2(+-128), o = NaN or lse = -inf (`_attn`'s docstring; GPU run s53-1)."""
+
+    @pytest.mark.parametrize("deterministic", [True, False])
+    def test_scores_near_4e9(self, deterministic):
+        kq, kk, kv, kd = keys(41, 4)
+        q = randn(kq, (1, 128, 2, 64), jnp.bfloat16, scale=2e4)
+        k = randn(kk, (1, 128, 1, 64), jnp.bfloat16, scale=2e4)
+        v = randn(kv, (1, 128, 1, 64), jnp.bfloat16)
+        do = randn(kd, (1, 128, 2, 64), jnp.bfloat16)
+        tiles = {} if deterministic else dict(fused_dq=True)
+        f = lambda q, k, v: jaxfuse.flash_attention(
+            q, k, v, scale=1.0, return_lse=True, deterministic=deterministic,
+            block_sizes=_blocks(**tiles))
+        (o, lse), vjp = jax.vjp(f, q, k, v)
+        g = vjp((do, jnp.zeros_like(lse)))
+        fr = lambda q, k, v: ref.attention(q, k, v, scale=1.0, return_lse=True)
+        (o_r, lse_r), vjp_r = jax.vjp(fr, F32(q), F32(k), F32(v))
+        g_r = vjp_r((F32(do), jnp.zeros_like(lse_r)))
+        assert float(jnp.abs(lse_r).max()) > 2e9       # the scores are as large as meant
+        for a in (o, lse, *g):
+            assert bool(jnp.all(jnp.isfinite(F32(a))))
+        # the float32 scores of 64 terms near 4e8 are known to ~eps * sum|q_d k_d|
+        bound = 2 * 2.0 ** -23 * jnp.einsum("bqhd,bkd->bhqk", jnp.abs(F32(q)),
+                                             jnp.abs(F32(k[:, :, 0]))).max(-1)
+        assert bool(jnp.all(jnp.abs(lse - lse_r) <= bound))
+        assert float(jnp.abs(F32(o) - o_r).max()) < 2e-2
+        # dv = P^T dO sums rows of do (P is one-hot or nearly so at these scores)
+        assert float(jnp.abs(F32(g[2]) - g_r[2]).max()) < 5e-2 * float(jnp.abs(g_r[2]).max())
+
+    def test_one_visible_key_is_exact(self):
+        """Each query sees one key (Tk = 1) of score ~1e5 .. 3e9: o = v and dv = do bitwise."""
+        kq, kk, kv, kd = keys(42, 4)
+        run = jax.jit(lambda q, k, v, do: (lambda o, vjp: (o, vjp(do)[0]))(*jax.vjp(
+            lambda v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks()), v)))
+        for logit in (1e5, 1e7, 3e8, 3e9):
+            s = float(logit ** 0.5 / 8 ** 0.5)      # |q.k| ~ s^2 sqrt(64) = logit
+            q = randn(kq, (1, 64, 1, 64), jnp.bfloat16, scale=s)
+            k = randn(kk, (1, 1, 1, 64), jnp.bfloat16, scale=s)
+            v, do = randn(kv, (1, 1, 1, 64), jnp.bfloat16), randn(kd, (1, 64, 1, 64),
+                                                                  jnp.bfloat16)
+            if logit == 1e5:
+                assert "hopper" in str(jax.make_jaxpr(run)(q, k, v, do))
+            o, dv = run(q, k, v, do)
+            assert bool(jnp.array_equal(o, jnp.broadcast_to(v, o.shape))), logit
+            o1, dv1 = run(q[:, :1], k, v, do[:, :1])
+            assert bool(jnp.array_equal(dv1, do[:, :1])), logit

@@ -4,7 +4,10 @@
 #   "race" (~500 s): the model race with decoding (`model.py train157 train1b decode`), then the
 #       block kernels' whole table against XLA (`block.py --no-check --interleave 3`);
 #   "tables" (~520 s, .peers carried): the attention table against cuDNN and tokamax, then the
-#       row kernels' timings (`gpu_check.py rows --no-check --no-sweep`).
+#       row kernels' timings (`gpu_check.py rows --no-check --no-sweep`);
+#   "cost" (~400 s, .baseline carried: `git archive 1cb49b3 jaxfuse | tar -x -C .baseline`):
+#       what the Hopper kernels' exact exponents cost (`change_cost.py attention`), then the
+#       hardening section's compiled checks (the two it failed in s53-1).
 . "$(dirname "$0")/_lib.sh" "$@"
 case "${2:-race}" in
     race) model_run model 260 train157 train1b decode --no-reference --two-launches
@@ -17,4 +20,6 @@ case "${2:-race}" in
             --out "$out/rows.json" > "$out/rows.log" 2>&1
         echo "rows rc=$?"
         grep -a "rows \|ceiling" "$out/rows.log" | sed 's/  */ /g' | cut -c1-160 ;;
+    cost) renamed_base 330 attention
+        bash "$(dirname "$0")/s51.sh" "$out" 150 0 hardening ;;
 esac

@@ -11,7 +11,8 @@ One CTA computes a [consumers * 64, D] tile of o for one (batch, query head):
   ping-pong below; measured 9% faster there) each own block_q = 64 query rows (one wgmma
   M), keep (m, l, acc) in
   registers and walk the same key tiles: S = Q K^T by wgmma from shared memory, the online
-  softmax in the log2 domain (exp2, scale * log2(e) folded into one multiply), then
+  softmax in the log2 domain (exp2((u - m) scale log2(e)), `_attn`'s score units: exactly 1
+  at the row's max, finite at any finite score), then
   O += P V by wgmma with P straight from registers (never through shared memory);
 * the two consumers take turns on the tensor cores (a rendezvous of both on a hardware named
   barrier, `bar.sync`, the second warpgroup one phase behind): while one runs its softmax the
@@ -549,10 +550,13 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                         keep = A.visible(spec, q_pos, k_pos, same=same)
                     u, _ = A.transform(spec, s, keep)
                     m_new = jnp.maximum(m, jnp.max(R.fold_columns(u, jnp.maximum), axis=1))
-                    shift = C.safe_max(m_new) * spec.c2
-                    alpha = jnp.exp2(m * spec.c2 - shift)
-                    # One FMA and one exp2 an element: u c2 - m c2 (FlashAttention-3's form).
-                    p = jnp.exp2(u * spec.c2 - R.row_vec(shift, bk))
+                    shift = C.safe_max(m_new)
+                    alpha = jnp.exp2((m - shift) * spec.c2)
+                    # (u - m) c2, as `_attn.online_update`: exp2(0) = 1 at the row's max.
+                    # FlashAttention-3's one FMA an element, u c2 - m c2, subtracts the rounded
+                    # m c2 from the exact product: at |u c2| ~ 2^31 the max got exp2(+-128),
+                    # o = NaN or lse = -inf (GPU run s53-1).
+                    p = jnp.exp2((u - R.row_vec(shift, bk)) * spec.c2)
                     l = l * R.row_vec(alpha, R.LANES) + R.fold_columns(p, jnp.add)
                     return p.astype(dtype), alpha, m_new, l
 

@@ -10,12 +10,12 @@
 sections=${4:-attention block lce rope_qkv decode rows hardening}
 timeout -s KILL "${2:-420}" python benchmarks/gpu_check.py $sections --no-perf \
     --out "$out/checks.json" > "$out/checks.log" 2>&1
-echo "checks rc=$?: $(grep -ac 'status=ok' "$out/checks.log") ok, \
-$(grep -ac 'status=FAIL\|rror' "$out/checks.log") not"
+echo "checks rc=$?: $(grep -ac 'status=ok\|ok=True' "$out/checks.log") ok, \
+$(grep -ac 'status=FAIL\|ok=False\|rror' "$out/checks.log") not"
 for s in $sections; do
-    echo "  $s: $(grep -a "^$s " "$out/checks.log" | grep -ac "status=ok") ok"
+    echo "  $s: $(grep -a "^$s " "$out/checks.log" | grep -ac "status=ok\|ok=True") ok"
 done
-grep -a "check\|status" "$out/checks.log" | grep -av "status=ok" | sed 's/  */ /g' \
+grep -a "check\|status" "$out/checks.log" | grep -av "status=ok\|ok=True" | sed 's/  */ /g' \
     | cut -c1-220 | head -40
 tail -3 "$out/checks.log" | cut -c1-200
 [ "${3:-150}" = 0 ] && exit 0

@@ -3,9 +3,10 @@
 The regressions of tests/test_hardening.py run in interpret mode on a CPU; this section runs the
 same kinds of inputs through the compiled (Triton) kernels, whose compiler may contract,
 reorder or approximate differently: -inf logits, unsigned labels, logits near 1e9 (forward) and
-up to 3e9 with one visible key (P = 1 exactly: o = v, dv = do), 1e4-sized inputs through the
-backward, a NaN in one row of each op, lengths past 2^31, a query over zero keys. Each case is
-one row, status "ok" or "FAIL" (no timings: `perf` records nothing).
+up to 3e9 with one visible key (P = 1 exactly: o = v, dv = do), softmax's scaled scores near
+1e12, 1e4-sized inputs through the backward, a NaN in one row of each op, lengths past 2^31, a
+query over zero keys. Each case is one row, status "ok" or "FAIL" (no timings: `perf` records
+nothing).
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py hardening --out hardening.json
 """
@@ -130,6 +131,26 @@ def _attention():
     _case("flash_attention grads, inputs ~1e4", jnp.float32, large_grads)
 
 
+def _large_scaled_softmax():
+    # Class 3 for softmax with a scale: scores scale * x near 1e12 (f32) and 1e30 (bf16 x).
+    # A compiler that contracts s - m, s = x * scale, into one FMA subtracts the rounded max
+    # from the exact product (the Hopper attention's bug, s53): exp of half an ulp of 1e12 is
+    # inf. Rows of one tile and of several (the statistics pass); finite, rows summing to 1.
+    for dtype, mag in ((jnp.float32, 1e12), (jnp.bfloat16, 1e30)):
+        def large(dtype=dtype, mag=mag):
+            out, worst = {}, 0.0
+            for cols in (1000, 70000):
+                x = _normal(21, (8, cols), dtype, mag)
+                got = jax.jit(lambda x: jaxfuse.softmax(x, scale=0.7))(x)
+                want = jax.jit(lambda x: jaxfuse.softmax(x, scale=0.7, impl="reference"))(x)
+                fin = bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))
+                worst = max(worst, rel_err(got, want))
+                out[f"cols{cols}"] = "ok" if fin else "FAIL"
+            return all(v == "ok" for v in out.values()) and worst < 1e-2, dict(
+                max_rel_err=worst, **out)
+        _case(f"softmax scale 0.7, scores ~{mag:.0e}", dtype, large)
+
+
 def _nan_rows():
     # Class 8: a NaN in the data gives NaN in its row, in every op, and nowhere else.
     x = _normal(14, (8, 4096), jnp.bfloat16).at[3, 1000].set(jnp.nan)
@@ -207,6 +228,7 @@ def _decode_and_empty():
 def check():
     _losses()
     _attention()
+    _large_scaled_softmax()
     _nan_rows()
     _decode_and_empty()
 

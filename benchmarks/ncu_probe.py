@@ -14,7 +14,8 @@ query and 4 KV heads of 64, bf16; plain, then with the model's packed append), d
 forward at [16384, 4096] bf16, rate 0.1), attention (the Hopper forward, B4 H32 T4096 D128
 bf16, full), block (bias_act_dropout with gelu, add_norm, bias_dropout_add and embedding at issue
 15's shapes, forward and backward), attention_bwd_d64 (the 1B model's attention backward: the
-kernel pair's dK/dV kernel and the fused dQ's).
+kernel pair's dK/dV kernel and the fused dQ's), attention_fwd_d64 (the 1B model's attention
+forward, today's and the tree's before a change).
 """
 from __future__ import annotations
 
@@ -101,8 +102,30 @@ def attention_bwd_d64(reps: int = 1):
             jax.block_until_ready(step(q, k, v, do))
 
 
+def attention_fwd_d64(reps: int = 1):
+    """The 1B model's attention forward (B2 Hq32 Hkv8 T8192 D64 causal, bf16), today's kernel
+    and then, where the tree before a change is importable as `jaxfuse_base` (`smoke/_lib.sh`
+    `renamed_base`), its kernel: the two launches in that order, under the same kernel name.
+    s53: exp2((u - m) c2) in place of one FMA cost this forward 22% (NOTES s53 item 5); which
+    pipe, which stall, how many registers."""
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (2, 8192, 32, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (2, 8192, 8, 64), jnp.bfloat16) for kk in ks[1:])
+    libs = [jaxfuse]
+    try:
+        import jaxfuse_base
+        libs.append(jaxfuse_base)
+    except ImportError:
+        pass
+    for lib in libs:
+        f = jax.jit(lambda q, k, v, lib=lib: lib.flash_attention(q, k, v, causal=True))
+        for _ in range(reps):
+            jax.block_until_ready(f(q, k, v))
+
+
 SECTIONS = {"decode_attention": decode_attention, "dropout": dropout, "attention": attention,
-            "block": block, "attention_bwd_d64": attention_bwd_d64}
+            "block": block, "attention_bwd_d64": attention_bwd_d64,
+            "attention_fwd_d64": attention_fwd_d64}
 
 if __name__ == "__main__":
     print("device", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)

@@ -1,0 +1,30 @@
+#!/bin/bash
+# For the session after s53 (any card; carry .baseline = the tree before s53's exact exponents:
+# `git archive 1cb49b3 jaxfuse | tar -x -C .baseline`). $2:
+#   "diag" (~300 s): why exp2((u - m) c2) cost the 1B model's D = 64 forward 22% (NOTES s53):
+#       ptxas's registers and spills of the D = 64 forward, today's tree and the one before
+#       (`hopper_ptxas.py 64`), then Nsight Compute on both forwards at the 1B shape
+#       (`ncu_probe.py attention_fwd_d64`: issue slots, pipes, stall reasons, instructions).
+. "$(dirname "$0")/_lib.sh" "$@"
+case "${2:-diag}" in
+    diag)
+        timeout -s KILL 80 python benchmarks/hopper_ptxas.py 64 > "$out/ptxas_new.log" 2>&1
+        echo "ptxas new rc=$?"
+        baseline_pkg
+        (cd /tmp/base && timeout -s KILL 80 python benchmarks/hopper_ptxas.py 64 \
+            > "$out/ptxas_base.log" 2>&1; echo "ptxas base rc=$?")
+        for f in new base; do
+            echo "== $f"; grep -a "===\|registers\|spill\|serializ" "$out/ptxas_$f.log" \
+                | sed 's/  */ /g' | cut -c1-160 | head -12
+        done
+        rm -rf /tmp/base && mkdir -p /tmp/base && cp -r .baseline/jaxfuse /tmp/base/jaxfuse_base
+        find /tmp/base -name '*.py' -exec sed -i 's/\bjaxfuse\b/jaxfuse_base/g' {} +
+        PYTHONPATH=/tmp/base:$PYTHONPATH timeout -s KILL 200 ncu --clock-control none \
+            -k regex:flash.*fwd -c 2 --section SpeedOfLight --section LaunchStats \
+            --section ComputeWorkloadAnalysis --section InstructionStats \
+            --section WarpStateStats --metrics "gpu__time_duration.sum" \
+            python benchmarks/ncu_probe.py attention_fwd_d64 > "$out/ncu_fwd_d64.txt" 2>&1
+        echo "ncu rc=$?"
+        grep -a "jaxfuse_flash\|duration\|Registers Per\|Issue Slots\|Executed Ipc\|Pipe\|Stall\|Executed Instructions \|Warp Cycles Per Issued" \
+            "$out/ncu_fwd_d64.txt" | sed 's/  */ /g' | cut -c1-140 | head -60 ;;
+esac

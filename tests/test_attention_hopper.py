@@ -235,6 +235,34 @@ def test_256_key_tiles_need_registers(d, consumers):
     HopperAttnTiles(block_k=256).check_head_dim(128)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("tiles,opts", [
+    (HopperAttnTiles(sum_mma=True, backward=False), dict(logits_soft_cap=30.0)),  # 3 consumers
+    (HopperAttnTiles(sum_mma=True, consumers=2, stages=2, backward=False),
+     dict(sliding_window=40)),
+])
+def test_row_sums_on_the_tensor_cores(dtype, tiles, opts):
+    """`HopperAttnTiles(sum_mma=True)`: l += P 1 by a product beside P V. o as the default's
+    tolerance; lse within the rounding of P to the input dtype (each p off by at most the
+    unit roundoff u, so their sum too: |d lse| <= log(1 + u)), which the default's float32
+    sum does not have (its lse is held to 1e-4 above). A step's P 1 missed or doubled would
+    move lse by ~log 2."""
+    kq, kk, kv = keys(5, 3)
+    q = randn(kq, (1, 128, 4, 64), dtype)
+    k, v = randn(kk, (1, 320, 1, 64), dtype), randn(kv, (1, 320, 1, 64), dtype)
+    o, lse = jaxfuse.flash_attention(q, k, v, return_lse=True,
+                                     block_sizes=AttnBlocks(hopper=tiles), **opts)
+    ro, rlse = ref.attention(F32(q), F32(k), F32(v), return_lse=True, **opts)
+    u = float(jnp.finfo(dtype).eps) / 2
+    assert float(jnp.abs(F32(o) - ro).max()) < (2e-2 if dtype == jnp.bfloat16 else 4e-3)
+    assert float(jnp.abs(lse - rlse).max()) < jnp.log1p(u) + 1e-4
+
+
+def test_sum_mma_refuses_the_overlap():
+    with pytest.raises(ValueError, match="overlap=False"):
+        HopperAttnTiles(sum_mma=True, overlap=True)
+
+
 def test_overlap_needs_two_slots():
     """The overlap holds a V tile a step longer: a ring of one slot is refused by name."""
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)

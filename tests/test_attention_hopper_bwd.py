@@ -86,10 +86,10 @@ def _grads(q, k, v, do, tiles, kernel=None, **opts):
     return run(q, k, v, do)
 
 
-def _blocks(fwd_consumers=2, **bwd):
+def _blocks(fwd_consumers=2, fwd_sum_mma=False, **bwd):
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
-    return AttnBlocks(hopper=HopperAttnTiles(consumers=fwd_consumers,
+    return AttnBlocks(hopper=HopperAttnTiles(consumers=fwd_consumers, sum_mma=fwd_sum_mma,
                                              backward=HopperBwdTiles(**bwd)))
 
 
@@ -535,11 +535,14 @@ class TestLargeLogits:
         # dv = P^T dO sums rows of do (P is one-hot or nearly so at these scores)
         assert float(jnp.abs(F32(g[2]) - g_r[2]).max()) < 5e-2 * float(jnp.abs(g_r[2]).max())
 
-    def test_one_visible_key_is_exact(self):
-        """Each query sees one key (Tk = 1) of score ~1e5 .. 3e9: o = v and dv = do bitwise."""
+    @pytest.mark.parametrize("sum_mma", [False, True])
+    def test_one_visible_key_is_exact(self, sum_mma):
+        """Each query sees one key (Tk = 1) of score ~1e5 .. 3e9: o = v and dv = do bitwise
+        (also with the row sums on the tensor cores: P = 1 rounds to 1)."""
         kq, kk, kv, kd = keys(42, 4)
+        blocks = _blocks(fwd_sum_mma=sum_mma)
         run = jax.jit(lambda q, k, v, do: (lambda o, vjp: (o, vjp(do)[0]))(*jax.vjp(
-            lambda v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks()), v)))
+            lambda v: jaxfuse.flash_attention(q, k, v, block_sizes=blocks), v)))
         for logit in (1e5, 1e7, 3e8, 3e9):
             s = float(logit ** 0.5 / 8 ** 0.5)      # |q.k| ~ s^2 sqrt(64) = logit
             q = randn(kq, (1, 64, 1, 64), jnp.bfloat16, scale=s)

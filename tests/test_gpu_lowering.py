@@ -161,6 +161,23 @@ _FIXED = ("jaxfuse_flash_bwd_dkv_dq_fixed_hopper",)
 # window with the cap is lowered by test_hopper_d256_variants_lower, whose forward is this one
 # and whose dK/dV and dQ kernels differ from these by the same ops, of the same types, with
 # either mask set (checked), so those ops are lowered there.
+@pytest.mark.parametrize("d,opts,persistent", [
+    (64, dict(causal=True, sliding_window=100), None), (64, dict(causal=True), True),
+    (128, dict(logits_soft_cap=30.0), True)])
+def test_hopper_forward_row_sums_on_tensor_cores_lower(d, opts, persistent):
+    """`HopperAttnTiles(sum_mma=True)`: the second wgmma of a step (P from registers times a
+    [block_k, 16] ones tile in 32-byte swizzled shared memory, wgmma's smallest N there) and
+    the ones tile's TMA load lower for sm90."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
+    k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
+    tiles = HopperAttnTiles(sum_mma=True, backward=False, persistent=persistent)
+    module = _lower(lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
+        q, k, k).mlir_module()
+    assert "jaxfuse_flash_fwd_hopper" in module
+
+
 @pytest.mark.parametrize("d,opts,det", [
     (64, dict(causal=True), True), (64, dict(causal=True), False),
     (128, dict(causal=True, sliding_window=200), True),

@@ -4,9 +4,19 @@
 #   "diag" (~300 s): why exp2((u - m) c2) cost the 1B model's D = 64 forward 22% (NOTES s53):
 #       ptxas's registers and spills of the D = 64 forward, today's tree and the one before
 #       (`hopper_ptxas.py 64`), then Nsight Compute on both forwards at the 1B shape
-#       (`ncu_probe.py attention_fwd_d64`: issue slots, pipes, stall reasons, instructions).
+#       (`ncu_probe.py attention_fwd_d64`: issue slots, pipes, stall reasons, instructions);
+#   "sum_mma" (~350 s): the row sums on the tensor cores (`HopperAttnTiles(sum_mma=True)`,
+#       built in s53, never run on a GPU) against the default and cuDNN at the models' D = 64
+#       and issue 14's D = 128 rows, interleaved, then its compiled checks (`attention.py
+#       sum_mma`). If it wins the exact exponents' cost back, make it the default there.
 . "$(dirname "$0")/_lib.sh" "$@"
 case "${2:-diag}" in
+    sum_mma)
+        timeout -s KILL 340 python benchmarks/attention.py sum_mma "$out/sum_mma.json" \
+            > "$out/sum_mma.log" 2>&1
+        echo "sum_mma rc=$?: $(grep -ac 'status=ok' "$out/sum_mma.log") ok, \
+$(grep -ac 'status=FAIL\|rror' "$out/sum_mma.log") not"
+        grep -a "interleaved\|FAIL\|rror" "$out/sum_mma.log" | sed 's/  */ /g' | cut -c1-200 ;;
     diag)
         timeout -s KILL 80 python benchmarks/hopper_ptxas.py 64 > "$out/ptxas_new.log" 2>&1
         echo "ptxas new rc=$?"

@@ -110,6 +110,10 @@ _ROWS = H.ROWS      # query rows per consumer warpgroup: one wgmma M
 _SMEM_BYTES = H.SMEM_BYTES - 2 * 1024
 
 
+# Columns of `HopperAttnTiles.sum_mma`'s ones tile: wgmma's smallest N for a 2-byte B operand
+# (Mosaic GPU's smallest swizzle, 32 bytes, is 16 elements).
+_SUM_COLS = 16
+
 # Keys up to which the forward's CTAs are persistent by default (`HopperAttnTiles.persistent`).
 _PERSISTENT_KEYS = 4096
 
@@ -142,7 +146,12 @@ class HopperAttnTiles:
     the kernel (bf16/f16 partial o, so those rows round twice); None (the default): wherever
     `tail_schedule` applies; False: never. H100, s49-1, B4 T4096 D128 without a mask, forward
     interleaved: 32 heads (4 tiles in the last of 32 rounds) 1.933 -> 1.883 ms (cuDNN 1.887),
-    31 heads (8 tiles) 1.837 -> 1.793 (cuDNN 1.811); 33 heads (no tail) 1.873 / 1.878."""
+    31 heads (8 tiles) 1.837 -> 1.793 (cuDNN 1.811); 33 heads (no tail) 1.873 / 1.878;
+    sum_mma: the row sums l by the tensor cores, l += P 1 (one more wgmma beside P V, of P with
+    a [block_k, 16] tile of ones), not by a float32 add an element: the softmax's issue-bound
+    element work goes back from 4 operations to 3 (the exact exponents, s53, cost the D = 64
+    forward 22%); l then sums P as rounded to the input dtype, the P that P V takes. Not with
+    `overlap`. Built in s53 without a lease to time it: off until measured (NOTES s53)."""
     block_k: int = 128
     stages: int | None = None
     pingpong: bool = True
@@ -151,6 +160,7 @@ class HopperAttnTiles:
     overlap: bool = False
     persistent: bool | None = None
     split_tail: bool | None = None
+    sum_mma: bool = False
 
     def __post_init__(self):
         if self.consumers is not None and self.consumers not in R.REGISTERS:
@@ -167,6 +177,10 @@ class HopperAttnTiles:
         if self.block_k not in (64, 128, 256):
             raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128 or 256 "
                              f"(keys a step; 128 is the default, 64 at head_dim 256)")
+        if self.sum_mma and self.overlap:
+            raise ValueError("HopperAttnTiles(sum_mma=True, overlap=True): the row sums' product "
+                             "is issued beside P V in the step without the overlap; pass "
+                             "overlap=False (the default below head_dim 256)")
         if self.split_tail is not None and not isinstance(self.split_tail, bool):
             raise ValueError(f"HopperAttnTiles.split_tail={self.split_tail!r} must be True, "
                              f"False or None (where `tail_schedule` applies)")
@@ -239,6 +253,7 @@ class HopperAttnTiles:
         # under SMEM_BYTES: the same ring depths (648 tile settings compared).
         fixed = self.n_consumers(d) * _ROWS * d * itemsize * (2 if persistent else 1)
         fixed += 1024 + (3 * 1024 if segments else 0)
+        fixed += self.block_k * _SUM_COLS * itemsize if self.sum_mma else 0   # the ones tile
         return fixed, 2 * self.block_k * d * itemsize
 
     def stages_for(self, d: int, itemsize: int, persistent: bool = False,
@@ -320,6 +335,21 @@ class _Mma:
             plgpu.wgmma(acc_ref, p, v_smem)
             after_issue()
         return pl.run_state(body)(plgpu.ACC.init(acc))
+
+    def pv_sum(self, acc, l, p, v_smem, ones_smem, after_issue):
+        """(acc + P V, l + P 1) with P [64, bk] in registers and 1 the [bk, _SUM_COLS] ones
+        tile (`HopperAttnTiles.sum_mma`): both products issued back to back."""
+        if self.interpret:
+            after_issue()
+            return (acc + A.dot(p, v_smem[...], "qk,kd->qd"),
+                    l + A.dot(p, ones_smem[...], "qk,kd->qd"))
+
+        def body(refs):
+            acc_ref, l_ref = refs
+            plgpu.wgmma(acc_ref, p, v_smem)
+            plgpu.wgmma(l_ref, p, ones_smem)
+            after_issue()
+        return pl.run_state(body)((plgpu.ACC.init(acc), plgpu.ACC.init(l)))
 
     # The overlapped loop (`HopperAttnTiles.overlap`): O lives in one accumulator for the whole
     # key loop (a wgmma accumulator on the GPU, a float32 shared-memory tile in the interpreter,
@@ -406,6 +436,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
     refs = list(refs)
     sched_gmem = refs.pop(0) if ctas is not None else None
     parts_gmem = refs.pop(0) if n_parts else None
+    ones_gmem = refs.pop(0) if tiles.sum_mma else None
     # Segment ids (int32 [B, Tq] and [B, Tk]): each consumer reads its rows' once per work
     # tile with its Q, the producer streams each key block's beside its V.
     (qs_gmem, ks_gmem), outs = A.split_refs(refs, spec, 4 if n_parts else 2)
@@ -457,6 +488,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         rest = rest[len(landed):]
         if spec.segments:     # allocated last (`pl.run_scoped` below)
             rest, (qseg_smem, kseg_smem, seg_full) = rest[:-3], rest[-3:]
+        if tiles.sum_mma:     # the ones tile and its barrier, just before them
+            rest, (ones_smem, ones_full) = rest[:-2], rest[-2:]
         o_smem = rest[0] if ctas is not None else q_smem     # O leaves through here
         o_scratch = rest[1:] if ctas is not None else rest
         wg = lax.axis_index("wg")
@@ -464,6 +497,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         @pl.when(wg == nc)
         def _producer():
             plgpu.set_max_registers(producer_regs, action="decrease")
+            if tiles.sum_mma:
+                plgpu.copy_gmem_to_smem(ones_gmem, ones_smem, ones_full)
 
             def item_kv(i, item, next_item, has_next, base):
                 b, h, row0, (lo, flo, fhi, hi) = where(item)
@@ -480,6 +515,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         @pl.when(wg < nc)
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
+            if tiles.sum_mma:
+                plgpu.barrier_wait(ones_full)
             named = _NAMED_PINGPONG and not spec.interpret   # the interpreter has none
             pp = R.PingPong(turn, wg, takes_turns and not tiles.overlap, stages, named=named)
             turns = R.Turns(turn, wg, takes_turns and tiles.overlap, named=named)
@@ -557,6 +594,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     # m c2 from the exact product: at |u c2| ~ 2^31 the max got exp2(+-128),
                     # o = NaN or lse = -inf (GPU run s53-1).
                     p = jnp.exp2((u - R.row_vec(shift, bk)) * spec.c2)
+                    if tiles.sum_mma:       # P 1 is added by the product beside P V
+                        return p.astype(dtype), alpha, m_new, l * R.row_vec(alpha, _SUM_COLS)
                     l = l * R.row_vec(alpha, R.LANES) + R.fold_columns(p, jnp.add)
                     return p.astype(dtype), alpha, m_new, l
 
@@ -579,7 +618,11 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                         plgpu.barrier_wait(v_full.at[slot])
                         pp.wait()                             # the other's GEMMs are issued
                     with jax.named_scope("pv"):
-                        acc = mma.pv(acc, p, v_smem.at[slot], lambda: None)
+                        if tiles.sum_mma:
+                            acc, l = mma.pv_sum(acc, l, p, v_smem.at[slot], ones_smem,
+                                                lambda: None)
+                        else:
+                            acc = mma.pv(acc, p, v_smem.at[slot], lambda: None)
                     plgpu.barrier_arrive(v_empty.at[slot])
                     return acc, m, l
 
@@ -650,7 +693,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     carry = lax.fori_loop(c_flo, c_fhi, lambda j, c: step(j, c, False), carry)
                     return lax.fori_loop(c_fhi, c_hi, lambda j, c: step(j, c, True), carry)
 
-                l = R.zeros((_ROWS, R.LANES), spec.interpret)     # per-thread partial row sums
+                # per-thread partial row sums, or P 1's accumulator (every column the sum)
+                l = R.zeros((_ROWS, _SUM_COLS if tiles.sum_mma else R.LANES), spec.interpret)
                 m = jnp.full((_ROWS,), C.NEG_INF, jnp.float32)
                 if not spec.interpret:
                     m = plgpu.layout_cast(m, plgpu.Layout.WGMMA.reduce(1))
@@ -677,7 +721,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                 def _():
                     # As `_attn.online_finish`: lse_u in the scores' units, only l == 0 is an
                     # empty row.
-                    lsum = jnp.sum(l, axis=1)
+                    lsum = jnp.max(l, axis=1) if tiles.sum_mma else jnp.sum(l, axis=1)
                     empty = lsum == 0
                     inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, lsum))
                     lse = jnp.where(empty, C.NEG_INF,
@@ -737,6 +781,9 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
         # interpreter (jax 0.10.2) on every forward.
         *([plgpu.SMEM((nc, _ROWS, d), jnp.float32)] if tiles.overlap and spec.interpret
           else []),
+        # `HopperAttnTiles.sum_mma`'s ones tile, loaded once by the producer.
+        *([plgpu.SMEM((bk, _SUM_COLS), dtype, transforms=H._tma_transforms(dtype, _SUM_COLS)),
+           plgpu.Barrier()] if tiles.sum_mma else []),
         # Segment ids: the rows' of each consumer, a key block's a ring slot, and the slots'
         # barriers (a block's ids are released with its V: `_hopper_ring.produce_kv`).
         *([plgpu.SMEM((nc, _ROWS), jnp.int32), plgpu.SMEM((stages, bk), jnp.int32),
@@ -795,7 +842,8 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
     # cloned the custom call into a fusion that writes the residual stack, keeping the
     # original for the other user: measured on the H200, 16 forward launches for 8 layers
     # (0.235 ms each, 157M model). Behind the barrier the stack takes a copy of o instead.
-    outs = jax.lax.optimization_barrier(f(q, k, v, *sched, *segs))
+    ones = (jnp.ones((tiles.block_k, _SUM_COLS), q.dtype),) if tiles.sum_mma else ()
+    outs = jax.lax.optimization_barrier(f(q, k, v, *sched, *ones, *segs))
     o, lse_u = outs[:2]
     if n_parts:
         o, lse_u = _merge_parts(o, lse_u, *outs[2:], parts, spec, n_q_tiles, nc * _ROWS)

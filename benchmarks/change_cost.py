@@ -17,13 +17,12 @@ Groups:
 from __future__ import annotations
 
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from benchmarks._timing import copy_ceiling, guarded, interleaved, record
+from benchmarks._timing import commands, copy_ceiling, guarded, interleaved, record
 
 R, D = 32768, 4096
 
@@ -122,7 +121,4 @@ def attention(rounds: int = 5):
 
 
 if __name__ == "__main__":
-    from benchmarks._timing import save
-    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}")
-    {"norms": norms, "attention": attention}[sys.argv[1]]()
-    save(sys.argv[2] if len(sys.argv) > 2 else None)
+    commands({"norms": norms, "attention": attention})

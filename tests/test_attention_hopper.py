@@ -235,11 +235,15 @@ def test_256_key_tiles_need_registers(d, consumers):
     HopperAttnTiles(block_k=256).check_head_dim(128)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("tiles,opts", [
-    (HopperAttnTiles(sum_mma=True, backward=False), dict(logits_soft_cap=30.0)),  # 3 consumers
-    (HopperAttnTiles(sum_mma=True, consumers=2, stages=2, backward=False),
+@pytest.mark.parametrize("dtype,tiles,opts", [
+    (dtype, HopperAttnTiles(sum_mma=True, backward=False), dict(logits_soft_cap=30.0))
+    for dtype in (jnp.bfloat16, jnp.float16)] + [          # three consumers, above two
+    (jnp.bfloat16, HopperAttnTiles(sum_mma=True, consumers=2, stages=2, backward=False),
      dict(sliding_window=40)),
+    # persistent (the walk of `test_persistent_walk_matches_reference`): l starts again at
+    # zero for each work tile, the ones tile loaded once for all of them
+    (jnp.bfloat16, HopperAttnTiles(sum_mma=True, block_k=64, stages=4, consumers=2,
+                                   persistent=True, backward=False), dict()),
 ])
 def test_row_sums_on_the_tensor_cores(dtype, tiles, opts):
     """`HopperAttnTiles(sum_mma=True)`: l += P 1 by a product beside P V. o as the default's
@@ -248,7 +252,7 @@ def test_row_sums_on_the_tensor_cores(dtype, tiles, opts):
     sum does not have (its lse is held to 1e-4 above). A step's P 1 missed or doubled would
     move lse by ~log 2."""
     kq, kk, kv = keys(5, 3)
-    q = randn(kq, (1, 128, 4, 64), dtype)
+    q = randn(kq, (1, 128, 3, 64), dtype)
     k, v = randn(kk, (1, 320, 1, 64), dtype), randn(kv, (1, 320, 1, 64), dtype)
     o, lse = jaxfuse.flash_attention(q, k, v, return_lse=True,
                                      block_sizes=AttnBlocks(hopper=tiles), **opts)

@@ -154,20 +154,14 @@ _HOPPER_BWD = {True: _ONE, False: ("jaxfuse_flash_bwd_dkv_dq_hopper",)}
 _FIXED = ("jaxfuse_flash_bwd_dkv_dq_fixed_hopper",)
 
 
-# `deterministic` picks the kernels only at D = 64 (False fuses dQ into the dK/dV kernel); at
-# D = 128 and 256 both values lower the same module, kernel for kernel (checked), so there each
-# mask set takes one of them (the assertions below still see no fused dQ with False at D = 128
-# and 256; True at 256: test_hopper_d256_variants_lower). D = 256 takes causal alone: the
-# window with the cap is lowered by test_hopper_d256_variants_lower, whose forward is this one
-# and whose dK/dV and dQ kernels differ from these by the same ops, of the same types, with
-# either mask set (checked), so those ops are lowered there.
 @pytest.mark.parametrize("d,opts,persistent", [
-    (64, dict(causal=True, sliding_window=100), None), (64, dict(causal=True), True),
+    (64, dict(causal=True, sliding_window=100), False), (64, dict(causal=True), True),
     (128, dict(logits_soft_cap=30.0), True)])
 def test_hopper_forward_row_sums_on_tensor_cores_lower(d, opts, persistent):
     """`HopperAttnTiles(sum_mma=True)`: the second wgmma of a step (P from registers times a
     [block_k, 16] ones tile in 32-byte swizzled shared memory, wgmma's smallest N there) and
-    the ones tile's TMA load lower for sm90."""
+    the ones tile's TMA load lower for sm90, a CTA a work tile (the ones the first input after
+    V) and persistent (after the schedule)."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
@@ -178,6 +172,13 @@ def test_hopper_forward_row_sums_on_tensor_cores_lower(d, opts, persistent):
     assert "jaxfuse_flash_fwd_hopper" in module
 
 
+# `deterministic` picks the kernels only at D = 64 (False fuses dQ into the dK/dV kernel); at
+# D = 128 and 256 both values lower the same module, kernel for kernel (checked), so there each
+# mask set takes one of them (the assertions below still see no fused dQ with False at D = 128
+# and 256; True at 256: test_hopper_d256_variants_lower). D = 256 takes causal alone: the
+# window with the cap is lowered by test_hopper_d256_variants_lower, whose forward is this one
+# and whose dK/dV and dQ kernels differ from these by the same ops, of the same types, with
+# either mask set (checked), so those ops are lowered there.
 @pytest.mark.parametrize("d,opts,det", [
     (64, dict(causal=True), True), (64, dict(causal=True), False),
     (128, dict(causal=True, sliding_window=200), True),

@@ -107,12 +107,17 @@ beam_profile() {
     grep -a "kernels per call\|by kind" "$out/profile_$1.log" | cut -c1-200
 }
 
-# renamed_base [LIMIT_S] GROUP: `benchmarks/change_cost.py GROUP` against the tree before a change
-# (carried as .baseline/jaxfuse, git-excluded), every `jaxfuse` in it renamed `jaxfuse_base`
-# so that both import in one process; log $out/cost_GROUP.log, rows printed.
-renamed_base() {
+# rename_base: the tree before a change (carried as .baseline/jaxfuse, git-excluded) as
+# /tmp/base/jaxfuse_base, every `jaxfuse` in it renamed, so that both import in one process.
+rename_base() {
     rm -rf /tmp/base && mkdir -p /tmp/base && cp -r .baseline/jaxfuse /tmp/base/jaxfuse_base
     find /tmp/base -name '*.py' -exec sed -i 's/\bjaxfuse\b/jaxfuse_base/g' {} +
+}
+
+# renamed_base LIMIT_S GROUP: `benchmarks/change_cost.py GROUP` against `rename_base`'s tree;
+# log $out/cost_GROUP.log, rows printed.
+renamed_base() {
+    rename_base
     PYTHONPATH=/tmp/base:$PYTHONPATH timeout -s KILL "$1" python benchmarks/change_cost.py "$2" \
         "$out/cost_$2.json" > "$out/cost_$2.log" 2>&1
     echo "change_cost $2 rc=$?"; grep -a "_cost\|rror" "$out/cost_$2.log" | sed 's/  */ /g' \

@@ -15,7 +15,7 @@ $(grep -ac 'status=FAIL\|ok=False\|rror' "$out/checks.log") not"
 for s in $sections; do
     echo "  $s: $(grep -a "^$s " "$out/checks.log" | grep -ac "status=ok\|ok=True") ok"
 done
-grep -a "check\|status" "$out/checks.log" | grep -av "status=ok\|ok=True" | sed 's/  */ /g' \
+grep -a "check\|status" "$out/checks.log" | grep -av "status=ok\|ok=True\|(--resume)" | sed 's/  */ /g' \
     | cut -c1-220 | head -40
 tail -3 "$out/checks.log" | cut -c1-200
 [ "${3:-150}" = 0 ] && exit 0

@@ -26,13 +26,9 @@ $(grep -ac 'status=FAIL\|rror' "$out/direct_o.log") not"
             | sed 's/  */ /g' | cut -c1-200
         set -- "$1" norms 110 ;;
 esac
-# "norms": benchmarks/change_cost.py norms (then norm_cost.py) against the tree before the norms'
-#   overflow guard (carry .baseline: `git archive e1f18c8 jaxfuse | tar -x -C .baseline`), renamed jaxfuse_base.
+# "norms": `change_cost.py norms` (s52's norm_cost.py) against the tree before the norms'
+#   overflow guard (carry .baseline: `git archive e1f18c8 jaxfuse | tar -x -C .baseline`),
+#   renamed jaxfuse_base.
 if [ "${2:-}" = norms ]; then
-    base=.baseline/jaxfuse; [ -d "$base" ] || base=.norm_base/jaxfuse    # untracked, not ignored
-    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r "$base" /tmp/base/jaxfuse_base
-    find /tmp/base -name '*.py' -exec sed -i 's/\bjaxfuse\b/jaxfuse_base/g' {} +
-    PYTHONPATH=/tmp/base:. timeout -s KILL "${3:-300}" python benchmarks/change_cost.py norms \
-        "$out/norm_cost.json" > "$out/norm_cost.log" 2>&1
-    echo "norm_cost rc=$?"; grep -a "norm_cost\|rror" "$out/norm_cost.log" | cut -c1-200
+    renamed_base "${3:-300}" norms
 fi

@@ -7,7 +7,7 @@
 #       (`ncu_probe.py attention_fwd_d64`: issue slots, pipes, stall reasons, instructions);
 #   "sum_mma" (~350 s): the row sums on the tensor cores (`HopperAttnTiles(sum_mma=True)`,
 #       built in s53, never run on a GPU) against the default and cuDNN at the models' D = 64
-#       and issue 14's D = 128 rows, interleaved, then its compiled checks (`attention.py
+#       and issue 14's D = 128 rows, interleaved, after its compiled checks (`attention.py
 #       sum_mma`). If it wins the exact exponents' cost back, make it the default there.
 . "$(dirname "$0")/_lib.sh" "$@"
 case "${2:-diag}" in
@@ -27,8 +27,7 @@ $(grep -ac 'status=FAIL\|rror' "$out/sum_mma.log") not"
             echo "== $f"; grep -a "===\|registers\|spill\|serializ" "$out/ptxas_$f.log" \
                 | sed 's/  */ /g' | cut -c1-160 | head -12
         done
-        rm -rf /tmp/base && mkdir -p /tmp/base && cp -r .baseline/jaxfuse /tmp/base/jaxfuse_base
-        find /tmp/base -name '*.py' -exec sed -i 's/\bjaxfuse\b/jaxfuse_base/g' {} +
+        rename_base
         PYTHONPATH=/tmp/base:$PYTHONPATH timeout -s KILL 200 ncu --clock-control none \
             -k regex:flash.*fwd -c 2 --section SpeedOfLight --section LaunchStats \
             --section ComputeWorkloadAnalysis --section InstructionStats \

@@ -164,6 +164,21 @@ class AttnBlocks:
                 raise ValueError(f"{f.name}={v} must be a positive power of two on the GPU")
 
 
+def safe_lse(lse_u):
+    """A row that saw no key (lse_u = -inf) gets +inf, so that `probs` gives P = 0 there."""
+    return jnp.where(lse_u == C.NEG_INF, jnp.inf, lse_u)
+
+
+def probs(spec: AttnSpec, u, lse):
+    """The backward's P = exp2((u - lse_u) c2) (lse: `safe_lse` of the forward's lse_u,
+    broadcast against u), recomputed in the forward's units: exactly 1 for a query's only
+    visible key, at any logit size. u <= lse_u in exact arithmetic; the clamp keeps rounding
+    from pushing P above 1 where logits are large (a bounded P bounds every gradient). Not
+    `min(u c2 - lse_u c2, 0)`, one FMA: it subtracts the rounded lse_u c2 from the exact
+    product, hundreds off at scores ~1e9 (the Hopper kernels' bug until s53)."""
+    return jnp.exp2(jnp.minimum(u - lse, 0.0) * spec.c2)
+
+
 def split_refs(refs, spec: AttnSpec, n_out: int):
     """(segment-id refs or (None, None), output refs) from a kernel's trailing refs."""
     if spec.segments:

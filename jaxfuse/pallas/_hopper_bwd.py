@@ -190,20 +190,6 @@ def _vec(smem, axis: int, n: int, interpret: bool, f=lambda x: x):
                                 (0,) if axis == 1 else (1,))
 
 
-def _probs(spec: AttnSpec, u, lse):
-    """P from the forward's lse_u, as `_lse` gives it (as `attention_bwd._probs`; a row that
-    saw no key gets P = 0): exp2(min(u - lse_u, 0) c2), exactly 1 for a query's only key. The
-    one-FMA form u c2 - lse_u c2 is off by the rounding of lse_u c2, hundreds at scores ~1e9
-    (the forward's `softmax`)."""
-    return jnp.exp2(jnp.minimum(u - lse, 0.0) * spec.c2)
-
-
-def _lse(lse_u):
-    """lse_u with -inf (a row that saw no key) made +inf, on the [64] vector before it is
-    broadcast over a tile (vector work once a row, not once an element)."""
-    return jnp.where(lse_u == -jnp.inf, jnp.inf, lse_u)
-
-
 def _ds(spec: AttnSpec, p, dp, delta, t, keep):
     ds = p * (dp - delta)
     if spec.softcap is not None:

@@ -27,18 +27,6 @@ from jaxfuse.pallas import _common as C
 from jaxfuse.pallas._attn import AttnBlocks, AttnSpec
 
 
-def _safe_lse(lse_u):
-    """A row that saw no key (lse_u = -inf) gets +inf, so that P = 0 there."""
-    return jnp.where(lse_u == C.NEG_INF, jnp.inf, lse_u)
-
-
-def _probs(spec: AttnSpec, u, lse_u):
-    """P = exp2((u - lse_u) c2), recomputed in the forward's units: exactly 1 for a query's only
-    visible key, at any logit size. u <= lse_u in exact arithmetic; the clamp keeps rounding
-    from pushing P above 1 where logits are large (a bounded P bounds every gradient)."""
-    return jnp.exp2(jnp.minimum(u - lse_u[..., None], 0.0) * spec.c2)
-
-
 def _ds(spec: AttnSpec, p, dp, delta, t):
     ds = p * (dp - delta[..., None])
     if spec.softcap is not None:
@@ -53,7 +41,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Att
     r0 = pl.program_id(0) * bq
     q = A.load_rows(q_ref, 0, bq, spec.rows, spec, global_r0=r0)             # [..., bq, Dp]
     do = A.load_rows(do_ref, 0, bq, spec.rows, spec, global_r0=r0)
-    lse_u = _safe_lse(C.load_vec(lse_ref, 0, bq, spec.rows, global_row0=r0))   # [..., bq]
+    lse_u = A.safe_lse(C.load_vec(lse_ref, 0, bq, spec.rows, global_row0=r0))   # [..., bq]
     delta = C.load_vec(delta_ref, 0, bq, spec.rows, global_row0=r0)
     q_pos, _ = A.row_positions(spec, r0, bq)
     q_seg = C.load_vec(qs_ref, 0, bq, spec.rows, global_row0=r0) if spec.segments else None
@@ -69,7 +57,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Att
         k_seg = C.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
         keep = A.visible(spec, q_pos, k_pos, q_seg, k_seg) if masked else None
         u, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), keep)
-        p = _probs(spec, u, lse_u)                                            # [..., bq, bk]
+        p = A.probs(spec, u, lse_u[..., None])                                            # [..., bq, bk]
         dp = A.dot(do, v, "...qd,...kd->...qk")
         if spec.dropout:   # dO V^T is the gradient of the dropped P: dP = that * Z
             dp = A.dropout(spec, key, base, r, k0, dp)
@@ -112,13 +100,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
             q0 = i * bq
             q = rows_of_head(q_ref, g, q0)                                     # [..., bq, Dp]
             do = rows_of_head(do_ref, g, q0)
-            lse_u = _safe_lse(vec_of_head(lse_ref, g, q0))
+            lse_u = A.safe_lse(vec_of_head(lse_ref, g, q0))
             delta = vec_of_head(delta_ref, g, q0)
             q_pos, _ = A.row_positions(spec, q0, bq)
             q_seg = C.load_vec(qs_ref, q0, bq, spec.rows) if spec.segments else None
             keep = A.visible(spec, q_pos, k_pos, q_seg, k_seg) if masked else None
             u, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), keep)
-            p = _probs(spec, u, lse_u)                                        # [..., bq, bk]
+            p = A.probs(spec, u, lse_u[..., None])                                        # [..., bq, bk]
             if masked:     # a NaN row (it saw garbage) leaks nothing into keys it does not see
                 p = jnp.where(keep, p, 0.0)
             dp = A.dot(do, v, "...qd,...kd->...qk")

@@ -11,8 +11,8 @@ One CTA computes a [consumers * 64, D] tile of o for one (batch, query head):
   ping-pong below; measured 9% faster there) each own block_q = 64 query rows (one wgmma
   M), keep (m, l, acc) in
   registers and walk the same key tiles: S = Q K^T by wgmma from shared memory, the online
-  softmax in the log2 domain (exp2((u - m) scale log2(e)), `_attn`'s score units: exactly 1
-  at the row's max, finite at any finite score), then
+  softmax in the log2 domain (exp2((u - m) c2), c2 = unit log2(e) in `_attn`'s score units:
+  exactly 1 at the row's max, finite at any finite score), then
   O += P V by wgmma with P straight from registers (never through shared memory);
 * the two consumers take turns on the tensor cores (a rendezvous of both on a hardware named
   barrier, `bar.sync`, the second warpgroup one phase behind): while one runs its softmax the

@@ -21,7 +21,7 @@ from jaxfuse.pallas import _fixed_sum as FS
 from jaxfuse.pallas import _hopper as H
 from jaxfuse.pallas import _hopper_ring as R
 from jaxfuse.pallas._attn import AttnSpec
-from jaxfuse.pallas._hopper_bwd import (_F32, _ROWS, _ds, _lse, _Mma, _probs, _transforms,
+from jaxfuse.pallas._hopper_bwd import (_F32, _ROWS, _ds, _Mma, _transforms,
                                         _vec, nt, rs, ss, tn)
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                             if spec.segments else None)          # S^T: keys x queries
                     keep = A.visible(spec, q_pos, k_pos, same=same)
                 u, t = A.transform(spec, st, keep)
-                p = _probs(spec, u, _vec(lse, 0, _ROWS, spec.interpret, _lse))
+                p = A.probs(spec, u, _vec(lse, 0, _ROWS, spec.interpret, A.safe_lse))
                 return (p if keep is None else jnp.where(keep, p, 0.0)), t, keep
 
             def qseg(slot, cols=None):

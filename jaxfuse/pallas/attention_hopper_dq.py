@@ -5,7 +5,6 @@ one fixed summation order, bitwise reproducible.
 """
 from __future__ import annotations
 
-
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from jaxfuse.pallas import _attn as A
 from jaxfuse.pallas import _hopper_ring as R
 from jaxfuse.pallas import attention_hopper as AH
 from jaxfuse.pallas._attn import AttnSpec
-from jaxfuse.pallas._hopper_bwd import (_F32, _ROWS, _ds, _lse, _Mma, _prev_slot, _probs,
+from jaxfuse.pallas._hopper_bwd import (_F32, _ROWS, _ds, _Mma, _prev_slot,
                                         _transforms, _vec, nt, rs)
 
 
@@ -77,7 +76,7 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs,
                 plgpu.copy_gmem_to_smem(qs_gmem.at[b, rows], qseg_smem.at[wg], q_full.at[wg])
             plgpu.barrier_wait(q_full.at[wg])
             q_seg = R.load_vec(qseg_smem.at[wg], 1, spec.interpret) if spec.segments else None
-            lse = _vec(lse_smem.at[wg], 1, bk, spec.interpret, _lse)
+            lse = _vec(lse_smem.at[wg], 1, bk, spec.interpret, A.safe_lse)
             delta = _vec(delta_smem.at[wg], 1, bk, spec.interpret)
             q_pos = r0 + R.iota((_ROWS, bk), 0, spec.interpret)
 
@@ -94,7 +93,7 @@ def dq_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs,
                                                                spec.interpret))
                     keep = A.visible(spec, q_pos, k_pos, same=same)
                 u, t = A.transform(spec, s, keep)
-                return _ds(spec, _probs(spec, u, lse), dp, delta, t, keep).astype(dtype)
+                return _ds(spec, A.probs(spec, u, lse), dp, delta, t, keep).astype(dtype)
 
             def products(slot):
                 plgpu.barrier_wait(k_full.at[slot])

@@ -24,7 +24,7 @@ case "${2:-race}" in
         grep -a "rows \|ceiling" "$out/rows.log" | sed 's/  */ /g' | cut -c1-160 ;;
     model) model_run model 230 train157 train1b --no-reference
         baseline_pkg
-        (cd /tmp/base && out=$out && model_run model_base 230 train157 train1b --no-reference) ;;
+        (cd /tmp/base && model_run model_base 230 train157 train1b --no-reference) ;;
     cost) renamed_base 330 attention
         bash "$(dirname "$0")/s51.sh" "$out" 150 0 hardening ;;
 esac

@@ -172,11 +172,10 @@ def safe_lse(lse_u):
 def probs(spec: AttnSpec, u, lse):
     """The backward's P = exp2((u - lse_u) c2) (lse: `safe_lse` of the forward's lse_u,
     broadcast against u), recomputed in the forward's units: exactly 1 for a query's only
-    visible key, at any logit size. u <= lse_u in exact arithmetic; the clamp keeps rounding
-    from pushing P above 1 where logits are large (a bounded P bounds every gradient). Not
-    `min(u c2 - lse_u c2, 0)`, one FMA: it subtracts the rounded lse_u c2 from the exact
-    product, hundreds off at scores ~1e9 (the Hopper kernels' bug until s53)."""
-    return jnp.exp2(jnp.minimum(u - lse, 0.0) * spec.c2)
+    visible key, at any logit size (`exp2_shifted`). u <= lse_u in exact arithmetic; the clamp
+    keeps rounding from pushing P above 1 where logits are large (a bounded P bounds every
+    gradient): min(u, lse) - lse is min(u - lse, 0) to the bit."""
+    return exp2_shifted(jnp.minimum(u, lse), lse, spec.c2)
 
 
 def split_refs(refs, spec: AttnSpec, n_out: int):
@@ -489,6 +488,16 @@ def store_rows(ref, value, r0, n_valid: int, spec: AttnSpec, global_r0=None):
     C.store_tile(ref, value, r0, 0, n_valid, spec.head_dim, global_row0=global_r0)
 
 
+def exp2_shifted(x, shift, c2: float):
+    """exp2((x - shift) c2): every attention kernel's exponent (scores, the rescale alpha, the
+    backward's P), written once. Subtract, then scale (module docstring): at x = shift it is
+    exactly 1 at any score size. Never x c2 - shift c2, which a compiler makes one FMA that
+    subtracts the rounded shift c2 from the exact product, off by half an ulp of shift c2 (128
+    at scores ~1e9: the Hopper kernels' NaN until s53), and which adds no operation to spare:
+    the subtraction is the one this form pays for."""
+    return jnp.exp2((x - shift) * c2)
+
+
 def online_init(lead: tuple, rows: int, spec: AttnSpec):
     """Empty FlashAttention running state (acc, m, l) for `rows` query rows."""
     return (jnp.zeros(lead + (rows, spec.head_dim_pad), jnp.float32),
@@ -504,8 +513,8 @@ def online_update(carry, u, pv_of, c2: float):
     acc, m, l = carry
     m_new = jnp.maximum(m, jnp.max(u, axis=-1, keepdims=True))
     shift = C.safe_max(m_new)
-    alpha = jnp.exp2((m - shift) * c2)
-    p = jnp.exp2((u - shift) * c2)
+    alpha = exp2_shifted(m, shift, c2)
+    p = exp2_shifted(u, shift, c2)
     return acc * alpha + pv_of(p), m_new, l * alpha + jnp.sum(p, axis=-1, keepdims=True)
 
 

@@ -57,7 +57,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: Att
         k_seg = C.load_vec(ks_ref, k0, bk, spec.n_k, other=-1) if spec.segments else None
         keep = A.visible(spec, q_pos, k_pos, q_seg, k_seg) if masked else None
         u, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), keep)
-        p = A.probs(spec, u, lse_u[..., None])                                            # [..., bq, bk]
+        p = A.probs(spec, u, lse_u[..., None])                               # [..., bq, bk]
         dp = A.dot(do, v, "...qd,...kd->...qk")
         if spec.dropout:   # dO V^T is the gradient of the dropped P: dP = that * Z
             dp = A.dropout(spec, key, base, r, k0, dp)
@@ -106,7 +106,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, spec: At
             q_seg = C.load_vec(qs_ref, q0, bq, spec.rows) if spec.segments else None
             keep = A.visible(spec, q_pos, k_pos, q_seg, k_seg) if masked else None
             u, t = A.transform(spec, A.dot(q, k, "...qd,...kd->...qk"), keep)
-            p = A.probs(spec, u, lse_u[..., None])                                        # [..., bq, bk]
+            p = A.probs(spec, u, lse_u[..., None])                           # [..., bq, bk]
             if masked:     # a NaN row (it saw garbage) leaks nothing into keys it does not see
                 p = jnp.where(keep, p, 0.0)
             dp = A.dot(do, v, "...qd,...kd->...qk")

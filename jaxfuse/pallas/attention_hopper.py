@@ -588,12 +588,10 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     u, _ = A.transform(spec, s, keep)
                     m_new = jnp.maximum(m, jnp.max(R.fold_columns(u, jnp.maximum), axis=1))
                     shift = C.safe_max(m_new)
-                    alpha = jnp.exp2((m - shift) * spec.c2)
-                    # (u - m) c2, as `_attn.online_update`: exp2(0) = 1 at the row's max.
-                    # FlashAttention-3's one FMA an element, u c2 - m c2, subtracts the rounded
-                    # m c2 from the exact product: at |u c2| ~ 2^31 the max got exp2(+-128),
-                    # o = NaN or lse = -inf (GPU run s53-1).
-                    p = jnp.exp2((u - R.row_vec(shift, bk)) * spec.c2)
+                    # As `_attn.online_update`, not FlashAttention-3's one FMA an element
+                    # (`exp2_shifted`: NaN at scores ~1e9, GPU run s53-1).
+                    alpha = A.exp2_shifted(m, shift, spec.c2)
+                    p = A.exp2_shifted(u, R.row_vec(shift, bk), spec.c2)
                     if tiles.sum_mma:       # P 1 is added by the product beside P V
                         return p.astype(dtype), alpha, m_new, l * R.row_vec(alpha, _SUM_COLS)
                     l = l * R.row_vec(alpha, R.LANES) + R.fold_columns(p, jnp.add)

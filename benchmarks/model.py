@@ -251,6 +251,19 @@ def _forced_tiles(**forced):
     return stack
 
 
+def _sum_mma():
+    """A context in which the Hopper attention forward's default tiles
+    (`HopperAttnTiles.for_head_dim`) take `sum_mma=True` wherever they can (not with the
+    overlap, D = 256's default): the row sums by the tensor cores, opt-in since s53."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    rule = HopperAttnTiles.for_head_dim.__func__
+
+    def for_head_dim(cls, d):
+        tiles = rule(cls, d)
+        return tiles if tiles.overlap else dataclasses.replace(tiles, sum_mma=True)
+    return mock.patch.object(HopperAttnTiles, "for_head_dim", classmethod(for_head_dim))
+
+
 # The context rows that time the model with deterministic_attention=False.
 NONDET_ROWS = ("nondet_plain",)
 CONTEXT_ROWS = {
@@ -283,6 +296,9 @@ CONTEXT_ROWS = {
                      "also time jaxfuse with the attention backward's kernel pair in two "
                      "launches (HopperBwdTiles(one_launch=False); one with GQA, as both "
                      "presets have, is the default since s48)"),
+    "sum_mma": ("jaxfuse, attention row sums by the tensor cores", _sum_mma,
+                "also time jaxfuse with the Hopper attention forward's row sums formed by the "
+                "tensor cores (HopperAttnTiles(sum_mma=True), opt-in since s53) at D <= 128"),
     "unguarded": ("jaxfuse, attention without the garbage guard", _timing.unguarded_attention,
                   "also time jaxfuse without the guard against masked keys' garbage in the "
                   "Hopper attention kernels (forward: the producer cleans edge tiles; "

@@ -17,6 +17,7 @@ case "${2:-diag}" in
         echo "sum_mma rc=$?: $(grep -ac 'status=ok' "$out/sum_mma.log") ok, \
 $(grep -ac 'status=FAIL\|rror' "$out/sum_mma.log") not"
         grep -a "interleaved\|FAIL\|rror" "$out/sum_mma.log" | sed 's/  */ /g' | cut -c1-200 ;;
+    model) model_run model 330 train157 train1b --no-reference --sum-mma ;;
     diag)
         timeout -s KILL 80 python benchmarks/hopper_ptxas.py 64 > "$out/ptxas_new.log" 2>&1
         echo "ptxas new rc=$?"

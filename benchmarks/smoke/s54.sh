@@ -9,6 +9,8 @@
 #       built in s53, never run on a GPU) against the default and cuDNN at the models' D = 64
 #       and issue 14's D = 128 rows, interleaved, after its compiled checks (`attention.py
 #       sum_mma`). If it wins the exact exponents' cost back, make it the default there.
+#   "model" (~330 s): the training race (157M and 1B against the plain model) with a row of
+#       sum_mma as the forward's default (`model.py --sum-mma`) beside today's default.
 . "$(dirname "$0")/_lib.sh" "$@"
 case "${2:-diag}" in
     sum_mma)

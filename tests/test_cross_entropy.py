@@ -97,6 +97,31 @@ class CrossEntropyTest(chex.TestCase):
                 fin = np.isfinite(want)
                 np.testing.assert_allclose(got[fin], want[fin], rtol=2e-6, atol=2e-6)
 
+    def test_a_plus_inf_logit_gives_lse_plus_inf_as_the_reference(self):
+        """A +inf logit makes lse +inf (jax.nn.logsumexp's rule), so the loss is +inf, or NaN
+        where the label's own logit is +inf (inf - inf) and with smoothing (inf - inf in the sum
+        of logits). The kernel shifted by the row max as it was, exp(inf - inf) = NaN (found by
+        the deep hypothesis profile of test_properties, float16 logits past 65504). Rows: +inf
+        in the first tile beside lanes of -inf; +inf in a later tile after finite logits large
+        enough that exp(max) overflows (the rescale of the old lanes must not give 0 * inf);
+        two +infs; +inf at the label; an ordinary row, unchanged."""
+        x = randn(keys(6, 1)[0], (5, 100), scale=3.0)
+        x = (x.at[0, 2].set(jnp.inf).at[0, 3:16].set(-jnp.inf)
+             .at[1, :40].set(200.0).at[1, 41:60].set(-jnp.inf).at[1, 70].set(jnp.inf)
+             .at[2, 5].set(jnp.inf).at[2, 90].set(jnp.inf)
+             .at[3, 64].set(jnp.inf))
+        labels = jnp.array([50, 99, 0, 64, 7])
+        for a in (0.0, 0.1):
+            want = np.asarray(jaxfuse.cross_entropy(x, labels, label_smoothing=a,
+                                                    reduction="none", impl="reference"))
+            # +inf, +inf, +inf, NaN without smoothing; NaN with it (the sum of logits)
+            np.testing.assert_array_equal(np.isposinf(want[:4]), [a == 0, a == 0, a == 0, 0])
+            for blocks in (None, RowBlocks(4, 16), RowBlocks(3, 16)):
+                got = np.asarray(jaxfuse.cross_entropy(x, labels, label_smoothing=a,
+                                                       reduction="none", block_sizes=blocks))
+                np.testing.assert_array_equal(got[:4], want[:4], err_msg=f"{a=} {blocks=}")
+                np.testing.assert_allclose(got[4], want[4], rtol=2e-6)
+
     def test_long_rows_are_walked_in_narrow_tiles_on_the_gpu(self):
         # One program per row walks rows past 16384 columns in 4096-column tiles of 4 warps
         # (more programs per multiprocessor; BENCHMARKS.md, s8-1); shorter rows stay whole.

@@ -313,6 +313,29 @@ class HopperTest(chex.TestCase):
         for a, b in zip(g, vjp_r(ct)):
             self.assertLess(_rel_err(a, b), 1e-2)
 
+    def test_a_product_past_float32s_range_gives_an_infinite_loss(self):
+        """Logits x w past float32's range (+inf) make lse +inf and the loss +inf, as the
+        reference's logsumexp; the stats' online merge shifted by a max of +inf, exp(inf -
+        inf) = NaN. Rows 0 and 2 overflow at columns 100 (the first 256-column tile) and 300
+        (the second: the merge of tiles), row 4 at 300 alone; the Hopper kernels and the
+        cuBLAS slab path, against the reference; the other rows unchanged."""
+        n, d, v = 256, 128, 576
+        x, w, labels = _inputs(n, d, v, jnp.bfloat16, seed=11, labels_at={0: 5, 2: 7, 4: 9})
+        big = jnp.bfloat16(1e19)           # 128 products of 1e38: past 3.4e38 in float32
+        x = x.at[0].set(big).at[2].set(big).at[4, :64].set(big)
+        w = w.at[:, 100].set(big).at[:, 300].set(big).at[64:, 300].set(0)
+        want = np.asarray(jaxfuse.linear_cross_entropy(x, w, labels, reduction="none",
+                                                       impl="reference"))
+        np.testing.assert_array_equal(np.isposinf(want[[0, 2, 4]]), True)
+        for hopper in (True, False):
+            f = lambda x, w, h=hopper: jaxfuse.linear_cross_entropy(
+                x, w, labels, reduction="none", block_sizes=LCEBlocks(slab=128, hopper=h))
+            self.assertEqual(_uses_hopper_kernel(f, x, w), hopper)
+            got = np.asarray(f(x, w))
+            np.testing.assert_array_equal(got[[0, 2, 4]], want[[0, 2, 4]], err_msg=f"{hopper=}")
+            rest = np.setdiff1d(np.arange(n), [0, 2, 4])
+            np.testing.assert_allclose(got[rest], want[rest], rtol=2e-2, atol=2e-2)
+
     def test_backward_with_fewer_columns_than_a_tile(self):
         # V = 192: no whole 256-column CTA tile, everything on the cuBLAS path (the default
         # slab). One tile through the kernels and 64 columns after (V = 320) is

@@ -34,9 +34,9 @@ from jaxfuse.reference._masks import keep_mask  # noqa: F401  (re-exported for k
 
 __all__ = [
     "cdiv", "next_pow2", "resolve_interpret", "num_multiprocessors", "keep_mask",
-    "online_max_sum", "safe_max", "tile_index", "tiles_exactly", "load_tile", "store_tile",
-    "load_vec", "store_vec", "pallas_call", "reduce_tiles", "recip", "exact_recip", "sincos",
-    "NEG_INF",
+    "online_max_sum", "rescale", "finite_shift", "safe_max", "tile_index", "tiles_exactly",
+    "load_tile", "store_tile", "load_vec", "store_vec", "pallas_call", "reduce_tiles", "recip",
+    "exact_recip", "sincos", "NEG_INF",
 ]
 
 NEG_INF = float("-inf")
@@ -136,30 +136,41 @@ def _sincos_ptx(x):
     return _mufu("cos", r), _mufu("sin", r)
 
 
-def online_max_sum(state, s, shift=None):
-    """Folds scores `s` [..., n] into a running `(m, l)` = (max, sum of exp(s - m)) per row.
+def online_max_sum(state, s):
+    """Folds scores `s` [..., n] into a running `(m, l)` = (max, sum of exp(s - shift)) per
+    row, shift = `finite_shift(m)`: the logsumexp is shift + log(l) (jax.nn.logsumexp's rule).
 
     `state=None` starts a fold. Entries of -inf contribute nothing, and a row that has seen only
-    -inf keeps m = -inf and l = 0 rather than producing NaN (lecture 5, sec. 4.3-4.4).
-    `shift(m)` is what exp(s - .) subtracts (None: `safe_max`).
+    -inf keeps m = -inf and l = 0 rather than producing NaN (lecture 5, sec. 4.3-4.4); a row
+    with a +inf gets l = +inf (its logsumexp +inf), not exp(inf - inf) = NaN.
     """
-    shift = shift or safe_max
     m_tile = jnp.max(s, axis=-1, keepdims=True)
     if state is None:
         m_new, l_old = m_tile, 0.0
     else:
         m_old, l_old = state
         m_new = jnp.maximum(m_old, m_tile)
-        l_old = l_old * jnp.exp(m_old - shift(m_new))
-    return m_new, l_old + jnp.sum(jnp.exp(s - shift(m_new)), axis=-1, keepdims=True)
+        l_old = l_old * rescale(m_old, finite_shift(m_new))
+    return m_new, l_old + jnp.sum(jnp.exp(s - finite_shift(m_new)), axis=-1, keepdims=True)
+
+
+def rescale(m_old, shift):
+    """exp(m_old - shift): what rebases sums of exp(x - finite_shift(m_old)) onto `shift`, the
+    `finite_shift` of a max m_new >= m_old (the online softmax's merge). Exact where m_new is
+    finite; 0 where m_old is -inf (nothing was summed); clamped at 1 where m_new is +inf
+    (shift 0): the row's sum is +inf then anyway, and a partial sum of 0 (a lane that saw only
+    -inf) must not meet exp(+large) = inf, since 0 * inf is NaN."""
+    return jnp.exp(jnp.minimum(m_old - shift, 0.0))
 
 
 def finite_shift(m):
-    """The shift softmax's reference takes (`reference.softmax`): m where it is finite, else
-    0. A row whose max is +inf (an inf score, or scale * x overflowing) then gives NaN where
-    the inf is and 0 elsewhere, as the reference does, where exp(s - inf) gave a row of zeros
-    that looked masked, or all NaN."""
-    return jnp.where(jnp.isfinite(m), m, 0.0)
+    """The shift softmax's reference takes (`reference.softmax`, jax.nn.logsumexp): m where it
+    is finite, else 0. A row whose max is +inf (an inf score, or scale * x overflowing) then
+    gives NaN where the inf is and 0 elsewhere in a softmax, and lse = +inf, as the references
+    do, where exp(s - inf) gave a row of zeros that looked masked, or all NaN."""
+    # Two comparisons, not jnp.isfinite: Mosaic GPU has no lowering for is_finite (the
+    # Hopper LCE's epilogue takes this too). A NaN max stays NaN (its row is NaN anyway).
+    return jnp.where(m == jnp.inf, 0.0, jnp.where(m == NEG_INF, 0.0, m))
 
 
 def safe_max(m):

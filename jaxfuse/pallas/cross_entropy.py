@@ -114,10 +114,11 @@ def _stats_pass(logits2, st: _Static, finalize, out_dtypes, per_row=(), emit=Non
         x = tile.x[0]
         m_new = jnp.maximum(m, jnp.max(jnp.where(tile.valid, x, C.NEG_INF), axis=-1,
                                        keepdims=True))
-        shift = C.safe_max(m_new)
-        # exp(-inf) = 0 drops what lies outside the array; the old lanes are rescaled by one
-        # exponential per row.
-        l = l * jnp.exp(m - shift) + jnp.where(tile.valid, jnp.exp(x - shift), 0.0)
+        # As the reference's logsumexp (`C.online_max_sum`): a max of +inf gives lse = +inf,
+        # not NaN. exp(-inf) = 0 drops what lies outside the array; the old lanes are rescaled
+        # by one exponential per row.
+        shift = C.finite_shift(m_new)
+        l = l * C.rescale(m, shift) + jnp.where(tile.valid, jnp.exp(x - shift), 0.0)
         return m_new, l, (sum_x + x) if a else sum_x     # x is 0 outside (fill 0)
 
     def totals(state, per_row):

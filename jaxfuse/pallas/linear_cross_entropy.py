@@ -283,15 +283,16 @@ def _stats_epilogue(z, rows, ctx, st: _Static, dtype):
     rows_t, cols_t = z.shape
     label = rows[0].astype(jnp.int32)
     state = None
+    fs = C.finite_shift      # each l relative to its max's finite shift (`_merge`)
     for _, zj, _, cols, row_wise in _epilogue_chunks(z, st, ctx, dtype, st.hopper.fwd.epi):
         mj = zj.max(axis=1)
-        part = (mj, jnp.exp(zj - row_wise(mj)).sum(axis=1), zj.sum(axis=1),
+        part = (mj, jnp.exp(zj - row_wise(fs(mj))).sum(axis=1), zj.sum(axis=1),
                 jnp.where(cols == row_wise(label), zj, 0.0).sum(axis=1))
         if state is None:
             state = part
         else:
             m = jnp.maximum(state[0], mj)
-            state = (m, state[1] * jnp.exp(state[0] - m) + part[1] * jnp.exp(mj - m),
+            state = (m, state[1] * C.rescale(state[0], fs(m)) + part[1] * C.rescale(mj, fs(m)),
                      state[2] + part[2], state[3] + part[3])
     smem = ctx.scratch
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's stats have left
@@ -329,11 +330,14 @@ def _dw_epilogue(z, rows, ctx, dtype):
 
 def _merge(state, parts):
     """state (m, l, sum, picked), each [N], merged with partials [tiles, 4, N] of disjoint
-    column tiles: the online-softmax merge m = max m_i, l = sum l_i exp(m_i - m)."""
+    column tiles: the online-softmax merge m = max m_i, l = sum l_i exp(m_i - m), each l
+    relative to its max's `finite_shift` (as `cross_entropy`'s pass): a +inf logit (a product
+    past float32's range) gives lse = +inf, as the reference's logsumexp, not NaN."""
     m0, l0, s0, p0 = state
     m_t, l_t, s_t, p_t = (parts[:, i] for i in range(4))
     m = jnp.maximum(m0, m_t.max(axis=0))
-    l = l0 * jnp.exp(m0 - m) + (l_t * jnp.exp(m_t - m)).sum(axis=0)
+    shift = C.finite_shift(m)
+    l = l0 * C.rescale(m0, shift) + (l_t * C.rescale(m_t, shift)).sum(axis=0)
     return m, l, s0 + s_t.sum(axis=0), p0 + p_t.sum(axis=0)
 
 

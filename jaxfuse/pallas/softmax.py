@@ -62,8 +62,7 @@ def _forward(x2, mask2, st: _Static, merge=None):
         init = lambda _: (jnp.full((br, 1), C.NEG_INF, jnp.float32),
                           jnp.zeros((br, 1), jnp.float32))
         per_row = tuple(_rows.reduce_pass(
-            init, lambda state, tile: C.online_max_sum(state, _scores(tile, st),
-                                                       C.finite_shift),
+            init, lambda state, tile: C.online_max_sum(state, _scores(tile, st)),
             lambda state, _: state, tiled=tiled, fills=fills,
             out_dtypes=(jnp.float32, jnp.float32), blocks=b, name="jaxfuse_softmax_stats",
             interpret=st.interpret))

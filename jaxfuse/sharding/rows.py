@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxfuse.pallas import _common as C
 from jaxfuse.pallas import _norm, _rows
 from jaxfuse.pallas import cross_entropy as _p_ce
 from jaxfuse.pallas import softmax as _p_sm
@@ -127,8 +128,7 @@ def _merge_max_sum(axes, state):
     l = sum l_i exp(m_i - m) (rows masked everywhere keep m = -inf, l = 0)."""
     m, l = state
     m_all = jax.lax.pmax(m, axes)
-    safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
-    return m_all, jax.lax.psum(l * jnp.exp(m - safe), axes)
+    return m_all, jax.lax.psum(l * C.rescale(m, C.finite_shift(m_all)), axes)
 
 
 def _sm_bwd(cfg, plan, y, dy):
@@ -212,10 +212,11 @@ def ce_vocab_fwd(axes, logits2, labels1, st):
 
 def merge_vocab_states(axes, state):
     """Per-row (m, l, sum of logits, label's logit) of every device's vocabulary slice merged
-    with the online-softmax rule: m = max m_i, l = sum l_i exp(m_i - m); the sums add."""
+    with the online-softmax rule (`_common.rescale`): m = max m_i, l = sum l_i exp(m_i - m);
+    the sums add. A +inf logit anywhere gives lse = +inf, as the reference's logsumexp."""
     m, l, sum_x, picked = state
     m_all = jax.lax.pmax(m, axes)
-    l = jax.lax.psum(l * jnp.exp(m - m_all), axes)
+    l = jax.lax.psum(l * C.rescale(m, C.finite_shift(m_all)), axes)
     sum_x, picked = jax.lax.psum((sum_x, picked), axes)
     return m_all, l, sum_x, picked
 

@@ -168,6 +168,30 @@ def test_cross_entropy_vocab_split(spec):
     assert reduced and all(np.prod([int(d) for d in r.split(",") if d]) <= 4 * 6 for r in reduced)
 
 
+def test_cross_entropy_vocab_split_with_a_plus_inf_logit():
+    """The vocabulary-parallel merge of the per-row (m, l) (`sharding.rows`): a +inf logit on
+    one device's slice gives lse = +inf and a loss of +inf, as the reference, where the merge
+    took exp(m_i - m) = exp(inf - inf) = NaN. Row 1 also has finite logits of 200 on another
+    slice (exp(200) overflows: the rescale is clamped) and -inf on a third; softmax, split the
+    same way, gives the reference's NaN at the inf and zeros elsewhere."""
+    logits = randn(keys(13, 1)[0], (2, 4, 28), scale=3.0)
+    logits = (logits.at[0, 0, 3].set(jnp.inf)
+              .at[0, 1, 20].set(jnp.inf).at[0, 1, :7].set(200.0).at[0, 1, 7:14].set(-jnp.inf))
+    labels = jnp.zeros((2, 4), jnp.int32).at[0, 0].set(5)
+    spec = NamedSharding(AUTO, P(None, None, ("tensor", "seq")))
+    for f in (lambda lg, impl="pallas": jaxfuse.cross_entropy(lg, labels, reduction="none",
+                                                              impl=impl),
+              lambda lg, impl="pallas": jaxfuse.softmax(lg, scale=0.5, impl=impl)):
+        want = np.asarray(f(logits, "reference"))
+        got = np.asarray(jax.jit(f)(jax.device_put(logits, spec)))
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+        fin = np.isfinite(want)
+        np.testing.assert_allclose(got[fin], want[fin], **TOL)
+        if want.ndim == 2:        # the loss: +inf in the rows that hold one
+            assert np.isposinf(want[0, :2]).all()
+
+
 @pytest.mark.parametrize("x_spec,w_spec", [(P(), P(None, ("tensor", "seq"))),
                                             (P("data", "seq"), P(None, "tensor"))])
 def test_linear_cross_entropy_vocab_parallel(x_spec, w_spec):

@@ -102,12 +102,13 @@ class CrossEntropyTest(chex.TestCase):
         where the label's own logit is +inf (inf - inf) and with smoothing (inf - inf in the sum
         of logits). The kernel shifted by the row max as it was, exp(inf - inf) = NaN (found by
         the deep hypothesis profile of test_properties, float16 logits past 65504). Rows: +inf
-        in the first tile beside lanes of -inf; +inf in a later tile after finite logits large
-        enough that exp(max) overflows (the rescale of the old lanes must not give 0 * inf);
-        two +infs; +inf at the label; an ordinary row, unchanged."""
+        in the first tile beside lanes of -inf; +inf in a later tile after a finite max large
+        enough that exp(max) overflows; two +infs; +inf at the label; an ordinary row, unchanged. Row 1 is -inf but for a
+        logit of 200 in the first lane and the label's: in 16-column tiles the other lanes
+        hold 0 when the +inf comes (the clamp's case; without it, 0 * exp(200) = NaN)."""
         x = randn(keys(6, 1)[0], (5, 100), scale=3.0)
         x = (x.at[0, 2].set(jnp.inf).at[0, 3:16].set(-jnp.inf)
-             .at[1, :40].set(200.0).at[1, 41:60].set(-jnp.inf).at[1, 70].set(jnp.inf)
+             .at[1].set(-jnp.inf).at[1, 0].set(200.0).at[1, 99].set(1.0).at[1, 70].set(jnp.inf)
              .at[2, 5].set(jnp.inf).at[2, 90].set(jnp.inf)
              .at[3, 64].set(jnp.inf))
         labels = jnp.array([50, 99, 0, 64, 7])

@@ -319,13 +319,14 @@ class HopperTest(chex.TestCase):
         """Logits x w past float32's range (+inf) make lse +inf and the loss +inf, as the
         reference's logsumexp; the stats' online merge shifted by a max of +inf, exp(inf -
         inf) = NaN. Rows 0 and 2 overflow at columns 100 (the first 256-column tile) and 300
-        (the second: the merge of tiles), row 4 at 300 alone; the Hopper kernels and the
+        (the second: the merge of tiles); row 4 has a finite ~1e20 logit at column 100 and
+        overflows at 300 alone (a large finite max, then +inf); the Hopper kernels and the
         cuBLAS slab path, against the reference; the other rows unchanged."""
         n, d, v = 256, 128, 576
         x, w, labels = _inputs(n, d, v, jnp.bfloat16, seed=11, labels_at={0: 5, 2: 7, 4: 9})
         big = jnp.bfloat16(1e19)           # 128 products of 1e38: past 3.4e38 in float32
         x = x.at[0].set(big).at[2].set(big).at[4, :64].set(big)
-        w = w.at[:, 100].set(big).at[:, 300].set(big).at[64:, 300].set(0)
+        w = w.at[64:, 100].set(big).at[:64, 300].set(big).at[64:, 300].set(0)
         want = np.asarray(jaxfuse.linear_cross_entropy(x, w, labels, reduction="none",
                                                        impl="reference"))
         np.testing.assert_array_equal(np.isposinf(want[[0, 2, 4]]), True)

@@ -166,8 +166,9 @@ def rescale(m_old, shift):
 def finite_shift(m):
     """The shift softmax's reference takes (`reference.softmax`, jax.nn.logsumexp): m where it
     is finite, else 0. A row whose max is +inf (an inf score, or scale * x overflowing) then
-    gives NaN where the inf is and 0 elsewhere in a softmax, and lse = +inf, as the references
-    do, where exp(s - inf) gave a row of zeros that looked masked, or all NaN."""
+    gives NaN where the inf is (and where exp(s) overflows) and 0 elsewhere in a softmax, and
+    lse = +inf, as the references do, where exp(s - inf) gave a row of zeros that looked
+    masked, or all NaN."""
     # Two comparisons, not jnp.isfinite: Mosaic GPU has no lowering for is_finite (the
     # Hopper LCE's epilogue takes this too). A NaN max stays NaN (its row is NaN anyway).
     return jnp.where(m == jnp.inf, 0.0, jnp.where(m == NEG_INF, 0.0, m))

@@ -76,9 +76,10 @@ def loss_and_lse(m, l, sum_x, picked, labels, n_cls: int, st: _Static):
 
 
 def row_stats(logits2, st: _Static):
-    """Per-row (max, sum of exp(x - max), sum of logits), each [N] float32, of logits2 [N, V]
-    in one pass (the sum of logits only with label smoothing, else 0): what the vocabulary-
-    parallel loss merges across the devices that split the classes (`sharding.rows`)."""
+    """Per-row (max, sum of exp(x - finite_shift(max)), sum of logits), each [N] float32, of
+    logits2 [N, V] in one pass (the sum of logits only with label smoothing, else 0): what the
+    vocabulary-parallel loss merges across the devices that split the classes
+    (`sharding.rows`)."""
     return _stats_pass(logits2, st, lambda stats, _: stats, (jnp.float32,) * 3)
 
 

@@ -277,9 +277,9 @@ def _epilogue_chunks(z, st: _Static, ctx, dtype, epi: int):
 
 
 def _stats_epilogue(z, rows, ctx, st: _Static, dtype):
-    """One [m, n] logits tile -> its per-token (max, sum exp(z - max), sum z, label's logit),
-    written to the tile's 4 rows of the partials, folded chunk by chunk with the online (m, l)
-    merge."""
+    """One [m, n] logits tile -> its per-token (max, sum exp(z - finite_shift(max)), sum z,
+    label's logit), written to the tile's 4 rows of the partials, folded chunk by chunk with
+    the online (m, l) merge."""
     rows_t, cols_t = z.shape
     label = rows[0].astype(jnp.int32)
     state = None

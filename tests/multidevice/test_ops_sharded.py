@@ -173,7 +173,8 @@ def test_cross_entropy_vocab_split_with_a_plus_inf_logit():
     one device's slice gives lse = +inf and a loss of +inf, as the reference, where the merge
     took exp(m_i - m) = exp(inf - inf) = NaN. Row 1 also has finite logits of 200 on another
     slice (exp(200) overflows: the rescale is clamped) and -inf on a third; softmax, split the
-    same way, gives the reference's NaN at the inf and zeros elsewhere."""
+    same way, gives the reference's NaNs (at the inf, and where exp(0.5 x) overflows) and
+    zeros elsewhere."""
     logits = randn(keys(13, 1)[0], (2, 4, 28), scale=3.0)
     logits = (logits.at[0, 0, 3].set(jnp.inf)
               .at[0, 1, 20].set(jnp.inf).at[0, 1, :7].set(200.0).at[0, 1, 7:14].set(-jnp.inf))

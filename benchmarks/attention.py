@@ -587,4 +587,5 @@ if __name__ == "__main__":
         "overlap": lambda: (check_overlap(), perf_overlap()),
         "split_tail": lambda: (check_split_tail(), perf_split_tail()),
         "perf_split_tail": perf_split_tail,
-        "sum_mma": lambda: (check_sum_mma(), perf_sum_mma()), "perf_sum_mma": perf_sum_mma})
+        "sum_mma": lambda: (check_sum_mma(), perf_sum_mma()), "perf_sum_mma": perf_sum_mma,
+        "perf_overlap": perf_overlap})

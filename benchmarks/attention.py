@@ -321,6 +321,7 @@ def perf_overlap(rounds: int = 7):
     two consumers, D = 128 also each schedule with the consumers running free."""
     rows = [("B4 H32 T4096 D128", (4, 4096, 32, 32, 128), False)]
     rows += [(label, shape, True) for label, shape in CAUSAL_ROWS]
+    rows += SUM_MMA_ROWS[:1]       # the 1B model's (s54: its forward is latency-bound)
     for label, shape, causal in rows:
         d = shape[-1]
         fns = _peers(causal, ("jaxfuse", "cudnn"))

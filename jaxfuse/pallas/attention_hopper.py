@@ -148,9 +148,8 @@ class HopperAttnTiles:
     interleaved: 32 heads (4 tiles in the last of 32 rounds) 1.933 -> 1.883 ms (cuDNN 1.887),
     31 heads (8 tiles) 1.837 -> 1.793 (cuDNN 1.811); 33 heads (no tail) 1.873 / 1.878;
     sum_mma: the row sums l by the tensor cores, l += P 1 (one more wgmma beside P V, of P with
-    a [block_k, 16] tile of ones), not by a float32 add an element: the softmax's issue-bound
-    element work goes back from 4 operations to 3 (the exact exponents, s53, cost the D = 64
-    forward 22%); l then sums P as rounded to the input dtype, the P that P V takes (lse within
+    a [block_k, 16] tile of ones), not by a float32 add an element: one operation an element
+    off the softmax, to win back what the exact exponents (s53) cost the D = 64 forward; l then sums P as rounded to the input dtype, the P that P V takes (lse within
     log(1 + u) of the exact one, u the dtype's unit roundoff: ~5e-4 in bf16). Not with
     `overlap`. Measured (H100, s54-2, forward interleaved against the default): the 1B model's
     D = 64 1.328 against 1.375 ms (cuDNN 1.291), the 157M's 0.214 against 0.212, D = 128

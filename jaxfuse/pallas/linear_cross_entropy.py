@@ -292,7 +292,8 @@ def _stats_epilogue(z, rows, ctx, st: _Static, dtype):
             state = part
         else:
             m = jnp.maximum(state[0], mj)
-            state = (m, state[1] * C.rescale(state[0], fs(m)) + part[1] * C.rescale(mj, fs(m)),
+            shift = fs(m)
+            state = (m, state[1] * C.rescale(state[0], shift) + part[1] * C.rescale(mj, shift),
                      state[2] + part[2], state[3] + part[3])
     smem = ctx.scratch
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's stats have left

@@ -125,7 +125,8 @@ def _sm_fwd(cfg, plan, x, *mask):
 
 def _merge_max_sum(axes, state):
     """Per-row online-softmax (m, l) of every device's columns: m = max m_i,
-    l = sum l_i exp(m_i - m) (rows masked everywhere keep m = -inf, l = 0)."""
+    l = sum l_i exp(m_i - m) (`_common.rescale`; rows masked everywhere keep m = -inf, l = 0,
+    a +inf anywhere gives l = +inf). The softmax's and the vocabulary-parallel loss's merge."""
     m, l = state
     m_all = jax.lax.pmax(m, axes)
     return m_all, jax.lax.psum(l * C.rescale(m, C.finite_shift(m_all)), axes)
@@ -215,10 +216,9 @@ def merge_vocab_states(axes, state):
     with the online-softmax rule (`_common.rescale`): m = max m_i, l = sum l_i exp(m_i - m);
     the sums add. A +inf logit anywhere gives lse = +inf, as the reference's logsumexp."""
     m, l, sum_x, picked = state
-    m_all = jax.lax.pmax(m, axes)
-    l = jax.lax.psum(l * C.rescale(m, C.finite_shift(m_all)), axes)
+    m, l = _merge_max_sum(axes, (m, l))
     sum_x, picked = jax.lax.psum((sum_x, picked), axes)
-    return m_all, l, sum_x, picked
+    return m, l, sum_x, picked
 
 
 def ce_vocab_bwd(axes, logits2, labels1, lse, g, st):

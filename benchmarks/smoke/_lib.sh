@@ -78,18 +78,27 @@ ncu_bwd_d64() {
         "$out/ncu-bwd-d64.txt" | sed 's/  */ /g' | cut -c1-130
 }
 
-# ncu_sass LIMIT_S: the same two kernels as `ncu_bwd_d64` with warp-stall sampling per SASS
-# instruction (SourceCounters), printed per kernel as CSV: $out/ncu-sass-bwd-d64.csv.gz
-# (which instruction the consumers wait at: the other consumer's dS^T, a wgmma, a ring slot).
+# ncu_sass LIMIT_S [KERNEL_REGEX PROBE NAME COUNT]: warp-stall sampling per SASS instruction
+# (SourceCounters) of the kernels matching KERNEL_REGEX in `ncu_probe.py PROBE`, printed per
+# kernel as CSV: $out/ncu-sass-NAME.csv.gz, summed by `benchmarks/sass_stalls.py` (which
+# instruction the consumers wait at: the other consumer's dS^T, a wgmma, a ring slot, the MUFU).
+# Defaults: the two kernels of `ncu_bwd_d64` (s43-3).
 ncu_sass() {
-    timeout -s KILL "$1" ncu --clock-control none -k regex:flash_bwd_dkv -c 2 \
-        --section WarpStateStats --section SourceCounters -o "$out/bwd-d64" -f \
-        python benchmarks/ncu_probe.py attention_bwd_d64 > "$out/ncu-sass.log" 2>&1
+    local re=${2:-flash_bwd_dkv} probe=${3:-attention_bwd_d64} name=${4:-bwd-d64}
+    timeout -s KILL "$1" ncu --clock-control none -k "regex:$re" -c "${5:-2}" \
+        --section WarpStateStats --section SourceCounters --section ComputeWorkloadAnalysis \
+        --metrics "gpu__time_duration.sum,regex:sm__inst_executed_pipe_.*.avg.pct_of_peak_sustained_active,regex:sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio" \
+        -o "$out/$name" -f python benchmarks/ncu_probe.py "$probe" > "$out/ncu-sass-$name.log" 2>&1
     echo "ncu sass rc=$?"
-    ncu --import "$out/bwd-d64.ncu-rep" --page source --csv --print-source sass \
-        2>> "$out/ncu-sass.log" | gzip > "$out/ncu-sass-bwd-d64.csv.gz"
-    echo "sass csv: $(zcat "$out/ncu-sass-bwd-d64.csv.gz" | wc -l) lines"
-    tail -3 "$out/ncu-sass.log"
+    ncu --import "$out/$name.ncu-rep" --page details 2>> "$out/ncu-sass-$name.log" \
+        > "$out/ncu-details-$name.txt"
+    ncu --import "$out/$name.ncu-rep" --page source --csv --print-source sass \
+        2>> "$out/ncu-sass-$name.log" | gzip > "$out/ncu-sass-$name.csv.gz"
+    echo "sass csv: $(zcat "$out/ncu-sass-$name.csv.gz" | wc -l) lines"
+    tail -3 "$out/ncu-sass-$name.log"
+    python benchmarks/sass_stalls.py "$out/ncu-sass-$name.csv.gz" --top 30 \
+        > "$out/sass-stalls-$name.txt" 2>&1
+    head -40 "$out/sass-stalls-$name.txt" | cut -c1-200
 }
 
 # baseline_pkg: the previous package (carried as .baseline/jaxfuse, git-excluded) in

@@ -6,7 +6,15 @@
 #       forward bound by the latency of its softmax chain, which s53's exact exponents
 #       lengthened; the overlap lost 3-7% at D = 64 in s15-4 with the shorter chain;
 #   "checks" (~450 s): the 6 attention checks not yet run on s53's fixed kernels
-#       (`gpu_check.py attention --no-perf --resume 51`), then `attention_bwd.py checks`.
+#       (`gpu_check.py attention --no-perf --resume 51`), then `attention_bwd.py checks`;
+#   "sass" (~150 s): where the 1B model's D = 64 forward waits, per SASS instruction (Nsight
+#       Compute's stall sampling, `ncu_sass`), with every pipe's utilization and the stall
+#       reasons per issue: s54-3 found the tensor and MUFU pipes each ~43% busy and issue 45%,
+#       so no unit is the bound; the samples say which wait (a wgmma, the MUFU queue, a ring
+#       barrier, a dependency) holds the softmax chain;
+#   "trace" (~80 s): the on-device trace of the same forward's scopes (`attention_trace.py
+#       OUT fwd 1B`): cycles a step in wait_k, qk, softmax, wait_v, pv for each consumer, since
+#       s9-1's (2530 cycles a step, softmax 1085) were taken on the one-FMA kernel.
 . "$(dirname "$0")/_lib.sh" "$@"
 case "${2:-overlap}" in
     overlap)
@@ -14,5 +22,11 @@ case "${2:-overlap}" in
             > "$out/overlap.log" 2>&1
         echo "overlap rc=$?"
         grep -a "interleaved\|rror" "$out/overlap.log" | sed 's/  */ /g' | cut -c1-200 ;;
+    sass) ncu_sass 200 flash_fwd attention_fwd_d64 fwd-d64 1 ;;
+    trace)
+        timeout -s KILL 150 python benchmarks/attention_trace.py "$out/trace.json" fwd 1B \
+            > "$out/trace.log" 2>&1
+        echo "trace rc=$?"
+        grep -av "^ *$" "$out/trace.log" | tail -40 | cut -c1-200 ;;
     checks) bash "$(dirname "$0")/s51.sh" "$out" 280 150 "attention --resume 51" ;;
 esac

@@ -15,7 +15,12 @@
 #   "trace" (~80 s): the on-device trace of the same forward's scopes (`attention_trace.py
 #       OUT fwd 1B`): cycles a step in wait_k, qk, softmax, wait_v, pv for each consumer, since
 #       s9-1's (2530 cycles a step, softmax 1085) were taken on the one-FMA kernel.
+#   "probe" (~400 s): overlap, sass and trace in one call (one start of the machine).
 . "$(dirname "$0")/_lib.sh" "$@"
+if [ "${2:-}" = probe ]; then
+    for mode in overlap sass trace; do bash "$0" "$out" "$mode"; done
+    exit 0
+fi
 case "${2:-overlap}" in
     overlap)
         timeout -s KILL 280 python benchmarks/attention.py perf_overlap "$out/overlap.json" \

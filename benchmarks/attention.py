@@ -310,15 +310,16 @@ def perf_guard(rounds: int = 7):
         _interleaved(label, shape, True, fns, rounds)
 
 
-def _overlapped(d: int, **kw) -> AttnBlocks:
-    return AttnBlocks(hopper=dataclasses.replace(HopperAttnTiles.for_head_dim(d), overlap=True,
-                                                 **kw))
+def _overlapped(d: int, overlap=True, **kw) -> AttnBlocks:
+    return AttnBlocks(hopper=dataclasses.replace(HopperAttnTiles.for_head_dim(d),
+                                                 overlap=overlap, **kw))
 
 
 def perf_overlap(rounds: int = 7):
     """The intra-warpgroup overlap (`HopperAttnTiles(overlap=True)`, with the head dim's default
     ping-pong) against the default schedule and cuDNN, forward, interleaved; D = 64 also with
-    two consumers, D = 128 also each schedule with the consumers running free."""
+    two consumers and `overlap="issue"` (the two products issued together, both waited for
+    before the softmax), D = 128 also each schedule with the consumers running free."""
     rows = [("B4 H32 T4096 D128", (4, 4096, 32, 32, 128), False)]
     rows += [(label, shape, True) for label, shape in CAUSAL_ROWS]
     rows += SUM_MMA_ROWS[:1]       # the 1B model's (s54: its forward is latency-bound)
@@ -328,6 +329,7 @@ def perf_overlap(rounds: int = 7):
         variants = {"overlap": _overlapped(d)}
         if d == 64:
             variants["overlap, 2 consumers"] = _overlapped(d, consumers=2)
+            variants["issue"] = _overlapped(d, "issue")
         if d == 128:    # the default takes turns: each half of the pair alone
             variants["overlap, free"] = _overlapped(d, pingpong=False)
             variants["free"] = AttnBlocks(hopper=HopperAttnTiles(pingpong=False))

@@ -42,6 +42,10 @@ _CASES = [
      dict(logits_soft_cap=30.0)),
     (HopperAttnTiles(overlap=True, consumers=2, stages=2, backward=False),
      dict(sliding_window=40)),
+    # both products waited for before the softmax (the interpreter runs each product when
+    # issued: this checks the schedule's bookkeeping, the wait is the sm90 lowering's)
+    (HopperAttnTiles(overlap="issue", consumers=2, pingpong=False, backward=False),
+     dict(causal=True)),
 ]
 
 
@@ -260,6 +264,13 @@ def test_row_sums_on_the_tensor_cores(dtype, tiles, opts):
     u = float(jnp.finfo(dtype).eps) / 2
     assert float(jnp.abs(F32(o) - ro).max()) < (2e-2 if dtype == jnp.bfloat16 else 4e-3)
     assert float(jnp.abs(lse - rlse).max()) < jnp.log1p(u) + 1e-4
+
+
+def test_overlap_takes_true_false_or_issue():
+    for bad in ("yes", 2, None):
+        with pytest.raises(ValueError, match=r"HopperAttnTiles.overlap=.* must be False, True"):
+            HopperAttnTiles(overlap=bad)
+    assert HopperAttnTiles(overlap="issue").stages_for(64, 2) >= 2     # holds V as True does
 
 
 def test_sum_mma_refuses_the_overlap():

@@ -391,19 +391,21 @@ def test_hopper_fixed_point_dq_lowers(d, opts, vmapped, extra):
 # D = 256, whose default forward is this schedule (2 consumers running free, 64-key tiles),
 # with causal (test_hopper_flash_attention_lowers, the same kernel) and with the window and the
 # cap (test_hopper_d256_variants_lower, the same kernel but for their values).
-@pytest.mark.parametrize("d,consumers,stages,pingpong,opts", [
-    (128, 2, None, False, _CAUSAL), (64, 3, None, False, _WINDOW_CAP),
-    (64, 2, 2, False, _WINDOW_CAP)])
-def test_hopper_overlap_lowers(d, consumers, stages, pingpong, opts):
+# `overlap="issue"` differs from True only in the wait before the softmax (`wgmma_wait(0)`):
+# lowered at the schedule it is for, D = 64 with three consumers, causal.
+@pytest.mark.parametrize("d,consumers,stages,pingpong,opts,overlap", [
+    (128, 2, None, False, _CAUSAL, True), (64, 3, None, False, _WINDOW_CAP, True),
+    (64, 2, 2, False, _WINDOW_CAP, True), (64, 3, None, False, _CAUSAL, "issue")])
+def test_hopper_overlap_lowers(d, consumers, stages, pingpong, opts, overlap):
     """`HopperAttnTiles(overlap=True)`: O in one wgmma accumulator across the key loop, S
     read after `wgmma_wait(1)` while P V runs, O rescaled by assignment, the held tile's last
     product in a loop of 0 or 1 steps; 2 and 3 consumers (three never take turns), taking
     turns or not, a 2-slot ring (cleaning without deferral) and D = 256 (64-key tiles: its
-    default, lowered elsewhere, see above)."""
+    default, lowered elsewhere, see above); `overlap="issue"`, S read after `wgmma_wait(0)`."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
     k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
-    tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(d), overlap=True,
+    tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(d), overlap=overlap,
                                 consumers=consumers, stages=stages, pingpong=pingpong,
                                 backward=False)
     module = _lower(lambda q, k, v: jaxfuse.flash_attention(

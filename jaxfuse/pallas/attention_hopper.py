@@ -132,7 +132,11 @@ class HopperAttnTiles:
     overlap: each consumer issues S_{j+1} = Q K_{j+1}^T and P_j V_j together and runs softmax
     j+1 while P_j V_j multiplies (FlashAttention-3 sec. 3.2, intra-warpgroup overlap); with
     `pingpong` two consumers also pass a turn to issue their products (`Turns`); the ring
-    needs 2 slots or more, since each consumer holds a V tile one step longer;
+    needs 2 slots or more, since each consumer holds a V tile one step longer; "issue": the
+    same two products issued together but both waited for before softmax j+1 (one wgmma wait
+    a step where the plain step has two, and P_j's registers free again in the softmax, which
+    the overlap holds: s15-4 measured it 3-7% slower at D = 64, where three consumers have 160
+    registers a thread);
     persistent: one CTA a multiprocessor walks its share of the (batch, head, query tile)
     work tiles (`work_schedule`: balanced by their key blocks), so the producer loads the next
     tile's K and V while the consumers finish the last one, each consumer loads its next Q as
@@ -161,7 +165,7 @@ class HopperAttnTiles:
     pingpong: bool = True
     backward: object = True
     consumers: int | None = None
-    overlap: bool = False
+    overlap: bool | str = False
     persistent: bool | None = None
     split_tail: bool | None = None
     sum_mma: bool = False
@@ -181,6 +185,10 @@ class HopperAttnTiles:
         if self.block_k not in (64, 128, 256):
             raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128 or 256 "
                              f"(keys a step; 128 is the default, 64 at head_dim 256)")
+        if self.overlap not in (False, True, "issue"):
+            raise ValueError(f"HopperAttnTiles.overlap={self.overlap!r} must be False, True (softmax "
+                             f"j+1 under P_j V_j) or 'issue' (both products issued together, "
+                             f"both waited for before the softmax)")
         if self.sum_mma and self.overlap:
             raise ValueError("HopperAttnTiles(sum_mma=True, overlap=True): the row sums' product "
                              "is issued beside P V in the step without the overlap; pass "
@@ -270,7 +278,7 @@ class HopperAttnTiles:
         fixes = ([dict(stages=None)] * (self.stages is not None)
                  + [dict(block_k=64)] * (self.block_k > 64)
                  + [dict(consumers=2)] * (self.n_consumers(d) > 2)
-                 + [dict(persistent=False)] * persistent + [dict(overlap=False)] * self.overlap)
+                 + [dict(persistent=False)] * persistent + [dict(overlap=False)] * bool(self.overlap))
         where = (f"at head_dim {d} ({self.n_consumers(d)} consumers"
                  f"{', persistent' if persistent else ''})")
         return H.ring_depth(self, where, layout, _SMEM_BYTES, fixes,
@@ -371,10 +379,10 @@ class _Mma:
         if not self.interpret:
             plgpu.wgmma_wait(0)
 
-    def qk_behind(self, q_smem, k_smem, o_ref, p, v_smem, after_issue):
+    def qk_behind(self, q_smem, k_smem, o_ref, p, v_smem, after_issue, wait_pv=False):
         """Issues S = Q K^T, then O += P V behind it; returns S as float32 [64, bk] once it is
-        done, while P V may still run (wgmma groups complete in order). `after_issue` runs
-        while both are in flight."""
+        done, while P V may still run (wgmma groups complete in order), or once both are
+        (`wait_pv`). `after_issue` runs while both are in flight."""
         if self.interpret:
             after_issue()
             s = A.dot(q_smem[...], k_smem[...], "qd,kd->qk")
@@ -385,7 +393,7 @@ class _Mma:
             plgpu.wgmma(s_acc, q_smem, k_smem.transpose((1, 0)))
             plgpu.wgmma(o_ref, p, v_smem)
             after_issue()
-            return plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+            return plgpu.wgmma_accumulator_load(s_acc, wait_n=0 if wait_pv else 1)
         return pl.run_scoped(body, plgpu.ACC((_ROWS, k_smem.shape[0]), jnp.float32))
 
     def pv_into(self, o_ref, p, v_smem):
@@ -510,7 +518,7 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                 edges = (flo - lo, fhi - lo, landed[0]) if landed else None
                 R.produce_kv(k_gmem, v_gmem, b, h // g, lo, n, bk, stages, (k_smem, v_smem),
                            (k_full, v_full), (k_empty, v_empty), None, edges, spec.interpret,
-                           held=int(tiles.overlap), base=base, drain=False,
+                           held=int(bool(tiles.overlap)), base=base, drain=False,
                            coupled=takes_turns,
                            segments=(ks_gmem, kseg_smem, seg_full) if spec.segments else None)
                 return base + n
@@ -630,7 +638,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
 
                 def step_behind(o_ref, j, carry, masked):
                     """`overlap`: S_j and P_{j-1} V_{j-1} issued together, softmax j under
-                    the latter, then O rescaled by alpha_j (O_j - P_j V_j = alpha_j O_{j-1});
+                    the latter (or after it, `overlap="issue"`), then O rescaled by alpha_j
+                    (O_j - P_j V_j = alpha_j O_{j-1});
                     P_j waits for the next step, V_j stays held. At the consumer's first block
                     P is 0 against that block's own V (one uniform step; a first block is
                     cleaned or seen by all rows, so 0 times its V is 0 or a NaN those rows
@@ -650,7 +659,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
                     turns.take()
                     with jax.named_scope("qk"):
                         s = mma.qk_behind(q_smem.at[wg], k_smem.at[slot], o_ref, p_prev,
-                                          v_smem.at[prev], turns.give)
+                                          v_smem.at[prev], turns.give,
+                                          wait_pv=tiles.overlap == "issue")
                     plgpu.barrier_arrive(k_empty.at[slot])
                     s_done(j)
                     with jax.named_scope("softmax"):

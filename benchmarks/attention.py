@@ -318,17 +318,21 @@ def _overlapped(d: int, overlap=True, **kw) -> AttnBlocks:
 def perf_overlap(rounds: int = 7):
     """The intra-warpgroup overlap (`HopperAttnTiles(overlap=True)`, with the head dim's default
     ping-pong) against the default schedule and cuDNN, forward, interleaved; D = 64 also with
-    two consumers and `overlap="issue"` (the two products issued together, both waited for
-    before the softmax), D = 128 also each schedule with the consumers running free."""
-    rows = [("B4 H32 T4096 D128", (4, 4096, 32, 32, 128), False)]
-    rows += [(label, shape, True) for label, shape in CAUSAL_ROWS]
-    rows += SUM_MMA_ROWS[:1]       # the 1B model's (s54: its forward is latency-bound)
+    two consumers, D = 128 also each schedule with the consumers running free, both also
+    `overlap="issue"` (the two products issued together, both waited for before the
+    softmax)."""
+    # The models' D = 64 first (s54: the 1B's forward is latency-bound), then D = 128; D = 256
+    # runs the overlap by default.
+    rows = SUM_MMA_ROWS[:2] + [("B4 H32 T4096 D128", (4, 4096, 32, 32, 128), False)]
+    rows += [(label, shape, True) for label, shape in CAUSAL_ROWS if "D256" not in label
+             and "D64" not in label]
     for label, shape, causal in rows:
         d = shape[-1]
         fns = _peers(causal, ("jaxfuse", "cudnn"))
         variants = {"overlap": _overlapped(d)}
         if d == 64:
             variants["overlap, 2 consumers"] = _overlapped(d, consumers=2)
+        if d <= 128:
             variants["issue"] = _overlapped(d, "issue")
         if d == 128:    # the default takes turns: each half of the pair alone
             variants["overlap, free"] = _overlapped(d, pingpong=False)

@@ -148,7 +148,7 @@ def main() -> None:
         # dQ ("wait_ds", "dq", "dq_store": 3 more scopes every step at D = 128, where each
         # forms half the columns; every other step at 64), and the ping-pong's 4 "turn"
         # scopes if on: 14 (and "bwd_dkv" names it too, so it runs alone).
-        kernels = {"fwd": ("flash_fwd", 6 * (t // 128)), "dkv": ("bwd_dkv", 11 * g * t // 64),
+        kernels = {"fwd": ("flash_fwd", 16 * (t // 128)), "dkv": ("bwd_dkv", 11 * g * t // 64),
                    "dq": ("bwd_dq", 6 * (t // 64)),
                    "dkv_dq": ("bwd_dkv_dq", 14 * g * t // 64)}
         fused = functools.partial(

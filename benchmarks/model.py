@@ -264,6 +264,19 @@ def _sum_mma():
     return mock.patch.object(HopperAttnTiles, "for_head_dim", classmethod(for_head_dim))
 
 
+def _no_issue():
+    """A context in which the Hopper attention forward's `overlap=None` resolves as before s55
+    (False at head_dim 64 past 4096 keys, where "issue" is the default since): the 1B
+    preset's forward with its two waits a step."""
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    rule = HopperAttnTiles.overlap_for
+
+    def overlap_for(self, spec):
+        got = rule(self, spec)
+        return False if self.overlap is None and got == "issue" else got
+    return mock.patch.object(HopperAttnTiles, "overlap_for", overlap_for)
+
+
 # The context rows that time the model with deterministic_attention=False.
 NONDET_ROWS = ("nondet_plain",)
 CONTEXT_ROWS = {
@@ -299,6 +312,9 @@ CONTEXT_ROWS = {
     "sum_mma": ("jaxfuse, attention row sums by the tensor cores", _sum_mma,
                 "also time jaxfuse with the Hopper attention forward's row sums formed by the "
                 "tensor cores (HopperAttnTiles(sum_mma=True), opt-in since s53) at D <= 128"),
+    "no_issue": ("jaxfuse, attention forward waiting twice a step", _no_issue,
+                 "also time jaxfuse with the Hopper attention forward's plain steps at head_dim "
+                 "64 past 4096 keys (the default before s55) instead of overlap='issue'"),
     "unguarded": ("jaxfuse, attention without the garbage guard", _timing.unguarded_attention,
                   "also time jaxfuse without the guard against masked keys' garbage in the "
                   "Hopper attention kernels (forward: the producer cleans edge tiles; "

@@ -15,6 +15,8 @@
 #   "trace" (~80 s): the on-device trace of the same forward's scopes (`attention_trace.py
 #       OUT fwd 1B`): cycles a step in wait_k, qk, softmax, wait_v, pv for each consumer, since
 #       s9-1's (2530 cycles a step, softmax 1085) were taken on the one-FMA kernel.
+#   "model" (~250 s): the 1B preset's training race with the forward's new default at D = 64
+#       past 4096 keys (overlap="issue", s55) and a row of the steps before (`--no-issue`);
 #   "probe" (~400 s): overlap, sass and trace in one call (one start of the machine).
 . "$(dirname "$0")/_lib.sh" "$@"
 if [ "${2:-}" = probe ]; then
@@ -33,5 +35,6 @@ case "${2:-overlap}" in
             > "$out/trace.log" 2>&1
         echo "trace rc=$?"
         grep -av "^ *$" "$out/trace.log" | tail -40 | cut -c1-200 ;;
+    model) model_run model 270 train1b --no-reference --no-issue ;;
     checks) bash "$(dirname "$0")/s51.sh" "$out" 280 150 "attention --resume 51" ;;
 esac

@@ -136,7 +136,9 @@ class HopperAttnTiles:
     same two products issued together but both waited for before softmax j+1 (one wgmma wait
     a step where the plain step has two, and P_j's registers free again in the softmax, which
     the overlap holds: s15-4 measured it 3-7% slower at D = 64, where three consumers have 160
-    registers a thread);
+    registers a thread); None (the default): "issue" at head_dim 64 where the keys are past
+    `_PERSISTENT_KEYS` (CTAs not persistent by default), True at 256 (`for_head_dim`), else
+    False (`overlap_for`);
     persistent: one CTA a multiprocessor walks its share of the (batch, head, query tile)
     work tiles (`work_schedule`: balanced by their key blocks), so the producer loads the next
     tile's K and V while the consumers finish the last one, each consumer loads its next Q as
@@ -165,7 +167,7 @@ class HopperAttnTiles:
     pingpong: bool = True
     backward: object = True
     consumers: int | None = None
-    overlap: bool | str = False
+    overlap: bool | str | None = None
     persistent: bool | None = None
     split_tail: bool | None = None
     sum_mma: bool = False
@@ -185,10 +187,10 @@ class HopperAttnTiles:
         if self.block_k not in (64, 128, 256):
             raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128 or 256 "
                              f"(keys a step; 128 is the default, 64 at head_dim 256)")
-        if self.overlap not in (False, True, "issue"):
+        if self.overlap is not None and self.overlap not in (False, True, "issue"):
             raise ValueError(f"HopperAttnTiles.overlap={self.overlap!r} must be False, True (softmax "
-                             f"j+1 under P_j V_j) or 'issue' (both products issued together, "
-                             f"both waited for before the softmax)")
+                             f"j+1 under P_j V_j), 'issue' (both products issued together, "
+                             f"both waited for before the softmax) or None (by head dim and keys)")
         if self.sum_mma and self.overlap:
             raise ValueError("HopperAttnTiles(sum_mma=True, overlap=True): the row sums' product "
                              "is issued beside P V in the step without the overlap; pass "
@@ -217,8 +219,33 @@ class HopperAttnTiles:
         # At D = 128 the overlap ties the ping-pong without masks and loses 5-6% causal
         # (s15-4: 1.889 / 1.101 ms against 1.872 / 1.037; passing turns with it, s15-6: 1.946
         # / 1.132 against 1.923 / 1.083), at D = 64 3-7% (0.223-0.230 against 0.214-0.217):
-        # there the defaults stay.
+        # there the defaults stay (H100, s55-1: D128 full 1.994 against 1.894, causal 1.132
+        # against 1.047; "issue" 1.987 / 1.137; the 157M's D = 64 0.201 against 0.193), but
+        # for D = 64 past 4096 keys, which takes "issue" (`overlap_for`).
         return cls(block_k=64, pingpong=False, overlap=True) if d > 128 else cls()
+
+    def overlap_for(self, spec: AttnSpec) -> bool | str:
+        """`overlap` as the forward of `spec` runs it. None: "issue" at head_dim 64 past
+        `_PERSISTENT_KEYS` keys, where each CTA walks one tile and waited twice a step for its
+        products: H100, s55-1/s55-4, forward interleaved, default -> "issue" (cuDNN), the 1B
+        model's B2 Hq32 Hkv8 T8192 causal 1.362 -> 1.222 and 1.416 -> 1.307 ms (1.251, 1.300),
+        B4 Hq32 Hkv8 T4096 causal a CTA a tile 0.768 -> 0.712 (persistent: 0.717 -> 0.724, so
+        not there; the 157M's T2048, persistent, 0.193 -> 0.195). Not with `sum_mma` nor
+        on a ring of one slot."""
+        if self.overlap is not None:
+            return self.overlap
+        # Not in the interpreter: three consumers with the overlap stall its simulated threads
+        # on 2 cores (tests/test_attention_hopper.py's _CASES; the sm90 lowering test and the
+        # GPU checks cover them).
+        long = (spec.head_dim == 64 and spec.n_k > _PERSISTENT_KEYS and not self.sum_mma
+                and self.stages != 1 and not spec.interpret)   # holds V a step: 2 slots
+        return "issue" if long else False
+
+    def resolved(self, spec: AttnSpec) -> "HopperAttnTiles":
+        """These tiles with `overlap` as the forward of `spec` runs it (`overlap_for`)."""
+        if self.overlap is not None:
+            return self
+        return dataclasses.replace(self, overlap=self.overlap_for(spec))
 
     def check_head_dim(self, d: int) -> None:
         """Raises ValueError where the key tile does not fit a consumer's registers: S [64,
@@ -305,11 +332,13 @@ def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
         spec.head_dim)
     tiles.check_head_dim(spec.head_dim)
     if fits(dtype, spec, tiles):
-        # The rings' depths, checked now rather than when the kernels are traced.
-        tiles.stages_for(spec.head_dim, spec.itemsize, tiles.persists(spec), spec.segments)
+        # The rings' depths, checked now rather than when the kernels are traced (the tiles
+        # as given, then as the forward runs them: `overlap_for` keeps a 1-slot ring plain).
+        for t in (tiles, tiles.resolved(spec)):
+            t.stages_for(spec.head_dim, spec.itemsize, t.persists(spec), spec.segments)
         if not isinstance(tiles.backward, bool):       # HopperBwdTiles (`__post_init__`)
             tiles.backward.check(spec)
-        return tiles
+        return tiles.resolved(spec)
     if hopper is not None:
         raise ValueError(
             f"AttnBlocks(hopper={hopper}) needs bf16/f16 q, k, v of one dtype and head_dim in "
@@ -807,6 +836,7 @@ def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
     """(o [B, Tq, Hq, D], lse_u [B, Hq, Tq] float32 in the scores' units, see `_attn`) of
     q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D], with `spec.segments` the segment ids qs
     [B, Tq] and ks [B, Tk] (int32); the problem must `fit`."""
+    tiles = tiles.resolved(spec)
     n_q = q.shape[1]
     # Lengths that are not whole tiles: compiled, TMA's bounds take the partial last tiles
     # (`_attn.pad_rows`); interpreted, they run padded. The masks keep the true lengths; the

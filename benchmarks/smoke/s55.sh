@@ -35,6 +35,6 @@ case "${2:-overlap}" in
             > "$out/trace.log" 2>&1
         echo "trace rc=$?"
         grep -av "^ *$" "$out/trace.log" | tail -40 | cut -c1-200 ;;
-    model) model_run model 270 train1b --no-reference --no-issue ;;
+    model) model_run model 225 train1b --no-reference --no-issue ;;
     checks) bash "$(dirname "$0")/s51.sh" "$out" 280 150 "attention --resume 51" ;;
 esac

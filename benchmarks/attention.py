@@ -77,6 +77,13 @@ HOPPER_CASES = [
          deterministic=False),
     dict(b=2, tq=384, tk=384, hq=4, hkv=2, d=64, causal=False, segments=True,
          deterministic=False),
+    # Since s55 the D = 64 forward past 4096 keys issues S_{j+1} and P_j V_j together
+    # (`HopperAttnTiles.overlap_for`: "issue"): ragged lengths with GQA, a window with the
+    # soft cap, and segment ids, each past 4096 keys (CTAs not persistent).
+    dict(b=1, tq=4200, tk=4500, hq=4, hkv=1, d=64, causal=True),
+    dict(b=1, tq=4104, tk=4104, hq=2, hkv=1, d=64, causal=True, sliding_window=700,
+         logits_soft_cap=30.0),
+    dict(b=1, tq=4160, tk=4160, hq=2, hkv=2, d=64, causal=True, segments=True),
 ]
 
 
@@ -586,6 +593,9 @@ if __name__ == "__main__":
         # s41's fused dQ on the overlapped steps with segment ids, bf16
         "check_s41": lambda: _check_hopper((jnp.bfloat16,), lambda c: c.get("segments") and (
             c.get("deterministic") is False)),
+        # s55's D = 64 forward past 4096 keys (overlap="issue" by default), bf16 and f16
+        "check_s55": lambda: _check_hopper((jnp.bfloat16, jnp.float16),
+                                           lambda c: c["d"] == 64 and c["tk"] > 4096),
         "d256": perf_d256, "guard": perf_guard,
         "persistent": lambda: (check_persistent(), perf_persistent()),
         "named": _named, "scheduled": _scheduled,

@@ -1,0 +1,20 @@
+#!/bin/bash
+# For the session after s55 (any card; "race" and "tables" want .peers carried for tokamax). $2:
+#   "checks" (~300 s): the D = 64 forward past 4096 keys, "issue" by default since s55, compiled
+#       against the float32 reference (`attention.py check_s55`: 3 cases, bf16 and f16: ragged
+#       GQA, window + soft cap, segment ids), then `attention_bwd.py checks` (150 s of it);
+#   "race" (~480 s): s53.sh's race (157M and 1B training, decoding, the block rows) on today's
+#       tree, the 1B row beside the steps before s55 (`--no-issue`);
+#   "tables": s53.sh's tables (attention against cuDNN and tokamax, the row kernels).
+. "$(dirname "$0")/_lib.sh" "$@"
+case "${2:-checks}" in
+    checks)
+        timeout -s KILL 300 python benchmarks/attention.py check_s55 "$out/check_s55.json" \
+            > "$out/check_s55.log" 2>&1
+        echo "check_s55 rc=$?: $(grep -ac 'status=ok' "$out/check_s55.log") ok, \
+$(grep -ac 'status=FAIL\|rror' "$out/check_s55.log") not"
+        grep -a "check\|FAIL\|rror" "$out/check_s55.log" | sed 's/  */ /g' | cut -c1-200
+        attn_bwd checks 150 ;;
+    race) model_run model 300 train157 train1b decode --no-reference --no-issue ;;
+    tables) bash "$(dirname "$0")/s53.sh" "$out" tables ;;
+esac

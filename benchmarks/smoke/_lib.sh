@@ -41,6 +41,15 @@ block_rows() {
     grep "fwd  \|interleaved" "$out/block.log" | cut -c1-150
 }
 
+# attn_cmd COMMAND LIMIT_S: `benchmarks/attention.py COMMAND $out/COMMAND.json`, killed after
+# LIMIT_S, log $out/COMMAND.log; prints its checks' counts and its check, timing and error rows.
+attn_cmd() {
+    timeout -s KILL "$2" python benchmarks/attention.py "$1" "$out/$1.json" > "$out/$1.log" 2>&1
+    echo "attention $1 rc=$?: $(grep -ac 'status=ok' "$out/$1.log") ok, \
+$(grep -ac 'status=FAIL\|rror' "$out/$1.log") not"
+    grep -a "check\|interleaved\|FAIL\|rror" "$out/$1.log" | sed 's/  */ /g' | cut -c1-200
+}
+
 # attn_bwd COMMAND LIMIT_S: `benchmarks/attention_bwd.py COMMAND $out/COMMAND.json`, killed
 # after LIMIT_S, log $out/COMMAND.log; prints its checks, timings and kernel times.
 attn_bwd() {

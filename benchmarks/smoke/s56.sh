@@ -8,12 +8,7 @@
 #   "tables": s53.sh's tables (attention against cuDNN and tokamax, the row kernels).
 . "$(dirname "$0")/_lib.sh" "$@"
 case "${2:-checks}" in
-    checks)
-        timeout -s KILL 300 python benchmarks/attention.py check_s55 "$out/check_s55.json" \
-            > "$out/check_s55.log" 2>&1
-        echo "check_s55 rc=$?: $(grep -ac 'status=ok' "$out/check_s55.log") ok, \
-$(grep -ac 'status=FAIL\|rror' "$out/check_s55.log") not"
-        grep -a "check\|FAIL\|rror" "$out/check_s55.log" | sed 's/  */ /g' | cut -c1-200
+    checks) attn_cmd check_s55 300
         attn_bwd checks 150 ;;
     race) model_run model 300 train157 train1b decode --no-reference --no-issue ;;
     tables) bash "$(dirname "$0")/s53.sh" "$out" tables ;;

@@ -60,8 +60,8 @@ as it lies in shared memory, so with a causal mask or a window the producer clea
 edge tiles (those outside its wholly visible key blocks) in shared memory before the consumers
 see them (`_hopper_ring.hide_masked_garbage`: V's non-finite entries 0, K NaN where K or V
 is not finite, so a row that sees such a key still gets a NaN row). A first read-only pass
-counts the tile's non-finite entries; only a dirty tile is rewritten. H200, causal, timed interleaved with the
-kernel without the guard (s15-1): D = 64 B8 H16 T2048 0.215 ms against 0.218 (rewriting every
+counts the tile's non-finite entries; only a dirty tile is rewritten. H200, causal, timed
+interleaved with the kernel without the guard (s15-1): D = 64 B8 H16 T2048 0.215 ms against 0.218 (rewriting every
 edge tile, as before s15: 0.229; s14-5 measured it at +16%), B4 H32 T4096 D128 1.064 against
 1.086 (1.123), D = 256 0.545 against 0.529 (0.544); an XLA pass over K and V before the kernel
 had cost 12% (s12-3).
@@ -155,7 +155,8 @@ class HopperAttnTiles:
     31 heads (8 tiles) 1.837 -> 1.793 (cuDNN 1.811); 33 heads (no tail) 1.873 / 1.878;
     sum_mma: the row sums l by the tensor cores, l += P 1 (one more wgmma beside P V, of P with
     a [block_k, 16] tile of ones), not by a float32 add an element: one operation an element
-    off the softmax, to win back what the exact exponents (s53) cost the D = 64 forward; l then sums P as rounded to the input dtype, the P that P V takes (lse within
+    off the softmax, to win back what the exact exponents (s53) cost the D = 64 forward; l
+    then sums P as rounded to the input dtype, the P that P V takes (lse within
     log(1 + u) of the exact one, u the dtype's unit roundoff: ~5e-4 in bf16). Not with
     `overlap`. Measured (H100, s54-2, forward interleaved against the default): the 1B model's
     D = 64 1.328 against 1.375 ms (cuDNN 1.291), the 157M's 0.214 against 0.212, D = 128
@@ -188,9 +189,10 @@ class HopperAttnTiles:
             raise ValueError(f"HopperAttnTiles.block_k={self.block_k} must be 64, 128 or 256 "
                              f"(keys a step; 128 is the default, 64 at head_dim 256)")
         if self.overlap is not None and self.overlap not in (False, True, "issue"):
-            raise ValueError(f"HopperAttnTiles.overlap={self.overlap!r} must be False, True (softmax "
-                             f"j+1 under P_j V_j), 'issue' (both products issued together, "
-                             f"both waited for before the softmax) or None (by head dim and keys)")
+            raise ValueError(f"HopperAttnTiles.overlap={self.overlap!r} must be False, True "
+                             f"(softmax j+1 under P_j V_j), 'issue' (both products issued "
+                             f"together, both waited for before the softmax) or None (by head "
+                             f"dim and keys)")
         if self.sum_mma and self.overlap:
             raise ValueError("HopperAttnTiles(sum_mma=True, overlap=True): the row sums' product "
                              "is issued beside P V in the step without the overlap; pass "
@@ -305,7 +307,8 @@ class HopperAttnTiles:
         fixes = ([dict(stages=None)] * (self.stages is not None)
                  + [dict(block_k=64)] * (self.block_k > 64)
                  + [dict(consumers=2)] * (self.n_consumers(d) > 2)
-                 + [dict(persistent=False)] * persistent + [dict(overlap=False)] * bool(self.overlap))
+                 + [dict(persistent=False)] * persistent
+                 + [dict(overlap=False)] * bool(self.overlap))
         where = (f"at head_dim {d} ({self.n_consumers(d)} consumers"
                  f"{', persistent' if persistent else ''})")
         return H.ring_depth(self, where, layout, _SMEM_BYTES, fixes,

@@ -271,7 +271,9 @@ def test_overlap_takes_true_false_or_issue():
     for bad in ("yes", 2, "true"):
         with pytest.raises(ValueError, match=r"HopperAttnTiles.overlap=.* must be False, True"):
             HopperAttnTiles(overlap=bad)
-    assert HopperAttnTiles(overlap="issue").stages_for(64, 2) >= 2     # holds V as True does
+    # "issue" holds a V tile a step as True does: a 1-slot ring is refused by name
+    with pytest.raises(ValueError, match=r"\(the overlap holds each V tile a step longer\)"):
+        HopperAttnTiles(overlap="issue", stages=1, backward=False).stages_for(64, 2)
 
 
 def test_sum_mma_refuses_the_overlap():
@@ -520,22 +522,25 @@ def test_segment_ids_keep_the_other_documents_garbage_out():
     assert bool(jnp.isnan(F32(dirty[0][:, 200:])).all())
 
 
-@pytest.mark.parametrize("n,d,kw,want", [
-    (8192, 64, dict(causal=True), "issue"), (4097, 64, {}, "issue"), (4096, 64, {}, False),
-    (8192, 128, dict(causal=True), False), (2048, 64, dict(causal=True), False)])
-def test_overlap_by_default_where_measured_faster(n, d, kw, want):
-    """`overlap=None` (the default): "issue" at head_dim 64 past 4096 keys, where each CTA walks
-    one tile (H100, s55: the 1B model's forward 7-10% faster, T4096 a CTA a tile 7%), else
-    False; D = 256's default tiles overlap (`for_head_dim`); an explicit value and sum_mma
-    keep theirs. tiles_for resolves it before the kernel is built."""
+@pytest.mark.parametrize("n,d,kw,tiles,want", [
+    (8192, 64, dict(causal=True), {}, "issue"), (4097, 64, {}, {}, "issue"),
+    (4096, 64, {}, {}, False), (4096, 64, {}, dict(persistent=False), "issue"),
+    (8192, 64, {}, dict(persistent=True), False), (8192, 64, {}, dict(consumers=2), False),
+    (8192, 128, dict(causal=True), {}, False), (2048, 64, dict(causal=True), {}, False)])
+def test_overlap_by_default_where_measured_faster(n, d, kw, tiles, want):
+    """`overlap=None` (the default): "issue" at head_dim 64 with three consumers where each CTA
+    walks one tile (by default past 4096 keys; H100, s55: the 1B model's forward 7-10%
+    faster, T4096 a CTA a tile 7%; persistent 1% slower), else False; D = 256's default
+    tiles overlap (`for_head_dim`); an explicit value, sum_mma, a 1-slot ring and the
+    interpreter keep theirs. tiles_for resolves it before the kernel is built."""
     from jaxfuse.pallas import attention_hopper as AH
     spec = _spec(n, d, **kw)
-    assert HopperAttnTiles().overlap_for(spec) == want
-    assert HopperAttnTiles().resolved(spec).overlap == want
+    t = HopperAttnTiles(**tiles)
+    assert t.overlap_for(spec) == want
+    assert t.resolved(spec).overlap == want
+    assert AH.tiles_for(t, jnp.bfloat16, (1, n, 2, d), spec).overlap == want
     assert HopperAttnTiles(overlap=True).overlap_for(spec) is True
     assert HopperAttnTiles(sum_mma=True).overlap_for(spec) is False
     assert HopperAttnTiles(stages=1).overlap_for(spec) is False
     assert HopperAttnTiles().overlap_for(dataclasses.replace(spec, interpret=True)) is False
     assert HopperAttnTiles.for_head_dim(256).overlap_for(_spec(n, 256, **kw)) is True
-    tiles = AH.tiles_for(True, jnp.bfloat16, (1, n, 2, d), spec)
-    assert tiles.overlap == want

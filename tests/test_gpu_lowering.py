@@ -392,26 +392,36 @@ def test_hopper_fixed_point_dq_lowers(d, opts, vmapped, extra):
 # with causal (test_hopper_flash_attention_lowers, the same kernel) and with the window and the
 # cap (test_hopper_d256_variants_lower, the same kernel but for their values).
 # `overlap="issue"` differs from True only in the wait before the softmax (`wgmma_wait(0)`):
-# lowered at the schedule it is for, D = 64 with three consumers, causal.
-@pytest.mark.parametrize("d,consumers,stages,pingpong,opts,overlap", [
-    (128, 2, None, False, _CAUSAL, True), (64, 3, None, False, _WINDOW_CAP, True),
-    (64, 2, 2, False, _WINDOW_CAP, True), (64, 3, None, False, _CAUSAL, "issue")])
-def test_hopper_overlap_lowers(d, consumers, stages, pingpong, opts, overlap):
+# lowered at the schedule it is for, D = 64 with three consumers, causal, asked for and as
+# the default resolves it past 4096 keys (None); the waits the S loads ask are recorded.
+@pytest.mark.parametrize("d,consumers,stages,pingpong,opts,overlap,tk", [
+    (128, 2, None, False, _CAUSAL, True, 384), (64, 3, None, False, _WINDOW_CAP, True, 384),
+    (64, 2, 2, False, _WINDOW_CAP, True, 384), (64, 3, None, False, _CAUSAL, "issue", 384),
+    (64, None, None, True, _CAUSAL, None, 4224)])
+def test_hopper_overlap_lowers(d, consumers, stages, pingpong, opts, overlap, tk):
     """`HopperAttnTiles(overlap=True)`: O in one wgmma accumulator across the key loop, S
     read after `wgmma_wait(1)` while P V runs, O rescaled by assignment, the held tile's last
     product in a loop of 0 or 1 steps; 2 and 3 consumers (three never take turns), taking
     turns or not, a 2-slot ring (cleaning without deferral) and D = 256 (64-key tiles: its
     default, lowered elsewhere, see above); `overlap="issue"`, S read after `wgmma_wait(0)`."""
-    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    from unittest import mock
+    from jaxfuse.pallas import attention_hopper as AH
     q = jnp.zeros((1, 256, 4, d), jnp.bfloat16)
-    k = jnp.zeros((1, 384, 2, d), jnp.bfloat16)
-    tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(d), overlap=overlap,
+    k = jnp.zeros((1, tk, 2, d), jnp.bfloat16)
+    tiles = dataclasses.replace(AH.HopperAttnTiles.for_head_dim(d), overlap=overlap,
                                 consumers=consumers, stages=stages, pingpong=pingpong,
                                 backward=False)
-    module = _lower(lambda q, k, v: jaxfuse.flash_attention(
-        q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
-        q, k, k).mlir_module()
+    load, waits = AH.plgpu.wgmma_accumulator_load, []
+
+    def recorded(acc, wait_n=0, **kw):
+        waits.append(wait_n)
+        return load(acc, wait_n=wait_n, **kw)
+    with mock.patch.object(AH.plgpu, "wgmma_accumulator_load", recorded):
+        module = _lower(lambda q, k, v: jaxfuse.flash_attention(
+            q, k, v, interpret=False, block_sizes=jaxfuse.AttnBlocks(hopper=tiles), **opts),
+            q, k, k).mlir_module()
     assert "jaxfuse_flash_fwd_hopper" in module
+    assert waits and set(waits) == ({1} if overlap is True else {0}), waits
 
 
 # The default forward at D <= 128 is persistent too: at B = 1 the same kernel as here but for

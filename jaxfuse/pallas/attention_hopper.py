@@ -136,9 +136,9 @@ class HopperAttnTiles:
     same two products issued together but both waited for before softmax j+1 (one wgmma wait
     a step where the plain step has two, and P_j's registers free again in the softmax, which
     the overlap holds: s15-4 measured it 3-7% slower at D = 64, where three consumers have 160
-    registers a thread); None (the default): "issue" at head_dim 64 where the keys are past
-    `_PERSISTENT_KEYS` (CTAs not persistent by default), True at 256 (`for_head_dim`), else
-    False (`overlap_for`);
+    registers a thread); None (the default): "issue" at head_dim 64 with three consumers where
+    the CTAs are not persistent (by default past `_PERSISTENT_KEYS` keys), True at 256
+    (`for_head_dim`), else False (`overlap_for`);
     persistent: one CTA a multiprocessor walks its share of the (batch, head, query tile)
     work tiles (`work_schedule`: balanced by their key blocks), so the producer loads the next
     tile's K and V while the consumers finish the last one, each consumer loads its next Q as
@@ -227,9 +227,9 @@ class HopperAttnTiles:
         return cls(block_k=64, pingpong=False, overlap=True) if d > 128 else cls()
 
     def overlap_for(self, spec: AttnSpec) -> bool | str:
-        """`overlap` as the forward of `spec` runs it. None: "issue" at head_dim 64 past
-        `_PERSISTENT_KEYS` keys, where each CTA walks one tile and waited twice a step for its
-        products: H100, s55-1/s55-4, forward interleaved, default -> "issue" (cuDNN), the 1B
+        """`overlap` as the forward of `spec` runs it. None: "issue" at head_dim 64 with three
+        consumers where each CTA walks one tile (`persists` False: by default past
+        `_PERSISTENT_KEYS` keys), whose consumers waited twice a step for their products: H100, s55-1/s55-4, forward interleaved, default -> "issue" (cuDNN), the 1B
         model's B2 Hq32 Hkv8 T8192 causal 1.362 -> 1.222 and 1.416 -> 1.307 ms (1.251, 1.300),
         B4 Hq32 Hkv8 T4096 causal a CTA a tile 0.768 -> 0.712 (persistent: 0.717 -> 0.724, so
         not there; the 157M's T2048, persistent, 0.193 -> 0.195). Not with `sum_mma` nor
@@ -239,9 +239,9 @@ class HopperAttnTiles:
         # Not in the interpreter: three consumers with the overlap stall its simulated threads
         # on 2 cores (tests/test_attention_hopper.py's _CASES; the sm90 lowering test and the
         # GPU checks cover them).
-        long = (spec.head_dim == 64 and spec.n_k > _PERSISTENT_KEYS and not self.sum_mma
-                and self.stages != 1 and not spec.interpret)   # holds V a step: 2 slots
-        return "issue" if long else False
+        measured = (spec.head_dim == 64 and self.n_consumers(64) == 3 and not self.sum_mma
+                    and not self.persists(spec) and not spec.interpret)
+        return "issue" if measured and self.stages != 1 else False   # holds V: 2 slots
 
     def resolved(self, spec: AttnSpec) -> "HopperAttnTiles":
         """These tiles with `overlap` as the forward of `spec` runs it (`overlap_for`)."""

@@ -138,7 +138,7 @@ class HopperAttnTiles:
     the overlap holds: s15-4 measured it 3-7% slower at D = 64, where three consumers have 160
     registers a thread); None (the default): "issue" at head_dim 64 with three consumers where
     the CTAs are not persistent (by default past `_PERSISTENT_KEYS` keys), True at 256
-    (`for_head_dim`), else False (`overlap_for`);
+    (`for_head_dim`), else False (`overlap_for`, applied by `tiles_for`);
     persistent: one CTA a multiprocessor walks its share of the (batch, head, query tile)
     work tiles (`work_schedule`: balanced by their key blocks), so the producer loads the next
     tile's K and V while the consumers finish the last one, each consumer loads its next Q as
@@ -336,12 +336,14 @@ def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
     tiles.check_head_dim(spec.head_dim)
     if fits(dtype, spec, tiles):
         # The rings' depths, checked now rather than when the kernels are traced (the tiles
-        # as given, then as the forward runs them: `overlap_for` keeps a 1-slot ring plain).
-        for t in (tiles, tiles.resolved(spec)):
+        # as given, then as the forward runs them where that differs: `overlap_for` keeps a
+        # 1-slot ring plain).
+        resolved = tiles.resolved(spec)
+        for t in dict.fromkeys((tiles, resolved)):
             t.stages_for(spec.head_dim, spec.itemsize, t.persists(spec), spec.segments)
         if not isinstance(tiles.backward, bool):       # HopperBwdTiles (`__post_init__`)
             tiles.backward.check(spec)
-        return tiles.resolved(spec)
+        return resolved
     if hopper is not None:
         raise ValueError(
             f"AttnBlocks(hopper={hopper}) needs bf16/f16 q, k, v of one dtype and head_dim in "
@@ -838,8 +840,8 @@ def _forward_body(q_gmem, k_gmem, v_gmem, *refs, spec: AttnSpec, tiles: HopperAt
 def forward(q, k, v, spec: AttnSpec, tiles: HopperAttnTiles, qs=None, ks=None):
     """(o [B, Tq, Hq, D], lse_u [B, Hq, Tq] float32 in the scores' units, see `_attn`) of
     q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D], with `spec.segments` the segment ids qs
-    [B, Tq] and ks [B, Tk] (int32); the problem must `fit`."""
-    tiles = tiles.resolved(spec)
+    [B, Tq] and ks [B, Tk] (int32); the problem must `fit`, and `tiles` come as `tiles_for`
+    resolves them (`HopperAttnTiles.resolved`: `plan` does so once a call)."""
     n_q = q.shape[1]
     # Lengths that are not whole tiles: compiled, TMA's bounds take the partial last tiles
     # (`_attn.pad_rows`); interpreted, they run padded. The masks keep the true lengths; the

@@ -1,0 +1,135 @@
+"""Where the Hopper path's gradients go wrong with segment ids past 4096 keys (s56-1: the
+check (1, 4160, 4160, 2, 2, 64) causal with segment ids gave o and lse right and a gradient
+with relative error 0.63, bf16 and f16). For each variant: dq, dk, dv errors against the
+float32 reference, the kernels that ran, and where the worst gradient is wrong (positions and
+heads whose largest error exceeds 5% of the gradient's largest entry: count, first, last,
+and the 64-row blocks they fall in).
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/seg_probe.py [OUT.json]
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxfuse
+from jaxfuse import AttnBlocks
+from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
+from benchmarks import _timing
+from benchmarks._timing import guarded, record, rel_err
+
+S = "seg_probe"
+KERNELS = ("jaxfuse_flash_fwd_hopper", "jaxfuse_flash_bwd_hopper",
+           "jaxfuse_flash_bwd_dkv_hopper", "jaxfuse_flash_bwd_dq_hopper",
+           "jaxfuse_flash_bwd_dkv_dq_hopper", "jaxfuse_flash_bwd_dkv")
+
+
+def _where(a, r):
+    """(count, first, last, blocks) of the positions (axis 1) whose error in any head and
+    column exceeds 5% of r's largest entry."""
+    err = np.asarray(jnp.abs(a.astype(jnp.float32) - r).max(axis=(0, 3)))   # [T, H]
+    bad = err > 0.05 * float(jnp.abs(r).max())
+    pos, heads = np.nonzero(bad)
+    if not len(pos):
+        return 0, -1, -1, "", ""
+    blocks = sorted(set(int(p) // 64 for p in pos))
+    return (len(pos), int(pos.min()), int(pos.max()),
+            ",".join(map(str, blocks[:40])), ",".join(map(str, sorted(set(heads.tolist())))))
+
+
+def case(name, t=4160, d=64, hq=2, hkv=2, causal=True, segs="thirds", det=True, hopper=True,
+         dtype=jnp.bfloat16, seed=0):
+    def run():
+        ks = jax.random.split(jax.random.key(seed), 4)
+        q = jax.random.normal(ks[0], (1, t, hq, d), dtype)
+        k = jax.random.normal(ks[1], (1, t, hkv, d), dtype)
+        v = jax.random.normal(ks[2], (1, t, hkv, d), dtype)
+        do = jax.random.normal(ks[3], (1, t, hq, d), dtype)
+        kw = dict(causal=causal)
+        if segs == "thirds":
+            ids = (jnp.arange(t) * 3 // t)[None]
+        elif segs == "aligned":          # boundaries at multiples of 128
+            ids = (jnp.arange(t) // 1408)[None]
+        elif segs == "one":
+            ids = jnp.zeros((1, t), jnp.int32)
+        if segs:
+            kw.update(q_segment_ids=ids, kv_segment_ids=ids)
+
+        def fb(impl, q, k, v, do):
+            o_kw = dict(kw, impl=impl)
+            if impl == "pallas":
+                o_kw.update(deterministic=det, block_sizes=AttnBlocks(hopper=hopper))
+            f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, **o_kw)
+            o, vjp = jax.vjp(f, q, k, v)
+            return o, vjp(do)
+        jaxpr = str(jax.make_jaxpr(lambda *a: fb("pallas", *a))(q, k, v, do))
+        ran = [n for n in KERNELS if re.search(n + r"\b", jaxpr)]
+        o, g = jax.jit(lambda *a: fb("pallas", *a))(q, k, v, do)
+        f32 = [a.astype(jnp.float32) for a in (q, k, v, do)]
+        with jax.default_matmul_precision("highest"):
+            ro, rg = jax.jit(lambda *a: fb("reference", *a))(*f32)
+        errs = dict(o=rel_err(o, ro), dq=rel_err(g[0], rg[0]), dk=rel_err(g[1], rg[1]),
+                    dv=rel_err(g[2], rg[2]))
+        worst = max(("dq", "dk", "dv"), key=errs.get)
+        i = "qkv".index(worst[1])
+        n, first, last, blocks, heads = _where(g[i], rg[i])
+        record(S, name, jnp.dtype(dtype).name, **{f"{x}_err": round(e, 5) for x, e in
+                                                  errs.items()},
+               worst=worst, bad_n=n, bad_first=first, bad_last=last, bad_heads=heads,
+               bad_blocks=blocks, kernels=",".join(x.replace("jaxfuse_flash_", "") for x in ran),
+               status="ok" if max(errs.values()) < 2e-2 else "FAIL")
+    guarded(S, name, jnp.dtype(dtype).name, run)
+
+
+def variants(t=1024):
+    """Which part of the D = 64 dK/dV kernel pair's (MHA, two launches) segment-id path is
+    wrong (s56-2): its switches one at a time, and the launch and grouping it differs by from
+    GQA's passing one launch."""
+    tiles = lambda **kw: HopperAttnTiles(backward=HopperBwdTiles(**kw))
+    case(f"T{t} MHA 2/2 default", t=t)
+    case(f"T{t} kv_regs=False", t=t, hopper=tiles(kv_regs=False))
+    case(f"T{t} dkv_overlap=False", t=t, hopper=tiles(dkv_overlap=False))
+    case(f"T{t} kv_regs=False dkv_overlap=False", t=t,
+         hopper=tiles(kv_regs=False, dkv_overlap=False))
+    case(f"T{t} one_launch=True", t=t, hopper=tiles(one_launch=True))
+    case(f"T{t} GQA 2/1 (one launch)", t=t, hq=2, hkv=1)
+    case(f"T{t} GQA 2/1 one_launch=False", t=t, hq=2, hkv=1, hopper=tiles(one_launch=False))
+    case(f"T{t} GQA 4/1 one_launch=False", t=t, hq=4, hkv=1, hopper=tiles(one_launch=False))
+    case(f"T{t} MHA 1/1", t=t, hq=1, hkv=1)
+    case(f"T{t} MHA 1/1 not causal", t=t, hq=1, hkv=1, causal=False)
+    case(f"T{t} consumers=3", t=t, hopper=tiles(consumers=3))
+    case(f"T{t} D128", t=t, d=128)
+
+
+def main():
+    if sys.argv[1:2] == ["variants"]:
+        variants()
+        _timing.save(sys.argv[2])
+        return
+    fwd_plain = HopperAttnTiles(overlap=False)
+    case("T4160 default (the failing check)")
+    case("T4160 det=False", det=False)
+    case("T4160 portable backward", hopper=HopperAttnTiles(backward=False))
+    case("T4160 forward overlap=False", hopper=fwd_plain)
+    case("T4160 one segment", segs="one")
+    case("T4160 aligned segments", segs="aligned")
+    case("T4160 no segments", segs=None)
+    case("T4160 not causal", causal=False)
+    case("T4096", t=4096)
+    case("T4032", t=4032)
+    case("T2048", t=2048)
+    case("T1024", t=1024)
+    case("T4160 D128", d=128)
+    case("T4160 GQA 4/1", hq=4, hkv=1)
+    case("T4160 f16", dtype=jnp.float16)
+    if len(sys.argv) > 1:
+        _timing.save(sys.argv[1])
+
+
+if __name__ == "__main__":
+    main()

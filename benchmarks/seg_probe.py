@@ -43,14 +43,14 @@ def _where(a, r):
 
 
 def case(name, t=4160, d=64, hq=2, hkv=2, causal=True, segs="thirds", det=True, hopper=True,
-         dtype=jnp.bfloat16, seed=0):
+         dtype=jnp.bfloat16, seed=0, **extra):
     def run():
         ks = jax.random.split(jax.random.key(seed), 4)
         q = jax.random.normal(ks[0], (1, t, hq, d), dtype)
         k = jax.random.normal(ks[1], (1, t, hkv, d), dtype)
         v = jax.random.normal(ks[2], (1, t, hkv, d), dtype)
         do = jax.random.normal(ks[3], (1, t, hq, d), dtype)
-        kw = dict(causal=causal)
+        kw = dict(causal=causal, **extra)
         if segs == "thirds":
             ids = (jnp.arange(t) * 3 // t)[None]
         elif segs == "aligned":          # boundaries at multiples of 128
@@ -93,15 +93,17 @@ def variants(t=1024):
     tiles = lambda **kw: HopperAttnTiles(backward=HopperBwdTiles(**kw))
     case(f"T{t} MHA 2/2 default", t=t)
     case(f"T{t} kv_regs=False", t=t, hopper=tiles(kv_regs=False))
+    case(f"T{t} one_launch=True", t=t, hopper=tiles(one_launch=True))
+    # Every step masked without segment ids: a window of 64 keys (an edge tile each step).
+    case(f"T{t} window 64, no segments", t=t, segs=None, causal=False, sliding_window=64)
     case(f"T{t} dkv_overlap=False", t=t, hopper=tiles(dkv_overlap=False))
+    case(f"T{t} GQA 2/1 one_launch=False", t=t, hq=2, hkv=1, hopper=tiles(one_launch=False))
+    case(f"T{t} MHA 1/1", t=t, hq=1, hkv=1)
     case(f"T{t} kv_regs=False dkv_overlap=False", t=t,
          hopper=tiles(kv_regs=False, dkv_overlap=False))
-    case(f"T{t} one_launch=True", t=t, hopper=tiles(one_launch=True))
     case(f"T{t} GQA 2/1 (one launch)", t=t, hq=2, hkv=1)
-    case(f"T{t} GQA 2/1 one_launch=False", t=t, hq=2, hkv=1, hopper=tiles(one_launch=False))
-    case(f"T{t} GQA 4/1 one_launch=False", t=t, hq=4, hkv=1, hopper=tiles(one_launch=False))
-    case(f"T{t} MHA 1/1", t=t, hq=1, hkv=1)
     case(f"T{t} MHA 1/1 not causal", t=t, hq=1, hkv=1, causal=False)
+    case(f"T{t} window 64, no segments, causal", t=t, segs=None, sliding_window=64)
     case(f"T{t} consumers=3", t=t, hopper=tiles(consumers=3))
     case(f"T{t} D128", t=t, d=128)
 

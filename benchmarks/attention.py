@@ -84,6 +84,10 @@ HOPPER_CASES = [
     dict(b=1, tq=4104, tk=4104, hq=2, hkv=1, d=64, causal=True, sliding_window=700,
          logits_soft_cap=30.0),
     dict(b=1, tq=4160, tk=4160, hq=2, hkv=2, d=64, causal=True, segments=True),
+    # Since s56 segment ids at D = 64 without GQA take the portable backward after the Hopper
+    # forward (`attention_hopper_bwd.unchecked_segments`: the kernel pair's dK/dV was wrong
+    # there, compiled, the case above in s56-1): every tile masked, no causal edge.
+    dict(b=1, tq=1024, tk=1024, hq=2, hkv=2, d=64, causal=False, segments=True),
 ]
 
 
@@ -597,6 +601,9 @@ if __name__ == "__main__":
         # s55's D = 64 forward past 4096 keys (overlap="issue" by default), bf16 and f16
         "check_s55": lambda: _check_hopper((jnp.bfloat16, jnp.float16),
                                            lambda c: c["d"] == 64 and c["tk"] > 4096),
+        # s56: segment ids at D = 64 without GQA (the portable backward since s56), bf16, f16
+        "check_s56": lambda: _check_hopper((jnp.bfloat16, jnp.float16), lambda c: (
+            c["d"] == 64 and c.get("segments") and c["hq"] == c["hkv"])),
         "d256": perf_d256, "guard": perf_guard,
         "persistent": lambda: (check_persistent(), perf_persistent()),
         "named": _named, "scheduled": _scheduled,

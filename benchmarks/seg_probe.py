@@ -19,6 +19,7 @@ import numpy as np
 import jaxfuse
 from jaxfuse import AttnBlocks
 from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+from jaxfuse.pallas import attention_hopper_bwd as AHB
 from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
 from benchmarks import _timing
 from benchmarks._timing import guarded, record, rel_err
@@ -91,6 +92,10 @@ def variants(t=1024):
     wrong (s56-2): its switches one at a time, and the launch and grouping it differs by from
     GQA's passing one launch."""
     tiles = lambda **kw: HopperAttnTiles(backward=HopperBwdTiles(**kw))
+    # Since s56 these problems run the portable backward (`unchecked_segments`): the first
+    # case with that guard, the rest with it lifted, to see the dK/dV kernel itself.
+    case(f"T{t} MHA 2/2 default (guarded: the portable backward)", t=t)
+    AHB.unchecked_segments = lambda spec, tiles: False
     case(f"T{t} MHA 2/2 default", t=t)
     case(f"T{t} kv_regs=False", t=t, hopper=tiles(kv_regs=False))
     case(f"T{t} one_launch=True", t=t, hopper=tiles(one_launch=True))

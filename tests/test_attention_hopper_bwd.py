@@ -481,6 +481,49 @@ def test_segment_ids_on_the_hopper_backward(tq, tk, d, deterministic, opts):
         assert err < 4e-2, (name, err)
 
 
+def test_segment_ids_at_d64_without_one_launch_take_the_portable_backward():
+    """`unchecked_segments`: compiled, the kernel pair's dK/dV kernel gave dk and dv wrong by
+    0.5-0.8 (relative) with segment ids at D = 64 without GQA (two launches; s56,
+    benchmarks/seg_probe.py), while the interpreter gives them right, so no interpreted run
+    can tell. Those problems take the portable backward after the Hopper forward; GQA's one
+    launch (checked compiled), the fused dQ, D = 128 and problems without segment ids keep
+    the Hopper backward."""
+    from jaxfuse.pallas._attn import AttnSpec
+    from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles as T, fits
+
+    def spec(g=1, d=64, segments=True, deterministic=True):
+        return AttnSpec.make(n_q=256, n_k=256, head_dim=d, groups=g, dtype=jnp.bfloat16,
+                             scale=None, interpret=False, causal=True, segments=segments,
+                             deterministic=deterministic)
+    bf16 = jnp.bfloat16
+    assert not fits(bf16, spec(), T())                       # MHA: two launches
+    assert not fits(bf16, spec(g=4), T(one_launch=False))    # GQA forced to two launches
+    assert not fits(bf16, spec(), T(one_launch=True))        # MHA in one launch: not checked
+    assert not fits(bf16, spec(deterministic=False), T(fused_dq=False))   # the pair again
+    assert fits(bf16, spec(g=4), T())                        # GQA: one launch
+    assert fits(bf16, spec(deterministic=False), T())        # the fused dQ
+    assert fits(bf16, spec(d=128), T())
+    assert fits(bf16, spec(segments=False), T())
+
+    # Through flash_attention (interpreted): the Hopper forward, then the portable backward
+    # (its Triton dK/dV kernel), with gradients that match the float32 reference.
+    kq, kk, kv, kd = keys(23, 4)
+    q, do = (randn(x, (1, 128, 2, 64), jnp.bfloat16) for x in (kq, kd))
+    k, v = (randn(x, (1, 192, 2, 64), jnp.bfloat16) for x in (kk, kv))
+    seg = dict(q_segment_ids=(jnp.arange(128) * 3 // 128)[None],
+               kv_segment_ids=(jnp.arange(192) * 3 // 192)[None])
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(), **seg)
+    jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](do))(q, k, v))
+    assert "jaxfuse_flash_fwd_hopper" in jaxpr
+    assert "jaxfuse_flash_bwd_dkv" in jaxpr
+    assert "_hopper" not in jaxpr.replace("jaxfuse_flash_fwd_hopper", "")
+    _, vjp = jax.vjp(f, q, k, v)
+    _, rvjp = jax.vjp(lambda q, k, v: ref.attention(q, k, v, **seg), F32(q), F32(k), F32(v))
+    for name, a, b in zip("qkv", vjp(do), rvjp(F32(do))):
+        err = float(jnp.abs(F32(a) - b).max() / jnp.abs(b).max())
+        assert err < 4e-2, (name, err)
+
+
 def test_fixed_point_dq_agrees_with_the_kernel_pair():
     """The fixed-point fused dQ (`HopperBwdTiles(fixed_dq=True)`) against the deterministic
     kernel pair it may replace: dk and dv bitwise equal (the same products of the same

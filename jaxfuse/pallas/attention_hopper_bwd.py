@@ -174,7 +174,9 @@ s18-4, causal 3.229 ms with the exchange against 3.496 without (cuDNN 2.503: 0.7
 kernel's recomputed S and dP (7 products a tile pair against cuDNN's 5) and 32-key dQ steps.
 
 What it takes (`fits`): what the Hopper forward takes (bf16/f16, D in {64, 128, 256}); anything
-else (dropout, float32) runs the portable kernels of `attention_bwd`. Segment ids: the dK/dV
+else (dropout, float32) runs the portable kernels of `attention_bwd`, and so do segment ids at
+D = 64 on the kernel pair without GQA's one launch (`unchecked_segments`: wrong dK and dV
+compiled, s56). Segment ids: the dK/dV
 kernel's producer streams each step's queries' ids beside its Q and lse, each consumer copies
 its keys' once with its K; the dQ kernel takes them as the forward does (rows' with Q, each key
 block's through a ring slot of their own); every tile is masked. Lengths that are not whole
@@ -545,7 +547,23 @@ def fits(dtype, spec: AttnSpec, tiles: HopperBwdTiles = HopperBwdTiles()) -> boo
     """Whether the Hopper backward takes this problem (its forward ran on `attention_hopper`)."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and spec.head_dim in (64, 128, 256) and not spec.dropout
-            and not spec.folded and spec.n_q > 0 and spec.n_k > 0)
+            and not spec.folded and spec.n_q > 0 and spec.n_k > 0
+            and not unchecked_segments(spec, tiles))
+
+
+def unchecked_segments(spec: AttnSpec, tiles: HopperBwdTiles) -> bool:
+    """Segment ids where the kernel pair's dK/dV kernel gave wrong gradients compiled: at
+    head_dim 64 without GQA, or with GQA in two launches (`launches_once` False; not run
+    there). Measured (H100, s56-1/2, `benchmarks/seg_probe.py`, bf16 and f16): dk and dv
+    with relative errors 0.52-0.83 against the float32 reference at T 1024-4160, causal or
+    not, with three segments or one, where o, lse and dq were right (the dQ kernel) and the
+    same problem was right without segment ids, at D = 128, with the fused dQ
+    (deterministic=False), with GQA 4/1 in one launch, and on the portable backward. Mosaic
+    GPU's interpreter gives the right gradients on the same problem (T 640 and 4160, one
+    and two heads): a compiled-only fault, not yet found. Until it is, these problems run
+    the portable backward (after the Hopper forward); the fused dQ still takes them."""
+    return (spec.segments and spec.head_dim == 64 and not tiles.fuse(spec)
+            and (spec.groups == 1 or not tiles.launches_once(spec)))
 
 
 def _kernel(body, out_type, grid, names, name: str, spec: AttnSpec, batchable: bool = True,

@@ -78,13 +78,23 @@ def _check_case(i, shape, opts, dtype, det: bool, hopper=None, outlier=None):
     if hopper is None:
         hopper = True if det else HopperAttnTiles(backward=HopperBwdTiles(fused_dq=True))
 
+    opts = dict(opts)
+    segments = opts.pop("segments", False)
+    # Segment ids at D = 64 without GQA's one launch run the portable backward since s56
+    # (`attention_hopper_bwd.unchecked_segments`); everything else must run the Hopper one.
+    portable_ok = segments and shape[-1] == 64
+
     def run():
         q, k, v, do, dlse = _inputs(jax.random.key(i), *shape, dtype)
         if outlier is not None:
             k = k.at[:, 1].multiply(outlier)
+        seg = {}
+        if segments:      # three documents, boundaries off the tiles
+            ids = lambda t: (jnp.arange(t) * 3 // t)[None].repeat(shape[0], 0)
+            seg = dict(q_segment_ids=ids(shape[1]), kv_segment_ids=ids(shape[2]))
 
         def fb(impl, q, k, v, do, dlse):
-            kw = dict(opts, return_lse=True, impl=impl)
+            kw = dict(opts, return_lse=True, impl=impl, **seg)
             if impl == "pallas":
                 kw.update(deterministic=det, block_sizes=AttnBlocks(hopper=hopper))
             f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, **kw)
@@ -112,7 +122,7 @@ def _check_case(i, shape, opts, dtype, det: bool, hopper=None, outlier=None):
         o2, _, g2 = run1(*args)
         same = all(bool(jnp.array_equal(a, b)) for a, b in zip((o, *g), (o2, *g2)))
         ok = max(errs) <= TOL[dtype] and not nan and (same or not det) and (
-            "jaxfuse_flash_bwd_dkv" not in ran)
+            portable_ok or "jaxfuse_flash_bwd_dkv" not in ran)
         record(S, name, jnp.dtype(dtype).name, max_rel_err=max(errs), dq_err=errs[2],
                dk_err=errs[3], dv_err=errs[4], dq_row_err=row_err, bitwise_repeat=same,
                kernels=",".join(ran),
@@ -126,6 +136,29 @@ def check():
             _check_case(i, shape, opts, jnp.bfloat16, det)
     for i, (shape, opts) in enumerate(CASES[:3]):
         _check_case(i, shape, opts, jnp.float16, True)
+
+
+# Every default kernel selection of the backward once, compiled (s56: a combination no check
+# had run, D = 64 segment ids without GQA, was wrong): head dims x MHA / GQA (two launches /
+# one) x deterministic (the pair / the fused dQ at D = 64, forced at 128) x masks, on lengths
+# that are not whole tiles.
+MATRIX_MASKS = (dict(causal=True), dict(sliding_window=150, logits_soft_cap=20.0),
+                dict(causal=True, segments=True))
+
+
+def matrix(dims=(64, 128, 256)):
+    """`MATRIX_MASKS` at every head dim in `dims`, MHA 2/2 and GQA 4/1, both `deterministic`
+    settings, bf16, T 520 x 600.
+
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/attention_bwd.py matrix64 [OUT.json]
+    """
+    i = 0
+    for d in dims:
+        for hq, hkv in ((2, 2), (4, 1)):
+            for opts in MATRIX_MASKS:
+                for det in (True, False):
+                    _check_case(i, (1, 520, 600, hq, hkv, d), opts, jnp.bfloat16, det)
+                    i += 1
 
 
 def check_f16(cases=None):
@@ -1091,6 +1124,8 @@ def _probe_sweep():
 
 if __name__ == "__main__":
     _timing.commands({
+        "matrix": matrix, "matrix64": lambda: matrix((64,)),
+        "matrix128": lambda: matrix((128,)), "matrix256": lambda: matrix((256,)),
         "garbage": garbage, "idle": idle, "fused": fused, "checks": _checks, "fixed": fixed,
         "fixed_diag": fixed_diag, "fixed_profiles": fixed_profiles,
         "fixed_crossover": fixed_crossover,

@@ -1,0 +1,20 @@
+#!/bin/bash
+# For the session after s56 (any card). $2:
+#   "seg" (~400 s): what is wrong in the kernel pair's dK/dV kernel with segment ids at D = 64
+#       without GQA (s56 items 1-2; those problems run the portable backward since s56):
+#       `seg_probe.py variants` (the guard lifted: the kernel's switches one at a time), then
+#       `attention.py check_s56` (the guarded problems compiled, bf16 and f16);
+#   "matrix" (~500 s): `attention_bwd.py matrix64` and `matrix128` (every default kernel
+#       selection of the backward x masks, MHA and GQA, both `deterministic`, compiled);
+#   then s56.sh's "race" and "tables" on an H200.
+. "$(dirname "$0")/_lib.sh" "$@"
+case "${2:-seg}" in
+    seg) timeout -s KILL 220 python benchmarks/seg_probe.py variants "$out/seg_variants.json" \
+            > "$out/seg_variants.log" 2>&1
+        echo "seg_probe rc=$?"
+        grep -a "seg_probe\|rror" "$out/seg_variants.log" | sed 's/  */ /g; s/bad_blocks=[0-9,]*//' \
+            | cut -c1-240
+        attn_cmd check_s56 170 ;;
+    matrix) attn_bwd matrix64 250
+        attn_bwd matrix128 250 ;;
+esac

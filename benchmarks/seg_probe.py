@@ -19,6 +19,7 @@ import numpy as np
 import jaxfuse
 from jaxfuse import AttnBlocks
 from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+from jaxfuse.pallas import _hopper_ring as R
 from jaxfuse.pallas import attention_hopper_bwd as AHB
 from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
 from benchmarks import _timing
@@ -111,6 +112,17 @@ def variants(t=1024):
     case(f"T{t} window 64, no segments, causal", t=t, segs=None, sliding_window=64)
     case(f"T{t} consumers=3", t=t, hopper=tiles(consumers=3))
     case(f"T{t} D128", t=t, d=128)
+    case(f"T{t} stages=4", t=t, hopper=tiles(stages=4))
+    # One segment (all ids 0), each side's ids alone in the mask (the other side's taken as
+    # 0, which they are): which load, if either, brings the fault (helper-81's hypothesis 2).
+    outer = R.outer_equal
+    for side, f in (("keys'", lambda rows, cols: outer(rows, jnp.zeros_like(cols))),
+                    ("queries'", lambda rows, cols: outer(jnp.zeros_like(rows), cols))):
+        R.outer_equal = f
+        try:
+            case(f"T{t} one segment, only the {side} ids compared", t=t, segs="one")
+        finally:
+            R.outer_equal = outer
 
 
 def main():

@@ -1,11 +1,16 @@
-"""Where the Hopper path's gradients go wrong with segment ids past 4096 keys (s56-1: the
-check (1, 4160, 4160, 2, 2, 64) causal with segment ids gave o and lse right and a gradient
-with relative error 0.63, bf16 and f16). For each variant: dq, dk, dv errors against the
-float32 reference, the kernels that ran, and where the worst gradient is wrong (positions and
-heads whose largest error exceeds 5% of the gradient's largest entry: count, first, last,
-and the 64-row blocks they fall in).
+"""Where the Hopper path's gradients go wrong with segment ids (s56-1: the check (1, 4160,
+4160, 2, 2, 64) causal with segment ids gave o and lse right and a gradient with relative
+error 0.63, bf16 and f16). For each variant: dq, dk, dv errors against the float32
+reference, the kernels that ran, and where the worst gradient is wrong (positions and heads
+whose largest error exceeds 5% of the gradient's largest entry: count, first, last, and the
+64-row blocks they fall in).
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/seg_probe.py [OUT.json]
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/seg_probe.py variants OUT.json
+
+The first is s56-2's run (since s56 its D = 64 MHA rows run the portable backward by the
+guard, `attention_hopper_bwd.unchecked_segments`); `variants` lifts the guard to look at
+the kernel pair's dK/dV kernel itself.
 """
 from __future__ import annotations
 
@@ -96,7 +101,16 @@ def variants(t=1024):
     # Since s56 these problems run the portable backward (`unchecked_segments`): the first
     # case with that guard, the rest with it lifted, to see the dK/dV kernel itself.
     case(f"T{t} MHA 2/2 default (guarded: the portable backward)", t=t)
+    guard = AHB.unchecked_segments
     AHB.unchecked_segments = lambda spec, tiles: False
+    try:
+        _lifted(t, tiles)
+    finally:
+        AHB.unchecked_segments = guard
+
+
+def _lifted(t, tiles):
+    """`variants`' cases with the guard lifted."""
     case(f"T{t} MHA 2/2 default", t=t)
     case(f"T{t} kv_regs=False", t=t, hopper=tiles(kv_regs=False))
     case(f"T{t} one_launch=True", t=t, hopper=tiles(one_launch=True))
@@ -115,14 +129,23 @@ def variants(t=1024):
     case(f"T{t} stages=4", t=t, hopper=tiles(stages=4))
     # One segment (all ids 0), each side's ids alone in the mask (the other side's taken as
     # 0, which they are): which load, if either, brings the fault (helper-81's hypothesis 2).
-    outer = R.outer_equal
-    for side, f in (("keys'", lambda rows, cols: outer(rows, jnp.zeros_like(cols))),
-                    ("queries'", lambda rows, cols: outer(jnp.zeros_like(rows), cols))):
-        R.outer_equal = f
+    # The dK/dV kernel's tile is S^T, so there rows are keys (in the forward and the dQ
+    # kernel, which are right, rows are queries). `calls` says the patch was traced.
+    outer, calls = R.outer_equal, []
+
+    def only(side):
+        def f(rows, cols):
+            calls.append(side)
+            return outer(rows, jnp.zeros_like(cols)) if side == "rows'" else outer(
+                jnp.zeros_like(rows), cols)
+        return f
+    for side in ("rows'", "columns'"):
+        R.outer_equal = only(side)
         try:
             case(f"T{t} one segment, only the {side} ids compared", t=t, segs="one")
         finally:
             R.outer_equal = outer
+    print(f"seg_probe outer_equal patched calls: {len(calls)}")
 
 
 def main():

@@ -483,9 +483,10 @@ def test_segment_ids_on_the_hopper_backward(tq, tk, d, deterministic, opts):
 
 def test_segment_ids_at_d64_without_one_launch_take_the_portable_backward():
     """`unchecked_segments`: compiled, the kernel pair's dK/dV kernel gave dk and dv wrong by
-    0.5-0.8 (relative) with segment ids at D = 64 without GQA (two launches; s56,
+    0.46-0.83 (relative) with segment ids at D = 64 without GQA (two launches; s56,
     benchmarks/seg_probe.py), while the interpreter gives them right, so no interpreted run
-    can tell. Those problems take the portable backward after the Hopper forward; GQA's one
+    can tell. Those problems take the portable backward after the Hopper forward where the
+    backward's tiles are the default, and explicit tiles are refused by name; GQA's one
     launch (checked compiled), the fused dQ, D = 128 and problems without segment ids keep
     the Hopper backward."""
     from jaxfuse.pallas._attn import AttnSpec
@@ -512,7 +513,13 @@ def test_segment_ids_at_d64_without_one_launch_take_the_portable_backward():
     k, v = (randn(x, (1, 192, 2, 64), jnp.bfloat16) for x in (kk, kv))
     seg = dict(q_segment_ids=(jnp.arange(128) * 3 // 128)[None],
                kv_segment_ids=(jnp.arange(192) * 3 // 192)[None])
-    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(), **seg)
+    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
+    with pytest.raises(ValueError, match=r"HopperBwdTiles\(.*\) with segment ids at head_dim "
+                                         r"64 on the kernel pair \(groups=1, "
+                                         r"deterministic=True\).*backward=True"):
+        jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(), **seg)
+    f = lambda q, k, v: jaxfuse.flash_attention(
+        q, k, v, block_sizes=AttnBlocks(hopper=HopperAttnTiles(consumers=2)), **seg)
     jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](do))(q, k, v))
     assert "jaxfuse_flash_fwd_hopper" in jaxpr
     assert "jaxfuse_flash_bwd_dkv" in jaxpr

@@ -176,7 +176,8 @@ kernel's recomputed S and dP (7 products a tile pair against cuDNN's 5) and 32-k
 What it takes (`fits`): what the Hopper forward takes (bf16/f16, D in {64, 128, 256}); anything
 else (dropout, float32) runs the portable kernels of `attention_bwd`, and so do segment ids at
 D = 64 on the kernel pair without GQA's one launch (`unchecked_segments`: wrong dK and dV
-compiled, s56). Segment ids: the dK/dV
+compiled, s56; by default no GQA with deterministic=True; explicit tiles raise there).
+Segment ids: the dK/dV
 kernel's producer streams each step's queries' ids beside its Q and lse, each consumer copies
 its keys' once with its K; the dQ kernel takes them as the forward does (rows' with Q, each key
 block's through a ring slot of their own); every tile is masked. Lengths that are not whole
@@ -266,7 +267,8 @@ class HopperBwdTiles:
     fixed_dq: with deterministic=True, run the fused dQ (where `fused_dq` puts it: D = 64 by
     default) with its partials added as int32 fixed point (`_fixed_sum`: exact integer adds,
     so any order gives the same bits) instead of the kernel pair's 7 products; not with
-    segment ids (the pair runs there). Off by default (module docstring: faster only on the
+    segment ids (the pair runs there, or at D = 64 without GQA's one launch the portable
+    backward: `unchecked_segments`). Off by default (module docstring: faster only on the
     largest problems, by ~2% of the call at most).
     kv_regs: the dK/dV kernel's consumers hold their K and V tiles in registers (loaded once
     a CTA) as the A operands of S^T = K Q^T and dP^T = V dO^T, so those products read only
@@ -335,6 +337,14 @@ class HopperBwdTiles:
             raise ValueError(f"HopperBwdTiles(kv_regs=True) at head_dim {d}: K and V are held "
                              f"in registers at head_dim 64 only; leave kv_regs=None (the "
                              f"default) or False")
+        if unchecked_segments(spec, self):
+            raise ValueError(
+                f"{H.tiles_repr(self)} with segment ids at head_dim 64 on the kernel pair "
+                f"(groups={spec.groups}, deterministic={spec.deterministic}): its dK/dV kernel "
+                f"gave wrong gradients there compiled (benchmarks/NOTES.md s56). Leave "
+                f"HopperAttnTiles(backward=True) (the portable backward runs there), or pass "
+                f"deterministic=False with the fused dQ (fused_dq=None), or GQA in one launch "
+                f"(one_launch=None)")
         self.dkv_stages(d, spec.itemsize, fused, spec.segments, self.fixes(spec))
         if not fused:
             self.dq_stages(d, spec.itemsize, self.cleans(spec), spec.segments)
@@ -554,14 +564,17 @@ def fits(dtype, spec: AttnSpec, tiles: HopperBwdTiles = HopperBwdTiles()) -> boo
 def unchecked_segments(spec: AttnSpec, tiles: HopperBwdTiles) -> bool:
     """Segment ids where the kernel pair's dK/dV kernel gave wrong gradients compiled: at
     head_dim 64 without GQA, or with GQA in two launches (`launches_once` False; not run
-    there). Measured (H100, s56-1/2, `benchmarks/seg_probe.py`, bf16 and f16): dk and dv
-    with relative errors 0.52-0.83 against the float32 reference at T 1024-4160, causal or
-    not, with three segments or one, where o, lse and dq were right (the dQ kernel) and the
-    same problem was right without segment ids, at D = 128, with the fused dQ
-    (deterministic=False), with GQA 4/1 in one launch, and on the portable backward. Mosaic
-    GPU's interpreter gives the right gradients on the same problem (T 640 and 4160, one
-    and two heads): a compiled-only fault, not yet found. Until it is, these problems run
-    the portable backward (after the Hopper forward); the fused dQ still takes them."""
+    there), or MHA forced into one launch (not run either). Measured (H100, s56-1/2,
+    `benchmarks/seg_probe.py`, bf16 and f16): relative errors dk 0.52-0.83, dv 0.46-0.79
+    against the float32 reference at T 1024-4160, causal or not, with three segments or one,
+    where o, lse and dq were right (the dQ kernel) and the same problem was right without
+    segment ids, at D = 128, with the fused dQ (deterministic=False), with GQA 4/1 in one
+    launch, and on the portable backward. Mosaic GPU's interpreter gives the right gradients
+    on the same problem (T 640 and 4160, one and two heads): a compiled-only fault, not yet
+    found. Until it is, these problems run the portable backward after the Hopper forward
+    where the Hopper backward's tiles are the default (`HopperAttnTiles(backward=True)`: it
+    follows where it takes the problem), and tiles given explicitly raise (`check`); the
+    fused dQ still takes them."""
     return (spec.segments and spec.head_dim == 64 and not tiles.fuse(spec)
             and (spec.groups == 1 or not tiles.launches_once(spec)))
 

@@ -9,6 +9,8 @@ each product before the next instruction, which undoes any overlap the schedule 
     PYTHONPATH=. python benchmarks/hopper_ptxas.py d64 > ptxas.log 2>&1   (pair, fused, fixed)
     PYTHONPATH=. python benchmarks/hopper_ptxas.py one > ptxas.log 2>&1   (the pair in one
         launch against two, MHA: why one launch loses there, NOTES s48)
+    PYTHONPATH=. python benchmarks/hopper_ptxas.py seg > ptxas.log 2>&1   (s56: the D = 64
+        dK/dV kernel with segment ids, wrong compiled without GQA, against its twins)
 """
 from __future__ import annotations
 
@@ -52,7 +54,34 @@ def report_bwd(d: int, causal: bool, deterministic: bool = True, **kw):
     sys.stdout.flush()
 
 
+def report_seg(hq: int, hkv: int, segments: bool, **kw):
+    """s56: the D = 64 kernel pair with segment ids, the guard lifted (`attention_hopper_bwd.
+    unchecked_segments`: wrong dK/dV compiled without GQA's one launch), against its twins."""
+    from jaxfuse.pallas import attention_hopper_bwd as AHB
+    AHB.unchecked_segments = lambda spec, tiles: False
+    tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(64), backward=HopperBwdTiles(**kw))
+    q = jax.ShapeDtypeStruct((1, 1024, hq, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1024, hkv, 64), jnp.bfloat16)
+    ids = jnp.zeros((1, 1024), jnp.int32)
+    seg = dict(q_segment_ids=ids, kv_segment_ids=ids) if segments else {}
+
+    def fb(q, k, v):
+        o, vjp = jax.vjp(lambda q, k, v: jaxfuse.flash_attention(
+            q, k, v, causal=True, block_sizes=AttnBlocks(hopper=tiles), **seg), q, k, v)
+        return vjp(o)
+    print(f"=== fwd+bwd D=64 causal Hq{hq} Hkv{hkv} segments={segments} {kw}", flush=True)
+    jax.jit(fb).lower(q, k, k).compile()
+    sys.stdout.flush()
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["seg"]:   # s56: the failing dK/dV kernel and its passing twins
+        report_seg(2, 2, True)                     # wrong (s56-2)
+        report_seg(2, 2, False)                    # right: no segment ids
+        report_seg(4, 1, True)                     # right: GQA, one launch
+        report_seg(2, 2, True, kv_regs=False)
+        report_seg(2, 2, True, dkv_overlap=False)
+        sys.exit()
     if sys.argv[1:2] == ["d64"]:   # s43: the three D = 64 backwards, K and V in registers or not
         for kv in (True, False):
             report_bwd(64, True, kv_regs=kv)

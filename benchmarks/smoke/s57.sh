@@ -15,6 +15,9 @@ case "${2:-seg}" in
         grep -a "seg_probe\|rror" "$out/seg_variants.log" | sed 's/  */ /g; s/bad_blocks=[0-9,]*//' \
             | cut -c1-240
         attn_cmd check_s56 170 ;;
+    ptxas) timeout -s KILL 150 python benchmarks/hopper_ptxas.py seg > "$out/ptxas_seg.log" 2>&1
+        echo "ptxas rc=$?"
+        grep -a "===\|registers\|spill\|serializ\|rror" "$out/ptxas_seg.log" | cut -c1-200 ;;
     matrix) attn_bwd matrix64 250
         attn_bwd matrix128 250 ;;
 esac

@@ -101,9 +101,7 @@ def _check_case(i, c, dtype, blocks=None, tag=""):
         q, k, v, do = _inputs(jax.random.key(i), *shape, dtype)
         kw = dict(c)
         if segments:
-            kw["q_segment_ids"] = (jnp.arange(shape[1]) * 3 // shape[1])[None].repeat(shape[0], 0)
-            kw["kv_segment_ids"] = (jnp.arange(shape[2]) * 3 // shape[2])[None].repeat(
-                shape[0], 0)
+            kw.update(_timing.segment_thirds(*shape[:3]))
 
         def fb(impl, q, k, v, do):
             bs = {} if impl == "reference" or blocks is None else dict(block_sizes=blocks)

@@ -83,17 +83,13 @@ def _check_case(i, shape, opts, dtype, det: bool, hopper=None, outlier=None):
     # Segment ids at D = 64 without GQA's one launch run the portable backward since s56
     # (`attention_hopper_bwd.unchecked_segments`): with the default tiles here, MHA with
     # det=True (det=False forces the fused dQ); everything else must run the Hopper one.
-    portable = segments and shape[-1] == 64 and shape[3] == shape[4] and det and (
-        hopper is None or hopper is True)
+    portable = segments and shape[-1] == 64 and shape[3] == shape[4] and hopper is True
 
     def run():
         q, k, v, do, dlse = _inputs(jax.random.key(i), *shape, dtype)
         if outlier is not None:
             k = k.at[:, 1].multiply(outlier)
-        seg = {}
-        if segments:      # three documents, boundaries off the tiles
-            ids = lambda t: (jnp.arange(t) * 3 // t)[None].repeat(shape[0], 0)
-            seg = dict(q_segment_ids=ids(shape[1]), kv_segment_ids=ids(shape[2]))
+        seg = _timing.segment_thirds(*shape[:3]) if segments else {}
 
         def fb(impl, q, k, v, do, dlse):
             kw = dict(opts, return_lse=True, impl=impl, **seg)

@@ -59,7 +59,7 @@ def case(name, t=4160, d=64, hq=2, hkv=2, causal=True, segs="thirds", det=True, 
         do = jax.random.normal(ks[3], (1, t, hq, d), dtype)
         kw = dict(causal=causal, **extra)
         if segs == "thirds":
-            ids = (jnp.arange(t) * 3 // t)[None]
+            ids = _timing.segment_thirds(1, t, t)["q_segment_ids"]
         elif segs == "aligned":          # boundaries at multiples of 128
             ids = (jnp.arange(t) // 1408)[None]
         elif segs == "one":

@@ -61,10 +61,10 @@ edge tiles (those outside its wholly visible key blocks) in shared memory before
 see them (`_hopper_ring.hide_masked_garbage`: V's non-finite entries 0, K NaN where K or V
 is not finite, so a row that sees such a key still gets a NaN row). A first read-only pass
 counts the tile's non-finite entries; only a dirty tile is rewritten. H200, causal, timed
-interleaved with the kernel without the guard (s15-1): D = 64 B8 H16 T2048 0.215 ms against 0.218 (rewriting every
-edge tile, as before s15: 0.229; s14-5 measured it at +16%), B4 H32 T4096 D128 1.064 against
-1.086 (1.123), D = 256 0.545 against 0.529 (0.544); an XLA pass over K and V before the kernel
-had cost 12% (s12-3).
+interleaved with the kernel without the guard (s15-1): D = 64 B8 H16 T2048 0.215 ms against
+0.218 (rewriting every edge tile, as before s15: 0.229; s14-5 measured it at +16%), B4 H32
+T4096 D128 1.064 against 1.086 (1.123), D = 256 0.545 against 0.529 (0.544); an XLA pass over
+K and V before the kernel had cost 12% (s12-3).
 
 What it takes (`fits`): bf16/f16, D in {64, 128, 256}. Anything else runs the portable Triton
 kernels (`attention.py`). Segment ids: each consumer copies its rows' with its Q and holds them
@@ -229,11 +229,12 @@ class HopperAttnTiles:
     def overlap_for(self, spec: AttnSpec) -> bool | str:
         """`overlap` as the forward of `spec` runs it. None: "issue" at head_dim 64 with three
         consumers where each CTA walks one tile (`persists` False: by default past
-        `_PERSISTENT_KEYS` keys), whose consumers waited twice a step for their products: H100, s55-1/s55-4, forward interleaved, default -> "issue" (cuDNN), the 1B
-        model's B2 Hq32 Hkv8 T8192 causal 1.362 -> 1.222 and 1.416 -> 1.307 ms (1.251, 1.300),
-        B4 Hq32 Hkv8 T4096 causal a CTA a tile 0.768 -> 0.712 (persistent: 0.717 -> 0.724, so
-        not there; the 157M's T2048, persistent, 0.193 -> 0.195). Not with `sum_mma` nor
-        on a ring of one slot."""
+        `_PERSISTENT_KEYS` keys), whose consumers waited twice a step for their products:
+        H100, s55-1/s55-4, forward interleaved, default -> "issue" (cuDNN), the 1B model's
+        B2 Hq32 Hkv8 T8192 causal 1.362 -> 1.222 and 1.416 -> 1.307 ms (1.251, 1.300), B4
+        Hq32 Hkv8 T4096 causal a CTA a tile 0.768 -> 0.712 (persistent: 0.717 -> 0.724, so
+        not there; the 157M's T2048, persistent, 0.193 -> 0.195). Not with `sum_mma` nor on
+        a ring of one slot."""
         if self.overlap is not None:
             return self.overlap
         # Not in the interpreter: three consumers with the overlap stall its simulated threads
@@ -335,9 +336,9 @@ def tiles_for(hopper, dtype, q_shape, spec: AttnSpec) -> HopperAttnTiles | None:
         spec.head_dim)
     tiles.check_head_dim(spec.head_dim)
     if fits(dtype, spec, tiles):
-        # The rings' depths, checked now rather than when the kernels are traced (the tiles
-        # as given, then as the forward runs them where that differs: `overlap_for` keeps a
-        # 1-slot ring plain).
+        # The rings' depths, checked now rather than when the kernels are traced: the tiles
+        # as given first (an error names what the caller wrote), then as the forward runs
+        # them where that differs (`resolved`; `overlap_for` keeps a 1-slot ring plain).
         resolved = tiles.resolved(spec)
         for t in dict.fromkeys((tiles, resolved)):
             t.stages_for(spec.head_dim, spec.itemsize, t.persists(spec), spec.segments)

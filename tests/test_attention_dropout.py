@@ -36,12 +36,12 @@ class AttentionDropoutTest(chex.TestCase):
     def test_matches_reference_with_grads(self, case, layout):
         self._check(case, layout)
 
-    # Eagerly in the GPU layout only (the folded layout's eager runs repeated the same kernel
-    # bodies at twice the time: the suite's time budget).
+    # Eagerly once, in the GPU layout, on the case with the most options (segment ids, soft
+    # cap, f16): the jitted cases above run the same kernel bodies at a third of the time
+    # (the suite's time budget); this one checks that nothing needs a trace.
     @chex.variants(without_jit=True)
-    @parameterized.parameters(*range(len(CASES)))
-    def test_eager_matches_reference_with_grads(self, case):
-        self._check(case, "gpu")
+    def test_eager_matches_reference_with_grads(self):
+        self._check(len(CASES) - 1, "gpu")
 
     def _check(self, case, layout):
         shape, opts = CASES[case]

@@ -4,20 +4,34 @@
 #       without GQA (s56 items 1-2; those problems run the portable backward since s56):
 #       `seg_probe.py variants` (the guard lifted: the kernel's switches one at a time), then
 #       `attention.py check_s56` (the guarded problems compiled, bf16 and f16);
+#   "probe" (~370 s): seg's first half and ptxas in one lease (the fault first; the guard's
+#       compiled checks once a fix is known);
 #   "matrix" (~500 s): `attention_bwd.py matrix64` and `matrix128` (every default kernel
 #       selection of the backward x masks, MHA and GQA, both `deterministic`, compiled);
 #   then s56.sh's "race" and "tables" on an H200.
 . "$(dirname "$0")/_lib.sh" "$@"
+# seg_variants: `seg_probe.py variants` (the guard lifted: the kernel's switches one at a time).
+seg_variants() {
+    timeout -s KILL 220 python benchmarks/seg_probe.py variants "$out/seg_variants.json" \
+        > "$out/seg_variants.log" 2>&1
+    echo "seg_probe rc=$?"
+    grep -a "seg_probe\|rror" "$out/seg_variants.log" | sed 's/  */ /g; s/bad_blocks=[0-9,]*//' \
+        | cut -c1-240
+}
+
+# ptxas_seg: ptxas's report of the failing kernel against its passing twins.
+ptxas_seg() {
+    timeout -s KILL 150 python benchmarks/hopper_ptxas.py seg > "$out/ptxas_seg.log" 2>&1
+    echo "ptxas rc=$?"
+    grep -a "===\|registers\|spill\|serializ\|rror" "$out/ptxas_seg.log" | cut -c1-200
+}
+
 case "${2:-seg}" in
-    seg) timeout -s KILL 220 python benchmarks/seg_probe.py variants "$out/seg_variants.json" \
-            > "$out/seg_variants.log" 2>&1
-        echo "seg_probe rc=$?"
-        grep -a "seg_probe\|rror" "$out/seg_variants.log" | sed 's/  */ /g; s/bad_blocks=[0-9,]*//' \
-            | cut -c1-240
+    seg) seg_variants
         attn_cmd check_s56 170 ;;
-    ptxas) timeout -s KILL 150 python benchmarks/hopper_ptxas.py seg > "$out/ptxas_seg.log" 2>&1
-        echo "ptxas rc=$?"
-        grep -a "===\|registers\|spill\|serializ\|rror" "$out/ptxas_seg.log" | cut -c1-200 ;;
+    probe) seg_variants
+        ptxas_seg ;;
+    ptxas) ptxas_seg ;;
     matrix) attn_bwd matrix64 250
         attn_bwd matrix128 250 ;;
 esac

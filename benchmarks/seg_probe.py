@@ -7,13 +7,16 @@ whose largest error exceeds 5% of the gradient's largest entry: count, first, la
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/seg_probe.py [OUT.json]
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/seg_probe.py variants OUT.json
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/seg_probe.py fix OUT.json
 
 The first is s56-2's run (since s56 its D = 64 MHA rows run the portable backward by the
 guard, `attention_hopper_bwd.unchecked_segments`); `variants` lifts the guard to look at
-the kernel pair's dK/dV kernel itself.
+the kernel pair's dK/dV kernel itself; `fix` finds the first of the kernel's switches that
+mends it and checks that one on the guarded problems.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 
@@ -101,12 +104,55 @@ def variants(t=1024):
     # Since s56 these problems run the portable backward (`unchecked_segments`): the first
     # case with that guard, the rest with it lifted, to see the dK/dV kernel itself.
     case(f"T{t} MHA 2/2 default (guarded: the portable backward)", t=t)
+    with _guard_lifted():
+        _lifted(t, tiles)
+
+
+@contextlib.contextmanager
+def _guard_lifted():
+    """The guard (`attention_hopper_bwd.unchecked_segments`) off: these problems run the kernel
+    pair, and explicit tiles for them are not refused."""
     guard = AHB.unchecked_segments
     AHB.unchecked_segments = lambda spec, tiles: False
     try:
-        _lifted(t, tiles)
+        yield
     finally:
         AHB.unchecked_segments = guard
+
+
+# Candidate fixes of the dK/dV kernel's segment path: each a switch that `variants` turns one
+# at a time, in the order of their cost where the guard would be lifted (s42-1: K and V from
+# registers were the faster D = 64 dK/dV kernel; s29-1: the overlapped steps the faster).
+FIXES = [("one_launch=True", dict(one_launch=True)),
+         ("kv_regs=False", dict(kv_regs=False)),
+         ("dkv_overlap=False", dict(dkv_overlap=False)),
+         ("kv_regs=False dkv_overlap=False", dict(kv_regs=False, dkv_overlap=False))]
+
+
+def fix(t=1024):
+    """The first of FIXES that gives right gradients on `variants`' problem (T1024, MHA, D =
+    64, three segments, causal), then checked as the library checks itself: `attention.py
+    check_s56`'s problems (T 4160 causal and T 1024 not, bf16 and f16, against the float32
+    reference, a second run bitwise equal), all with that candidate's tiles and the guard
+    lifted. What it finds is what the kernel's fix can be (or a lead: none passing)."""
+    from benchmarks import attention
+    tiles = lambda kw: HopperAttnTiles(backward=HopperBwdTiles(**kw))
+    with _guard_lifted():
+        for name, kw in FIXES:
+            case(f"T{t} fix {name}", t=t, hopper=tiles(kw))
+            row = _timing.ROWS[-1]
+            # Right gradients from the kernel pair itself (not a fallback to the portable one).
+            pair = {"bwd_dkv_hopper", "bwd_hopper"} & set(row.get("kernels", "").split(","))
+            if row.get("status") != "ok" or not pair:
+                continue
+            for dtype in (jnp.bfloat16, jnp.float16):
+                for i, c in enumerate(attention.HOPPER_CASES):
+                    if c["d"] == 64 and c.get("segments") and c["hq"] == c["hkv"]:
+                        attention._check_case(i, c, dtype, AttnBlocks(hopper=tiles(kw)),
+                                              f" hopper fix {name}")
+            print(f"seg_probe fix: {name} checked")
+            return
+    print("seg_probe fix: no candidate gave right gradients")
 
 
 def _lifted(t, tiles):
@@ -149,8 +195,8 @@ def _lifted(t, tiles):
 
 
 def main():
-    if sys.argv[1:2] == ["variants"]:
-        variants()
+    if sys.argv[1:2] in (["variants"], ["fix"]):
+        (variants if sys.argv[1] == "variants" else fix)()
         _timing.save(sys.argv[2])
         return
     fwd_plain = HopperAttnTiles(overlap=False)

@@ -6,17 +6,22 @@
 #       `attention.py check_s56` (the guarded problems compiled, bf16 and f16);
 #   "probe" (~370 s): seg's first half and ptxas in one lease (the fault first; the guard's
 #       compiled checks once a fix is known);
+#   "fix" (~300 s, right after "probe" on the same lease): `seg_probe.py fix`, the first of
+#       the kernel's switches (one launch, K and V from shared memory, the plain steps) that
+#       gives right gradients, then check_s56's problems with it (the guard lifted);
 #   "matrix" (~500 s): `attention_bwd.py matrix64` and `matrix128` (every default kernel
 #       selection of the backward x masks, MHA and GQA, both `deterministic`, compiled);
 #   then s56.sh's "race" and "tables" on an H200.
 . "$(dirname "$0")/_lib.sh" "$@"
-# seg_variants: `seg_probe.py variants` (the guard lifted: the kernel's switches one at a time).
-seg_variants() {
-    timeout -s KILL 220 python benchmarks/seg_probe.py variants "$out/seg_variants.json" \
-        > "$out/seg_variants.log" 2>&1
-    echo "seg_probe rc=$?"
-    grep -a "seg_probe\|rror" "$out/seg_variants.log" | sed 's/  */ /g; s/bad_blocks=[0-9,]*//' \
-        | cut -c1-240
+# seg_probe MODE LIMIT_S: `seg_probe.py MODE` ("variants": the guard lifted, the kernel's
+# switches one at a time; "fix": the first switch that mends it, checked on the guarded
+# problems), log $out/seg_MODE.log, rows printed.
+seg_probe() {
+    timeout -s KILL "$2" python benchmarks/seg_probe.py "$1" "$out/seg_$1.json" \
+        > "$out/seg_$1.log" 2>&1
+    echo "seg_probe $1 rc=$?"
+    grep -a "seg_probe\|check\|rror" "$out/seg_$1.log" \
+        | sed 's/  */ /g; s/bad_blocks=[0-9,]*//' | cut -c1-240
 }
 
 # ptxas_seg: ptxas's report of the failing kernel against its passing twins.
@@ -27,10 +32,11 @@ ptxas_seg() {
 }
 
 case "${2:-seg}" in
-    seg) seg_variants
+    seg) seg_probe variants 220
         attn_cmd check_s56 170 ;;
-    probe) seg_variants
+    probe) seg_probe variants 220
         ptxas_seg ;;
+    fix) seg_probe fix 400 ;;
     ptxas) ptxas_seg ;;
     matrix) attn_bwd matrix64 250
         attn_bwd matrix128 250 ;;

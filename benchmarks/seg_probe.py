@@ -120,9 +120,10 @@ def _guard_lifted():
         AHB.unchecked_segments = guard
 
 
-# Candidate fixes of the dK/dV kernel's segment path: each a switch that `variants` turns one
-# at a time, in the order of their cost where the guard would be lifted (s42-1: K and V from
-# registers were the faster D = 64 dK/dV kernel; s29-1: the overlapped steps the faster).
+# Candidate fixes of the dK/dV kernel's segment path, each one of `variants`' switches. The
+# launch first: GQA's one launch is right on these problems (s56-2) and leaves the dK/dV body
+# as it is (without groups it measured slower, s48); then K and V from shared memory (s42-1:
+# from registers the faster at D = 64) and the plain steps (s29-1: the overlapped the faster).
 FIXES = [("one_launch=True", dict(one_launch=True)),
          ("kv_regs=False", dict(kv_regs=False)),
          ("dkv_overlap=False", dict(dkv_overlap=False)),

@@ -5,6 +5,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl.testing import parameterized
 
 from jaxfuse import model as M
 
@@ -12,6 +13,29 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Absolute/relative tolerance of one output element against the reference run on the same
 # (rounded) inputs: a few units in the last place of the dtype.
 TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 3e-3}
+
+
+def reference_tests(check, **axes):
+    """Two test methods of a `chex.TestCase` from check(self, dtype=..., **params): the op against
+    its reference over the product of `axes` and every dtype under jit, and eagerly over `axes`
+    in bf16 alone (eagerly the same kernel bodies run with each op dispatched apart, at about
+    twice the time: the suite's time budget; this checks that nothing needs a trace). The
+    tests take their names from the functions here (the parameterized and chex decorators
+    name what they generate so), whatever the class calls them:
+
+        test_matches_reference_with_grads, test_eager_matches_reference_with_grads = \
+            reference_tests(_check, case=CASES, interleaved=[True, False])
+    """
+    @chex.variants(with_jit=True)
+    @parameterized.product(dtype=DTYPES, **axes)
+    def test_matches_reference_with_grads(self, dtype, **params):
+        check(self, dtype=dtype, **params)
+
+    @chex.variants(without_jit=True)
+    @parameterized.product(**axes)
+    def test_eager_matches_reference_with_grads(self, **params):
+        check(self, dtype=jnp.bfloat16, **params)
+    return test_matches_reference_with_grads, test_eager_matches_reference_with_grads
 
 
 def tol(dtype, scale: float = 1.0) -> dict:

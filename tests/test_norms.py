@@ -9,7 +9,7 @@ from absl.testing import parameterized
 import jaxfuse
 from jaxfuse import RowBlocks
 from jaxfuse.reference.layer_norm import scaled_merge, welford_merge
-from tests._util import DTYPES, assert_close, keys, randn, vjp_both
+from tests._util import reference_tests, assert_close, keys, randn, vjp_both
 
 # Whole rows; rows and columns split at awkward places (dweight summed over 2 groups of rows);
 # one row; a prime column count.
@@ -39,18 +39,8 @@ def _ops(kind, blocks, params):
 
 class NormTest(chex.TestCase):
 
-    @chex.variants(with_jit=True)
-    @parameterized.product(case=CASES, dtype=DTYPES, kind=["layer_norm", "rms_norm"])
-    def test_matches_reference_with_grads(self, case, dtype, kind):
-        self._check(case, dtype, kind)
-
-    # Eagerly in bf16 alone: the jitted cases above take every dtype, and eagerly the same
-    # kernel bodies run with each op dispatched apart at about twice the time (the suite's
-    # time budget); this checks that nothing needs a trace.
-    @chex.variants(without_jit=True)
-    @parameterized.product(case=CASES, kind=["layer_norm", "rms_norm"])
-    def test_eager_matches_reference_with_grads(self, case, kind):
-        self._check(case, jnp.bfloat16, kind)
+    test_matches_reference_with_grads, test_eager_matches_reference_with_grads = reference_tests(
+        lambda self, **kw: self._check(**kw), case=CASES, kind=["layer_norm", "rms_norm"])
 
     def _check(self, case, dtype, kind):
         shape, blocks = case

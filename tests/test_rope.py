@@ -4,12 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl.testing import parameterized
 
 import jaxfuse
 from jaxfuse import RowBlocks
 from jaxfuse.model import _block_ops
-from tests._util import DTYPES, assert_close, keys, randn, wide_positions
+from tests._util import DTYPES, reference_tests, assert_close, keys, randn, wide_positions
 
 # [B, T, H, D]: one token of one head with D = 2; T and H prime and a head dim that is not a
 # power of two, rows split over programs; a leading batch of two axes.
@@ -18,18 +17,8 @@ CASES = [((3, 1, 1, 2), None), ((1, 7, 3, 6), RowBlocks(4, 8)), ((2, 2, 5, 2, 16
 
 class RopeTest(chex.TestCase):
 
-    @chex.variants(with_jit=True)
-    @parameterized.product(case=CASES, dtype=DTYPES, interleaved=[True, False])
-    def test_matches_reference_with_grads(self, case, dtype, interleaved):
-        self._check(case, dtype, interleaved)
-
-    # Eagerly in bf16 alone: the jitted cases above take every dtype, and eagerly the same
-    # kernel bodies run with each op dispatched apart at about twice the time (the suite's
-    # time budget); this checks that nothing needs a trace.
-    @chex.variants(without_jit=True)
-    @parameterized.product(case=CASES, interleaved=[True, False])
-    def test_eager_matches_reference_with_grads(self, case, interleaved):
-        self._check(case, jnp.bfloat16, interleaved)
+    test_matches_reference_with_grads, test_eager_matches_reference_with_grads = reference_tests(
+        lambda self, **kw: self._check(**kw), case=CASES, interleaved=[True, False])
 
     def _check(self, case, dtype, interleaved):
         shape, blocks = case

@@ -9,7 +9,7 @@ from absl.testing import parameterized
 import jaxfuse
 from jaxfuse import RowBlocks
 from jaxfuse.reference import rope_qkv as ref
-from tests._util import DTYPES, assert_close, keys, randn, wide_positions
+from tests._util import DTYPES, reference_tests, assert_close, keys, randn, wide_positions
 
 # [B, T, Hkv, G + 2, D]: one token, one KV head and one query head of D = 2; a prime T with G = 3
 # (no power of two) and a head dim that is not one, tokens split over programs; the models'
@@ -29,18 +29,8 @@ def _inputs(shape, dtype, seed):
 
 class RopeQkvTest(chex.TestCase):
 
-    @chex.variants(with_jit=True)
-    @parameterized.product(case=CASES, dtype=DTYPES, interleaved=[True, False])
-    def test_matches_reference_with_grads(self, case, dtype, interleaved):
-        self._check(case, dtype, interleaved)
-
-    # Eagerly in bf16 alone: the jitted cases above take every dtype, and eagerly the same
-    # kernel bodies run with each op dispatched apart at about twice the time (the suite's
-    # time budget); this checks that nothing needs a trace.
-    @chex.variants(without_jit=True)
-    @parameterized.product(case=CASES, interleaved=[True, False])
-    def test_eager_matches_reference_with_grads(self, case, interleaved):
-        self._check(case, jnp.bfloat16, interleaved)
+    test_matches_reference_with_grads, test_eager_matches_reference_with_grads = reference_tests(
+        lambda self, **kw: self._check(**kw), case=CASES, interleaved=[True, False])
 
     def _check(self, case, dtype, interleaved):
         shape, blocks = case

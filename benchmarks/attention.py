@@ -536,6 +536,12 @@ def _check_hopper(dtypes=(jnp.bfloat16, jnp.float16), where=lambda case: True):
                 _check_case(i, c, dtype, AttnBlocks(hopper=True), " hopper")
 
 
+def guarded_segments(case) -> bool:
+    """Whether a HOPPER_CASES entry is one the s56 guard sends to the portable backward
+    (`attention_hopper_bwd.unchecked_segments`): segment ids at D = 64 without GQA."""
+    return case["d"] == 64 and bool(case.get("segments")) and case["hq"] == case["hkv"]
+
+
 def _named(rounds: int = 7):
     for i, c in enumerate(HOPPER_CASES):
         _check_case(i, c, jnp.bfloat16, AttnBlocks(hopper=True), " hopper named")
@@ -600,8 +606,7 @@ if __name__ == "__main__":
         "check_s55": lambda: _check_hopper((jnp.bfloat16, jnp.float16),
                                            lambda c: c["d"] == 64 and c["tk"] > 4096),
         # s56: segment ids at D = 64 without GQA (the portable backward since s56), bf16, f16
-        "check_s56": lambda: _check_hopper((jnp.bfloat16, jnp.float16), lambda c: (
-            c["d"] == 64 and c.get("segments") and c["hq"] == c["hkv"])),
+        "check_s56": lambda: _check_hopper((jnp.bfloat16, jnp.float16), guarded_segments),
         "d256": perf_d256, "guard": perf_guard,
         "persistent": lambda: (check_persistent(), perf_persistent()),
         "named": _named, "scheduled": _scheduled,

@@ -100,16 +100,20 @@ def variants(t=1024):
     """Which part of the D = 64 dK/dV kernel pair's (MHA, two launches) segment-id path is
     wrong (s56-2): its switches one at a time, and the launch and grouping it differs by from
     GQA's passing one launch."""
-    tiles = lambda **kw: HopperAttnTiles(backward=HopperBwdTiles(**kw))
     # Since s56 these problems run the portable backward (`unchecked_segments`): the first
     # case with that guard, the rest with it lifted, to see the dK/dV kernel itself.
     case(f"T{t} MHA 2/2 default (guarded: the portable backward)", t=t)
-    with _guard_lifted():
-        _lifted(t, tiles)
+    with guard_lifted():
+        _lifted(t)
+
+
+def tiles(**kw) -> HopperAttnTiles:
+    """The Hopper tiles with the backward's switches `kw` (the forward's by default)."""
+    return HopperAttnTiles(backward=HopperBwdTiles(**kw))
 
 
 @contextlib.contextmanager
-def _guard_lifted():
+def guard_lifted():
     """The guard (`attention_hopper_bwd.unchecked_segments`) off: these problems run the kernel
     pair, and explicit tiles for them are not refused."""
     guard = AHB.unchecked_segments
@@ -137,10 +141,9 @@ def fix(t=1024):
     reference, a second run bitwise equal), all with that candidate's tiles and the guard
     lifted. What it finds is what the kernel's fix can be (or a lead: none passing)."""
     from benchmarks import attention
-    tiles = lambda kw: HopperAttnTiles(backward=HopperBwdTiles(**kw))
-    with _guard_lifted():
+    with guard_lifted():
         for name, kw in FIXES:
-            case(f"T{t} fix {name}", t=t, hopper=tiles(kw))
+            case(f"T{t} fix {name}", t=t, hopper=tiles(**kw))
             row = _timing.ROWS[-1]
             # Right gradients from the kernel pair itself (not a fallback to the portable one).
             pair = {"bwd_dkv_hopper", "bwd_hopper"} & set(row.get("kernels", "").split(","))
@@ -148,26 +151,23 @@ def fix(t=1024):
                 continue
             for dtype in (jnp.bfloat16, jnp.float16):
                 for i, c in enumerate(attention.HOPPER_CASES):
-                    if c["d"] == 64 and c.get("segments") and c["hq"] == c["hkv"]:
-                        attention._check_case(i, c, dtype, AttnBlocks(hopper=tiles(kw)),
+                    if attention.guarded_segments(c):
+                        attention._check_case(i, c, dtype, AttnBlocks(hopper=tiles(**kw)),
                                               f" hopper fix {name}")
             print(f"seg_probe fix: {name} checked")
             return
     print("seg_probe fix: no candidate gave right gradients")
 
 
-def _lifted(t, tiles):
+def _lifted(t):
     """`variants`' cases with the guard lifted."""
     case(f"T{t} MHA 2/2 default", t=t)
-    case(f"T{t} kv_regs=False", t=t, hopper=tiles(kv_regs=False))
-    case(f"T{t} one_launch=True", t=t, hopper=tiles(one_launch=True))
+    for name, kw in FIXES:             # the switches `fix` tries
+        case(f"T{t} {name}", t=t, hopper=tiles(**kw))
     # Every step masked without segment ids: a window of 64 keys (an edge tile each step).
     case(f"T{t} window 64, no segments", t=t, segs=None, causal=False, sliding_window=64)
-    case(f"T{t} dkv_overlap=False", t=t, hopper=tiles(dkv_overlap=False))
     case(f"T{t} GQA 2/1 one_launch=False", t=t, hq=2, hkv=1, hopper=tiles(one_launch=False))
     case(f"T{t} MHA 1/1", t=t, hq=1, hkv=1)
-    case(f"T{t} kv_regs=False dkv_overlap=False", t=t,
-         hopper=tiles(kv_regs=False, dkv_overlap=False))
     case(f"T{t} GQA 2/1 (one launch)", t=t, hq=2, hkv=1)
     case(f"T{t} MHA 1/1 not causal", t=t, hq=1, hkv=1, causal=False)
     case(f"T{t} window 64, no segments, causal", t=t, segs=None, sliding_window=64)

@@ -6,9 +6,10 @@
 #       `attention.py check_s56` (the guarded problems compiled, bf16 and f16);
 #   "probe" (~370 s): seg's first half and ptxas in one lease (the fault first; the guard's
 #       compiled checks once a fix is known);
-#   "fix" (~300 s, right after "probe" on the same lease): `seg_probe.py fix`, the first of
-#       the kernel's switches (one launch, K and V from shared memory, the plain steps) that
-#       gives right gradients, then check_s56's problems with it (the guard lifted);
+#   "fix" (~360 s, right after "probe" on the same lease, or first where the lease is short):
+#       `seg_probe.py fix`, every one of the kernel's switches that could mend it (K and V from
+#       shared memory, the plain steps, both, one launch) screened, then check_s56's problems
+#       with the first that gives right gradients (the guard lifted);
 #   "matrix" (~500 s): `attention_bwd.py matrix64` and `matrix128` (every default kernel
 #       selection of the backward x masks, MHA and GQA, both `deterministic`, compiled);
 #   then s56.sh's "race" and "tables" on an H200.

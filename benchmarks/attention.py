@@ -84,9 +84,10 @@ HOPPER_CASES = [
     dict(b=1, tq=4104, tk=4104, hq=2, hkv=1, d=64, causal=True, sliding_window=700,
          logits_soft_cap=30.0),
     dict(b=1, tq=4160, tk=4160, hq=2, hkv=2, d=64, causal=True, segments=True),
-    # Since s56 segment ids at D = 64 without GQA take the portable backward after the Hopper
-    # forward (`attention_hopper_bwd.unchecked_segments`: the kernel pair's dK/dV was wrong
-    # there, compiled, the case above in s56-1): every tile masked, no causal edge.
+    # Segment ids at D = 64 without GQA: the kernel pair's dK/dV kernel with K and V in
+    # registers was wrong there compiled (the case above in s56-1); since s58 it reads them
+    # from shared memory there (`attention_hopper_bwd.regs_fault`): every tile masked, no
+    # causal edge.
     dict(b=1, tq=1024, tk=1024, hq=2, hkv=2, d=64, causal=False, segments=True),
 ]
 
@@ -536,9 +537,10 @@ def _check_hopper(dtypes=(jnp.bfloat16, jnp.float16), where=lambda case: True):
                 _check_case(i, c, dtype, AttnBlocks(hopper=True), " hopper")
 
 
-def guarded_segments(case) -> bool:
-    """Whether a HOPPER_CASES entry is one the s56 guard sends to the portable backward
-    (`attention_hopper_bwd.unchecked_segments`): segment ids at D = 64 without GQA."""
+def regs_fault_segments(case) -> bool:
+    """Whether a HOPPER_CASES entry is one where K and V in registers gave the kernel pair
+    wrong dK/dV compiled (`attention_hopper_bwd.regs_fault`, s56; from shared memory since
+    s58): segment ids at D = 64 without GQA."""
     return case["d"] == 64 and bool(case.get("segments")) and case["hq"] == case["hkv"]
 
 
@@ -605,8 +607,8 @@ if __name__ == "__main__":
         # s55's D = 64 forward past 4096 keys (overlap="issue" by default), bf16 and f16
         "check_s55": lambda: _check_hopper((jnp.bfloat16, jnp.float16),
                                            lambda c: c["d"] == 64 and c["tk"] > 4096),
-        # s56: segment ids at D = 64 without GQA (the portable backward since s56), bf16, f16
-        "check_s56": lambda: _check_hopper((jnp.bfloat16, jnp.float16), guarded_segments),
+        # s56: segment ids at D = 64 without GQA (K and V from shared memory since s58)
+        "check_s56": lambda: _check_hopper((jnp.bfloat16, jnp.float16), regs_fault_segments),
         "d256": perf_d256, "guard": perf_guard,
         "persistent": lambda: (check_persistent(), perf_persistent()),
         "named": _named, "scheduled": _scheduled,

@@ -55,9 +55,10 @@ def report_bwd(d: int, causal: bool, deterministic: bool = True, **kw):
 
 
 def report_seg(hq: int, hkv: int, segments: bool, **kw):
-    """s56: the D = 64 kernel pair with segment ids, the guard lifted (`attention_hopper_bwd.
-    unchecked_segments`: wrong dK/dV compiled without GQA's one launch), against its twins."""
-    from benchmarks.seg_probe import guard_lifted
+    """s56: the D = 64 kernel pair with segment ids, K and V in registers (the rule of
+    `attention_hopper_bwd.regs_fault` off: wrong dK/dV compiled without GQA's one launch),
+    against its twins (s58-1: ptxas injects a warpgroup.arrive with kv_regs=False only)."""
+    from benchmarks.seg_probe import regs_rule_off
     tiles = dataclasses.replace(HopperAttnTiles.for_head_dim(64), backward=HopperBwdTiles(**kw))
     q = jax.ShapeDtypeStruct((1, 1024, hq, 64), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 1024, hkv, 64), jnp.bfloat16)
@@ -69,7 +70,7 @@ def report_seg(hq: int, hkv: int, segments: bool, **kw):
             q, k, v, causal=True, block_sizes=AttnBlocks(hopper=tiles), **seg), q, k, v)
         return vjp(o)
     print(f"=== fwd+bwd D=64 causal Hq{hq} Hkv{hkv} segments={segments} {kw}", flush=True)
-    with guard_lifted():
+    with regs_rule_off():
         jax.jit(fb).lower(q, k, k).compile()
     sys.stdout.flush()
 

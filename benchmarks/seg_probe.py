@@ -9,10 +9,11 @@ whose largest error exceeds 5% of the gradient's largest entry: count, first, la
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/seg_probe.py variants OUT.json
     PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/seg_probe.py fix OUT.json
 
-The first is s56-2's run (since s56 its D = 64 MHA rows run the portable backward by the
-guard, `attention_hopper_bwd.unchecked_segments`); `variants` lifts the guard to look at
-the kernel pair's dK/dV kernel itself; `fix` finds the first of the kernel's switches that
-mends it and checks that one on the guarded problems.
+The first is s56-2's run (since s58 its D = 64 MHA rows read K and V from shared memory,
+`attention_hopper_bwd.regs_fault`: the fix that `fix` found, s58-1); `variants` and `fix`
+turn that rule off (`regs_rule_off`) to look at the kernel with K and V in registers, as it
+ran wrong: `variants` its switches one at a time, `fix` every switch that could mend it
+screened and the first right one checked on the problems of the rule.
 """
 from __future__ import annotations
 
@@ -100,10 +101,10 @@ def variants(t=1024):
     """Which part of the D = 64 dK/dV kernel pair's (MHA, two launches) segment-id path is
     wrong (s56-2): its switches one at a time, and the launch and grouping it differs by from
     GQA's passing one launch."""
-    # Since s56 these problems run the portable backward (`unchecked_segments`): the first
-    # case with that guard, the rest with it lifted, to see the dK/dV kernel itself.
-    case(f"T{t} MHA 2/2 default (guarded: the portable backward)", t=t)
-    with guard_lifted():
+    # Since s58 these problems read K and V from shared memory (`regs_fault`): the first case
+    # with that rule, the rest with it off, to see the kernel as it ran wrong.
+    case(f"T{t} MHA 2/2 default (K and V from shared memory)", t=t)
+    with regs_rule_off():
         _lifted(t)
 
 
@@ -113,15 +114,16 @@ def tiles(**kw) -> HopperAttnTiles:
 
 
 @contextlib.contextmanager
-def guard_lifted():
-    """The guard (`attention_hopper_bwd.unchecked_segments`) off: these problems run the kernel
-    pair, and explicit tiles for them are not refused."""
-    guard = AHB.unchecked_segments
-    AHB.unchecked_segments = lambda spec, tiles: False
+def regs_rule_off():
+    """The rule of `attention_hopper_bwd.regs_fault` off: these problems run the kernel pair
+    with K and V in registers by default (wrong compiled, s56), and kv_regs=True is not
+    refused."""
+    rule = AHB.regs_fault
+    AHB.regs_fault = lambda spec, tiles: False
     try:
         yield
     finally:
-        AHB.unchecked_segments = guard
+        AHB.regs_fault = rule
 
 
 # Candidate fixes of the dK/dV kernel's segment path, each one of `variants`' switches, in
@@ -143,11 +145,11 @@ def fix(t=1024):
     causal), then the first of them (FIXES' order) that gave right gradients from the kernel
     pair itself, checked as the library checks itself: `attention.py check_s56`'s problems (T
     4160 causal and T 1024 not, bf16 and f16, against the float32 reference, a second run
-    bitwise equal), all with that candidate's tiles and the guard lifted. What it finds is
-    what the kernel's fix can be (or a lead: none passing)."""
+    bitwise equal), all with that candidate's tiles and the rule off. What it found (s58-1:
+    kv_regs=False) is the rule of `attention_hopper_bwd.regs_fault`."""
     from benchmarks import attention
     passed = []
-    with guard_lifted():
+    with regs_rule_off():
         for name, kw in FIXES:
             case(f"T{t} fix {name}", t=t, hopper=tiles(**kw))
             row = _timing.ROWS[-1]
@@ -161,15 +163,15 @@ def fix(t=1024):
         name, kw = passed[0]
         for dtype in (jnp.bfloat16, jnp.float16):
             for i, c in enumerate(attention.HOPPER_CASES):
-                if attention.guarded_segments(c):
+                if attention.regs_fault_segments(c):
                     attention._check_case(i, c, dtype, AttnBlocks(hopper=tiles(**kw)),
                                           f" hopper fix {name}")
         print(f"seg_probe fix: {name} checked")
 
 
 def _lifted(t):
-    """`variants`' cases with the guard lifted."""
-    case(f"T{t} MHA 2/2 default", t=t)
+    """`variants`' cases with the rule off (K and V in registers by default)."""
+    case(f"T{t} MHA 2/2 K and V in registers", t=t)
     for name, kw in FIXES:             # the switches `fix` tries
         case(f"T{t} {name}", t=t, hopper=tiles(**kw))
     # Every step masked without segment ids: a window of 64 keys (an edge tile each step).

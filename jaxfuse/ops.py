@@ -124,11 +124,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 
     On a Hopper GPU (sm90) with bf16/f16 inputs and head_dim 64/128/256, the forward runs a
     FlashAttention-3 style Mosaic GPU kernel (TMA ring, wgmma, ping-ponging warpgroups), and
-    the backward a Mosaic GPU dK/dV kernel (plus a dQ kernel), segment ids included (except
-    where its kernel pair runs at head_dim 64 without GQA's one launch -- by default: no GQA,
-    `deterministic=True` -- whose backward runs the portable kernels after the Hopper
-    forward: its dK/dV kernel gave wrong gradients there, s56; explicit `HopperBwdTiles`
-    raise there); lengths
+    the backward a Mosaic GPU dK/dV kernel (plus a dQ kernel), segment ids included; lengths
     that are not multiples of their 128-row tiles run padded with zeros (a copy of the inputs
     in XLA; the masks keep the true lengths). Everything else runs the portable Triton kernels.
     `block_sizes=AttnBlocks(hopper=False)` turns both off, `hopper=True` forces them (also in

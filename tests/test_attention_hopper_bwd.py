@@ -481,14 +481,14 @@ def test_segment_ids_on_the_hopper_backward(tq, tk, d, deterministic, opts):
         assert err < 4e-2, (name, err)
 
 
-def test_segment_ids_at_d64_without_one_launch_take_the_portable_backward():
-    """`unchecked_segments`: compiled, the kernel pair's dK/dV kernel gave dk and dv wrong by
-    0.46-0.83 (relative) with segment ids at D = 64 without GQA (two launches; s56,
-    benchmarks/seg_probe.py), while the interpreter gives them right, so no interpreted run
-    can tell. Those problems take the portable backward after the Hopper forward where the
-    backward's tiles are the default, and explicit tiles are refused by name; GQA's one
-    launch (checked compiled), the fused dQ, D = 128 and problems without segment ids keep
-    the Hopper backward."""
+def test_segment_ids_at_d64_without_one_launch_take_k_and_v_from_shared_memory(monkeypatch):
+    """`regs_fault`: compiled, the kernel pair's dK/dV kernel with K and V in registers gave dk
+    and dv wrong by 0.46-0.83 (relative) with segment ids at D = 64 without GQA (s56), and
+    right with them read from shared memory (s58), while the interpreter gives both right, so
+    no interpreted run can tell. There the default tiles take K and V from shared memory
+    (`kv_in_regs` with the problem's spec), kv_regs=True is refused by name, and the Hopper
+    backward runs; GQA's one launch, the fused dQ, D = 128 and problems without segment ids
+    keep K and V in registers (checked compiled: attention_bwd.py matrix64, s58-3)."""
     from jaxfuse.pallas._attn import AttnSpec
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles as T, fits
 
@@ -496,34 +496,40 @@ def test_segment_ids_at_d64_without_one_launch_take_the_portable_backward():
         return AttnSpec.make(n_q=256, n_k=256, head_dim=d, groups=g, dtype=jnp.bfloat16,
                              scale=None, interpret=False, causal=True, segments=segments,
                              deterministic=deterministic)
-    bf16 = jnp.bfloat16
-    assert not fits(bf16, spec(), T())                       # MHA: two launches
-    assert not fits(bf16, spec(g=4), T(one_launch=False))    # GQA forced to two launches
-    assert not fits(bf16, spec(), T(one_launch=True))        # MHA in one launch: not checked
-    assert not fits(bf16, spec(deterministic=False), T(fused_dq=False))   # the pair again
-    assert fits(bf16, spec(g=4), T())                        # GQA: one launch
-    assert fits(bf16, spec(deterministic=False), T())        # the fused dQ
-    assert fits(bf16, spec(d=128), T())
-    assert fits(bf16, spec(segments=False), T())
+    regs = lambda s, **kw: T(**kw).kv_in_regs(s.head_dim, s)
+    assert not regs(spec())                                  # MHA: two launches
+    assert not regs(spec(g=4), one_launch=False)             # GQA forced to two launches
+    assert not regs(spec(), one_launch=True)                 # MHA in one launch
+    assert not regs(spec(deterministic=False), fused_dq=False)   # the pair again
+    assert regs(spec(g=4))                                   # GQA: one launch
+    assert regs(spec(deterministic=False))                   # the fused dQ
+    assert regs(spec(segments=False)) and not regs(spec(d=128))
+    assert T().kv_in_regs(64)                                # no problem given: D = 64
+    assert all(fits(jnp.bfloat16, spec(**kw), T())
+               for kw in ({}, dict(g=4), dict(deterministic=False)))
 
-    # Through flash_attention (interpreted): the Hopper forward, then the portable backward
-    # (its Triton dK/dV kernel), with gradients that match the float32 reference.
     kq, kk, kv, kd = keys(23, 4)
     q, do = (randn(x, (1, 128, 2, 64), jnp.bfloat16) for x in (kq, kd))
     k, v = (randn(x, (1, 192, 2, 64), jnp.bfloat16) for x in (kk, kv))
     seg = dict(q_segment_ids=(jnp.arange(128) * 3 // 128)[None],
                kv_segment_ids=(jnp.arange(192) * 3 // 192)[None])
-    from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     with pytest.raises(ValueError, match=r"HopperBwdTiles\(.*\) with segment ids at head_dim "
                                          r"64 on the kernel pair \(groups=1, "
-                                         r"deterministic=True\).*backward=True"):
-        jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(), **seg)
-    f = lambda q, k, v: jaxfuse.flash_attention(
-        q, k, v, block_sizes=AttnBlocks(hopper=HopperAttnTiles(consumers=2)), **seg)
+                                         r"deterministic=True\).*kv_regs=None"):
+        jax.grad(lambda q: jaxfuse.flash_attention(
+            q, k, v, block_sizes=_blocks(kv_regs=True), **seg).astype(jnp.float32).sum())(q)
+
+    # Through flash_attention (interpreted): the Hopper forward and the kernel pair, whose
+    # dK/dV kernel was told to read K and V from shared memory, with gradients that match
+    # the float32 reference.
+    asked, kv_in_regs = [], T.kv_in_regs
+    monkeypatch.setattr(T, "kv_in_regs", lambda self, d, spec=None: asked.append(
+        (spec is not None, kv_in_regs(self, d, spec))) or asked[-1][1])
+    f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(), **seg)
     jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](do))(q, k, v))
     assert "jaxfuse_flash_fwd_hopper" in jaxpr
-    assert "jaxfuse_flash_bwd_dkv" in jaxpr
-    assert "_hopper" not in jaxpr.replace("jaxfuse_flash_fwd_hopper", "")
+    assert all(name in jaxpr for name in _pair(1)), jaxpr
+    assert asked and asked[0] == (True, False), asked
     _, vjp = jax.vjp(f, q, k, v)
     _, rvjp = jax.vjp(lambda q, k, v: ref.attention(q, k, v, **seg), F32(q), F32(k), F32(v))
     for name, a, b in zip("qkv", vjp(do), rvjp(F32(do))):

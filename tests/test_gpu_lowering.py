@@ -327,19 +327,21 @@ def test_hopper_consumers_lower(opts):
 
 # Segment ids at each head dim's default schedules (forward: D = 64 three consumers, D = 128
 # two taking turns, persistent, D = 256 64-key tiles, the consumers free and overlapped;
-# backward: D = 64 the fused dQ with deterministic=False, D = 128 the kernel pair with the
-# overlapped dK/dV steps, D = 256 the exchange and 32-key dQ steps) and on the overlapped
-# D = 128 forward.
-@pytest.mark.parametrize("d,tiles,det", [(64, {}, False), (128, {}, True), (256, {}, True),
-                                         (128, dict(overlap=True, pingpong=False), True)])
-def test_hopper_attention_with_segment_ids_lowers(d, tiles, det):
+# backward: D = 64 the fused dQ with deterministic=False, and without GQA the kernel pair in
+# two launches whose dK/dV kernel reads K and V from shared memory (`regs_fault`), D = 128 the
+# kernel pair with the overlapped dK/dV steps, D = 256 the exchange and 32-key dQ steps) and on
+# the overlapped D = 128 forward.
+@pytest.mark.parametrize("d,tiles,det,hkv", [
+    (64, {}, False, 2), (64, {}, True, 4), (128, {}, True, 2), (256, {}, True, 2),
+    (128, dict(overlap=True, pingpong=False), True, 2)])
+def test_hopper_attention_with_segment_ids_lowers(d, tiles, det, hkv):
     """The Hopper kernels with segment ids: the rows' ids copied with Q (the dK/dV kernel's
     with each step's Q) and loaded as a vector of the wgmma layout, the keys' copied into a
     ring slot of their own beside K and V (the dK/dV kernel's once, with its K), both
     broadcast to the score tile and compared, causal."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     q = jnp.zeros((2, 256, 4, d), jnp.bfloat16)
-    k = jnp.zeros((2, 384, 2, d), jnp.bfloat16)
+    k = jnp.zeros((2, 384, hkv, d), jnp.bfloat16)
     qs, ks = jnp.zeros((2, 256), jnp.int32), jnp.zeros((2, 384), jnp.int32)
     hopper = dataclasses.replace(HopperAttnTiles.for_head_dim(d), **tiles)
     module = _fwd_bwd(lambda q, k, v: jaxfuse.flash_attention(
@@ -347,7 +349,7 @@ def test_hopper_attention_with_segment_ids_lowers(d, tiles, det):
         deterministic=det, block_sizes=jaxfuse.AttnBlocks(hopper=hopper)), q, k, k
     ).mlir_module()
     assert "jaxfuse_flash_fwd_hopper" in module
-    for name in _HOPPER_BWD[det or d > 64]:
+    for name in _TWO if hkv == 4 else _HOPPER_BWD[det or d > 64]:
         assert name in module, name
 
 

@@ -174,9 +174,10 @@ s18-4, causal 3.229 ms with the exchange against 3.496 without (cuDNN 2.503: 0.7
 kernel's recomputed S and dP (7 products a tile pair against cuDNN's 5) and 32-key dQ steps.
 
 What it takes (`fits`): what the Hopper forward takes (bf16/f16, D in {64, 128, 256}); anything
-else (dropout, float32) runs the portable kernels of `attention_bwd`, and so do segment ids at
-D = 64 on the kernel pair without GQA's one launch (`unchecked_segments`: wrong dK and dV
-compiled, s56; by default no GQA with deterministic=True; explicit tiles raise there).
+else (dropout, float32) runs the portable kernels of `attention_bwd`. Segment ids at D = 64
+on the kernel pair without GQA's one launch (by default: no GQA, deterministic=True) take K
+and V from shared memory (`regs_fault`: from registers the dK/dV kernel gave wrong dK and dV
+there compiled, s56; from shared memory right, s58; `kv_regs=True` raises there).
 Segment ids: the dK/dV
 kernel's producer streams each step's queries' ids beside its Q and lse, each consumer copies
 its keys' once with its K; the dQ kernel takes them as the forward does (rows' with Q, each key
@@ -267,18 +268,19 @@ class HopperBwdTiles:
     fixed_dq: with deterministic=True, run the fused dQ (where `fused_dq` puts it: D = 64 by
     default) with its partials added as int32 fixed point (`_fixed_sum`: exact integer adds,
     so any order gives the same bits) instead of the kernel pair's 7 products; not with
-    segment ids (the pair runs there, or at D = 64 without GQA's one launch the portable
-    backward: `unchecked_segments`). Off by default (module docstring: faster only on the
+    segment ids (the pair runs there). Off by default (module docstring: faster only on the
     largest problems, by ~2% of the call at most).
     kv_regs: the dK/dV kernel's consumers hold their K and V tiles in registers (loaded once
     a CTA) as the A operands of S^T = K Q^T and dP^T = V dO^T, so those products read only
     Q and dO from shared memory: half their shared-memory bytes (a wgmma of N = 64 with
     both operands in shared memory reads 128 bytes a cycle, all of shared memory's rate:
     benchmarks/NOTES.md s42 item 2). 16 registers a thread a tile at D = 64. None (default)
-    or True: at D = 64 (`kv_in_regs`); True at a larger head dim is refused (`check`);
-    False: K and V read from shared memory. Measured (H100, s42-1, profiler, one fwd+bwd
-    call): the pair's dK/dV kernel 2.189 -> 1.953 ms at the 1B model's attention (B2 Hq32
-    Hkv8 T8192 D64 causal), 0.306 -> 0.282 at the 157M's; the float32 fused dQ's kernel
+    or True: at D = 64 (`kv_in_regs`), except None with segment ids on the kernel pair
+    outside GQA's one launch (`regs_fault`: wrong there compiled, where True is refused);
+    True at a larger head dim is refused (`check`); False: K and V read from shared memory.
+    Measured (H100, s42-1, profiler, one fwd+bwd call): the pair's dK/dV kernel 2.189 ->
+    1.953 ms at the 1B model's attention (B2 Hq32 Hkv8 T8192 D64 causal), 0.306 -> 0.282 at
+    the 157M's; the float32 fused dQ's kernel
     3.042 -> 2.986 and 0.435 -> 0.434, the fixed point's 3.241 -> 3.263 and 0.470 -> 0.469;
     at D = 128 (B4 H32 T4096 causal) 1.683 -> 2.609 ms (64 more registers a thread spill).
     one_launch: the kernel pair (deterministic, or dQ not fused) in one launch whose first
@@ -337,14 +339,13 @@ class HopperBwdTiles:
             raise ValueError(f"HopperBwdTiles(kv_regs=True) at head_dim {d}: K and V are held "
                              f"in registers at head_dim 64 only; leave kv_regs=None (the "
                              f"default) or False")
-        if unchecked_segments(spec, self):
+        if self.kv_regs and regs_fault(spec, self):
             raise ValueError(
                 f"{H.tiles_repr(self)} with segment ids at head_dim 64 on the kernel pair "
-                f"(groups={spec.groups}, deterministic={spec.deterministic}): its dK/dV kernel "
-                f"gave wrong gradients there compiled (benchmarks/NOTES.md s56). Leave "
-                f"HopperAttnTiles(backward=True) (the portable backward runs there), or pass "
-                f"deterministic=False with the fused dQ (fused_dq=None), or GQA in one launch "
-                f"(one_launch=None)")
+                f"(groups={spec.groups}, deterministic={spec.deterministic}): with K and V in "
+                f"registers its dK/dV kernel gave wrong gradients there compiled "
+                f"(benchmarks/NOTES.md s56, s58). Leave kv_regs=None (the default: K and V "
+                f"from shared memory there) or pass kv_regs=False")
         self.dkv_stages(d, spec.itemsize, fused, spec.segments, self.fixes(spec))
         if not fused:
             self.dq_stages(d, spec.itemsize, self.cleans(spec), spec.segments)
@@ -449,10 +450,12 @@ class HopperBwdTiles:
             return False
         return self.dkv_overlap
 
-    def kv_in_regs(self, d: int) -> bool:
+    def kv_in_regs(self, d: int, spec: AttnSpec | None = None) -> bool:
         """Whether the dK/dV kernel's S^T and dP^T take K and V from registers (`kv_regs`:
-        at D = 64 unless False)."""
-        return self.kv_regs is not False and d <= 64
+        at D = 64 unless False, and by default not on `spec`'s problem where `regs_fault`)."""
+        if self.kv_regs is False or d > 64:
+            return False
+        return bool(self.kv_regs) or spec is None or not regs_fault(spec, self)
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong
@@ -557,24 +560,27 @@ def fits(dtype, spec: AttnSpec, tiles: HopperBwdTiles = HopperBwdTiles()) -> boo
     """Whether the Hopper backward takes this problem (its forward ran on `attention_hopper`)."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and spec.head_dim in (64, 128, 256) and not spec.dropout
-            and not spec.folded and spec.n_q > 0 and spec.n_k > 0
-            and not unchecked_segments(spec, tiles))
+            and not spec.folded and spec.n_q > 0 and spec.n_k > 0)
 
 
-def unchecked_segments(spec: AttnSpec, tiles: HopperBwdTiles) -> bool:
-    """Segment ids where the kernel pair's dK/dV kernel gave wrong gradients compiled: at
-    head_dim 64 without GQA, or with GQA in two launches (`launches_once` False; not run
-    there), or MHA forced into one launch (not run either). Measured (H100, s56-1/2,
+def regs_fault(spec: AttnSpec, tiles: HopperBwdTiles) -> bool:
+    """Where the kernel pair's dK/dV kernel gives wrong gradients compiled with K and V held
+    in registers (`HopperBwdTiles.kv_in_regs`): segment ids at head_dim 64 without GQA, or
+    with GQA in two launches (`launches_once` False). Measured (H100, s56-1/2,
     `benchmarks/seg_probe.py`, bf16 and f16): relative errors dk 0.52-0.83, dv 0.46-0.79
     against the float32 reference at T 1024-4160, causal or not, with three segments or one,
-    where o, lse and dq were right (the dQ kernel) and the same problem was right without
-    segment ids, at D = 128, with the fused dQ (deterministic=False), with GQA 4/1 in one
-    launch, and on the portable backward. Mosaic GPU's interpreter gives the right gradients
-    on the same problem (T 640 and 4160, one and two heads): a compiled-only fault, not yet
-    found. Until it is, these problems run the portable backward after the Hopper forward
-    where the Hopper backward's tiles are the default (`HopperAttnTiles(backward=True)`: it
-    follows where it takes the problem), and tiles given explicitly raise (`check`); the
-    fused dQ still takes them."""
+    where o, lse and dq were right and the same problem was right without segment ids, at
+    D = 128, with the fused dQ (deterministic=False), with GQA 4/1 in one launch, and in
+    Mosaic GPU's interpreter: a compiled-only fault. With K and V from shared memory the same
+    kernel is right (H100, s58-1: T1024, and T4160 causal and T1024 not in bf16 and f16 within
+    2.5e-3, bitwise repeatable; the plain steps alone stayed wrong, 0.52). ptxas injects a
+    warpgroup.arrive into that kernel "to allow use of registers in GMMA" and none into the
+    failing one (s58-1's report): a register hazard at the wgmma that ptxas does not see, by
+    all signs. So there the default takes K and V from shared memory, at ~1% of the
+    fwd+bwd call (s58-2, B8 T2048 H16 causal, three documents a row: 1.448 against 1.436 ms,
+    and 1.733 on the portable backward that ran there in s56-s57), and kv_regs=True raises.
+    MHA forced into one launch and GQA into two have not run compiled; they follow the same
+    rule."""
     return (spec.segments and spec.head_dim == 64 and not tiles.fuse(spec)
             and (spec.groups == 1 or not tiles.launches_once(spec)))
 

@@ -1,17 +1,16 @@
 #!/bin/bash
-# For the session after s56 (any card). $2:
-#   "seg" (~400 s): what is wrong in the kernel pair's dK/dV kernel with segment ids at D = 64
-#       without GQA (s56 items 1-2; those problems run the portable backward since s56):
-#       `seg_probe.py variants` (the guard lifted: the kernel's switches one at a time), then
-#       `attention.py check_s56` (the guarded problems compiled, bf16 and f16);
-#   "probe" (~370 s): seg's first half and ptxas in one lease (the fault first; the guard's
-#       compiled checks once a fix is known);
-#   "fix" (~360 s, right after "probe" on the same lease, or first where the lease is short):
-#       `seg_probe.py fix`, every one of the kernel's switches that could mend it (K and V from
-#       shared memory, the plain steps, both, one launch) screened, then check_s56's problems
-#       with the first that gives right gradients (the guard lifted);
-#   "matrix" (~500 s): `attention_bwd.py matrix64` and `matrix128` (every default kernel
-#       selection of the backward x masks, MHA and GQA, both `deterministic`, compiled);
+# For the sessions after s56 (any card). s58-1 ran "fix" and "ptxas" (K and V from shared
+# memory mend it: since s58 the default there, `attention_hopper_bwd.regs_fault`). $2:
+#   "seg" (~400 s): `seg_probe.py variants` (the rule off: the kernel with K and V in
+#       registers, its switches one at a time), then `attention.py check_s56` (segment ids at
+#       D = 64 without GQA, compiled with the default tiles, bf16 and f16): what s58 owes;
+#   "probe" (~370 s): `seg_probe.py variants` and ptxas's report in one lease;
+#   "fix" (~170 s on the H100): `seg_probe.py fix`, every one of the kernel's switches that
+#       could mend it (K and V from shared memory, the plain steps, both, one launch) screened
+#       with the rule off, then check_s56's problems with the first that gives right gradients;
+#   "matrix" (~250 s on the H100 a head dim): `attention_bwd.py matrix64` and `matrix128`
+#       (every default kernel selection of the backward x masks, MHA and GQA, both
+#       `deterministic`, compiled; matrix64 ran in s58-3 before the rule, 12 of 12 ok);
 #   then s56.sh's "race" and "tables" on an H200.
 . "$(dirname "$0")/_lib.sh" "$@"
 # seg_probe MODE LIMIT_S: `seg_probe.py MODE` ("variants": the guard lifted, the kernel's

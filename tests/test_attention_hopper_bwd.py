@@ -86,6 +86,14 @@ def _grads(q, k, v, do, tiles, kernel=None, **opts):
     return run(q, k, v, do)
 
 
+def _spec(g=1, d=64, **opts):
+    """An AttnSpec of a compiled 256 x 256 problem (causal unless opts say otherwise) with g
+    query heads a KV head, for the tiles' rules."""
+    from jaxfuse.pallas._attn import AttnSpec
+    return AttnSpec.make(n_q=256, n_k=256, head_dim=d, groups=g, dtype=jnp.bfloat16,
+                         scale=None, interpret=False, **{"causal": True, **opts})
+
+
 def _blocks(fwd_consumers=2, fwd_sum_mma=False, **bwd):
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles
@@ -329,10 +337,8 @@ def test_hopper_one_launch_rule():
     """The pair runs as one launch by default with GQA/MQA only (`launches_once`, measured
     there), as asked with one_launch=True/False, and never where three dK/dV consumers
     would not share the dQ body's two; one_launch takes True, False or None."""
-    from jaxfuse.pallas._attn import AttnSpec
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles as T
-    spec = lambda g: AttnSpec.make(n_q=256, n_k=256, head_dim=64, groups=g,
-                                   dtype=jnp.bfloat16, scale=0.125, interpret=False)
+    spec = lambda g: _spec(g, causal=False)
     assert T().launches_once(spec(4)) and not T().launches_once(spec(1))
     assert T(one_launch=True).launches_once(spec(1))
     assert not T(one_launch=False).launches_once(spec(4))
@@ -367,8 +373,8 @@ def test_hopper_kv_regs_rule():
     planned); False turns it off; anything else is refused."""
     from jaxfuse.pallas.attention_hopper import HopperAttnTiles
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles as T
-    assert T().kv_in_regs(64) and not T().kv_in_regs(128) and not T().kv_in_regs(256)
-    assert T(kv_regs=True).kv_in_regs(64) and not T(kv_regs=False).kv_in_regs(64)
+    assert T().kv_in_regs(_spec()) and not any(T().kv_in_regs(_spec(d=d)) for d in (128, 256))
+    assert T(kv_regs=True).kv_in_regs(_spec()) and not T(kv_regs=False).kv_in_regs(_spec())
     with pytest.raises(ValueError, match="kv_regs=1 must be True, False or None"):
         T(kv_regs=1)
     q = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
@@ -489,14 +495,9 @@ def test_segment_ids_at_d64_without_one_launch_take_k_and_v_from_shared_memory(m
     (`kv_in_regs` with the problem's spec), kv_regs=True is refused by name, and the Hopper
     backward runs; GQA's one launch, the fused dQ, D = 128 and problems without segment ids
     keep K and V in registers (checked compiled: attention_bwd.py matrix64, s58-3)."""
-    from jaxfuse.pallas._attn import AttnSpec
     from jaxfuse.pallas.attention_hopper_bwd import HopperBwdTiles as T, fits
-
-    def spec(g=1, d=64, segments=True, deterministic=True):
-        return AttnSpec.make(n_q=256, n_k=256, head_dim=d, groups=g, dtype=jnp.bfloat16,
-                             scale=None, interpret=False, causal=True, segments=segments,
-                             deterministic=deterministic)
-    regs = lambda s, **kw: T(**kw).kv_in_regs(s.head_dim, s)
+    spec = lambda segments=True, **kw: _spec(segments=segments, **kw)
+    regs = lambda s, **kw: T(**kw).kv_in_regs(s)
     assert not regs(spec())                                  # MHA: two launches
     assert not regs(spec(g=4), one_launch=False)             # GQA forced to two launches
     assert not regs(spec(), one_launch=True)                 # MHA in one launch
@@ -504,7 +505,6 @@ def test_segment_ids_at_d64_without_one_launch_take_k_and_v_from_shared_memory(m
     assert regs(spec(g=4))                                   # GQA: one launch
     assert regs(spec(deterministic=False))                   # the fused dQ
     assert regs(spec(segments=False)) and not regs(spec(d=128))
-    assert T().kv_in_regs(64)                                # no problem given: D = 64
     assert all(fits(jnp.bfloat16, spec(**kw), T())
                for kw in ({}, dict(g=4), dict(deterministic=False)))
 
@@ -523,8 +523,8 @@ def test_segment_ids_at_d64_without_one_launch_take_k_and_v_from_shared_memory(m
     # dK/dV kernel was told to read K and V from shared memory, with gradients that match
     # the float32 reference.
     asked, kv_in_regs = [], T.kv_in_regs
-    monkeypatch.setattr(T, "kv_in_regs", lambda self, d, spec=None: asked.append(
-        (spec is not None, kv_in_regs(self, d, spec))) or asked[-1][1])
+    monkeypatch.setattr(T, "kv_in_regs", lambda self, spec: asked.append(
+        (spec.segments, kv_in_regs(self, spec))) or asked[-1][1])
     f = lambda q, k, v: jaxfuse.flash_attention(q, k, v, block_sizes=_blocks(), **seg)
     jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](do))(q, k, v))
     assert "jaxfuse_flash_fwd_hopper" in jaxpr

@@ -29,9 +29,6 @@ def _inputs(shape, dtype, seed):
 
 class RopeQkvTest(chex.TestCase):
 
-    test_matches_reference_with_grads, test_eager_matches_reference_with_grads = reference_tests(
-        lambda self, **kw: self._check(**kw), case=CASES, interleaved=[True, False])
-
     def _check(self, case, dtype, interleaved):
         shape, blocks = case
         x, pos, cts = _inputs(shape, dtype, sum(shape) + DTYPES.index(dtype))
@@ -45,6 +42,9 @@ class RopeQkvTest(chex.TestCase):
         self.assertEqual({o.dtype for o in out}, {jnp.dtype(dtype)})
         assert_close(out, rout, dtype)
         assert_close(vjp(cts), vjpr(cts), dtype)
+
+    test_matches_reference_with_grads, test_eager_matches_reference_with_grads = reference_tests(
+        _check, case=CASES, interleaved=[True, False])
 
     @parameterized.parameters(True, False)
     def test_is_rope_of_the_slices_bit_for_bit(self, interleaved):

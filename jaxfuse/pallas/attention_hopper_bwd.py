@@ -450,12 +450,12 @@ class HopperBwdTiles:
             return False
         return self.dkv_overlap
 
-    def kv_in_regs(self, d: int, spec: AttnSpec | None = None) -> bool:
-        """Whether the dK/dV kernel's S^T and dP^T take K and V from registers (`kv_regs`:
-        at D = 64 unless False, and by default not on `spec`'s problem where `regs_fault`)."""
-        if self.kv_regs is False or d > 64:
+    def kv_in_regs(self, spec: AttnSpec) -> bool:
+        """Whether the dK/dV kernel's S^T and dP^T take K and V from registers on `spec`'s
+        problem (`kv_regs`: at D = 64 unless False, and by default not where `regs_fault`)."""
+        if self.kv_regs is False or spec.head_dim > 64:
             return False
-        return bool(self.kv_regs) or spec is None or not regs_fault(spec, self)
+        return bool(self.kv_regs) or not regs_fault(spec, self)
 
     def dq_pingpong(self, d: int) -> bool:
         return d <= 64 if self.pingpong is None else self.pingpong

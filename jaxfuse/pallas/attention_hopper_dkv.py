@@ -141,7 +141,7 @@ def dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, spec:
                     plgpu.barrier_wait(kseg_full.at[wg])
             # K and V as register A operands of S^T and dP^T (`HopperBwdTiles.kv_in_regs`):
             # loaded once, in the wgmma layout, after their copy landed.
-            if tiles.kv_in_regs(d, spec):
+            if tiles.kv_in_regs(spec):
                 k_a, v_a = (t[...] if spec.interpret else
                             H.load(t, plgpu.Layout.WGMMA) for t in (k_tile, v_tile))
             else:
